@@ -1,0 +1,50 @@
+"""How a site finds its data: the job's argument, else the site's own config, else an environment variable.
+
+A job folder never bakes in a site's paths.  Each site resolves its data root, in order, from:
+1. the executor argument ``data_root`` when it is not empty (simulator / quick experiments);
+2. ``data_root`` in ``<site workspace>/local/fedssl_site.json`` (production: written by the site admin);
+3. the environment variable ``FEDSSL_DATA_ROOT`` of the client process.
+``{site}`` in the value is replaced by the site's name, so one simulator setting serves every site.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+SITE_CONFIG_FILE = "fedssl_site.json"
+ENV_DATA_ROOT = "FEDSSL_DATA_ROOT"
+
+
+def read_site_config(site_config_dir: str | None) -> dict:
+    if not site_config_dir:
+        return {}
+    path = os.path.join(site_config_dir, SITE_CONFIG_FILE)
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"site config {path} is not valid JSON ({e}); fix or remove it") from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"site config {path} must hold a JSON object like {{\"data_root\": \"/data/acdc\"}}")
+    return cfg
+
+
+def resolve_data_root(arg: str, site: str, site_config_dir: str | None = None) -> str:
+    source, value = "executor argument data_root", arg
+    if not value:
+        cfg = read_site_config(site_config_dir)
+        source, value = f"{os.path.join(site_config_dir or '', SITE_CONFIG_FILE)}", cfg.get("data_root", "")
+    if not value:
+        source, value = f"environment variable {ENV_DATA_ROOT}", os.environ.get(ENV_DATA_ROOT, "")
+    if not value:
+        raise ValueError(
+            f"{site}: no data root configured; set data_root in {SITE_CONFIG_FILE} in the site's local/ folder, "
+            f"or export {ENV_DATA_ROOT}=/path/to/data (use {{site}} for per-site folders)"
+        )
+    root = os.path.abspath(os.path.expanduser(value.replace("{site}", site)))
+    if not os.path.isdir(root):
+        raise ValueError(f"{site}: data root {root} (from {source}) is not a directory; check the path")
+    return root

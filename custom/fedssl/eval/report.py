@@ -1,0 +1,149 @@
+"""Summaries, text tables and plots of fine-tuning results in the layout of the FCL paper's Tables 1-3.
+
+Seed 004 Table 1 (local) caption: "The average dice score and standard deviation across 10 clients
+are reported, in which on each client the dice score is averaged on 5-fold cross-validation." So for
+the local and federated modes the Dice of each site is first averaged over folds, then mean +- std is
+taken over sites. Centralised fine-tuning (Table 3) trains one model per fold, so its mean +- std is
+over folds. The standard deviation is the population one (``numpy.std``, ddof=0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+MODE_ORDER: tuple[str, ...] = ("local", "federated", "centralised")
+
+
+def _mode_key(mode: str) -> tuple[int, str]:
+    return (MODE_ORDER.index(mode), mode) if mode in MODE_ORDER else (len(MODE_ORDER), mode)
+
+
+def summarise(rows: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """Group rows by (mode, method, n_labelled) -> ``{"mode", "method", "n_labelled", "dice_mean",
+    "dice_std", "n"}``; ``n`` is the number of sites (local / federated: fold-averaged per site) or of
+    folds (centralised) the mean and std are taken over. Order: mode (local, federated, centralised,
+    others), method in order of first appearance, N ascending."""
+    groups: dict[tuple[str, str, int], list[Mapping[str, Any]]] = {}
+    method_order: dict[str, int] = {}
+    for r in rows:
+        groups.setdefault((str(r["mode"]), str(r["method"]), int(r["n_labelled"])), []).append(r)
+        method_order.setdefault(str(r["method"]), len(method_order))
+    out = []
+    for (mode, method, n), group in sorted(
+        groups.items(), key=lambda kv: (_mode_key(kv[0][0]), method_order[kv[0][1]], kv[0][2])
+    ):
+        unit = "fold" if mode == "centralised" else "site"
+        per_unit: dict[Any, list[float]] = {}
+        for r in group:
+            per_unit.setdefault(r[unit], []).append(float(r["dice"]))
+        values = np.array([np.mean(v) for v in per_unit.values()], dtype=np.float64)
+        out.append(
+            {
+                "mode": mode,
+                "method": method,
+                "n_labelled": n,
+                "dice_mean": float(values.mean()),
+                "dice_std": float(values.std()),
+                "n": int(values.size),
+            }
+        )
+    return out
+
+
+def format_table(summary: Sequence[Mapping[str, Any]]) -> str:
+    """Plain-text table like the paper's: one row per (mode, method), one column per N, cells
+    ``"0.712 +- 0.031"`` (``"-"`` where a combination was not run)."""
+    ns = sorted({int(s["n_labelled"]) for s in summary})
+    keys: list[tuple[str, str]] = []
+    cells: dict[tuple[str, str, int], str] = {}
+    for s in summary:
+        key = (str(s["mode"]), str(s["method"]))
+        if key not in keys:
+            keys.append(key)
+        cells[key + (int(s["n_labelled"]),)] = f"{s['dice_mean']:.3f} +- {s['dice_std']:.3f}"
+    header = ["Mode", "Method"] + [f"N={n}" for n in ns]
+    body = [[mode, method] + [cells.get((mode, method, n), "-") for n in ns] for mode, method in keys]
+    widths = [max(len(row[i]) for row in [header] + body) for i in range(len(header))]
+
+    def line(row: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line(header), sep] + [line(r) for r in body]) + "\n"
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
+
+
+def plot_dice_vs_n(summary: Sequence[Mapping[str, Any]], path: str, *, title: str = "") -> str:
+    """Dice vs N per method, error bars = std, one subplot per mode; saved as PNG (Agg canvas, no
+    pyplot state)."""
+    modes = sorted({str(s["mode"]) for s in summary}, key=_mode_key)
+    fig = Figure(figsize=(4.5 * max(len(modes), 1), 4.0))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, max(len(modes), 1), squeeze=False)[0]
+    for ax, mode in zip(axes, modes):
+        methods: list[str] = []
+        for s in summary:
+            if s["mode"] == mode and s["method"] not in methods:
+                methods.append(str(s["method"]))
+        ns_all: set[int] = set()
+        for method in methods:
+            pts = sorted((int(s["n_labelled"]), s["dice_mean"], s["dice_std"]) for s in summary if s["mode"] == mode and s["method"] == method)
+            ns_all.update(p[0] for p in pts)
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", capsize=3, label=method)
+        if ns_all:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(sorted(ns_all))
+            ax.set_xticklabels([str(n) for n in sorted(ns_all)])
+        ax.set_ylim(0.0, 1.0)
+        ax.set_xlabel("N annotated patients")
+        ax.set_ylabel("Dice (mean of LV, MYO, RV)")
+        ax.set_title(f"{mode} fine-tuning")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def write_report(
+    rows: Sequence[Mapping[str, Any]], out_dir: str | os.PathLike, *, title: str, extra: Mapping[str, Any] | None = None
+) -> dict[str, str]:
+    """Write ``summary.json`` (title, rows, summary, extra), ``dice_table.txt`` and ``dice_vs_n.png``
+    into ``out_dir`` (created if needed); returns ``{"summary_json", "dice_table", "dice_vs_n"}`` paths."""
+    if not rows:
+        raise ValueError("no result rows to report")
+    out = os.fspath(out_dir)
+    os.makedirs(out, exist_ok=True)
+    summary = summarise(rows)
+    paths = {
+        "summary_json": os.path.join(out, "summary.json"),
+        "dice_table": os.path.join(out, "dice_table.txt"),
+        "dice_vs_n": os.path.join(out, "dice_vs_n.png"),
+    }
+    with open(paths["summary_json"], "w") as f:
+        json.dump(
+            {"title": title, "rows": [dict(r) for r in rows], "summary": summary, "extra": dict(extra or {})},
+            f,
+            indent=2,
+            default=_json_default,
+        )
+    with open(paths["dice_table"], "w") as f:
+        f.write(f"{title}\n\n{format_table(summary)}")
+    plot_dice_vs_n(summary, paths["dice_vs_n"], title=title)
+    return paths

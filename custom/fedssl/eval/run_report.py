@@ -1,0 +1,87 @@
+"""Run-level summary of a federated job: losses per round, bytes per round per site, and their plots."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def read_jsonl(path: str) -> list[dict]:
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def communication_per_round(records: list[dict]) -> list[dict]:
+    """Per round: bytes per site up/down (mean over sites) and the split by content (mean per site)."""
+    by_round: dict[int, dict] = defaultdict(lambda: {"upload": defaultdict(list), "download": defaultdict(list)})
+    for r in records:
+        if r.get("round") is None:
+            continue
+        for key, value in r.items():
+            if key in ("round", "site", "direction", "task", "time"):
+                continue
+            by_round[int(r["round"])][r["direction"]][key].append(int(value))
+    rows = []
+    for rnd in sorted(by_round):
+        row = {"round": rnd}
+        for direction in ("upload", "download"):
+            parts = by_round[rnd][direction]
+            row[direction] = {k: sum(v) / len(v) for k, v in parts.items()}
+            row[f"n_sites_{direction}"] = len(parts.get("total", []))
+        rows.append(row)
+    return rows
+
+
+def mean_bytes_per_site_round(rows: list[dict]) -> dict:
+    """Mean over rounds of the per-site totals: what the paper's Table 7 reports (up + down)."""
+    if not rows:
+        return {"upload": 0.0, "download": 0.0, "total": 0.0}
+    up = sum(r["upload"].get("total", 0.0) for r in rows) / len(rows)
+    down = sum(r["download"].get("total", 0.0) for r in rows) / len(rows)
+    return {"upload": up, "download": down, "total": up + down}
+
+
+def write_run_report(out_dir: str, *, title: str, rounds: list[dict], comm_records: list[dict], extra: dict | None = None) -> dict:
+    """Write summary.json, loss.png and bytes_per_round.png into ``out_dir``; return the summary."""
+    comm = communication_per_round(comm_records)
+    summary = {
+        "title": title,
+        "rounds": rounds,
+        "communication_per_round": comm,
+        "bytes_per_site_per_round": mean_bytes_per_site_round(comm),
+        **(extra or {}),
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2, default=float)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [r["round"] for r in rounds if r.get("mean_loss") is not None]
+    ax.plot(xs, [r["mean_loss"] for r in rounds if r.get("mean_loss") is not None], marker="o", label="mean over sites")
+    sites = sorted({s for r in rounds for s in r.get("site_losses", {})})
+    for s in sites:
+        pts = [(r["round"], r["site_losses"][s]) for r in rounds if s in r.get("site_losses", {})]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], alpha=0.4, lw=1, label=s if len(sites) <= 10 else None)
+    ax.set(xlabel="round", ylabel="training loss", title=title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "loss.png"), dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for direction in ("upload", "download"):
+        ax.plot([r["round"] for r in comm], [r[direction].get("total", 0) / 1e6 for r in comm], marker="o", label=direction)
+    ax.set(xlabel="round", ylabel="MB per site", title="bytes per site per round")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "bytes_per_round.png"), dpi=100)
+    plt.close(fig)
+    return summary

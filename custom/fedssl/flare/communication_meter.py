@@ -1,0 +1,75 @@
+"""Filter that counts the bytes FLARE serialises for each exchange, per site, round and direction.
+
+Put it LAST in the server's task-data filters (what each site downloads, after per-site tailoring) and
+FIRST in the server's task-result filters (what each site uploaded, as received).  Sizes are those of
+the real FOBS serialisation (``Shareable.to_bytes``) that FLARE sends; the split by content
+(weights / features / scalars / other) serialises each part of the DXO on its own.  Records are
+appended as JSON lines to ``<run dir>/communication.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import numpy as np
+from nvflare.apis.dxo import from_shareable
+from nvflare.apis.filter import Filter
+from nvflare.apis.fl_constant import ReservedKey
+from nvflare.apis.fl_context import FLContext
+from nvflare.apis.shareable import Shareable
+from nvflare.app_common.app_constant import AppConstants
+from nvflare.fuel.utils import fobs
+
+from fedssl.flare.validation import require_choice
+
+COMM_FILE = "communication.jsonl"
+
+
+def category_of(meta_key: str, value: object) -> str:
+    if "bank" in meta_key or "feature" in meta_key:
+        return "features"
+    if "target" in meta_key:
+        return "target_network"
+    if np.isscalar(value) or (isinstance(value, np.ndarray) and value.size == 1):
+        return "scalars"
+    return "other"
+
+
+def payload_breakdown(shareable: Shareable) -> dict:
+    """Total serialised bytes of the shareable and the serialised size of each DXO part."""
+    out = {"total": len(shareable.to_bytes())}
+    try:
+        dxo = from_shareable(shareable)
+    except ValueError:
+        return out
+    out["weights"] = len(fobs.dumps(dxo.data)) if dxo.data else 0
+    for k, v in dxo.get_meta_props().items():
+        cat = category_of(k, v)
+        out[cat] = out.get(cat, 0) + len(fobs.dumps({k: v}))
+    return out
+
+
+class CommunicationMeter(Filter):
+    def __init__(self, direction: str = "download"):
+        """direction: "download" (use as a task-data filter) or "upload" (as a task-result filter)."""
+        super().__init__()
+        require_choice(type(self).__name__, "direction", direction, ("download", "upload"))
+        self.direction = direction
+        self._lock = threading.Lock()
+
+    def process(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
+        peer = fl_ctx.get_peer_context()
+        site = peer.get_identity_name() if peer else fl_ctx.get_identity_name()
+        round_idx = shareable.get_header(AppConstants.CURRENT_ROUND)
+        if round_idx is None:
+            round_idx = shareable.get_cookie(AppConstants.CONTRIBUTION_ROUND)
+        task = fl_ctx.get_prop(ReservedKey.TASK_NAME)
+        record = {"round": round_idx, "site": site, "direction": self.direction, "task": task}
+        record.update(payload_breakdown(shareable))
+        engine = fl_ctx.get_engine()
+        path = os.path.join(engine.get_workspace().get_run_dir(fl_ctx.get_job_id()), COMM_FILE)
+        with self._lock, open(path, "a") as f:
+            f.write(json.dumps(record, default=int) + "\n")
+        return shareable

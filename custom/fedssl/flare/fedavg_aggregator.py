@@ -1,0 +1,111 @@
+"""Server aggregator: FedAvg of whole state dicts with explicit weighting, rejecting bad contributions.
+
+Every contribution is checked against the current global model (keys, shapes, finite values) before it
+is stored; a rejected site is logged and left out of the round.  Extra per-site payloads named in
+``collect_meta`` (e.g. FCL feature banks) are validated and passed on, per site, in the meta of the
+aggregated DXO under ``"collected"`` so that a per-site task-data filter can tailor the next broadcast.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
+from nvflare.apis.fl_constant import ReservedKey, ReturnCode
+from nvflare.apis.fl_context import FLContext
+from nvflare.apis.shareable import Shareable
+from nvflare.app_common.abstract.aggregator import Aggregator
+from nvflare.app_common.abstract.model import ModelLearnableKey
+from nvflare.app_common.app_constant import AppConstants
+
+from fedssl.core.memory_bank import check_bank
+from fedssl.core.state_dict import ContributionError, check_contribution, weighted_average
+from fedssl.flare.validation import require, require_choice
+
+COLLECTED = "collected"
+WEIGHTINGS = ("num_samples", "num_steps", "uniform")
+
+
+class FedAvgAggregator(Aggregator):
+    def __init__(self, weighting: str = "num_samples", collect_banks: bool = False):
+        """
+        Args:
+            weighting: "num_samples" (meta ``num_samples``: images/volumes, as FCL and SSL-FL weight),
+                "num_steps" (FLARE's NUM_STEPS_CURRENT_ROUND) or "uniform".
+            collect_banks: keep each site's ``bank_features``/``bank_partitions`` meta for shuttling (FCL FE).
+        """
+        super().__init__()
+        name = type(self).__name__
+        require_choice(name, "weighting", weighting, WEIGHTINGS)
+        require(isinstance(collect_banks, bool), name, "collect_banks", collect_banks, "use true or false")
+        self.weighting = weighting
+        self.collect_banks = collect_banks
+        self._states: dict[str, dict] = {}
+        self._weights: dict[str, float] = {}
+        self._banks: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._losses: dict[str, float] = {}
+
+    def reset(self, fl_ctx: FLContext) -> None:
+        self._states, self._weights, self._banks, self._losses = {}, {}, {}, {}
+
+    def _weight_of(self, dxo: DXO, site: str) -> float:
+        if self.weighting == "uniform":
+            return 1.0
+        key = "num_samples" if self.weighting == "num_samples" else MetaKey.NUM_STEPS_CURRENT_ROUND
+        w = dxo.get_meta_prop(key)
+        if w is None or not np.isfinite(float(w)) or float(w) <= 0:
+            raise ContributionError(f"{site} sent {key}={w!r}; a positive count is required for {self.weighting} weighting")
+        return float(w)
+
+    def accept(self, shareable: Shareable, fl_ctx: FLContext) -> bool:
+        site = shareable.get_peer_prop(key=ReservedKey.IDENTITY_NAME, default="?")
+        rc = shareable.get_return_code()
+        if rc and rc != ReturnCode.OK:
+            self.log_warning(fl_ctx, f"{site} returned {rc}; its contribution is left out of this round")
+            return False
+        contribution_round = shareable.get_cookie(AppConstants.CONTRIBUTION_ROUND)
+        current_round = fl_ctx.get_prop(AppConstants.CURRENT_ROUND)
+        if contribution_round is not None and current_round is not None and contribution_round != current_round:
+            self.log_warning(fl_ctx, f"{site} sent a result for round {contribution_round} during round {current_round}; discarded")
+            return False
+        if site in self._states:
+            self.log_warning(fl_ctx, f"{site} already contributed to round {current_round}; duplicate discarded")
+            return False
+        try:
+            dxo = from_shareable(shareable)
+            if dxo.data_kind != DataKind.WEIGHTS:
+                raise ContributionError(f"{site} sent data kind {dxo.data_kind}; expected {DataKind.WEIGHTS}")
+            global_model = fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)
+            reference = global_model[ModelLearnableKey.WEIGHTS] if global_model else next(iter(self._states.values()), dxo.data)
+            check_contribution(reference, dxo.data, site)
+            weight = self._weight_of(dxo, site)
+            bank = None
+            if self.collect_banks:
+                bank = check_bank(dxo.get_meta_prop("bank_features"), dxo.get_meta_prop("bank_partitions"), site)
+        except (ContributionError, ValueError, TypeError) as e:
+            self.log_error(fl_ctx, f"REJECTED contribution: {e}")
+            return False
+        self._states[site] = dxo.data
+        self._weights[site] = weight
+        if bank is not None:
+            self._banks[site] = bank
+        loss = dxo.get_meta_prop("loss")
+        if loss is not None:
+            self._losses[site] = float(loss)
+        return True
+
+    def aggregate(self, fl_ctx: FLContext) -> Shareable:
+        sites = sorted(self._states)
+        n_clients = len(fl_ctx.get_engine().get_clients()) if fl_ctx.get_engine() else len(sites)
+        if not sites:
+            self.system_panic("no valid contribution this round: nothing to aggregate", fl_ctx)
+            return Shareable()
+        avg = weighted_average([self._states[s] for s in sites], [self._weights[s] for s in sites])
+        self.log_info(fl_ctx, f"aggregated {len(sites)}/{n_clients} sites, weights ({self.weighting}): "
+                      + ", ".join(f"{self._weights[s]:g}" for s in sites))
+        meta = {
+            "aggregated_sites": len(sites),
+            "site_losses": {s: self._losses[s] for s in sites if s in self._losses},
+        }
+        if self.collect_banks:
+            meta[COLLECTED] = {s: {"bank_features": f, "bank_partitions": p} for s, (f, p) in self._banks.items()}
+        return DXO(data_kind=DataKind.WEIGHTS, data=avg, meta=meta).to_shareable()

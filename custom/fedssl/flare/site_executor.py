@@ -1,0 +1,83 @@
+"""Base class of the bundle's client executors: per-task dispatch, site paths, checkpoints, metrics, errors.
+
+Subclasses implement ``train(shareable, fl_ctx, abort_signal) -> Shareable`` (and optionally other tasks
+listed in ``task_handlers``).  Everything a site must keep across a client restart (banks, momentum
+encoder, optimiser) is checkpointed in the job's run folder of the site workspace, so a simulator
+restart (``-t`` < ``-n``) or a real one resumes where it left off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+from nvflare.apis.executor import Executor
+from nvflare.apis.fl_constant import ReturnCode
+from nvflare.apis.fl_context import FLContext
+from nvflare.apis.shareable import Shareable, make_reply
+from nvflare.apis.signal import Signal
+
+from fedssl.data.site_config import resolve_data_root
+
+
+class TaskAborted(Exception):
+    """Raised from a training loop when FLARE's abort signal fires."""
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class SiteExecutor(Executor):
+    #: task name -> method name
+    task_handlers: dict[str, str] = {"train": "train"}
+    checkpoint_name = "client_state.pt"
+    metrics_name = "client_metrics.jsonl"
+
+    def site_name(self, fl_ctx: FLContext) -> str:
+        return fl_ctx.get_identity_name()
+
+    def run_dir(self, fl_ctx: FLContext) -> str:
+        return fl_ctx.get_engine().get_workspace().get_run_dir(fl_ctx.get_job_id())
+
+    def resolve_root(self, arg: str, fl_ctx: FLContext) -> str:
+        ws = fl_ctx.get_engine().get_workspace()
+        return resolve_data_root(arg, self.site_name(fl_ctx), ws.get_site_config_dir())
+
+    def save_checkpoint(self, fl_ctx: FLContext, state: dict) -> None:
+        path = os.path.join(self.run_dir(fl_ctx), self.checkpoint_name)
+        tmp = path + ".tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, path)  # atomic: a crash mid-save never leaves a half-written checkpoint
+
+    def load_checkpoint(self, fl_ctx: FLContext) -> dict | None:
+        path = os.path.join(self.run_dir(fl_ctx), self.checkpoint_name)
+        if not os.path.isfile(path):
+            return None
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        self.log_info(fl_ctx, f"resumed client state from round {state.get('round')} ({self.checkpoint_name})")
+        return state
+
+    def append_metrics(self, fl_ctx: FLContext, record: dict) -> None:
+        record = {"time": time.time(), "site": self.site_name(fl_ctx), **record}
+        with open(os.path.join(self.run_dir(fl_ctx), self.metrics_name), "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def execute(self, task_name: str, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
+        handler = self.task_handlers.get(task_name)
+        if handler is None:
+            self.log_error(fl_ctx, f"{type(self).__name__} cannot run task {task_name!r}; it handles {sorted(self.task_handlers)}")
+            return make_reply(ReturnCode.TASK_UNKNOWN)
+        try:
+            return getattr(self, handler)(shareable, fl_ctx, abort_signal)
+        except TaskAborted:
+            self.log_info(fl_ctx, f"task {task_name} aborted")
+            return make_reply(ReturnCode.TASK_ABORTED)
+        except (ValueError, OSError, FloatingPointError) as e:
+            # data, configuration and numerical problems: one clear line naming site and cause
+            self.log_error(fl_ctx, f"{self.site_name(fl_ctx)}: task {task_name} failed: {e}")
+            return make_reply(ReturnCode.EXECUTION_EXCEPTION)

@@ -1,0 +1,79 @@
+"""Summaries, tables and report files (fedssl.eval.report)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fedssl.eval.report import format_table, summarise, write_report
+
+
+def _row(mode, method, n, fold, site, dice):
+    return {"mode": mode, "method": method, "n_labelled": n, "fold": fold, "site": site, "dice": dice,
+            "RV": dice, "MYO": dice, "LV": dice}
+
+
+ROWS = [
+    # local, FCL, N=1: site a folds 0.5 / 0.7 -> 0.6; site b 0.8 / 0.8 -> 0.8 => 0.7 +- 0.1 over 2 sites
+    _row("local", "FCL", 1, 0, "a", 0.5),
+    _row("local", "FCL", 1, 1, "a", 0.7),
+    _row("local", "FCL", 1, 0, "b", 0.8),
+    _row("local", "FCL", 1, 1, "b", 0.8),
+    # local, FCL, N=2: sites 0.9 and 0.5 (one fold) => 0.7 +- 0.2
+    _row("local", "FCL", 2, 0, "a", 0.9),
+    _row("local", "FCL", 2, 0, "b", 0.5),
+    # local, Random init, N=1 only
+    _row("local", "Random init", 1, 0, "a", 0.25),
+    _row("local", "Random init", 1, 0, "b", 0.35),
+    # centralised, FCL, N=1: over folds 0.4, 0.6 => 0.5 +- 0.1
+    _row("centralised", "FCL", 1, 0, "all", 0.4),
+    _row("centralised", "FCL", 1, 1, "all", 0.6),
+]
+
+
+def test_summarise_hand_computed():
+    s = summarise(ROWS)
+    key = {(r["mode"], r["method"], r["n_labelled"]): r for r in s}
+    assert [(r["mode"], r["method"], r["n_labelled"]) for r in s] == [
+        ("local", "FCL", 1), ("local", "FCL", 2), ("local", "Random init", 1), ("centralised", "FCL", 1)
+    ]
+    assert key["local", "FCL", 1]["dice_mean"] == pytest.approx(0.7)
+    assert key["local", "FCL", 1]["dice_std"] == pytest.approx(0.1)
+    assert key["local", "FCL", 1]["n"] == 2
+    assert key["local", "FCL", 2]["dice_mean"] == pytest.approx(0.7)
+    assert key["local", "FCL", 2]["dice_std"] == pytest.approx(0.2)
+    assert key["local", "Random init", 1]["dice_mean"] == pytest.approx(0.3)
+    assert key["local", "Random init", 1]["dice_std"] == pytest.approx(0.05)
+    assert key["centralised", "FCL", 1]["dice_mean"] == pytest.approx(0.5)
+    assert key["centralised", "FCL", 1]["dice_std"] == pytest.approx(0.1)
+    assert key["centralised", "FCL", 1]["n"] == 2
+
+
+def test_format_table_cells():
+    table = format_table(summarise(ROWS))
+    lines = table.splitlines()
+    assert "N=1" in lines[0] and "N=2" in lines[0]
+    fcl_local = next(l for l in lines if l.startswith("local") and "FCL" in l)
+    assert "0.700 +- 0.100" in fcl_local and "0.700 +- 0.200" in fcl_local
+    rand = next(l for l in lines if "Random init" in l)
+    assert "0.300 +- 0.050" in rand and rand.rstrip().endswith("-")
+    cen = next(l for l in lines if l.startswith("centralised"))
+    assert "0.500 +- 0.100" in cen
+
+
+def test_write_report_files_and_json_round_trip(tmp_path):
+    paths = write_report(ROWS, tmp_path / "out", title="FCL ACDC", extra={"epochs": 2})
+    assert set(paths) == {"summary_json", "dice_table", "dice_vs_n"}
+    with open(paths["summary_json"]) as f:
+        data = json.load(f)
+    assert data["title"] == "FCL ACDC" and data["extra"] == {"epochs": 2}
+    assert data["rows"] == ROWS
+    assert data["summary"] == summarise(ROWS)
+    with open(paths["dice_table"]) as f:
+        text = f.read()
+    assert text.startswith("FCL ACDC") and "0.700 +- 0.100" in text
+    with open(paths["dice_vs_n"], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError):
+        write_report([], tmp_path / "empty", title="x")

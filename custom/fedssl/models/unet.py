@@ -47,6 +47,17 @@ def build_unet(
     )
 
 
+class UNet2D(BasicUNet):
+    """``BasicUNet`` in 2D with JSON-friendly arguments, as a FLARE persistor model component."""
+
+    def __init__(self, features: Sequence[int] = PAPER_FEATURES, in_channels: int = 1, out_channels: int = 4):
+        super().__init__(spatial_dims=2, in_channels=in_channels, out_channels=out_channels,
+                         features=check_features(features))
+        self.features = list(features)
+        self.in_channels = in_channels
+        self.out_channels = out_channels
+
+
 class UNetEncoder(nn.Module):
     """The contracting path of ``BasicUNet``; returns the deepest feature map ``[B, C4, H/16, W/16]``."""
 

@@ -1,0 +1,78 @@
+"""Every job config parses, every class path imports, every args dict binds; profiles apply to every job."""
+
+import importlib
+import inspect
+import json
+import os
+
+import pytest
+
+from fedssl.jobtools import PROFILES_DIR, REPO_ROOT, build_job, component_specs, job_configs, load_profile
+
+JOBS_DIR = os.path.join(REPO_ROOT, "jobs")
+JOBS = sorted(d for d in os.listdir(JOBS_DIR) if os.path.isfile(os.path.join(JOBS_DIR, d, "meta.json")))
+PROFILES = sorted(p[:-5] for p in os.listdir(PROFILES_DIR) if p.endswith(".json"))
+
+
+def resolve(path: str):
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def check_job(job_dir: str) -> int:
+    with open(os.path.join(job_dir, "meta.json")) as f:
+        meta = json.load(f)
+    assert meta["deploy_map"] and meta["min_clients"] >= 1
+    assert not os.path.isdir(os.path.join(job_dir, "app", "custom")), "no BYOC copies of the package in job folders"
+    n = 0
+    for path, config in job_configs(job_dir):
+        for comp in component_specs(config):
+            cls = resolve(comp["path"])
+            args = {k: v for k, v in comp.get("args", {}).items()}
+            try:
+                inspect.signature(cls).bind(**args)
+            except TypeError as e:
+                raise AssertionError(f"{path}: {comp['id']} ({comp['path']}) args do not bind: {e}") from e
+            if comp["path"].startswith("fedssl."):
+                obj = cls(**args)  # constructor checks pass, args stored verbatim
+                for k, v in args.items():
+                    stored = getattr(obj, k)
+                    assert (list(stored) if isinstance(stored, tuple) else stored) == v, f"{comp['id']}.{k} not stored verbatim"
+            n += 1
+    return n
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_job_config_binds(job):
+    assert check_job(os.path.join(JOBS_DIR, job)) >= 3
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("job", JOBS)
+def test_profile_applies(job, profile, tmp_path):
+    out = build_job(os.path.join(JOBS_DIR, job), str(tmp_path / job), profile=profile, n_sites=3)
+    check_job(out)
+
+
+def test_quick_profile_covers_every_job():
+    assert set(JOBS) <= set(load_profile("quick")["jobs"])
+
+
+def test_override_typos_are_errors(tmp_path):
+    with pytest.raises(ValueError, match="no argument 'lrr'"):
+        build_job(os.path.join(JOBS_DIR, "fcl_acdc"), str(tmp_path / "j"), sets=["client.fcl_trainer.lrr=1"])
+    with pytest.raises(ValueError, match="component id 'trainer'"):
+        build_job(os.path.join(JOBS_DIR, "fcl_acdc"), str(tmp_path / "j"), sets=["client.trainer.lr=1"])
+
+
+def test_set_override_value(tmp_path):
+    out = build_job(os.path.join(JOBS_DIR, "fcl_acdc"), str(tmp_path / "j"), profile="quick",
+                    sets=["server.scatter_and_gather.num_rounds=7", "client.fcl_trainer.feature_exchange=false"], n_sites=4)
+    with open(os.path.join(out, "app", "config", "config_fed_server.json")) as f:
+        server = json.load(f)
+    with open(os.path.join(out, "app", "config", "config_fed_client.json")) as f:
+        client = json.load(f)
+    sag = [c for c in component_specs(server) if c["id"] == "scatter_and_gather"][0]
+    assert sag["args"]["num_rounds"] == 7 and sag["args"]["min_clients"] == 4
+    trainer = [c for c in component_specs(client) if c["id"] == "fcl_trainer"][0]
+    assert trainer["args"]["feature_exchange"] is False and trainer["args"]["image_size"] == 64

@@ -1,0 +1,370 @@
+"""Tests for the ACDC loader (fedssl.data.acdc) and its synthetic stand-in (fedssl.data.acdc_synthetic)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+
+from fedssl.core.partition import split_patients
+from fedssl.data import acdc
+from fedssl.data.acdc import (
+    ACDCDataError,
+    PartitionSampleDataset,
+    SliceDataset,
+    list_patients,
+    load_nifti,
+    load_patient,
+    load_site,
+    preprocess_volume,
+    read_info_cfg,
+)
+from fedssl.data.acdc_synthetic import link_site_folders, write_synthetic_acdc
+from fedssl.data.volume import Volume
+
+SHAPE = (40, 40)
+N_FRAMES = 4
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[str]]]:
+    root = tmp_path_factory.mktemp("acdc_synth")
+    sites = write_synthetic_acdc(
+        root, n_patients=4, n_sites=2, seed=3, shape=SHAPE, n_frames=N_FRAMES, slices_range=(5, 6)
+    )
+    return root, sites
+
+
+def _save_nifti(path: Path, data: np.ndarray, zooms: tuple[float, ...]) -> None:
+    affine = np.diag(list(zooms[:3]) + [1.0])
+    img = nib.Nifti1Image(data, affine)
+    img.header.set_zooms(zooms)
+    nib.save(img, str(path))
+
+
+def _hand_patient(root: Path, pid: str = "patient007", zooms: tuple[float, float, float] = (2.5, 0.625, 8.0)) -> Path:
+    """A patient folder with ED=1, ES=2: a 100-valued block on a 0 background, labels = blocks."""
+    pdir = root / pid
+    pdir.mkdir(parents=True)
+    img = np.zeros((20, 80, 3), dtype=np.int16)
+    img[5:10, 20:60, :] = 100
+    lab = np.zeros((20, 80, 3), dtype=np.uint8)
+    lab[5:10, 20:40, :] = 3
+    lab[5:10, 40:60, :] = 2
+    lab[12:16, 8:16, :] = 1
+    for frame in (1, 2):
+        _save_nifti(pdir / f"{pid}_frame{frame:02d}.nii.gz", img, zooms)
+        _save_nifti(pdir / f"{pid}_frame{frame:02d}_gt.nii.gz", lab, zooms)
+    (pdir / "Info.cfg").write_text("ED: 1\nES: 2\nGroup: NOR\nHeight: 170.0\nNbFrame: 2\nWeight: 70.0\n")
+    return pdir
+
+
+# --------------------------------------------------------------------------- synthetic writer
+
+
+def test_synthetic_layout_and_headers(synth: tuple[Path, dict[str, list[str]]]) -> None:
+    root, sites = synth
+    assert sites == {"site-1": ["patient001", "patient002"], "site-2": ["patient003", "patient004"]}
+    for site, ids in sites.items():
+        assert list_patients(root / site, site=site) == ids
+        for pid in ids:
+            pdir = root / site / pid
+            info = read_info_cfg(pdir / "Info.cfg")
+            assert info["ED"] == 1 and info["ES"] == N_FRAMES // 3 + 1 and info["NbFrame"] == N_FRAMES
+            assert info["Group"] in {"NOR", "MINF", "DCM", "HCM", "RV"}
+            assert isinstance(info["Height"], float) and isinstance(info["Weight"], float)
+            cine = nib.load(str(pdir / f"{pid}_4d.nii.gz"))
+            assert cine.get_data_dtype() == np.int16
+            h, w, z, t = cine.shape
+            assert (h, w, t) == (*SHAPE, N_FRAMES) and 5 <= z <= 6
+            sx, sy, sz = (float(v) for v in cine.header.get_zooms()[:3])
+            assert 1.3 <= sx <= 1.7 and sx == pytest.approx(sy) and 5.0 <= sz <= 10.0
+            assert np.allclose(np.abs(np.diag(cine.affine)[:3]), (sx, sy, sz), rtol=1e-5)
+            for frame in (info["ED"], info["ES"]):
+                img = nib.load(str(pdir / f"{pid}_frame{frame:02d}.nii.gz"))
+                gt = nib.load(str(pdir / f"{pid}_frame{frame:02d}_gt.nii.gz"))
+                assert img.shape == gt.shape == (h, w, z)
+                # The frame file is that frame of the cine.
+                assert np.array_equal(np.asarray(img.dataobj), np.asarray(cine.dataobj)[..., frame - 1])
+                assert set(np.unique(np.asarray(gt.dataobj)).tolist()) <= {0, 1, 2, 3}
+
+
+def test_synthetic_anatomy_is_consistent(synth: tuple[Path, dict[str, list[str]]]) -> None:
+    root, sites = synth
+    ed, es = load_patient(root / "site-1", "patient001", with_labels=True, target_spacing=1.5, image_size=48)
+    assert ed.label is not None and es.label is not None
+    mid = ed.n_slices // 2
+    # Image consistent with labels: blood pools bright, myocardium dark.
+    lv, myo, rv = ed.image[ed.label == 3], ed.image[ed.label == 2], ed.image[ed.label == 1]
+    assert lv.mean() > myo.mean() + 0.3 and rv.mean() > myo.mean() + 0.3
+    # Base -> apex: LV shrinks, RV gone at the apex slice.
+    assert (ed.label[0] == 3).sum() > (ed.label[-1] == 3).sum()
+    assert (ed.label[0] == 1).sum() > 0 and (ed.label[-1] == 1).sum() == 0
+    # ED -> ES: cavities contract.
+    assert (es.label[mid] == 3).sum() < (ed.label[mid] == 3).sum()
+
+
+def test_synthetic_deterministic_and_sites_differ(
+    tmp_path: Path, synth: tuple[Path, dict[str, list[str]]]
+) -> None:
+    root, _ = synth
+    again = write_synthetic_acdc(
+        tmp_path, n_patients=4, n_sites=2, seed=3, shape=SHAPE, n_frames=N_FRAMES, slices_range=(5, 6),
+        per_site_folders=False,
+    )
+    assert list_patients(tmp_path) == ["patient001", "patient002", "patient003", "patient004"]
+    assert again["site-2"] == ["patient003", "patient004"]
+    a, _ = load_nifti(root / "site-2" / "patient003" / "patient003_4d.nii.gz")
+    b, _ = load_nifti(tmp_path / "patient003" / "patient003_4d.nii.gz")
+    assert np.array_equal(a, b)
+    # Per-site acquisition: raw intensity statistics differ between sites.
+    s1, _ = load_nifti(root / "site-1" / "patient001" / "patient001_4d.nii.gz")
+    s2, _ = load_nifti(root / "site-2" / "patient003" / "patient003_4d.nii.gz")
+    assert abs(np.percentile(s1, 99) - np.percentile(s2, 99)) > 0.05 * max(np.percentile(s1, 99), np.percentile(s2, 99))
+
+
+def test_load_site_ed_es_and_all_frames(synth: tuple[Path, dict[str, list[str]]]) -> None:
+    root, sites = synth
+    vols = load_site(root / "site-2", with_labels=True, target_spacing=2.0, image_size=24, site="site-2")
+    assert [(v.patient_id, v.phase) for v in vols] == [
+        ("patient003", "ED"), ("patient003", "ES"), ("patient004", "ED"), ("patient004", "ES")
+    ]
+    for v in vols:
+        assert v.site == "site-2"
+        assert v.image.dtype == np.float32 and v.image.shape[1:] == (24, 24)
+        assert 0.0 <= v.image.min() and v.image.max() <= 1.0
+        assert v.label is not None and v.label.dtype == np.uint8 and v.label.shape == v.image.shape
+        assert set(np.unique(v.label).tolist()) <= {0, 1, 2, 3}
+    cine = load_site(root / "site-2", with_labels=False, frames="all", target_spacing=2.0, image_size=24,
+                     site="site-2", patients=["patient004"])
+    assert [v.phase for v in cine] == [f"frame{t:02d}" for t in range(1, N_FRAMES + 1)]
+    assert all(v.label is None and v.site == "site-2" for v in cine)
+    # The ED frame of the cine equals the ED volume.
+    ed = [v for v in vols if v.patient_id == "patient004" and v.phase == "ED"][0]
+    assert np.allclose(cine[0].image, ed.image)
+    with pytest.raises(ValueError):
+        load_patient(root / "site-2", "patient004", with_labels=True, frames="all")
+    with pytest.raises(ValueError):
+        load_patient(root / "site-2", "patient004", with_labels=False, frames="es")
+
+
+def test_unlabelled_load_never_opens_gt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_synthetic_acdc(tmp_path, n_patients=2, n_sites=1, shape=(24, 24), n_frames=3, slices_range=(4, 4))
+    opened: list[str] = []
+    real_load = nib.load
+
+    def spy(path: str, *args: object, **kwargs: object) -> object:
+        opened.append(str(path))
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(acdc.nib, "load", spy)
+    site_dir = tmp_path / "site-1"
+    for gt in site_dir.glob("*/*_gt.nii.gz"):
+        gt.unlink()
+    vols = load_site(site_dir, with_labels=False, site="site-1", target_spacing=2.0, image_size=16)
+    assert len(vols) == 4 and all(v.label is None for v in vols)
+    vols = load_site(site_dir, with_labels=False, frames="all", site="site-1", target_spacing=2.0, image_size=16)
+    assert len(vols) == 6
+    assert opened and not any("_gt" in p for p in opened)
+    with pytest.raises(ACDCDataError):
+        load_site(site_dir, with_labels=True, site="site-1")
+
+
+# --------------------------------------------------------------------------- preprocessing
+
+
+def test_odd_spacing_resamples_to_hand_computed_size(tmp_path: Path) -> None:
+    _hand_patient(tmp_path)
+    data, zooms = load_nifti(tmp_path / "patient007" / "patient007_frame01.nii.gz", site="site-4")
+    assert data.dtype == np.float32 and data.shape == (20, 80, 3)
+    assert zooms[:3] == pytest.approx((2.5, 0.625, 8.0))
+    # 20 px * 2.5 mm = 50 mm -> 40 px at 1.25 mm; 80 px * 0.625 mm = 50 mm -> 40 px; pad 40 -> 48.
+    ed, es = load_patient(tmp_path, "patient007", with_labels=True, target_spacing=1.25, image_size=48, site="site-4")
+    assert ed.image.shape == (3, 48, 48) and ed.phase == "ED" and es.phase == "ES"
+    # Block rows 5:10 -> 10:20, cols 20:60 -> 10:30 in the 40x40 grid; + 4 padding.
+    assert np.allclose(ed.image[:, 15:23, 15:33], 1.0)
+    assert np.allclose(ed.image[:, :, :4], 0.0) and np.allclose(ed.image[:, :4, :], 0.0)
+    assert np.allclose(ed.image[:, 26:, :], 0.0) and np.allclose(ed.image[:, :, 36:], 0.0)
+    # Cropping: 40 -> 32 removes 4 pixels on each side.
+    img32, _ = preprocess_volume(data, (2.5, 0.625), target_spacing=1.25, image_size=32)
+    assert img32.shape == (3, 32, 32)
+    assert np.allclose(img32, ed.image[:, 8:40, 8:40])
+
+
+def test_labels_survive_nearest_resampling(tmp_path: Path) -> None:
+    _hand_patient(tmp_path)
+    lab, _ = load_nifti(tmp_path / "patient007" / "patient007_frame01_gt.nii.gz")
+    img, _ = load_nifti(tmp_path / "patient007" / "patient007_frame01.nii.gz")
+    _, out = preprocess_volume(img, (2.5, 0.625), target_spacing=1.25, image_size=40, label_hwz=lab)
+    assert out is not None and out.dtype == np.uint8 and out.shape == (3, 40, 40)
+    assert set(np.unique(out).tolist()) == {0, 1, 2, 3}
+    # x2 along H (nearest-exact: out[i] = in[i // 2]), /2 along W (out[j] = in[2j + 1]).
+    expected = np.repeat(lab.astype(np.uint8), 2, axis=0)[:, 1::2, :].transpose(2, 0, 1)
+    assert np.array_equal(out, expected)
+
+
+def test_percentile_clip_and_minmax_hand_made() -> None:
+    vol = np.arange(1000, dtype=np.float32).reshape(10, 10, 10)  # (H, W, Z)
+    out, lab = preprocess_volume(vol, (1.0, 1.0), target_spacing=1.0, image_size=10)
+    assert lab is None and out.dtype == np.float32 and out.shape == (10, 10, 10)
+    lo, hi = 9.99, 989.01  # 1st / 99th percentile of 0..999 (linear interpolation)
+    expected = np.clip((vol - lo) / (hi - lo), 0.0, 1.0).transpose(2, 0, 1)
+    assert np.allclose(out, expected, atol=1e-5)
+    assert out.min() == 0.0 and out.max() == 1.0
+    # Slice-first: out[z, h, w] == f(vol[h, w, z]).
+    assert out[3, 5, 7] == pytest.approx((vol[5, 7, 3] - lo) / (hi - lo), abs=1e-5)
+    const, _ = preprocess_volume(np.full((8, 8, 4), 7.0), (1.4, 1.4), target_spacing=1.25, image_size=8)
+    assert np.all(const == 0.0) and not np.isnan(const).any()
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+def _encoded_volume(z: int = 10, pid: str = "patient001") -> Volume:
+    img = np.broadcast_to(np.arange(z, dtype=np.float32)[:, None, None], (z, 6, 6)).copy()
+    return Volume(patient_id=pid, phase="ED", image=img, label=np.zeros((z, 6, 6), np.uint8))
+
+
+def test_partition_sample_dataset_order_and_reproducibility() -> None:
+    vols = [_encoded_volume(10), _encoded_volume(7, "patient002")]
+    ds = PartitionSampleDataset(vols, n_partitions=4, seed=1)
+    assert len(ds) == 2
+    parts = {i: np.array_split(np.arange(v.n_slices), 4) for i, v in enumerate(vols)}
+    seen: dict[tuple[int, int], set[int]] = {}
+    first = [ds[i] for i in range(2)]
+    for epoch in range(30):
+        ds.set_epoch(epoch)
+        for i in range(2):
+            x, part = ds[i]
+            assert x.shape == (4, 1, 6, 6) and x.dtype == torch.float32
+            assert torch.equal(part, torch.arange(4)) and part.dtype == torch.long
+            for s in range(4):
+                z = int(x[s, 0, 0, 0])
+                assert z in parts[i][s].tolist()
+                assert torch.all(x[s] == z)
+                seen.setdefault((i, s), set()).add(z)
+    # Every slice of every partition gets drawn eventually.
+    for (i, s), zs in seen.items():
+        assert zs == set(parts[i][s].tolist())
+    # Reproducible: same seed and epoch -> same sample; a fresh dataset agrees.
+    ds.set_epoch(0)
+    again = PartitionSampleDataset(vols, n_partitions=4, seed=1)
+    for i in range(2):
+        assert torch.equal(ds[i][0], first[i][0]) and torch.equal(again[i][0], first[i][0])
+    # set_epoch reseeds; another seed gives another sequence of draws.
+    other = PartitionSampleDataset(vols, n_partitions=4, seed=2)
+    draws, other_draws = [], []
+    for e in range(10):
+        ds.set_epoch(e)
+        other.set_epoch(e)
+        draws.append(tuple(ds.slice_indices(0)))
+        other_draws.append(tuple(other.slice_indices(0)))
+    assert len(set(draws)) > 1 and draws != other_draws
+
+
+def test_partition_sample_dataset_rejects_short_volume() -> None:
+    with pytest.raises(ValueError, match="fewer than n_partitions"):
+        PartitionSampleDataset([_encoded_volume(10), _encoded_volume(3, "patient009")], n_partitions=4)
+
+
+def test_slice_dataset() -> None:
+    vols = [_encoded_volume(5), _encoded_volume(3, "patient002")]
+    vols[1].label[1, 2, 3] = 3
+    ds = SliceDataset(vols)
+    assert len(ds) == 8
+    img, lab = ds[6]
+    assert img.shape == (1, 6, 6) and img.dtype == torch.float32 and float(img[0, 0, 0]) == 1.0
+    assert lab.shape == (6, 6) and lab.dtype == torch.long and int(lab[2, 3]) == 3
+    unl = Volume(patient_id="patient003", phase="frame01", image=np.zeros((4, 6, 6), np.float32))
+    with pytest.raises(ValueError, match="no label"):
+        SliceDataset([unl])
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _assert_names(exc: pytest.ExceptionInfo[ACDCDataError], path: Path, site: str) -> None:
+    msg = str(exc.value)
+    assert str(path) in msg, msg
+    assert site in msg, msg
+    assert "Fix:" in msg, msg
+
+
+def test_missing_root_and_empty_root(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(ACDCDataError) as exc:
+        list_patients(missing, site="site-3")
+    _assert_names(exc, missing, "site-3")
+    with pytest.raises(ACDCDataError) as exc:
+        load_site(missing, with_labels=False, site="site-3")
+    _assert_names(exc, missing, "site-3")
+    (tmp_path / "patient01").mkdir()  # 2 digits: not a patient folder
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(ACDCDataError) as exc:
+        list_patients(tmp_path, site="site-5")
+    _assert_names(exc, tmp_path, "site-5")
+
+
+def test_patient_without_info_cfg(tmp_path: Path) -> None:
+    pdir = _hand_patient(tmp_path)
+    (pdir / "Info.cfg").unlink()
+    with pytest.raises(ACDCDataError) as exc:
+        load_patient(tmp_path, "patient007", with_labels=False, site="site-3")
+    _assert_names(exc, pdir / "Info.cfg", "site-3")
+
+
+def test_info_cfg_parsing_and_missing_es(tmp_path: Path) -> None:
+    cfg = tmp_path / "Info.cfg"
+    cfg.write_text("ED: 1\nES: 12\nGroup: NOR\nHeight: 184.0\nNbFrame: 30\nWeight: 95.0\n")
+    assert read_info_cfg(cfg) == {"ED": 1, "ES": 12, "Group": "NOR", "Height": 184.0, "NbFrame": 30, "Weight": 95.0}
+    cfg.write_text("ED: 1\nGroup: NOR\n")
+    with pytest.raises(ACDCDataError) as exc:
+        read_info_cfg(cfg, site="site-8")
+    _assert_names(exc, cfg, "site-8")
+    assert "ES" in str(exc.value)
+
+
+def test_corrupt_and_missing_nifti(tmp_path: Path) -> None:
+    pdir = _hand_patient(tmp_path)
+    bad = pdir / "patient007_frame02.nii.gz"
+    bad.write_bytes(os.urandom(64) + b"not a nifti")
+    with pytest.raises(ACDCDataError) as exc:
+        load_nifti(bad, site="site-3")
+    _assert_names(exc, bad, "site-3")
+    with pytest.raises(ACDCDataError) as exc:
+        load_patient(tmp_path, "patient007", with_labels=False, site="site-3")
+    _assert_names(exc, bad, "site-3")
+    missing = pdir / "patient007_frame01_gt.nii.gz"
+    missing.unlink()
+    with pytest.raises(ACDCDataError) as exc:
+        load_nifti(missing, site="site-6")
+    _assert_names(exc, missing, "site-6")
+
+
+# --------------------------------------------------------------------------- site folders for real ACDC
+
+
+def test_link_site_folders(tmp_path: Path) -> None:
+    src = tmp_path / "training"
+    ids = [f"patient{i:03d}" for i in range(1, 7)]
+    for pid in ids:
+        (src / pid).mkdir(parents=True)
+    (src / "MANDATORY_CITATION.md").write_text("cite")
+    out = tmp_path / "fed"
+    plan = link_site_folders(src, out, n_sites=3, per_site=2, seed=5)
+    expected = split_patients(ids, 3, 2, seed=5)
+    assert plan == {f"site-{k}": g for k, g in enumerate(expected, start=1)}
+    for site, g in plan.items():
+        assert list_patients(out / site, site=site) == g
+        for pid in g:
+            assert (out / site / pid).is_symlink()
+            assert (out / site / pid).resolve() == (src / pid).resolve()
+    # Idempotent with the same arguments; a different split conflicts.
+    assert link_site_folders(src, out, n_sites=3, per_site=2, seed=5) == plan
+    with pytest.raises(ACDCDataError) as exc:
+        link_site_folders(src, out, n_sites=3, per_site=2, seed=6)
+    assert "site-" in str(exc.value) and str(out) in str(exc.value)

@@ -1,0 +1,52 @@
+"""Minimal FLARE stand-ins for unit tests: a context with a peer site and an engine with a run folder."""
+
+from nvflare.apis.dxo import DXO, DataKind
+from nvflare.apis.fl_constant import ReservedKey
+from nvflare.apis.fl_context import FLContext
+from nvflare.apis.shareable import Shareable
+
+
+class FakeWorkspace:
+    def __init__(self, root):
+        self.root = str(root)
+
+    def get_run_dir(self, job_id):
+        return self.root
+
+    def get_site_config_dir(self):
+        return self.root
+
+
+class FakeEngine:
+    def __init__(self, root, n_clients=3):
+        self.ws = FakeWorkspace(root)
+        self.n_clients = n_clients
+
+    def get_workspace(self):
+        return self.ws
+
+    def get_clients(self):
+        return list(range(self.n_clients))
+
+    def fire_event(self, event_type, fl_ctx):
+        """log_error fires an event; nothing listens in unit tests."""
+
+
+def context(peer_site=None, engine=None, props=None) -> FLContext:
+    ctx = FLContext()
+    if peer_site is not None:
+        peer = FLContext()
+        peer.set_prop(ReservedKey.IDENTITY_NAME, peer_site, private=False, sticky=False)
+        ctx.set_peer_context(peer)
+    if engine is not None:
+        ctx.set_prop(ReservedKey.ENGINE, engine, private=True, sticky=False)
+    for k, v in (props or {}).items():
+        ctx.set_prop(k, v, private=True, sticky=False)
+    return ctx
+
+
+def contribution(site, weights, meta=None, round_idx=0) -> Shareable:
+    s = DXO(DataKind.WEIGHTS, data=weights, meta=meta or {}).to_shareable()
+    s.set_peer_props({ReservedKey.IDENTITY_NAME: site})
+    s.add_cookie("contribution_round", round_idx)
+    return s

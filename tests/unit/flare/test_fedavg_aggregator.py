@@ -1,0 +1,72 @@
+import numpy as np
+from nvflare.apis.dxo import from_shareable
+from nvflare.app_common.abstract.model import make_model_learnable
+from nvflare.app_common.app_constant import AppConstants
+
+from fedssl.flare.fedavg_aggregator import COLLECTED, FedAvgAggregator
+from tests.unit.flare.fakes import FakeEngine, context, contribution
+
+GLOBAL = {"w": np.zeros((2,), np.float32), "b": np.zeros((1,), np.float32)}
+
+
+def ctx(tmp_path):
+    return context(engine=FakeEngine(tmp_path), props={AppConstants.GLOBAL_MODEL: make_model_learnable(GLOBAL, {}),
+                                                         AppConstants.CURRENT_ROUND: 0})
+
+
+def bank(v, k=4, d=3):
+    return {"bank_features": np.full((k, d), v, np.float32), "bank_partitions": np.arange(k, dtype=np.int64)}
+
+
+def test_weights_by_sample_count_by_hand(tmp_path):
+    agg, c = FedAvgAggregator(weighting="num_samples"), ctx(tmp_path)
+    assert agg.accept(contribution("site-1", {"w": np.array([1.0, 2.0], np.float32), "b": np.array([0.0], np.float32)},
+                                   {"num_samples": 10, "loss": 1.0}), c)
+    assert agg.accept(contribution("site-2", {"w": np.array([4.0, 8.0], np.float32), "b": np.array([3.0], np.float32)},
+                                   {"num_samples": 30, "loss": 3.0}), c)
+    out = from_shareable(agg.aggregate(c))
+    # (10 * [1, 2] + 30 * [4, 8]) / 40 = [3.25, 6.5]; b = 30 * 3 / 40 = 2.25
+    np.testing.assert_allclose(out.data["w"], [3.25, 6.5])
+    np.testing.assert_allclose(out.data["b"], [2.25])
+    assert out.get_meta_prop("site_losses") == {"site-1": 1.0, "site-2": 3.0}
+
+
+def test_uniform_weighting(tmp_path):
+    agg, c = FedAvgAggregator(weighting="uniform"), ctx(tmp_path)
+    agg.accept(contribution("site-1", {"w": np.array([0.0, 0.0], np.float32), "b": np.zeros(1, np.float32)}), c)
+    agg.accept(contribution("site-2", {"w": np.array([2.0, 4.0], np.float32), "b": np.zeros(1, np.float32)}), c)
+    np.testing.assert_allclose(from_shareable(agg.aggregate(c)).data["w"], [1.0, 2.0])
+
+
+def test_bad_contributions_are_rejected_and_never_averaged(tmp_path):
+    agg, c = FedAvgAggregator(), ctx(tmp_path)
+    good = {"w": np.ones(2, np.float32), "b": np.ones(1, np.float32)}
+    assert not agg.accept(contribution("site-1", {"w": np.ones(2, np.float32)}, {"num_samples": 1}), c)  # missing key
+    assert not agg.accept(contribution("site-2", {"w": np.ones(3, np.float32), "b": np.ones(1, np.float32)}, {"num_samples": 1}), c)
+    assert not agg.accept(contribution("site-3", {"w": np.array([np.nan, 1], np.float32), "b": np.ones(1, np.float32)}, {"num_samples": 1}), c)
+    assert not agg.accept(contribution("site-4", good, {}), c)  # no sample count for num_samples weighting
+    assert not agg.accept(contribution("site-5", good, {"num_samples": 1}, round_idx=7), c)  # stale round
+    assert agg.accept(contribution("site-6", good, {"num_samples": 5}), c)
+    assert not agg.accept(contribution("site-6", good, {"num_samples": 5}), c)  # duplicate
+    out = from_shareable(agg.aggregate(c))
+    np.testing.assert_allclose(out.data["w"], [1.0, 1.0])
+    assert out.get_meta_prop("aggregated_sites") == 1
+
+
+def test_banks_collected_per_site_and_bad_bank_rejected(tmp_path):
+    agg, c = FedAvgAggregator(collect_banks=True), ctx(tmp_path)
+    w = {"w": np.ones(2, np.float32), "b": np.ones(1, np.float32)}
+    assert agg.accept(contribution("site-1", w, {"num_samples": 1, **bank(1.0)}), c)
+    bad = bank(2.0)
+    bad["bank_features"][0, 0] = np.inf
+    assert not agg.accept(contribution("site-2", w, {"num_samples": 1, **bad}), c)
+    assert not agg.accept(contribution("site-3", w, {"num_samples": 1}), c)  # FE on but no bank
+    collected = from_shareable(agg.aggregate(c)).get_meta_prop(COLLECTED)
+    assert list(collected) == ["site-1"]
+
+
+def test_constructor_errors_name_argument():
+    import pytest
+
+    with pytest.raises(ValueError, match="weighting='by_size'"):
+        FedAvgAggregator(weighting="by_size")

@@ -1,0 +1,39 @@
+import pytest
+import torch
+
+from fedssl.models import TINY_FEATURES, build_model, encoder_state_from_global, load_encoder_into_unet
+
+
+def test_encoder_loads_one_to_one_into_unet():
+    torch.manual_seed(0)
+    moco = build_model("tiny_moco_unet2d", proj_dim=8)
+    unet = build_model("tiny_unet2d")
+    enc = encoder_state_from_global(moco.state_dict())
+    load_encoder_into_unet(unet, enc)
+    own = unet.state_dict()
+    assert all(torch.equal(own[k], v) for k, v in enc.items())
+    assert set(enc) == {k for k in own if k.split(".")[0] in ("conv_0", "down_1", "down_2", "down_3", "down_4")}
+
+
+def test_moco_outputs_unit_vectors_and_momentum_starts_equal():
+    m = build_model("tiny_moco_unet2d", proj_dim=8)
+    z = m(torch.rand(3, 1, 32, 32))
+    assert z.shape == (3, 8) and torch.allclose(z.norm(dim=1), torch.ones(3), atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(m.main.state_dict().values(), m.momentum.state_dict().values()))
+
+
+def test_mismatched_encoder_is_rejected():
+    moco = build_model("moco_unet2d", features=[8, 8, 16, 16, 32, 8], proj_dim=4)
+    with pytest.raises(ValueError, match="same `features`"):
+        load_encoder_into_unet(build_model("tiny_unet2d"), encoder_state_from_global(moco.state_dict()))
+    with pytest.raises(ValueError, match="main.encoder"):
+        encoder_state_from_global({"x": torch.zeros(1)})
+
+
+def test_registry_and_feature_errors():
+    with pytest.raises(ValueError, match="unknown"):
+        build_model("resnet")
+    with pytest.raises(ValueError, match="6 positive"):
+        build_model("unet2d", features=[4, 4])
+    assert build_model("tiny_unet2d")(torch.rand(1, 1, 32, 32)).shape == (1, 4, 32, 32)
+    assert TINY_FEATURES[0] == 4

@@ -14,7 +14,8 @@ from fedssl.eval.segmentation import init_unet
 from fedssl.jobtools import load_profile
 from fedssl.models.unet import UNet2D, encoder_state_from_global, load_encoder_into_unet
 
-PAPER_PROTOCOL = {"image_size": 192, "target_spacing": 1.25, "features": [48, 96, 192, 384, 768, 48], "epochs": 200, "device": "auto"}
+PAPER_PROTOCOL = {"image_size": 192, "target_spacing": 1.25, "features": [48, 96, 192, 384, 768, 48], "epochs": 200,
+                  "lr": 5e-4, "device": "auto"}
 
 
 def protocol_settings(profile: str | None) -> dict:
@@ -81,7 +82,7 @@ def run_protocols(
 ) -> list[dict]:
     rows: list[dict] = []
     kw = dict(n_labelled=list(n_labelled), folds=list(folds), features=settings["features"], epochs=settings["epochs"],
-              device=settings["device"], progress=progress)
+              lr=settings["lr"], device=settings["device"], progress=progress)
     if "local" in modes:
         rows += local_finetune(site_volumes, inits, **kw)
     if "centralised" in modes:

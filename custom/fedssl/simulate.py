@@ -44,8 +44,14 @@ def run_simulation(
     threads: int | None = None,
     timeout_s: int | None = None,
     echo: bool = True,
+    tolerate_site_failures: bool = False,
 ) -> dict:
-    """Build the job with the profile, run ``nvflare simulator -n N -t N`` and return the server summary."""
+    """Build the job with the profile, run ``nvflare simulator -n N -t N`` and return the server summary.
+
+    A site that fails a task (bad data, rejected contribution) makes this raise SimulationError, unless
+    ``tolerate_site_failures``: then the run must still complete, and the failures are listed in the
+    summary under ``site_failures``.
+    """
     workspace = os.path.abspath(workspace)
     os.makedirs(workspace, exist_ok=True)
     # the simulator owns the workspace folder (it clears it), so the built job and the log live beside it
@@ -57,6 +63,8 @@ def run_simulation(
         if os.path.isdir(path):
             shutil.rmtree(path)
     env = dict(os.environ, FEDSSL_DATA_ROOT=data_root, PYTHONUNBUFFERED="1")
+    # all sites share this machine's cores: one process per site, so split the cores between them
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n_sites)))
     threads = threads or n_sites  # -t = -n: no client restarts between tasks
     cmd = ["nvflare", "simulator", job, "-w", workspace, "-n", str(n_sites), "-t", str(threads)]
     log_path = workspace + "_simulator.log"
@@ -81,7 +89,7 @@ def run_simulation(
     problems = []
     if rc != 0:
         problems.append(f"nvflare simulator exited with {rc}")
-    if failures:
+    if failures and not tolerate_site_failures:
         problems.append("site failures: " + "; ".join(failures[:5]))
     if not os.path.isfile(summary_path):
         problems.append(f"no run summary at {summary_path}")
@@ -94,4 +102,6 @@ def run_simulation(
     summary["simulator_wall_time_s"] = round(time.time() - t0, 1)
     summary["workspace"] = workspace
     summary["global_model"] = global_model_path(workspace)
+    summary["site_failures"] = failures
+    summary["log"] = log_path
     return summary

@@ -38,6 +38,7 @@ class SegmentationExecutor(SiteExecutor):
         n_folds: int = 5,
         lr: float = 5e-4,
         batch_size: int = 10,
+        local_epochs: int = 1,
         max_steps_per_round: int = 0,
         seed: int = 0,
         device: str = "auto",
@@ -45,7 +46,8 @@ class SegmentationExecutor(SiteExecutor):
         """
         Args (paper settings as defaults): n_labelled = N annotated patients of the site (1, 2, 4, 8);
         fold of the 5-fold split (8 train / 2 validation patients per site); Adam lr 5e-4, batch 10,
-        cosine over all rounds; max_steps_per_round 0 = one full local epoch per round.
+        cosine over all rounds; local_epochs per round (paper: 1); max_steps_per_round caps each local
+        epoch (0 = no cap).
         """
         super().__init__()
         name = type(self).__name__
@@ -54,6 +56,7 @@ class SegmentationExecutor(SiteExecutor):
         require(isinstance(fold, int) and 0 <= fold < n_folds, name, "fold", fold, f"use 0..{n_folds - 1}")
         require(lr > 0, name, "lr", lr, "paper: 5e-4")
         require(isinstance(batch_size, int) and batch_size >= 1, name, "batch_size", batch_size, "paper: 10")
+        require(isinstance(local_epochs, int) and local_epochs >= 1, name, "local_epochs", local_epochs, "paper: 1")
         require(isinstance(image_size, int) and image_size % 16 == 0, name, "image_size", image_size, "use a multiple of 16")
         require(isinstance(max_steps_per_round, int) and max_steps_per_round >= 0, name, "max_steps_per_round",
                 max_steps_per_round, "use 0 (full epoch) or a positive step count")
@@ -70,6 +73,7 @@ class SegmentationExecutor(SiteExecutor):
         self.n_folds = n_folds
         self.lr = lr
         self.batch_size = batch_size
+        self.local_epochs = local_epochs
         self.max_steps_per_round = max_steps_per_round
         self.seed = seed
         self.device = device
@@ -85,7 +89,7 @@ class SegmentationExecutor(SiteExecutor):
         steps = steps_per_epoch(self._split["train_volumes"], self.batch_size, self.max_steps_per_round or None)
         torch.manual_seed(self.seed)
         unet = build_unet(self.features)
-        self._trainer = SegmentationTrainer(unet, lr=self.lr, batch_size=self.batch_size, total_steps=steps * num_rounds,
+        self._trainer = SegmentationTrainer(unet, lr=self.lr, batch_size=self.batch_size, total_steps=steps * self.local_epochs * num_rounds,
                                             seed=self.seed, device=pick_device(self.device))
         state = self.load_checkpoint(fl_ctx)
         if state is not None:
@@ -103,7 +107,9 @@ class SegmentationExecutor(SiteExecutor):
         trainer.unet.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in dxo.data.items()})
         val = mean_dice(dice_per_volume(trainer.unet, split["val_volumes"], device=trainer.device))
         step0 = trainer.step
-        loss = trainer.train_epoch(split["train_volumes"], max_steps=self.max_steps_per_round or None)
+        losses = [trainer.train_epoch(split["train_volumes"], max_steps=self.max_steps_per_round or None)
+                  for _ in range(self.local_epochs)]
+        loss = sum(losses) / len(losses)
         self.save_checkpoint(fl_ctx, {"round": round_idx, "trainer": trainer.state_dict()})
         self.append_metrics(fl_ctx, {"round": round_idx, "loss": loss, "val_dice_global": val["mean"]})
         self.log_info(fl_ctx, f"round {round_idx + 1}/{num_rounds}: loss {loss:.4f}, "

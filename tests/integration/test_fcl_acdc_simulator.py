@@ -1,0 +1,103 @@
+"""End to end in the FLARE simulator (quick profile, 3 sites): FCL pre-training, then fine-tuning.
+
+Marked slow; CI runs them (the README's test command runs everything).
+"""
+
+import glob
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+
+from fedssl.data.acdc_synthetic import write_synthetic_acdc
+from fedssl.finetune import encoder_init, evaluate_federated, export_unet_init, load_labelled_sites, protocol_settings, run_protocols
+from fedssl.jobtools import REPO_ROOT
+from fedssl.simulate import run_simulation
+
+pytestmark = pytest.mark.slow
+JOBS = os.path.join(REPO_ROOT, "jobs")
+SITES = 3
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("acdc")
+    write_synthetic_acdc(root, n_patients=10 * SITES, n_sites=SITES, seed=0, shape=(96, 96), n_frames=6)
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def pretrained(data, tmp_path_factory):
+    ws = tmp_path_factory.mktemp("ws") / "fcl"
+    return run_simulation(os.path.join(JOBS, "fcl_acdc"), str(ws), n_sites=SITES, data_root=os.path.join(data, "{site}"),
+                          profile="quick", sets=["server.scatter_and_gather.num_rounds=2"], echo=False)
+
+
+def test_fcl_pretraining_produces_model_summary_and_exchanges_features(pretrained):
+    assert os.path.isfile(pretrained["global_model"])
+    rounds = pretrained["rounds"]
+    assert [r["round"] for r in rounds] == [0, 1]
+    assert all(r["aggregated_sites"] == SITES and math.isfinite(r["mean_loss"]) for r in rounds)
+    comm = pretrained["communication_per_round"]
+    assert comm[0]["upload"]["features"] > 0 and comm[0]["upload"]["weights"] > 0
+    assert "features" not in comm[0]["download"]  # nothing to exchange before the first aggregation
+    assert comm[1]["download"]["features"] > 0  # round 2: the other sites' banks
+    ws = pretrained["workspace"]
+    for png in ("loss.png", "bytes_per_round.png"):
+        assert os.path.getsize(os.path.join(ws, "server", "simulate_job", png)) > 0
+    for site in range(1, SITES + 1):
+        run = os.path.join(ws, f"site-{site}", "simulate_job")
+        assert os.path.isfile(os.path.join(run, "fcl_client_state.pt"))
+        metrics = [json.loads(line) for line in open(os.path.join(run, "fcl_metrics.jsonl"))]
+        # each site received the banks of the 2 others (2 x 256 features) in round 2
+        assert metrics[-1]["remote_features"] == (SITES - 1) * 256
+
+
+def test_local_and_federated_finetuning_from_fcl(pretrained, data, tmp_path):
+    settings = protocol_settings("quick")
+    settings["epochs"] = 2
+    sites = load_labelled_sites(data, settings)
+    rows = run_protocols(sites, {"FCL": encoder_init(pretrained["global_model"]), "random": "random"}, modes=["local"],
+                         n_labelled=[1], folds=[0], settings=settings)
+    assert len(rows) == 2 * SITES and all(0.0 <= r["dice"] <= 1.0 for r in rows)
+    init = export_unet_init(pretrained["global_model"], str(tmp_path / "init.pt"), settings["features"])
+    ft = run_simulation(os.path.join(JOBS, "fcl_acdc_finetune"), str(tmp_path / "ws_ft"), n_sites=SITES,
+                        data_root=os.path.join(data, "{site}"), profile="quick", echo=False,
+                        sets=["server.scatter_and_gather.num_rounds=1", "client.seg_trainer.local_epochs=1",
+                              f"server.persistor.source_ckpt_file_full_name={init}"])
+    fed = evaluate_federated(ft["global_model"], sites, method="FCL", n_labelled=1, fold=0, settings=settings)
+    assert len(fed) == SITES and all(math.isfinite(r["dice"]) for r in fed)
+    # the fine-tuning run started from the pre-trained encoder, not from random weights
+    log = open(ft["log"]).read()
+    assert "Loading checkpoint from" in log and init in log
+
+
+def test_corrupt_site_fails_alone_with_a_clear_error(data, tmp_path):
+    bad = tmp_path / "acdc_bad"
+    shutil.copytree(data, bad)
+    victim = sorted(glob.glob(str(bad / "site-2" / "patient*" / "*_frame01.nii.gz")))[0]
+    with open(victim, "wb") as f:
+        f.write(b"this is not a NIfTI file")
+    s = run_simulation(os.path.join(JOBS, "fcl_acdc"), str(tmp_path / "ws_bad"), n_sites=SITES,
+                       data_root=str(bad / "{site}"), profile="quick", echo=False, tolerate_site_failures=True,
+                       sets=["server.scatter_and_gather.num_rounds=1", "server.scatter_and_gather.min_clients=2"])
+    assert len(s["site_failures"]) == 1
+    assert "site-2" in s["site_failures"][0] and victim in s["site_failures"][0]
+    assert s["rounds"][0]["aggregated_sites"] == SITES - 1  # the other sites went on; server stayed up
+    assert os.path.isfile(s["global_model"])
+
+
+def test_client_state_survives_restarts(data, tmp_path):
+    """-t 1 with -n 3: the simulator restarts each client between tasks; banks/optimiser come back from disk."""
+    s = run_simulation(os.path.join(JOBS, "fcl_acdc"), str(tmp_path / "ws_restart"), n_sites=SITES, threads=1,
+                       data_root=os.path.join(data, "{site}"), profile="quick", echo=False,
+                       sets=["server.scatter_and_gather.num_rounds=2", "client.fcl_trainer.max_steps_per_round=1"])
+    log = open(s["log"]).read()
+    for site in range(1, SITES + 1):
+        assert f"resumed client state from round 0" in log
+        state = torch.load(os.path.join(s["workspace"], f"site-{site}", "simulate_job", "fcl_client_state.pt"),
+                           weights_only=False)
+        assert state["round"] == 1 and state["trainer"]["bank"]["filled"] == 2 * 16  # 1 step per round x 16 images

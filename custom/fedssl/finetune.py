@@ -46,10 +46,13 @@ def load_labelled_sites(data_root: str, settings: dict) -> dict[str, list[Volume
 
 
 def load_global_state(path: str) -> dict:
-    """State dict of a FLARE global model file (PTFileModelPersistor format ``{"model": ...}``) or a plain one."""
+    """State dict of a FLARE global model file (PTFileModelPersistor format ``{"model": ...}``), of a site's
+    ``fcl_client_state.pt`` (Local CL) or a plain state dict."""
     if not os.path.isfile(path):
         raise ValueError(f"pre-trained model {path} does not exist; pass the FL_global_model.pt of a pre-training run")
     data = torch.load(path, map_location="cpu", weights_only=False)
+    if isinstance(data, dict) and "trainer" in data:  # a site's FCL checkpoint (Local CL: each site's own model)
+        data = data["trainer"]
     state = data.get("model", data) if isinstance(data, dict) else None
     if not isinstance(state, dict):
         raise ValueError(f"{path} holds no state dict")

@@ -109,6 +109,19 @@ def _finetune_and_evaluate(
     return out
 
 
+def _run(key: dict, init: object, train_ids: Sequence[str], patients: Mapping[str, list[Volume]],
+         val_ids: Sequence[str], val_vols: Sequence[Volume], train_kw: dict, progress: Progress | None) -> dict:
+    """Fine-tune one model on ``train_ids`` and evaluate it on ``val_vols``; one result row."""
+    train_vols = _volumes_of(patients, train_ids)
+    row: dict[str, Any] = dict(key)
+    row.update(_finetune_and_evaluate(init, train_vols, val_vols, **train_kw))
+    row.update(train_patients=list(train_ids), n_train_volumes=len(train_vols),
+               val_patients=list(val_ids), n_val_volumes=len(val_vols))
+    if progress is not None:
+        progress(row)
+    return row
+
+
 def _check_common(n_labelled: Sequence[int], folds: Sequence[int], inits: Mapping[str, object]) -> None:
     if not inits:
         raise ValueError("inits is empty: give {method name: 'random' | encoder state dict}")
@@ -147,6 +160,8 @@ def local_finetune(
     """
     _check_common(n_labelled, folds, inits)
     patients = _site_patients(site_volumes)
+    train_kw = dict(features=features, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, device=device,
+                    max_steps_per_epoch=max_steps_per_epoch)
     rows: list[dict] = []
     for fold in folds:
         split = _fold_split(patients, fold, n_folds, split_seed)
@@ -155,21 +170,8 @@ def local_finetune(
             for n in n_labelled:
                 for site in sorted(patients):
                     train_ids = select_labelled(split[site][0], n, seed=split_seed)
-                    train_vols = _volumes_of(patients[site], train_ids)
-                    row: dict[str, Any] = {"method": method, "mode": "local", "n_labelled": int(n), "fold": int(fold), "site": site}
-                    row.update(
-                        _finetune_and_evaluate(
-                            init, train_vols, val_vols, features=features, epochs=epochs, batch_size=batch_size,
-                            lr=lr, seed=seed, device=device, max_steps_per_epoch=max_steps_per_epoch,
-                        )
-                    )
-                    row.update(
-                        train_patients=list(train_ids), n_train_volumes=len(train_vols),
-                        val_patients=list(val_ids), n_val_volumes=len(val_vols),
-                    )
-                    rows.append(row)
-                    if progress is not None:
-                        progress(row)
+                    key = {"method": method, "mode": "local", "n_labelled": int(n), "fold": int(fold), "site": site}
+                    rows.append(_run(key, init, train_ids, patients[site], val_ids, val_vols, train_kw, progress))
     return rows
 
 
@@ -205,6 +207,8 @@ def centralised_finetune(
     _check_common(n_labelled, folds, inits)
     patients = _site_patients(site_volumes)
     all_patients = {pid: vols for site in patients.values() for pid, vols in site.items()}
+    train_kw = dict(features=features, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, device=device,
+                    max_steps_per_epoch=max_steps_per_epoch)
     rows: list[dict] = []
     for fold in folds:
         split = _fold_split(patients, fold, n_folds, split_seed)
@@ -216,21 +220,8 @@ def centralised_finetune(
                 else:
                     pool = [pid for site in sorted(split) for pid in split[site][0]]
                     train_ids = select_labelled(pool, n, seed=split_seed)
-                train_vols = _volumes_of(all_patients, train_ids)
-                row: dict[str, Any] = {"method": method, "mode": "centralised", "n_labelled": int(n), "fold": int(fold), "site": "all"}
-                row.update(
-                    _finetune_and_evaluate(
-                        init, train_vols, val_vols, features=features, epochs=epochs, batch_size=batch_size,
-                        lr=lr, seed=seed, device=device, max_steps_per_epoch=max_steps_per_epoch,
-                    )
-                )
-                row.update(
-                    train_patients=list(train_ids), n_train_volumes=len(train_vols),
-                    val_patients=list(val_ids), n_val_volumes=len(val_vols),
-                )
-                rows.append(row)
-                if progress is not None:
-                    progress(row)
+                key = {"method": method, "mode": "centralised", "n_labelled": int(n), "fold": int(fold), "site": "all"}
+                rows.append(_run(key, init, train_ids, all_patients, val_ids, val_vols, train_kw, progress))
     return rows
 
 

@@ -19,8 +19,8 @@ from fedssl.data.acdc import PartitionSampleDataset, load_site
 from fedssl.data.transforms import augment_views
 from fedssl.flare.feature_bank_shuttle import REMOTE_FEATURES, REMOTE_PARTITIONS
 from fedssl.flare.site_executor import SiteExecutor, TaskAborted, pick_device
-from fedssl.flare.validation import require, require_choice
-from fedssl.models.unet import MoCoUNetEncoder, check_features
+from fedssl.flare.validation import require, require_choice, require_int, require_unet_args
+from fedssl.models.unet import MoCoUNetEncoder
 
 
 class FCLExecutor(SiteExecutor):
@@ -61,22 +61,16 @@ class FCLExecutor(SiteExecutor):
         super().__init__()
         name = type(self).__name__
         require(isinstance(data_root, str), name, "data_root", data_root, "use a path string or \"\"")
-        require(isinstance(image_size, int) and image_size >= 16 and image_size % 16 == 0, name, "image_size",
-                image_size, "use a multiple of 16 (the U-Net pools 4 times), paper: 192")
+        require_unet_args(name, features, image_size)
         require(target_spacing > 0, name, "target_spacing", target_spacing, "use a spacing in mm, paper: 1.25")
         require_choice(name, "frames", frames, ("ed_es", "all"))
         require(isinstance(n_partitions, int) and n_partitions >= 1, name, "n_partitions", n_partitions, "paper: 4")
-        try:
-            check_features(features)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from None
         require(isinstance(batch_size, int) and batch_size >= 2 * n_partitions, name, "batch_size", batch_size,
                 f"need at least 2 volumes per batch: batch_size >= 2 * n_partitions = {2 * n_partitions}")
         for flag, value in (("feature_exchange", feature_exchange), ("negative_sampling", negative_sampling),
                             ("structural_matching", structural_matching), ("federated", federated)):
             require(isinstance(value, bool), name, flag, value, "use true or false")
-        require(isinstance(max_steps_per_round, int) and max_steps_per_round >= 0, name, "max_steps_per_round",
-                max_steps_per_round, "use 0 (full epoch) or a positive step count")
+        require_int(name, "max_steps_per_round", max_steps_per_round, 0, "use 0 (full epoch) or a positive step count")
         self.data_root = data_root
         self.image_size = image_size
         self.target_spacing = target_spacing

@@ -19,8 +19,8 @@ from fedssl.data.acdc import load_site
 from fedssl.eval.protocol import site_split
 from fedssl.eval.segmentation import SegmentationTrainer, dice_per_volume, mean_dice, steps_per_epoch
 from fedssl.flare.site_executor import SiteExecutor, pick_device
-from fedssl.flare.validation import require
-from fedssl.models.unet import build_unet, check_features
+from fedssl.flare.validation import require, require_int, require_unet_args
+from fedssl.models.unet import build_unet
 
 
 class SegmentationExecutor(SiteExecutor):
@@ -57,13 +57,8 @@ class SegmentationExecutor(SiteExecutor):
         require(lr > 0, name, "lr", lr, "paper: 5e-4")
         require(isinstance(batch_size, int) and batch_size >= 1, name, "batch_size", batch_size, "paper: 10")
         require(isinstance(local_epochs, int) and local_epochs >= 1, name, "local_epochs", local_epochs, "paper: 1")
-        require(isinstance(image_size, int) and image_size % 16 == 0, name, "image_size", image_size, "use a multiple of 16")
-        require(isinstance(max_steps_per_round, int) and max_steps_per_round >= 0, name, "max_steps_per_round",
-                max_steps_per_round, "use 0 (full epoch) or a positive step count")
-        try:
-            check_features(features)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from None
+        require_int(name, "max_steps_per_round", max_steps_per_round, 0, "use 0 (full epoch) or a positive step count")
+        require_unet_args(name, features, image_size)
         self.data_root = data_root
         self.image_size = image_size
         self.target_spacing = target_spacing

@@ -32,8 +32,11 @@ class FakeEngine:
         """log_error fires an event; nothing listens in unit tests."""
 
 
-def context(peer_site=None, engine=None, props=None) -> FLContext:
+def context(peer_site=None, engine=None, props=None, site=None) -> FLContext:
     ctx = FLContext()
+    if site is not None:
+        ctx.set_prop(ReservedKey.IDENTITY_NAME, site, private=False, sticky=False)
+        ctx.set_prop(ReservedKey.RUN_NUM, "job-1", private=False, sticky=False)
     if peer_site is not None:
         peer = FLContext()
         peer.set_prop(ReservedKey.IDENTITY_NAME, peer_site, private=False, sticky=False)

@@ -1,0 +1,83 @@
+"""FCLExecutor on tiny synthetic ACDC: one real train task, checkpoint resume, and bad data per site."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from nvflare.apis.dxo import DXO, DataKind, from_shareable
+from nvflare.apis.fl_constant import ReturnCode
+from nvflare.apis.signal import Signal
+
+from fedssl.data.acdc_synthetic import write_synthetic_acdc
+from fedssl.flare.fcl_executor import FCLExecutor
+from fedssl.flare.feature_bank_shuttle import REMOTE_FEATURES, REMOTE_PARTITIONS
+from fedssl.models.unet import TINY_FEATURES, MoCoUNetEncoder
+from tests.unit.flare.fakes import FakeEngine, context
+
+ARGS = dict(image_size=32, target_spacing=4.0, features=list(TINY_FEATURES), proj_dim=8, batch_size=8, bank_size=32,
+            max_steps_per_round=2, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("acdc")
+    write_synthetic_acdc(root, n_patients=4, n_sites=1, seed=0, shape=(48, 48), n_frames=4, slices_range=(5, 6))
+    return str(root / "site-1")
+
+
+def task(round_idx=0, remote=None):
+    torch.manual_seed(0)
+    weights = {k: v.numpy() for k, v in MoCoUNetEncoder(TINY_FEATURES, 8).state_dict().items()}
+    meta = {} if remote is None else {REMOTE_FEATURES: remote[0], REMOTE_PARTITIONS: remote[1]}
+    s = DXO(DataKind.WEIGHTS, data=weights, meta=meta).to_shareable()
+    s.set_header("current_round", round_idx)
+    s.set_header("num_rounds", 2)
+    return s
+
+
+def run(executor, tmp_path, shareable, site="site-1"):
+    return executor.execute("train", shareable, context(site=site, engine=FakeEngine(tmp_path)), Signal())
+
+
+def test_train_task_returns_weights_bank_and_count_then_resumes(data, tmp_path):
+    ex = FCLExecutor(data_root=data, **ARGS)
+    out = from_shareable(run(ex, tmp_path, task(0)))
+    assert out.data_kind == DataKind.WEIGHTS and out.get_meta_prop("num_samples") == 8  # 4 patients x (ED, ES)
+    assert out.get_meta_prop("bank_features").shape == (32, 8) and np.isfinite(out.get_meta_prop("loss"))
+    assert (out.get_meta_prop("bank_partitions") >= 0).sum() == 16  # 2 steps x 2 volumes x 4 partitions
+    assert os.path.isfile(tmp_path / "fcl_client_state.pt")
+    # a fresh executor (client restart) resumes the bank from the checkpoint and uses the remote bank
+    remote = (np.eye(8, dtype=np.float32)[np.arange(16) % 8], np.arange(16, dtype=np.int64) % 4)
+    ex2 = FCLExecutor(data_root=data, **ARGS)
+    out2 = from_shareable(run(ex2, tmp_path, task(1, remote)))
+    assert (out2.get_meta_prop("bank_partitions") >= 0).sum() == 32
+    assert ex2._last_round == 1
+
+
+def test_fedmoco_uploads_no_features(data, tmp_path):
+    out = from_shareable(run(FCLExecutor(data_root=data, feature_exchange=False, **ARGS), tmp_path, task(0)))
+    assert out.get_meta_prop("bank_features") is None
+
+
+@pytest.mark.parametrize("breakage", ["missing_root", "no_info_cfg", "corrupt_nifti"])
+def test_bad_data_fails_this_site_with_a_clear_message(data, tmp_path, breakage, caplog):
+    import shutil
+
+    root = tmp_path / "site-3"
+    if breakage != "missing_root":
+        shutil.copytree(data, root)
+    patient = sorted(p for p in os.listdir(root) if p.startswith("patient"))[0] if root.exists() else ""
+    if breakage == "no_info_cfg":
+        os.remove(root / patient / "Info.cfg")
+        culprit = str(root / patient / "Info.cfg")
+    elif breakage == "corrupt_nifti":
+        culprit = str(root / patient / f"{patient}_frame01.nii.gz")
+        with open(culprit, "wb") as f:
+            f.write(b"garbage")
+    else:
+        culprit = str(root)
+    reply = run(FCLExecutor(data_root=str(root), **ARGS), tmp_path, task(0), site="site-3")
+    assert reply.get_return_code() == ReturnCode.EXECUTION_EXCEPTION
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "site-3" in errors[0] and culprit in errors[0]

@@ -97,27 +97,31 @@ def parse_set(expr: str) -> tuple[str, str, str, Any]:
 def build_job(job_dir: str, out_dir: str, profile: str | None = None, sets: list[str] = (), n_sites: int | None = None) -> str:
     """Copy ``job_dir`` to ``out_dir`` with the profile and ``--set`` overrides applied; returns ``out_dir``.
 
-    ``n_sites`` sets ``min_clients`` in meta.json and of every workflow that has it.
+    ``n_sites`` sets ``min_clients`` in meta.json and of every workflow that has it, over the profile; a
+    ``--set`` value takes precedence over both (e.g. tolerate one failed site out of three).
     """
     job_dir = os.path.abspath(job_dir)
     job_name = os.path.basename(job_dir.rstrip("/"))
     if not os.path.isfile(os.path.join(job_dir, "meta.json")):
         raise ValueError(f"{job_dir} is not a job folder (no meta.json)")
-    overrides = profile_overrides(load_profile(profile), job_name) if profile else {}
+    # precedence, lowest first: the job, the profile, n_sites (min_clients), then each --set
+    from_profile = profile_overrides(load_profile(profile), job_name) if profile else {}
+    from_sets: dict = {}
     for expr in sets:
         part, comp_id, arg, value = parse_set(expr)
         if part == "meta":
-            overrides.setdefault("meta", {})[arg] = value
+            from_sets.setdefault("meta", {})[arg] = value
         else:
-            overrides.setdefault(part, {}).setdefault(comp_id, {})[arg] = value
+            from_sets.setdefault(part, {}).setdefault(comp_id, {})[arg] = value
     if os.path.exists(out_dir):
         shutil.rmtree(out_dir)
     shutil.copytree(job_dir, out_dir)
     with open(os.path.join(out_dir, "meta.json")) as f:
         meta = json.load(f)
-    meta.update(overrides.get("meta", {}))
+    meta.update(from_profile.get("meta", {}))
     if n_sites is not None:
         meta["min_clients"] = n_sites
+    meta.update(from_sets.get("meta", {}))
     meta["name"] = job_name
     with open(os.path.join(out_dir, "meta.json"), "w") as f:
         json.dump(meta, f, indent=2)
@@ -128,12 +132,15 @@ def build_job(job_dir: str, out_dir: str, profile: str | None = None, sets: list
                 continue
             with open(path) as f:
                 config = json.load(f)
-            for comp_id, args in overrides.get(part, {}).items():
-                override_args(config, comp_id, args, f"{job_name}/{app}/{fname}")
+            where = f"{job_name}/{app}/{fname}"
+            for comp_id, args in from_profile.get(part, {}).items():
+                override_args(config, comp_id, args, where)
             if n_sites is not None:
                 for comp in _components(config):
                     if "min_clients" in comp.get("args", {}):
                         comp["args"]["min_clients"] = n_sites
+            for comp_id, args in from_sets.get(part, {}).items():
+                override_args(config, comp_id, args, where)
             with open(path, "w") as f:
                 json.dump(config, f, indent=2)
     return out_dir

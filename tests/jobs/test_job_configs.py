@@ -76,3 +76,9 @@ def test_set_override_value(tmp_path):
     assert sag["args"]["num_rounds"] == 7 and sag["args"]["min_clients"] == 4
     trainer = [c for c in component_specs(client) if c["id"] == "fcl_trainer"][0]
     assert trainer["args"]["feature_exchange"] is False and trainer["args"]["image_size"] == 64
+def test_explicit_min_clients_wins_over_sites(tmp_path):
+    out = build_job(os.path.join(JOBS_DIR, "fcl_acdc"), str(tmp_path / "j"), profile="quick",
+                    sets=["server.scatter_and_gather.min_clients=2"], n_sites=3)
+    with open(os.path.join(out, "app", "config", "config_fed_server.json")) as f:
+        sag = [c for c in component_specs(json.load(f)) if c["id"] == "scatter_and_gather"][0]
+    assert sag["args"]["min_clients"] == 2

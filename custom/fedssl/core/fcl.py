@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from fedssl.core.fcl_loss import fcl_loss, paired_local_positives
+from fedssl.core.fcl_loss import fcl_loss_terms, paired_local_positives
 from fedssl.core.memory_bank import FeatureBank, sample_negatives
 from fedssl.core.state_dict import ema_update
 from fedssl.models.unet import MoCoUNetEncoder
@@ -89,7 +89,8 @@ class FCLTrainer:
             remote = None
         self.model.main.train()
         self.model.momentum.train()
-        losses = []
+        losses: list[float] = []
+        terms: list[tuple[float, float]] = []
         for step, (x, part) in enumerate(batches):
             v, s = int(x.shape[0]), int(x.shape[1])
             x = x.to(self.device).reshape(v * s, *x.shape[2:])  # [V*S, 1, H, W], volume-major
@@ -112,7 +113,8 @@ class FCLTrainer:
                 self.generator,
                 sample=cfg.negative_sampling,
             )
-            loss = fcl_loss(q, pos, part, neg, neg_part, cfg.tau, gsm=cfg.structural_matching)
+            loss_local, loss_remote = fcl_loss_terms(q, pos, part, neg, neg_part, cfg.tau, gsm=cfg.structural_matching)
+            loss = loss_local + loss_remote
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"FCL loss became {loss.item()} at round {round_idx} step {step}; lower lr")
             self.optimizer.zero_grad(set_to_none=True)
@@ -121,11 +123,14 @@ class FCLTrainer:
             ema_update(self.model.momentum, self.model.main, cfg.momentum)
             self.bank.enqueue(k.detach().cpu(), part.detach().cpu())
             losses.append(float(loss.item()))
+            terms.append((float(loss_local.item()), float(loss_remote.item())))
             if progress is not None:
                 progress(step, losses[-1])
         if not losses:
             raise ValueError("no training batch in this round: the site has fewer volumes than one batch")
-        return {"loss": sum(losses) / len(losses), "steps": len(losses), "lr_end": lr}
+        n = len(losses)
+        return {"loss": sum(losses) / n, "loss_local": sum(t[0] for t in terms) / n,
+                "loss_remote": sum(t[1] for t in terms) / n, "steps": n, "lr_end": lr}
 
     def state_dict(self) -> dict:
         return {

@@ -61,10 +61,22 @@ def fcl_loss(
     gsm: bool = True,
 ) -> torch.Tensor:
     """Batch mean of equation (5) (or of equation (3) alone when ``gsm`` is False)."""
-    loss = contrastive_term(q, pos, neg, tau)
-    if gsm:
-        loss = loss + remote_term(q, q_part, neg, neg_part, tau)
-    return loss.mean()
+    local, remote = fcl_loss_terms(q, pos, q_part, neg, neg_part, tau, gsm)
+    return local + remote
+
+
+def fcl_loss_terms(
+    q: torch.Tensor, pos: torch.Tensor, q_part: torch.Tensor, neg: torch.Tensor, neg_part: torch.Tensor,
+    tau: float = 0.1, gsm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch means of L_local = l(q, P(q), Q') and L_remote = l(q, A(q), Q') (0 when ``gsm`` is off).
+
+    L_remote is 0 for a query whose partition has no real feature in Q' yet, so it grows while the
+    bank fills with real (partition-labelled) features: watch the two terms apart.
+    """
+    local = contrastive_term(q, pos, neg, tau).mean()
+    remote = remote_term(q, q_part, neg, neg_part, tau).mean() if gsm else local.new_zeros(())
+    return local, remote
 
 
 def paired_local_positives(k: torch.Tensor, n_volumes: int, n_partitions: int) -> torch.Tensor:

@@ -159,7 +159,8 @@ class FCLExecutor(SiteExecutor):
         n_remote = 0 if remote is None else int(remote[0].shape[0])
         self.append_metrics(fl_ctx, {"round": round_idx, "remote_features": n_remote, **stats})
         self.log_info(fl_ctx, f"round {round_idx + 1}/{num_rounds}: loss {stats['loss']:.4f} "
-                              f"({stats['steps']} steps, {n_remote} remote features)")
+                              f"(local {stats['loss_local']:.4f} + remote {stats['loss_remote']:.4f}; "
+                              f"{stats['steps']} steps, {n_remote} remote features)")
         weights = {k: v.detach().cpu().numpy() for k, v in trainer.model.state_dict().items()}
         meta = {"num_samples": len(self._dataset), MetaKey.NUM_STEPS_CURRENT_ROUND: stats["steps"], "loss": stats["loss"]}
         if self.feature_exchange:

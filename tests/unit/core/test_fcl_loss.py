@@ -71,3 +71,16 @@ def test_loss_gradient_is_finite_and_pulls_positive_closer():
     loss.backward()
     # gradient descent on q increases q . k+ (moves towards the positive)
     assert torch.isfinite(q.grad).all() and (q.grad @ pos[0, 0]).item() < 0
+
+
+def test_terms_add_up_to_the_loss():
+    from fedssl.core.fcl_loss import fcl_loss_terms
+
+    g = torch.Generator().manual_seed(1)
+    q = F.normalize(torch.randn(4, 3, generator=g), dim=1)
+    pos = F.normalize(torch.randn(4, 2, 3, generator=g), dim=2)
+    neg = F.normalize(torch.randn(6, 3, generator=g), dim=1)
+    qp, npart = torch.tensor([0, 1, 0, 1]), torch.tensor([0, 1, -1, 0, 1, 1])
+    local, remote = fcl_loss_terms(q, pos, qp, neg, npart, 0.2)
+    assert torch.isclose(local + remote, fcl_loss(q, pos, qp, neg, npart, 0.2))
+    assert fcl_loss_terms(q, pos, qp, neg, npart, 0.2, gsm=False)[1].item() == 0.0

@@ -81,3 +81,15 @@ def test_bad_data_fails_this_site_with_a_clear_message(data, tmp_path, breakage,
     assert reply.get_return_code() == ReturnCode.EXECUTION_EXCEPTION
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "site-3" in errors[0] and culprit in errors[0]
+
+
+def test_local_cl_never_loads_the_aggregate_after_round_0(data, tmp_path):
+    ex = FCLExecutor(data_root=data, federated=False, **ARGS)
+    run(ex, tmp_path, task(0))
+    mine = {k: v.clone() for k, v in ex._trainer.model.state_dict().items()}
+    poisoned = task(1)
+    dxo = from_shareable(poisoned)
+    zeros = DXO(DataKind.WEIGHTS, data={k: np.zeros_like(v) for k, v in dxo.data.items()}).update_shareable(poisoned)
+    ex._trainer.train_round = lambda *a, **k: {"loss": 1.0, "loss_local": 1.0, "loss_remote": 0.0, "steps": 1, "lr_end": 0.0}
+    run(ex, tmp_path, zeros)
+    assert all(torch.equal(mine[k], v) for k, v in ex._trainer.model.state_dict().items())

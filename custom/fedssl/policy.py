@@ -28,9 +28,13 @@ def write_site_local(local_dir: str) -> str:
     os.makedirs(local_dir, exist_ok=True)
     path = os.path.join(local_dir, "resources.json")
     resources: dict = {}
-    if os.path.isfile(path):
-        with open(path) as f:
-            resources = json.load(f)
+    # a provisioned kit ships resources.json.default (job manager, storage, ...): FLARE reads
+    # resources.json *instead* of it, so start from it and only extend the allow-list
+    for source in (path, path + ".default"):
+        if os.path.isfile(source):
+            with open(source) as f:
+                resources = json.load(f)
+            break
     allow = list(resources.get("class_allow_list") or DEFAULT_CLASS_ALLOW_LIST)
     allow += [p for p in class_allow_list() if p not in allow]
     resources["class_allow_list"] = allow

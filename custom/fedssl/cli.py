@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -77,6 +78,38 @@ def _cmd_finetune(a) -> None:
     print(format_table(summarise(rows)))
 
 
+def _cmd_deploy_local(a) -> None:
+    from fedssl.deploy import LoopbackDeployment
+    from fedssl.jobtools import build_job
+
+    with LoopbackDeployment(a.workspace, n_sites=a.sites, data_root=a.data_root) as d:
+        print(f"server and {a.sites} sites up on 127.0.0.1:{d.port} in {d.timings['startup_s']} s "
+              f"(admin startup kit: {d.kits['admin@fedssl.org']})", flush=True)
+        for job_dir in a.job:
+            job = build_job(job_dir, os.path.join(d.workspace, "jobs", os.path.basename(os.path.abspath(job_dir))),
+                            profile=a.profile, sets=a.set, n_sites=a.sites)
+            r = d.run_job(job, timeout_s=a.timeout)
+            print(f"{os.path.basename(job)}: job {r['job_id']} {r['status']} in {r['job_s']} s; result in {r['result_dir']}", flush=True)
+            if r["status"] != "FINISHED:COMPLETED":
+                raise RuntimeError(f"job {r['job_id']} ended {r['status']}; see {r['result_dir']}")
+        if a.hold:
+            print("holding the system up; Ctrl-C stops everything", flush=True)
+            while True:
+                d.check_alive()
+                time.sleep(5)
+    print(f"stopped; leftover processes: {d.leftover_processes() or 'none'}")
+
+
+def _cmd_submit(a) -> None:
+    from fedssl.admin import submit_and_download
+
+    r = submit_and_download(a.startup_kit, a.username, a.job, profile=a.profile, sets=a.set, n_sites=a.sites,
+                            timeout_s=a.timeout, download_to=a.download)
+    print(json.dumps(r, indent=1))
+    if r["status"] != "FINISHED:COMPLETED":
+        raise RuntimeError(f"job {r['job_id']} ended {r['status']}")
+
+
 def _cmd_demo(a) -> None:
     from fedssl.demo import run_demo
 
@@ -145,6 +178,24 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--out", required=True)
     s.set_defaults(fn=_cmd_finetune)
 
+    s = sub.add_parser("deploy-local", help="provision + start server and N sites on loopback, run jobs, stop everything")
+    s.add_argument("job", nargs="*", help="job folders to submit, in order")
+    s.add_argument("-w", "--workspace", required=True)
+    s.add_argument("--data-root", required=True, help="each site's data folder; {site} is replaced by the site name")
+    s.add_argument("--timeout", type=float, default=1800)
+    s.add_argument("--hold", action="store_true", help="keep the system up after the jobs (for fl_admin.sh)")
+    job_opts(s)
+    s.set_defaults(fn=_cmd_deploy_local)
+
+    s = sub.add_parser("submit", help="FLARE API: submit a job, monitor it, download its result")
+    s.add_argument("job")
+    s.add_argument("--startup-kit", required=True, help="the admin's provisioned folder (contains startup/)")
+    s.add_argument("--username", default="admin@fedssl.org")
+    s.add_argument("--download", default=None, help="folder for the job result (default: the kit's transfer/)")
+    s.add_argument("--timeout", type=float, default=0, help="seconds to wait; 0 = until the job ends")
+    job_opts(s)
+    s.set_defaults(fn=_cmd_submit)
+
     s = sub.add_parser("demo", help="synthetic ACDC -> FCL in the simulator -> fine-tuning -> Dice table (quick profile)")
     s.add_argument("--out", default="runs/demo")
     s.add_argument("--sites", type=int, default=3)
@@ -157,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         a.fn(a)
+    except KeyboardInterrupt:
+        print(f"fedssl {a.cmd}: interrupted", file=sys.stderr)
+        return 130
     except (ValueError, RuntimeError) as e:
         print(f"fedssl {a.cmd}: error: {e}", file=sys.stderr)
         return 2

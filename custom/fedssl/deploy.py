@@ -65,6 +65,20 @@ def configure_site(kit: str, site: str, data_root: str) -> None:
     shutil.copy(PRIVACY_JSON, os.path.join(local, "privacy.json"))
 
 
+def isolate_server_storage(resources_json: str, root: str) -> None:
+    """Point the server's job store and snapshot store into ``root``.  The kit's defaults are shared
+    folders under /tmp/nvflare: every deployment on the machine would see (and resume) the others' jobs.
+    A production server should point them at persistent, backed-up storage the same way."""
+    with open(resources_json) as f:
+        resources = json.load(f)
+    resources["snapshot_persistor"]["args"]["storage"]["args"]["root_dir"] = os.path.join(root, "snapshot-storage")
+    for comp in resources["components"]:
+        if comp["id"] == "job_manager":
+            comp["args"]["uri_root"] = os.path.join(root, "jobs-storage")
+    with open(resources_json, "w") as f:
+        json.dump(resources, f, indent=2)
+
+
 @dataclass
 class LoopbackDeployment:
     """Context manager: ``with LoopbackDeployment(ws, n_sites=2, data_root=...) as d: d.run_job(job)``."""
@@ -74,6 +88,10 @@ class LoopbackDeployment:
     data_root: str
     port: int = 0
     startup_timeout_s: float = 120.0
+    #: how long the server waits for a site's end-of-job outcome before finalising the job from its own
+    #: outcome (FLARE's client_outcome_wait_timeout, default 900 s): a crashed site would otherwise keep
+    #: the job RUNNING for 15 minutes after its last round
+    client_outcome_wait_s: float = 30.0
     procs: dict = field(default_factory=dict)
     kits: dict = field(default_factory=dict)
     orgs: dict = field(default_factory=dict)
@@ -123,7 +141,8 @@ class LoopbackDeployment:
             self.orgs[p["name"]] = p["org"]
         for i in range(1, self.n_sites + 1):
             configure_site(self.kits[f"site-{i}"], f"site-{i}", self.data_root)
-        write_site_local(os.path.join(self.kits["localhost"], "local"))
+        server_resources = write_site_local(os.path.join(self.kits["localhost"], "local"))
+        isolate_server_storage(server_resources, os.path.join(self.workspace, "server_storage"))
 
     def _launch(self, name: str, module: str, extra: list[str]) -> None:
         kit = self.kits[name]
@@ -131,7 +150,8 @@ class LoopbackDeployment:
         cmd = [sys.executable, "-u", "-m", module, "-m", kit, "-s", extra[0], "--set", "secure_train=true",
                *extra[1:], f"org={org}", "config_folder=config"]
         log = open(os.path.join(kit, "console.log"), "w")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                   NVFLARE_CLIENT_OUTCOME_WAIT_TIMEOUT=str(self.client_outcome_wait_s))
         self.procs[name] = subprocess.Popen(cmd, cwd=kit, stdout=log, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True)  # own process group: killed as one
 
@@ -170,52 +190,81 @@ class LoopbackDeployment:
         if dead:
             raise DeploymentError(f"processes exited early: {dead}; see console.log in their kits")
 
-    def run_job(self, job_dir: str, timeout_s: float = 600.0, download_to: str | None = None) -> dict:
-        """Submit, wait, download: returns {"job_id", "status", "meta", "result_dir", "job_s"}."""
-        t0 = time.time()
+    def run_job(self, job_dir: str, timeout_s: float = 600.0, download_to: str | None = None, echo: bool = False) -> dict:
+        """Submit, monitor, download through the FLARE API: {"job_id", "status", "result_dir", "job_s"}."""
+        from fedssl.admin import run_job_in_session
+
         sess = self.session()
         try:
-            job_id = sess.submit_job(os.path.abspath(job_dir))
-            meta = sess.wait_for_job(job_id, timeout=timeout_s, poll_interval=2.0)
-            dest = download_to or os.path.join(self.workspace, "results")
-            os.makedirs(dest, exist_ok=True)
-            result_dir = sess.download_job_result(job_id, dest)
+            return run_job_in_session(sess, job_dir, timeout_s=timeout_s, echo=echo,
+                                      download_to=download_to or os.path.join(self.workspace, "results"))
         finally:
             sess.close()
-        return {"job_id": job_id, "status": meta.get("status"), "meta": meta, "result_dir": result_dir,
-                "job_s": round(time.time() - t0, 1)}
+
+    def _processes_of(self, name: str | None = None) -> list:
+        """The participant's process, its descendants, and any process started from its kit folder
+        (FLARE starts each job in a process of its own, not always in the parent's group)."""
+        import psutil
+
+        roots = [self.procs[name]] if name else list(self.procs.values())
+        marker = self.kits[name] if name else self.workspace
+        found = {}
+        for p in roots:
+            try:
+                parent = psutil.Process(p.pid)
+                found[parent.pid] = parent
+                for child in parent.children(recursive=True):
+                    found[child.pid] = child
+            except psutil.NoSuchProcess:
+                pass
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            args = proc.info.get("cmdline") or []
+            # whole path components only: site-1 must not match site-10
+            if proc.pid != os.getpid() and any(a == marker or a.startswith(marker + os.sep) for a in args):
+                found[proc.pid] = proc
+        return list(found.values())
+
+    def kill_site(self, name: str) -> None:
+        """Simulate a site crash: SIGKILL the site's process and every job process it started."""
+        for proc in self._processes_of(name):
+            try:
+                proc.kill()
+            except Exception:
+                pass
+        self.procs[name].wait()
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """Stop every participant (process group), politely then by force; nothing is left behind."""
+        """Stop every participant politely (SIGTERM to each process group), then by force, job processes
+        included; nothing is left behind."""
+        import psutil
+
+        everyone = self._processes_of() if self.procs else []
         for p in self.procs.values():
             if p.poll() is None:
                 try:
                     os.killpg(p.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
-        deadline = time.time() + grace_s
-        for p in self.procs.values():
+        gone, alive = psutil.wait_procs(everyone, timeout=grace_s)
+        for proc in alive:
             try:
-                p.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
+                proc.kill()
+            except psutil.NoSuchProcess:
                 pass
+        psutil.wait_procs(alive, timeout=5)
         for p in self.procs.values():
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # also job processes the parent spawned in its group
-            except ProcessLookupError:
-                pass
             p.wait()
 
     def leftover_processes(self) -> list[str]:
-        """Processes still running whose command line mentions this workspace (should be none after stop)."""
-        import psutil
-
-        found = []
-        for proc in psutil.process_iter(["pid", "cmdline"]):
-            cmd = " ".join(proc.info.get("cmdline") or [])
-            if self.workspace in cmd and proc.pid != os.getpid():
-                found.append(f"{proc.pid}: {cmd[:200]}")
-        return found
+        """Processes still running that belong to this deployment (should be none after stop)."""
+        out = []
+        for proc in self._processes_of():
+            try:
+                if proc.is_running() and proc.status() != "zombie":
+                    out.append(f"{proc.pid}: {' '.join(proc.cmdline())[:200]}")
+            except Exception:
+                pass
+        return out
 
     def port_in_use(self) -> bool:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

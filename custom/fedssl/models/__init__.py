@@ -9,6 +9,7 @@ from torch import nn
 from fedssl.models.unet import (
     PAPER_FEATURES,
     TINY_FEATURES,
+    BYOLUNetEncoder,
     ContrastiveNet,
     MoCoUNetEncoder,
     UNetEncoder,
@@ -22,6 +23,8 @@ _REGISTRY: dict[str, Callable[..., nn.Module]] = {
     "tiny_unet2d": lambda **kw: build_unet(**{"features": TINY_FEATURES, **kw}),
     "moco_unet2d": lambda **kw: MoCoUNetEncoder(**{"features": PAPER_FEATURES, **kw}),
     "tiny_moco_unet2d": lambda **kw: MoCoUNetEncoder(**{"features": TINY_FEATURES, **kw}),
+    "byol_unet2d": lambda **kw: BYOLUNetEncoder(**{"features": PAPER_FEATURES, **kw}),
+    "tiny_byol_unet2d": lambda **kw: BYOLUNetEncoder(**{"features": TINY_FEATURES, "pred_hidden": 16, **kw}),
 }
 
 
@@ -34,6 +37,7 @@ def build_model(name: str, **kwargs) -> nn.Module:
 __all__ = [
     "PAPER_FEATURES",
     "TINY_FEATURES",
+    "BYOLUNetEncoder",
     "ContrastiveNet",
     "MoCoUNetEncoder",
     "UNetEncoder",

@@ -81,17 +81,20 @@ class ContrastiveNet(nn.Module):
     Head as in MoCo v2 / Chaitanya et al. 2020: global average pool, Linear-ReLU-Linear.
     """
 
-    def __init__(self, features: Sequence[int] = PAPER_FEATURES, proj_dim: int = 128, in_channels: int = 1):
+    def __init__(self, features: Sequence[int] = PAPER_FEATURES, proj_dim: int = 128, in_channels: int = 1,
+                 normalize: bool = True):
         super().__init__()
         if int(proj_dim) <= 0:
             raise ValueError(f"proj_dim={proj_dim!r}: must be a positive integer (paper: 128)")
         self.encoder = UNetEncoder(features, in_channels)
         c = self.encoder.out_channels
         self.head = nn.Sequential(nn.Linear(c, c), nn.ReLU(inplace=True), nn.Linear(c, int(proj_dim)))
+        self.normalize = normalize
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.encoder(x).mean(dim=(2, 3))  # [B, C4]
-        return F.normalize(self.head(h), dim=1)  # [B, proj_dim]
+        z = self.head(h)  # [B, proj_dim]
+        return F.normalize(z, dim=1) if self.normalize else z
 
 
 class MoCoUNetEncoder(nn.Module):
@@ -116,8 +119,38 @@ class MoCoUNetEncoder(nn.Module):
         return self.main(x)
 
 
-def encoder_state_from_global(global_state: Mapping[str, object], prefix: str = "main.encoder.") -> dict:
-    """Cut the main encoder out of a pre-training global state dict (keys without the prefix)."""
+class BYOLUNetEncoder(nn.Module):
+    """The FCLOpt / FedBYOL global model (seed 004 section 4.3): online network (U-Net encoder + projector),
+    predictor, and target network (encoder + projector, EMA of the online one).  Keys ``online.*``,
+    ``predictor.*`` and ``target.*``; ``target.X`` pairs with ``online.X`` (PTNU / DP distances)."""
+
+    def __init__(self, features: Sequence[int] = PAPER_FEATURES, proj_dim: int = 128, pred_hidden: int = 512,
+                 in_channels: int = 1):
+        super().__init__()
+        self.features = list(features)
+        self.proj_dim = proj_dim
+        self.pred_hidden = pred_hidden
+        self.in_channels = in_channels
+        self.online = ContrastiveNet(features, proj_dim, in_channels, normalize=False)
+        self.predictor = nn.Sequential(nn.Linear(proj_dim, pred_hidden), nn.BatchNorm1d(pred_hidden),
+                                       nn.ReLU(inplace=True), nn.Linear(pred_hidden, proj_dim))
+        self.target = ContrastiveNet(features, proj_dim, in_channels, normalize=False)
+        self.target.load_state_dict(self.online.state_dict())
+        for p in self.target.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.predictor(self.online(x))
+
+
+ENCODER_PREFIXES = ("main.encoder.", "online.encoder.")
+
+
+def encoder_state_from_global(global_state: Mapping[str, object], prefix: str | None = None) -> dict:
+    """Cut the learned encoder out of a pre-training global state dict (keys without the prefix): the MoCo
+    main encoder (FCL, FedMoCo) or the BYOL online encoder (FCLOpt, FedBYOL)."""
+    if prefix is None:
+        prefix = next((p for p in ENCODER_PREFIXES if any(k.startswith(p) for k in global_state)), ENCODER_PREFIXES[0])
     enc = {k[len(prefix) :]: v for k, v in global_state.items() if k.startswith(prefix)}
     if not enc:
         sample = sorted(global_state)[:3]

@@ -1,0 +1,93 @@
+"""One client's BYOL local training for FedBYOL / FCLOpt (seed 004 section 4.3), free of FLARE types.
+
+Online network (encoder + projector) + predictor q, target network xi updated by EMA (m = 0.99) after
+every step; loss 2 - 2 cos(q(f_theta(t)), f_xi(t')) symmetrised over the two views (Grill et al.).
+No negatives, so no features cross the wire.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from fedssl.core.fcl import cosine_lr
+from fedssl.core.state_dict import ema_update
+from fedssl.models.unet import BYOLUNetEncoder
+
+
+def byol_loss(p: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """mean over the batch of 2 - 2 cos(p, z); ``z`` is treated as a constant."""
+    return (2 - 2 * F.cosine_similarity(p, z.detach(), dim=1)).mean()
+
+
+@dataclass
+class BYOLConfig:
+    lr: float = 0.5  # paper: 0.5, cosine decay (section 5, "Training details")
+    momentum: float = 0.99  # m of the target EMA
+    sgd_momentum: float = 0.9
+    weight_decay: float = 1e-4
+    num_rounds: int = 200
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr!r} must be > 0 (paper: 0.5)")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"momentum={self.momentum!r} must be in [0, 1) (paper: 0.99)")
+        if not self.num_rounds > 0:
+            raise ValueError(f"num_rounds={self.num_rounds!r} must be > 0")
+
+
+class BYOLTrainer:
+    def __init__(self, model: BYOLUNetEncoder, cfg: BYOLConfig,
+                 augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor], device="cpu", seed: int = 0):
+        self.model = model.to(device)
+        self.cfg = cfg
+        self.augment = augment
+        self.device = torch.device(device)
+        self.generator = torch.Generator().manual_seed(seed)
+        params = list(self.model.online.parameters()) + list(self.model.predictor.parameters())
+        self.optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay)
+
+    def train_round(self, batches: Iterable[torch.Tensor], steps_per_round: int, round_idx: int,
+                    progress: Callable[[int, float], None] | None = None) -> dict:
+        """One local epoch over ``batches`` of images ``[N, 1, H, W]``."""
+        m = self.model
+        m.online.train()
+        m.predictor.train()
+        m.target.train()
+        losses = []
+        lr = self.cfg.lr
+        for step, x in enumerate(batches):
+            x = x.to(self.device)
+            lr = cosine_lr(self.cfg.lr, (round_idx * steps_per_round + step) / (self.cfg.num_rounds * steps_per_round))
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+            v1, v2 = self.augment(x, self.generator), self.augment(x, self.generator)
+            p1, p2 = m.predictor(m.online(v1)), m.predictor(m.online(v2))
+            with torch.no_grad():
+                z1, z2 = m.target(v1), m.target(v2)
+            loss = byol_loss(p1, z2) + byol_loss(p2, z1)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"BYOL loss became {loss.item()} at round {round_idx} step {step}; lower lr")
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            ema_update(m.target, m.online, self.cfg.momentum)
+            losses.append(float(loss.item()))
+            if progress is not None:
+                progress(step, losses[-1])
+        if not losses:
+            raise ValueError("no training batch in this round: the site has fewer images than one batch")
+        return {"loss": sum(losses) / len(losses), "steps": len(losses), "lr_end": lr}
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "generator": self.generator.get_state(), "config": asdict(self.cfg)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.generator.set_state(state["generator"])

@@ -20,22 +20,24 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def communication_per_round(records: list[dict]) -> list[dict]:
-    """Per round: bytes per site up/down (mean over sites) and the split by content (mean per site)."""
-    by_round: dict[int, dict] = defaultdict(lambda: {"upload": defaultdict(list), "download": defaultdict(list)})
+    """Per round and direction: bytes per site (all exchanges of the round summed per site, e.g. DP's
+    distance task and the train task), averaged over sites, total and split by content."""
+    per_site: dict = defaultdict(lambda: defaultdict(int))  # (round, direction, site) -> part -> bytes
     for r in records:
         if r.get("round") is None:
             continue
-        for key, value in r.items():
-            if key in ("round", "site", "direction", "task", "time"):
-                continue
-            by_round[int(r["round"])][r["direction"]][key].append(int(value))
+        key = (int(r["round"]), r["direction"], r.get("site"))
+        for part, value in r.items():
+            if part not in ("round", "site", "direction", "task", "time"):
+                per_site[key][part] += int(value)
     rows = []
-    for rnd in sorted(by_round):
+    for rnd in sorted({k[0] for k in per_site}):
         row = {"round": rnd}
         for direction in ("upload", "download"):
-            parts = by_round[rnd][direction]
-            row[direction] = {k: sum(v) / len(v) for k, v in parts.items()}
-            row[f"n_sites_{direction}"] = len(parts.get("total", []))
+            sites = [parts for (r, d, _), parts in per_site.items() if r == rnd and d == direction]
+            names = sorted({p for parts in sites for p in parts})
+            row[direction] = {p: sum(parts.get(p, 0) for parts in sites) / len(sites) for p in names} if sites else {}
+            row[f"n_sites_{direction}"] = len(sites)
         rows.append(row)
     return rows
 

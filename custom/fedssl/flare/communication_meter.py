@@ -14,7 +14,7 @@ import os
 import threading
 
 import numpy as np
-from nvflare.apis.dxo import from_shareable
+from nvflare.apis.dxo import DataKind, from_shareable
 from nvflare.apis.filter import Filter
 from nvflare.apis.fl_constant import ReservedKey
 from nvflare.apis.fl_context import FLContext
@@ -30,8 +30,6 @@ COMM_FILE = "communication.jsonl"
 def category_of(meta_key: str, value: object) -> str:
     if "bank" in meta_key or "feature" in meta_key:
         return "features"
-    if "target" in meta_key:
-        return "target_network"
     if np.isscalar(value) or (isinstance(value, np.ndarray) and value.size == 1):
         return "scalars"
     return "other"
@@ -44,7 +42,14 @@ def payload_breakdown(shareable: Shareable) -> dict:
         dxo = from_shareable(shareable)
     except ValueError:
         return out
-    out["weights"] = len(fobs.dumps(dxo.data)) if dxo.data else 0
+    if dxo.data_kind == DataKind.METRICS:
+        out["scalars"] = len(fobs.dumps(dxo.data)) if dxo.data else 0
+    elif dxo.data:
+        target = {k: v for k, v in dxo.data.items() if k.startswith("target.")}
+        rest = {k: v for k, v in dxo.data.items() if not k.startswith("target.")}
+        out["weights"] = len(fobs.dumps(rest)) if rest else 0
+        if target:
+            out["target_network"] = len(fobs.dumps(target))
     for k, v in dxo.get_meta_props().items():
         cat = category_of(k, v)
         out[cat] = out.get(cat, 0) + len(fobs.dumps({k: v}))

@@ -26,19 +26,26 @@ WEIGHTINGS = ("num_samples", "num_steps", "uniform")
 
 
 class FedAvgAggregator(Aggregator):
-    def __init__(self, weighting: str = "num_samples", collect_banks: bool = False):
+    def __init__(self, weighting: str = "num_samples", collect_banks: bool = False, optional_prefixes: list = ()):
         """
         Args:
             weighting: "num_samples" (meta ``num_samples``: images/volumes, as FCL and SSL-FL weight),
                 "num_steps" (FLARE's NUM_STEPS_CURRENT_ROUND) or "uniform".
             collect_banks: keep each site's ``bank_features``/``bank_partitions`` meta for shuttling (FCL FE).
+            optional_prefixes: parameter-name prefixes a contribution may leave out as a whole (e.g.
+                ``["target."]`` when the BYOL target network is uploaded only on some rounds); every
+                contribution of a round must then carry the same key set, and the keys left out keep their
+                previous global value.
         """
         super().__init__()
         name = type(self).__name__
         require_choice(name, "weighting", weighting, WEIGHTINGS)
         require(isinstance(collect_banks, bool), name, "collect_banks", collect_banks, "use true or false")
+        require(isinstance(optional_prefixes, (list, tuple)) and all(isinstance(p, str) and p for p in optional_prefixes),
+                name, "optional_prefixes", optional_prefixes, 'use a list of parameter-name prefixes, e.g. ["target."]')
         self.weighting = weighting
         self.collect_banks = collect_banks
+        self.optional_prefixes = list(optional_prefixes)
         self._states: dict[str, dict] = {}
         self._weights: dict[str, float] = {}
         self._banks: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -55,6 +62,17 @@ class FedAvgAggregator(Aggregator):
         if w is None or not np.isfinite(float(w)) or float(w) <= 0:
             raise ContributionError(f"{site} sent {key}={w!r}; a positive count is required for {self.weighting} weighting")
         return float(w)
+
+    def _expected_keys(self, reference: dict, data: dict, site: str) -> set:
+        full = set(reference)
+        required = {k for k in full if not k.startswith(tuple(self.optional_prefixes))}
+        expected = full if set(data) - required else required  # all optional groups, or none
+        if self._states:
+            round_keys = set(next(iter(self._states.values())))
+            if expected != round_keys:
+                raise ContributionError(f"{site} sent {len(expected)} keys but this round's contributions carry "
+                                        f"{len(round_keys)}; every site must upload the same parts in a round")
+        return expected
 
     def accept(self, shareable: Shareable, fl_ctx: FLContext) -> bool:
         site = shareable.get_peer_prop(key=ReservedKey.IDENTITY_NAME, default="?")
@@ -76,7 +94,7 @@ class FedAvgAggregator(Aggregator):
                 raise ContributionError(f"{site} sent data kind {dxo.data_kind}; expected {DataKind.WEIGHTS}")
             global_model = fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)
             reference = global_model[ModelLearnableKey.WEIGHTS] if global_model else next(iter(self._states.values()), dxo.data)
-            check_contribution(reference, dxo.data, site)
+            check_contribution(reference, dxo.data, site, keys=self._expected_keys(reference, dxo.data, site))
             weight = self._weight_of(dxo, site)
             bank = None
             if self.collect_banks:

@@ -19,13 +19,18 @@ from nvflare.app_common.shareablegenerators.full_model_shareable_generator impor
 from fedssl.core.state_dict import merge_into
 
 
+#: aggregation bookkeeping that stays on the server (per-site losses name the sites)
+SERVER_ONLY_META = ("site_losses", "aggregated_sites")
+
+
 class MergingShareableGenerator(ShareableGenerator):
     def __init__(self):
         super().__init__()
         self._to_shareable = FullModelShareableGenerator()
 
     def learnable_to_shareable(self, model_learnable: ModelLearnable, fl_ctx: FLContext) -> Shareable:
-        return self._to_shareable.learnable_to_shareable(model_learnable, fl_ctx)
+        meta = {k: v for k, v in (model_learnable.get(ModelLearnableKey.META) or {}).items() if k not in SERVER_ONLY_META}
+        return self._to_shareable.learnable_to_shareable(make_model_learnable(model_learnable[ModelLearnableKey.WEIGHTS], meta), fl_ctx)
 
     def shareable_to_learnable(self, shareable: Shareable, fl_ctx: FLContext) -> ModelLearnable:
         dxo = from_shareable(shareable)

@@ -70,3 +70,18 @@ def test_constructor_errors_name_argument():
 
     with pytest.raises(ValueError, match="weighting='by_size'"):
         FedAvgAggregator(weighting="by_size")
+
+
+def test_optional_prefix_groups(tmp_path):
+    glob = {"online.w": np.zeros(2, np.float32), "target.w": np.zeros(2, np.float32)}
+    c = context(engine=FakeEngine(tmp_path), props={AppConstants.GLOBAL_MODEL: make_model_learnable(glob, {}),
+                                                     AppConstants.CURRENT_ROUND: 0})
+    agg = FedAvgAggregator(weighting="uniform", optional_prefixes=["target."])
+    assert agg.accept(contribution("site-1", {"online.w": np.ones(2, np.float32)}), c)  # target left out
+    # a site that sends the target while the round's others do not is rejected
+    assert not agg.accept(contribution("site-2", {"online.w": np.ones(2, np.float32), "target.w": np.ones(2, np.float32)}), c)
+    out = from_shareable(agg.aggregate(c))
+    assert set(out.data) == {"online.w"}
+    agg.reset(c)
+    assert agg.accept(contribution("site-1", {"online.w": np.ones(2, np.float32), "target.w": np.ones(2, np.float32)}), c)
+    assert not agg.accept(contribution("site-2", {"target.w": np.ones(2, np.float32)}), c)  # online is required

@@ -16,3 +16,11 @@ def test_keys_missing_from_aggregate_survive_and_meta_is_carried():
     assert ml[ModelLearnableKey.WEIGHTS]["a"][0] == 5.0 and ml[ModelLearnableKey.WEIGHTS]["cls_token"][0] == 1.0
     assert ml[ModelLearnableKey.META]["x"] == 1
     assert prev[ModelLearnableKey.WEIGHTS]["a"][0] == 0.0  # previous model not mutated
+
+
+def test_broadcast_never_carries_per_site_bookkeeping():
+    from nvflare.apis.dxo import from_shareable
+
+    ml = make_model_learnable({"a": np.zeros(1)}, {"site_losses": {"site-1": 1.0}, "aggregated_sites": 2, "keep": 1})
+    meta = from_shareable(MergingShareableGenerator().learnable_to_shareable(ml, context())).get_meta_props()
+    assert "site_losses" not in meta and "aggregated_sites" not in meta and meta["keep"] == 1

@@ -110,6 +110,13 @@ def _cmd_submit(a) -> None:
         raise RuntimeError(f"job {r['job_id']} ended {r['status']}")
 
 
+def _cmd_table7(a) -> None:
+    from fedssl.table7 import run_table7
+
+    run_table7(a.out, n_sites=a.sites, rounds=a.rounds, n_labelled=a.n, epochs=a.epochs, data_root=a.data_root,
+               profile=a.profile)
+
+
 def _cmd_demo(a) -> None:
     from fedssl.demo import run_demo
 
@@ -195,6 +202,16 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--timeout", type=float, default=0, help="seconds to wait; 0 = until the job ends")
     job_opts(s)
     s.set_defaults(fn=_cmd_submit)
+
+    s = sub.add_parser("table7", help="seed 004 Table 7: bytes per round (FCL = 1) and Dice, six methods")
+    s.add_argument("--out", default="runs/table7")
+    s.add_argument("--sites", type=int, default=3)
+    s.add_argument("--rounds", type=int, default=11, help="pre-training rounds (11 include two DP calibrations)")
+    s.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8])
+    s.add_argument("--epochs", type=int, default=None, help="local fine-tuning epochs (default: the profile's)")
+    s.add_argument("--data-root", default=None, help="folder with site-* folders (default: synthetic)")
+    s.add_argument("--profile", default="quick", help="quick on CPU; paper where a GPU is available")
+    s.set_defaults(fn=_cmd_table7)
 
     s = sub.add_parser("demo", help="synthetic ACDC -> FCL in the simulator -> fine-tuning -> Dice table (quick profile)")
     s.add_argument("--out", default="runs/demo")

@@ -98,6 +98,10 @@ class FedAvgAggregator(Aggregator):
             weight = self._weight_of(dxo, site)
             bank = None
             if self.collect_banks:
+                if dxo.get_meta_prop("bank_features") is None:
+                    raise ContributionError(
+                        f"{site} sent no feature bank but the aggregator collects banks (collect_banks=true); "
+                        "run every site with feature_exchange=true, or set both to false (FedMoCo)")
                 bank = check_bank(dxo.get_meta_prop("bank_features"), dxo.get_meta_prop("bank_partitions"), site)
         except (ContributionError, ValueError, TypeError) as e:
             self.log_error(fl_ctx, f"REJECTED contribution: {e}")

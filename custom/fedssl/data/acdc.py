@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import nibabel as nib
 import numpy as np
@@ -412,6 +412,20 @@ class PartitionSampleDataset(Dataset):
 
     def __len__(self) -> int:
         return len(self.volumes)
+
+    def n_batches(self, volumes_per_batch: int, max_batches: int = 0) -> int:
+        """Full batches of ``volumes_per_batch`` volumes in one epoch (capped by ``max_batches`` if > 0)."""
+        n = len(self) // max(1, volumes_per_batch)
+        return min(n, max_batches) if max_batches else n
+
+    def batches(self, volumes_per_batch: int, epoch: int, max_batches: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """One epoch of shuffled batches ``(x [V, S, 1, H, W], part [V, S])``, reproducible from (seed, epoch)."""
+        self.set_epoch(epoch)
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self))
+        v = max(1, volumes_per_batch)
+        for b in range(self.n_batches(v, max_batches)):
+            items = [self[int(i)] for i in order[b * v : (b + 1) * v]]
+            yield torch.stack([x for x, _ in items]), torch.stack([p for _, p in items])
 
     def slice_indices(self, index: int) -> np.ndarray:
         """The slice index drawn from each partition for item ``index`` in the current epoch."""

@@ -135,18 +135,6 @@ class BYOLExecutor(SiteExecutor):
         d_pc = proxy_distance(self._global_online, self._local_target())
         return DXO(data_kind=DataKind.METRICS, data={PROXY_KEY: d_pc}, meta={PROXY_KEY: d_pc}).to_shareable()
 
-    def _batches(self, round_idx: int):
-        ds = self._dataset
-        ds.set_epoch(round_idx)
-        v = max(1, self.batch_size // self.n_partitions)
-        order = np.random.default_rng([self.seed, round_idx]).permutation(len(ds))
-        n = max(1, len(ds) // v)
-        if self.max_steps_per_round:
-            n = min(n, self.max_steps_per_round)
-        for b in range(n):
-            items = [ds[int(i)][0] for i in order[b * v:(b + 1) * v]]
-            yield torch.cat(items, dim=0)  # [V*S, 1, H, W]
-
     def train(self, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
         self._ensure(shareable, fl_ctx)
         round_idx = int(shareable.get_header(AppConstants.CURRENT_ROUND, 0))
@@ -180,10 +168,10 @@ class BYOLExecutor(SiteExecutor):
             if abort_signal.triggered:
                 raise TaskAborted()
 
-        steps = max(1, len(self._dataset) // max(1, self.batch_size // self.n_partitions))
-        if self.max_steps_per_round:
-            steps = min(steps, self.max_steps_per_round)
-        stats = trainer.train_round(self._batches(round_idx), steps, round_idx, progress)
+        v = max(1, self.batch_size // self.n_partitions)
+        steps = self._dataset.n_batches(v, self.max_steps_per_round)
+        images = (x.flatten(0, 1) for x, _ in self._dataset.batches(v, round_idx, self.max_steps_per_round))  # [V*S,1,H,W]
+        stats = trainer.train_round(images, steps, round_idx, progress)
         self.save_checkpoint(fl_ctx, {"round": round_idx, "trainer": trainer.state_dict()})
         self.append_metrics(fl_ctx, {"round": round_idx, "mode": mode, "ptnu_iterations": ptnu_iter, **stats})
         self.log_info(fl_ctx, f"round {round_idx + 1}/{num_rounds} ({mode}): loss {stats['loss']:.4f}"

@@ -118,18 +118,6 @@ class FCLExecutor(SiteExecutor):
             self._last_round = int(state["round"])
         self.log_info(fl_ctx, f"{site}: {len(volumes)} unlabelled volumes, device {self._trainer.device}")
 
-    def _batches(self, round_idx: int):
-        ds = self._dataset
-        ds.set_epoch(round_idx)
-        v = self.batch_size // self.n_partitions
-        order = np.random.default_rng([self.seed, round_idx]).permutation(len(ds))
-        n_batches = len(ds) // v
-        if self.max_steps_per_round:
-            n_batches = min(n_batches, self.max_steps_per_round)
-        for b in range(n_batches):
-            items = [ds[int(i)] for i in order[b * v : (b + 1) * v]]
-            yield torch.stack([x for x, _ in items]), torch.stack([p for _, p in items])  # [V,S,1,H,W], [V,S]
-
     # ------------------------------------------------------------------ task
     def train(self, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
         round_idx = int(shareable.get_header(AppConstants.CURRENT_ROUND, 0))
@@ -145,15 +133,15 @@ class FCLExecutor(SiteExecutor):
         if self.feature_exchange and dxo.get_meta_prop(REMOTE_FEATURES) is not None:
             remote = (torch.as_tensor(np.asarray(dxo.get_meta_prop(REMOTE_FEATURES))),
                       torch.as_tensor(np.asarray(dxo.get_meta_prop(REMOTE_PARTITIONS))))
-        steps_per_round = len(self._dataset) // (self.batch_size // self.n_partitions)
-        if self.max_steps_per_round:
-            steps_per_round = min(steps_per_round, self.max_steps_per_round)
+        v = self.batch_size // self.n_partitions
+        steps_per_round = self._dataset.n_batches(v, self.max_steps_per_round)
 
         def progress(step: int, loss: float) -> None:
             if abort_signal.triggered:
                 raise TaskAborted()
 
-        stats = trainer.train_round(self._batches(round_idx), steps_per_round, round_idx, remote, progress)
+        batches = self._dataset.batches(v, round_idx, self.max_steps_per_round)
+        stats = trainer.train_round(batches, steps_per_round, round_idx, remote, progress)
         self._last_round = round_idx
         self.save_checkpoint(fl_ctx, {"round": round_idx, "trainer": trainer.state_dict()})
         n_remote = 0 if remote is None else int(remote[0].shape[0])

@@ -32,7 +32,7 @@ ADMIN = "admin@fedssl.org"
 
 
 class DeploymentError(RuntimeError):
-    pass
+    """Provisioning or start-up of the loopback system failed."""
 
 
 def free_port() -> int:
@@ -226,10 +226,12 @@ class LoopbackDeployment:
 
     def kill_site(self, name: str) -> None:
         """Simulate a site crash: SIGKILL the site's process and every job process it started."""
+        import psutil
+
         for proc in self._processes_of(name):
             try:
                 proc.kill()
-            except Exception:
+            except psutil.NoSuchProcess:  # already gone
                 pass
         self.procs[name].wait()
 
@@ -257,12 +259,14 @@ class LoopbackDeployment:
 
     def leftover_processes(self) -> list[str]:
         """Processes still running that belong to this deployment (should be none after stop)."""
+        import psutil
+
         out = []
         for proc in self._processes_of():
             try:
                 if proc.is_running() and proc.status() != "zombie":
                     out.append(f"{proc.pid}: {' '.join(proc.cmdline())[:200]}")
-            except Exception:
+            except psutil.NoSuchProcess:  # ended while we looked
                 pass
         return out
 

@@ -22,7 +22,7 @@ PROGRESS = re.compile(r"(round \d+/\d+: .*|aggregated \d+/\d+ sites.*|REJECTED.*
 
 
 class SimulationError(RuntimeError):
-    pass
+    """The simulator run did not produce its results (exit code, missing model/summary, failed sites)."""
 
 
 def server_run_dir(workspace: str) -> str:

@@ -9,6 +9,7 @@ encoder key matched and nothing renamed.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Mapping, Sequence
 
 import torch
@@ -22,6 +23,18 @@ PAPER_FEATURES: tuple[int, ...] = (48, 96, 192, 384, 768, 48)
 TINY_FEATURES: tuple[int, ...] = (4, 4, 8, 8, 16, 4)
 
 ENCODER_MODULES: tuple[str, ...] = ("conv_0", "down_1", "down_2", "down_3", "down_4")
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None):
+    """Initial weights drawn from ``seed`` (None: the global RNG), leaving the global RNG untouched, so the
+    server's initial global model is the same in every run."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(seed))
+        yield
 
 
 def check_features(features: Sequence[int]) -> tuple[int, ...]:
@@ -50,9 +63,12 @@ def build_unet(
 class UNet2D(BasicUNet):
     """``BasicUNet`` in 2D with JSON-friendly arguments, as a FLARE persistor model component."""
 
-    def __init__(self, features: Sequence[int] = PAPER_FEATURES, in_channels: int = 1, out_channels: int = 4):
-        super().__init__(spatial_dims=2, in_channels=in_channels, out_channels=out_channels,
-                         features=check_features(features))
+    def __init__(self, features: Sequence[int] = PAPER_FEATURES, in_channels: int = 1, out_channels: int = 4,
+                 seed: int | None = 0):
+        with _seeded(seed):
+            super().__init__(spatial_dims=2, in_channels=in_channels, out_channels=out_channels,
+                             features=check_features(features))
+        self.seed = seed
         self.features = list(features)
         self.in_channels = in_channels
         self.out_channels = out_channels
@@ -104,13 +120,16 @@ class MoCoUNetEncoder(nn.Module):
     FLARE persistor holds this whole module: keys ``main.*`` and ``momentum.*``.
     """
 
-    def __init__(self, features: Sequence[int] = PAPER_FEATURES, proj_dim: int = 128, in_channels: int = 1):
+    def __init__(self, features: Sequence[int] = PAPER_FEATURES, proj_dim: int = 128, in_channels: int = 1,
+                 seed: int | None = 0):
         super().__init__()
         self.features = list(features)
         self.proj_dim = proj_dim
         self.in_channels = in_channels
-        self.main = ContrastiveNet(features, proj_dim, in_channels)
-        self.momentum = ContrastiveNet(features, proj_dim, in_channels)
+        self.seed = seed
+        with _seeded(seed):
+            self.main = ContrastiveNet(features, proj_dim, in_channels)
+            self.momentum = ContrastiveNet(features, proj_dim, in_channels)
         self.momentum.load_state_dict(self.main.state_dict())
         for p in self.momentum.parameters():
             p.requires_grad_(False)
@@ -125,16 +144,18 @@ class BYOLUNetEncoder(nn.Module):
     ``predictor.*`` and ``target.*``; ``target.X`` pairs with ``online.X`` (PTNU / DP distances)."""
 
     def __init__(self, features: Sequence[int] = PAPER_FEATURES, proj_dim: int = 128, pred_hidden: int = 512,
-                 in_channels: int = 1):
+                 in_channels: int = 1, seed: int | None = 0):
         super().__init__()
         self.features = list(features)
         self.proj_dim = proj_dim
         self.pred_hidden = pred_hidden
         self.in_channels = in_channels
-        self.online = ContrastiveNet(features, proj_dim, in_channels, normalize=False)
-        self.predictor = nn.Sequential(nn.Linear(proj_dim, pred_hidden), nn.BatchNorm1d(pred_hidden),
-                                       nn.ReLU(inplace=True), nn.Linear(pred_hidden, proj_dim))
-        self.target = ContrastiveNet(features, proj_dim, in_channels, normalize=False)
+        self.seed = seed
+        with _seeded(seed):
+            self.online = ContrastiveNet(features, proj_dim, in_channels, normalize=False)
+            self.predictor = nn.Sequential(nn.Linear(proj_dim, pred_hidden), nn.BatchNorm1d(pred_hidden),
+                                           nn.ReLU(inplace=True), nn.Linear(pred_hidden, proj_dim))
+            self.target = ContrastiveNet(features, proj_dim, in_channels, normalize=False)
         self.target.load_state_dict(self.online.state_dict())
         for p in self.target.parameters():
             p.requires_grad_(False)

@@ -37,3 +37,13 @@ def test_registry_and_feature_errors():
         build_model("unet2d", features=[4, 4])
     assert build_model("tiny_unet2d")(torch.rand(1, 1, 32, 32)).shape == (1, 4, 32, 32)
     assert TINY_FEATURES[0] == 4
+
+
+def test_server_models_are_seeded():
+    from fedssl.models.unet import BYOLUNetEncoder, MoCoUNetEncoder, UNet2D
+
+    for cls in (MoCoUNetEncoder, BYOLUNetEncoder, UNet2D):
+        a, b, c = cls(TINY_FEATURES, seed=3), cls(TINY_FEATURES, seed=3), cls(TINY_FEATURES, seed=4)
+        sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+        assert any(not torch.equal(sa[k], sc[k]) for k in sa if sa[k].is_floating_point())

@@ -10,6 +10,7 @@ Ctrl-C (each participant runs in its own process group, killed as a group).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -210,13 +211,11 @@ class LoopbackDeployment:
         marker = self.kits[name] if name else self.workspace
         found = {}
         for p in roots:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):  # a participant that already exited has no tree
                 parent = psutil.Process(p.pid)
                 found[parent.pid] = parent
                 for child in parent.children(recursive=True):
                     found[child.pid] = child
-            except psutil.NoSuchProcess:
-                pass
         for proc in psutil.process_iter(["pid", "cmdline"]):
             args = proc.info.get("cmdline") or []
             # whole path components only: site-1 must not match site-10
@@ -229,10 +228,8 @@ class LoopbackDeployment:
         import psutil
 
         for proc in self._processes_of(name):
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):  # already gone: nothing to kill
                 proc.kill()
-            except psutil.NoSuchProcess:  # already gone
-                pass
         self.procs[name].wait()
 
     def stop(self, grace_s: float = 10.0) -> None:
@@ -243,16 +240,12 @@ class LoopbackDeployment:
         everyone = self._processes_of() if self.procs else []
         for p in self.procs.values():
             if p.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):  # group already gone
                     os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
         gone, alive = psutil.wait_procs(everyone, timeout=grace_s)
         for proc in alive:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):  # exited after the grace period ended
                 proc.kill()
-            except psutil.NoSuchProcess:
-                pass
         psutil.wait_procs(alive, timeout=5)
         for p in self.procs.values():
             p.wait()
@@ -263,11 +256,9 @@ class LoopbackDeployment:
 
         out = []
         for proc in self._processes_of():
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):  # ended while we looked: not a leftover
                 if proc.is_running() and proc.status() != "zombie":
                     out.append(f"{proc.pid}: {' '.join(proc.cmdline())[:200]}")
-            except psutil.NoSuchProcess:  # ended while we looked
-                pass
         return out
 
     def port_in_use(self) -> bool:

@@ -10,6 +10,9 @@ import time
 
 import torch
 
+#: modules that add their own subcommands: each defines ``register(sub)`` (sub = argparse subparsers)
+COMMAND_MODULES: tuple[str, ...] = ()
+
 
 def _cmd_synth(a) -> None:
     from fedssl.data.acdc_synthetic import write_synthetic_acdc
@@ -221,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--n", type=int, nargs="+", default=[1, 2])
     s.add_argument("--epochs", type=int, default=None, help="local fine-tuning epochs (default: quick profile)")
     s.set_defaults(fn=_cmd_demo)
+
+    import importlib
+
+    for module in COMMAND_MODULES:
+        importlib.import_module(module).register(sub)
 
     a = p.parse_args(argv)
     try:

@@ -5,6 +5,7 @@ Pure numpy/torch; FLARE glue unwraps DXOs, calls these, and wraps the result.
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -68,6 +69,15 @@ def weighted_average(states: Sequence[Mapping[str, object]], weights: Sequence[f
         dtype = arrays[0].dtype
         out[k] = np.rint(acc).astype(dtype) if dtype.kind in "iub" else acc.astype(dtype)
     return out
+
+
+def match_keys(keys: Iterable[str], patterns: Sequence[str]) -> list[str]:
+    """The keys (in their order) that match any of the shell-style ``patterns`` (case-sensitive fnmatch).
+
+    ``"encoder.cls_token"`` matches that key only, ``"decoder.*"`` every decoder tensor,
+    ``"*.running_mean"`` every batch-norm running mean.
+    """
+    return [k for k in keys if any(fnmatchcase(k, p) for p in patterns)]
 
 
 def merge_into(base: Mapping[str, object], update: Mapping[str, object]) -> dict[str, object]:

@@ -18,7 +18,7 @@ from nvflare.app_common.abstract.model import ModelLearnableKey
 from nvflare.app_common.app_constant import AppConstants
 
 from fedssl.core.memory_bank import check_bank
-from fedssl.core.state_dict import ContributionError, check_contribution, weighted_average
+from fedssl.core.state_dict import ContributionError, check_contribution, match_keys, weighted_average
 from fedssl.flare.validation import require, require_choice
 
 COLLECTED = "collected"
@@ -26,7 +26,8 @@ WEIGHTINGS = ("num_samples", "num_steps", "uniform")
 
 
 class FedAvgAggregator(Aggregator):
-    def __init__(self, weighting: str = "num_samples", collect_banks: bool = False, optional_prefixes: list = ()):
+    def __init__(self, weighting: str = "num_samples", collect_banks: bool = False, optional_prefixes: list = (),
+                 exclude_patterns: list = ()):
         """
         Args:
             weighting: "num_samples" (meta ``num_samples``: images/volumes, as FCL and SSL-FL weight),
@@ -36,6 +37,10 @@ class FedAvgAggregator(Aggregator):
                 ``["target."]`` when the BYOL target network is uploaded only on some rounds); every
                 contribution of a round must then carry the same key set, and the keys left out keep their
                 previous global value.
+            exclude_patterns: parameter-name patterns (fnmatch, e.g. ``["encoder.cls_token"]``) that sites keep
+                local (PartialModelExclusion on both sides): contributions leave out exactly these keys (all
+                sites of a round alike), which keep their global value; when a round carries them (the last
+                round of a knowledge split) they are averaged like every other key.
         """
         super().__init__()
         name = type(self).__name__
@@ -43,7 +48,10 @@ class FedAvgAggregator(Aggregator):
         require(isinstance(collect_banks, bool), name, "collect_banks", collect_banks, "use true or false")
         require(isinstance(optional_prefixes, (list, tuple)) and all(isinstance(p, str) and p for p in optional_prefixes),
                 name, "optional_prefixes", optional_prefixes, 'use a list of parameter-name prefixes, e.g. ["target."]')
+        require(isinstance(exclude_patterns, (list, tuple)) and all(isinstance(p, str) and p for p in exclude_patterns),
+                name, "exclude_patterns", exclude_patterns, 'use a list of parameter-name patterns, e.g. ["encoder.cls_token"]')
         self.weighting = weighting
+        self.exclude_patterns = list(exclude_patterns)
         self.collect_banks = collect_banks
         self.optional_prefixes = list(optional_prefixes)
         self._states: dict[str, dict] = {}
@@ -65,8 +73,10 @@ class FedAvgAggregator(Aggregator):
 
     def _expected_keys(self, reference: dict, data: dict, site: str) -> set:
         full = set(reference)
-        required = {k for k in full if not k.startswith(tuple(self.optional_prefixes))}
-        expected = full if set(data) - required else required  # all optional groups, or none
+        optional = {k for k in full if k.startswith(tuple(self.optional_prefixes))}
+        optional |= set(match_keys(full, self.exclude_patterns))
+        required = full - optional
+        expected = full if set(data) - required else required  # all optional/excluded keys, or none
         if self._states:
             round_keys = set(next(iter(self._states.values())))
             if expected != round_keys:

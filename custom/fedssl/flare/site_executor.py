@@ -18,6 +18,7 @@ from nvflare.apis.fl_constant import ReturnCode
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable, make_reply
 from nvflare.apis.signal import Signal
+from nvflare.app_common.app_constant import AppConstants
 
 from fedssl.data.site_config import resolve_data_root
 
@@ -73,7 +74,7 @@ class SiteExecutor(Executor):
             self.log_error(fl_ctx, f"{type(self).__name__} cannot run task {task_name!r}; it handles {sorted(self.task_handlers)}")
             return make_reply(ReturnCode.TASK_UNKNOWN)
         try:
-            return getattr(self, handler)(shareable, fl_ctx, abort_signal)
+            reply = getattr(self, handler)(shareable, fl_ctx, abort_signal)
         except TaskAborted:
             self.log_info(fl_ctx, f"task {task_name} aborted")
             return make_reply(ReturnCode.TASK_ABORTED)
@@ -81,3 +82,9 @@ class SiteExecutor(Executor):
             # data, configuration and numerical problems: one clear line naming site and cause
             self.log_error(fl_ctx, f"{self.site_name(fl_ctx)}: task {task_name} failed: {e}")
             return make_reply(ReturnCode.EXECUTION_EXCEPTION)
+        # the round travels with the result, so task-result filters on this site (which run before FLARE
+        # copies the task's cookies over) know which round it is and whether it is the last one
+        for key in (AppConstants.CURRENT_ROUND, AppConstants.NUM_ROUNDS):
+            if shareable.get_header(key) is not None and reply.get_header(key) is None:
+                reply.set_header(key, shareable.get_header(key))
+        return reply

@@ -85,3 +85,24 @@ def test_optional_prefix_groups(tmp_path):
     agg.reset(c)
     assert agg.accept(contribution("site-1", {"online.w": np.ones(2, np.float32), "target.w": np.ones(2, np.float32)}), c)
     assert not agg.accept(contribution("site-2", {"target.w": np.ones(2, np.float32)}), c)  # online is required
+
+
+def test_excluded_keys_may_be_left_out_and_keep_global_value_then_are_averaged_at_the_end(tmp_path):
+    agg, c = FedAvgAggregator(weighting="uniform", exclude_patterns=["b"]), ctx(tmp_path)
+    assert agg.accept(contribution("site-1", {"w": np.array([1.0, 1.0], np.float32)}), c)
+    assert agg.accept(contribution("site-2", {"w": np.array([3.0, 3.0], np.float32)}), c)
+    out = from_shareable(agg.aggregate(c)).data
+    assert set(out) == {"w"}  # "b" keeps its global value (the shareable generator merges)
+    agg.reset(c)  # last round: the locally kept tensors come along and are averaged once
+    assert agg.accept(contribution("site-1", {"w": np.ones(2, np.float32), "b": np.array([1.0], np.float32)}), c)
+    assert agg.accept(contribution("site-2", {"w": np.ones(2, np.float32), "b": np.array([5.0], np.float32)}), c)
+    np.testing.assert_allclose(from_shareable(agg.aggregate(c)).data["b"], [3.0])
+
+
+def test_excluded_keys_must_be_left_out_by_every_site_alike(tmp_path):
+    agg, c = FedAvgAggregator(weighting="uniform", exclude_patterns=["b"]), ctx(tmp_path)
+    assert agg.accept(contribution("site-1", {"w": np.ones(2, np.float32)}), c)
+    assert not agg.accept(contribution("site-2", {"w": np.ones(2, np.float32), "b": np.zeros(1, np.float32)}), c)
+    # a non-excluded key can never be left out
+    assert not FedAvgAggregator(exclude_patterns=["b"]).accept(
+        contribution("site-3", {"b": np.zeros(1, np.float32)}, {"num_samples": 1}), c)

@@ -11,7 +11,7 @@ import time
 import torch
 
 #: modules that add their own subcommands: each defines ``register(sub)`` (sub = argparse subparsers)
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("fedssl.images_cli", "fedssl.sslfl_cli", "fedssl.surgical_cli")
 
 
 def _cmd_synth(a) -> None:

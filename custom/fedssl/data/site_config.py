@@ -48,3 +48,32 @@ def resolve_data_root(arg: str, site: str, site_config_dir: str | None = None) -
     if not os.path.isdir(root):
         raise ValueError(f"{site}: data root {root} (from {source}) is not a directory; check the path")
     return root
+
+
+def _for_site(value, site: str, source: str):
+    """A plain value serves every site; a JSON object is keyed by site name (one simulator setting for all sites)."""
+    if isinstance(value, dict):
+        if site not in value:
+            raise ValueError(f"{site}: {source} maps sites {sorted(value)} but has no entry for {site}; add one")
+        return value[site]
+    return value
+
+
+def resolve_site_setting(arg, key: str, site: str, site_config_dir: str | None = None):
+    """A per-site setting other than the data root (e.g. ``classes``, ``dataset``): ``(value, source)``.
+
+    Resolved, in order, from the executor argument ``arg`` when not empty, then ``key`` in the site's
+    ``local/fedssl_site.json``.  Either may be a plain value (every site) or an object keyed by site name,
+    e.g. ``{"site-1": [...], "site-2": [...]}``.  Nothing configured -> ValueError naming the site and both places.
+    """
+    empty = (None, "", [], {})
+    if arg not in empty:
+        source = f"executor argument {key}"
+        value = _for_site(arg, site, source)
+    else:
+        path = os.path.join(site_config_dir or "", SITE_CONFIG_FILE)
+        source, value = path, _for_site(read_site_config(site_config_dir).get(key), site, path)
+    if value in empty:
+        raise ValueError(f"{site}: no {key} configured; set {key!r} in {SITE_CONFIG_FILE} in the site's local/ folder "
+                         f"or the executor argument {key} (a value, or an object mapping site names to values)")
+    return value, source

@@ -3,6 +3,20 @@
 Listens to FLARE events: after each aggregation it records the round's per-site losses (meta
 ``site_losses`` of the aggregate); at the end of the run it reads the communication records of
 ``CommunicationMeter`` and writes ``summary.json``, ``loss.png`` and ``bytes_per_round.png``.
+
+Other components can add records to the summary (e.g. which tokenizer a BEiT run used):
+
+- a server component calls ``record_in_summary(component, fl_ctx, {"tokenizer": "..."})``: each key becomes a
+  top-level key of ``summary.json``;
+- a site puts a dict under the result meta key ``summary_record`` (e.g. ``{"tokenizer": "local: /path"}``):
+  it lands under ``site_records`` per site, and a key on which every site agrees (and that no server
+  record set) is also copied to the top level.
+
+A round in which some site's accepted contribution lacks keys of the global model (a knowledge split,
+PartialModelExclusion) lists them, as received by the server, under ``keys_not_uploaded`` (site -> keys).
+
+Exchanges that belong to no round (e.g. the federated k-means tasks before round 0) are summed per task
+and direction under ``communication_outside_rounds``.
 """
 
 from __future__ import annotations
@@ -10,16 +24,44 @@ from __future__ import annotations
 import os
 import time
 
-from nvflare.apis.dxo import from_shareable
+from nvflare.apis.dxo import DataKind, from_shareable
 from nvflare.apis.event_type import EventType
+from nvflare.apis.fl_constant import ReservedKey
 from nvflare.apis.fl_component import FLComponent
 from nvflare.apis.fl_context import FLContext
+from nvflare.app_common.abstract.model import ModelLearnableKey
 from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.app_event_type import AppEventType
 
 from fedssl.eval.run_report import read_jsonl, write_run_report
 from fedssl.flare.communication_meter import COMM_FILE
 from fedssl.flare.validation import require
+
+#: event a server component fires (with the record under the same fl_ctx prop) to add keys to summary.json
+SUMMARY_RECORD_EVENT = "fedssl.summary_record"
+#: result meta key under which a site sends a dict of records for the summary
+SITE_RECORD_META = "summary_record"
+#: summary keys this component writes itself (a record cannot overwrite them)
+_OWN_KEYS = ("title", "rounds", "communication_per_round", "bytes_per_site_per_round", "wall_time_s",
+             "site_records", "communication_outside_rounds")
+
+
+def record_in_summary(component: FLComponent, fl_ctx: FLContext, record: dict) -> None:
+    """Add ``record`` (JSON values) to the run summary written by RunSummary at the end of the run."""
+    fl_ctx.set_prop(SUMMARY_RECORD_EVENT, dict(record), private=True, sticky=False)
+    component.fire_event(SUMMARY_RECORD_EVENT, fl_ctx)
+
+
+def outside_rounds(comm_records: list[dict]) -> dict:
+    """Bytes of the exchanges without a round (setup tasks): task -> direction -> {total, exchanges}."""
+    out: dict = {}
+    for r in comm_records:
+        if r.get("round") is not None:
+            continue
+        entry = out.setdefault(str(r.get("task")), {}).setdefault(r["direction"], {"total": 0, "exchanges": 0})
+        entry["total"] += int(r.get("total", 0))
+        entry["exchanges"] += 1
+    return out
 
 
 class RunSummary(FLComponent):
@@ -28,11 +70,24 @@ class RunSummary(FLComponent):
         require(isinstance(title, str) and bool(title), type(self).__name__, "title", title, "use a non-empty string")
         self.title = title
         self._rounds: list[dict] = []
+        self._records: dict = {}
+        self._site_records: dict[str, dict] = {}
+        self._not_uploaded: dict[str, list] = {}  # this round: site -> global keys its contribution lacked
         self._t0 = time.time()
 
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
         if event_type == EventType.START_RUN:
-            self._rounds, self._t0 = [], time.time()
+            self._rounds, self._records, self._site_records, self._not_uploaded = [], {}, {}, {}
+            self._t0 = time.time()
+        elif event_type == SUMMARY_RECORD_EVENT:
+            record = fl_ctx.get_prop(SUMMARY_RECORD_EVENT) or {}
+            clash = sorted(set(record) & set(_OWN_KEYS))
+            if clash:
+                self.log_error(fl_ctx, f"summary record keys {clash} are RunSummary's own; record ignored")
+            else:
+                self._records.update(record)
+        elif event_type == AppEventType.AFTER_CONTRIBUTION_ACCEPT:
+            self._take_site_record(fl_ctx)
         elif event_type == AppEventType.AFTER_AGGREGATION:
             result = fl_ctx.get_prop(AppConstants.AGGREGATION_RESULT)
             try:
@@ -48,17 +103,47 @@ class RunSummary(FLComponent):
                 "site_losses": losses,
                 "mean_loss": sum(losses.values()) / len(losses) if losses else None,
             })
+            if self._not_uploaded:
+                self._rounds[-1]["keys_not_uploaded"] = dict(sorted(self._not_uploaded.items()))
+            self._not_uploaded = {}
             if losses:
                 self.log_info(fl_ctx, f"round {rnd}: mean loss {self._rounds[-1]['mean_loss']:.4f} over {len(losses)} sites")
         elif event_type == EventType.END_RUN:
             run_dir = fl_ctx.get_engine().get_workspace().get_run_dir(fl_ctx.get_job_id())
-            summary = write_run_report(
-                run_dir,
-                title=self.title,
-                rounds=self._rounds,
-                comm_records=read_jsonl(os.path.join(run_dir, COMM_FILE)),
-                extra={"wall_time_s": round(time.time() - self._t0, 2)},
-            )
+            comm = read_jsonl(os.path.join(run_dir, COMM_FILE))
+            summary = write_run_report(run_dir, title=self.title, rounds=self._rounds, comm_records=comm,
+                                       extra=self._extra(comm))
             b = summary["bytes_per_site_per_round"]
             self.log_info(fl_ctx, f"summary written to {run_dir}/summary.json; bytes per site per round: "
                                   f"up {b['upload']:.0f}, down {b['download']:.0f}")
+
+    def _take_site_record(self, fl_ctx: FLContext) -> None:
+        result = fl_ctx.get_prop(AppConstants.TRAINING_RESULT)
+        try:
+            dxo = from_shareable(result)
+        except (ValueError, TypeError, AttributeError):
+            return
+        site = result.get_peer_prop(ReservedKey.IDENTITY_NAME, "?")
+        record = dxo.get_meta_prop(SITE_RECORD_META)
+        if isinstance(record, dict) and record:
+            self._site_records.setdefault(site, {}).update({str(k): v for k, v in record.items()})
+        global_model = fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)
+        if fl_ctx.get_prop(AppConstants.AGGREGATION_ACCEPTED) and global_model and dxo.data_kind == DataKind.WEIGHTS:
+            lacking = sorted(set(global_model[ModelLearnableKey.WEIGHTS]) - set(dxo.data or {}))
+            if lacking:
+                self._not_uploaded[site] = lacking
+
+    def _extra(self, comm_records: list[dict]) -> dict:
+        extra: dict = {"wall_time_s": round(time.time() - self._t0, 2)}
+        if self._site_records:
+            extra["site_records"] = dict(sorted(self._site_records.items()))
+            keys = {k for rec in self._site_records.values() for k in rec}
+            for k in sorted(keys - set(self._records) - set(_OWN_KEYS)):
+                values = [rec.get(k) for rec in self._site_records.values()]
+                if all(v == values[0] for v in values):
+                    extra[k] = values[0]
+        setup = outside_rounds(comm_records)
+        if setup:
+            extra["communication_outside_rounds"] = setup
+        extra.update(self._records)
+        return extra

@@ -6,6 +6,7 @@ from typing import Callable
 
 from torch import nn
 
+from fedssl.models.densenet import DenseNet121, TinyDenseNet
 from fedssl.models.unet import (
     PAPER_FEATURES,
     TINY_FEATURES,
@@ -17,6 +18,17 @@ from fedssl.models.unet import (
     encoder_state_from_global,
     load_encoder_into_unet,
 )
+from fedssl.models.vit import (
+    TINY_DECODER,
+    TINY_VIT,
+    TINY_VOCAB,
+    BEiTViT,
+    MAEViT,
+    ViTClassifier,
+    encoder_state,
+    load_imagenet_weights,
+    load_pretrained_encoder,
+)
 
 _REGISTRY: dict[str, Callable[..., nn.Module]] = {
     "unet2d": lambda **kw: build_unet(**{"features": PAPER_FEATURES, **kw}),
@@ -25,6 +37,14 @@ _REGISTRY: dict[str, Callable[..., nn.Module]] = {
     "tiny_moco_unet2d": lambda **kw: MoCoUNetEncoder(**{"features": TINY_FEATURES, **kw}),
     "byol_unet2d": lambda **kw: BYOLUNetEncoder(**{"features": PAPER_FEATURES, **kw}),
     "tiny_byol_unet2d": lambda **kw: BYOLUNetEncoder(**{"features": TINY_FEATURES, "pred_hidden": 16, **kw}),
+    "densenet121": lambda **kw: DenseNet121(**kw),  # kw: classes=[...] (required), imagenet_path, ...
+    "tiny_densenet": lambda **kw: TinyDenseNet(**kw),
+    "vit_b16_mae": lambda **kw: MAEViT(**kw),
+    "tiny_vit_mae": lambda **kw: MAEViT(**{**TINY_VIT, **TINY_DECODER, **kw}),
+    "vit_b16_beit": lambda **kw: BEiTViT(**kw),
+    "tiny_vit_beit": lambda **kw: BEiTViT(**{**TINY_VIT, "vocab_size": TINY_VOCAB, **kw}),
+    "vit_b16_cls": lambda **kw: ViTClassifier(**kw),  # kw: num_classes (required)
+    "tiny_vit_cls": lambda **kw: ViTClassifier(**{**TINY_VIT, **kw}),
 }
 
 
@@ -36,10 +56,21 @@ def build_model(name: str, **kwargs) -> nn.Module:
 
 __all__ = [
     "PAPER_FEATURES",
+    "TINY_DECODER",
     "TINY_FEATURES",
+    "TINY_VIT",
+    "TINY_VOCAB",
+    "BEiTViT",
+    "MAEViT",
+    "ViTClassifier",
+    "encoder_state",
+    "load_imagenet_weights",
+    "load_pretrained_encoder",
     "BYOLUNetEncoder",
     "ContrastiveNet",
+    "DenseNet121",
     "MoCoUNetEncoder",
+    "TinyDenseNet",
     "UNetEncoder",
     "build_model",
     "build_unet",

@@ -1,0 +1,261 @@
+"""One client's masked-image-modelling pre-training (seed 000 section III-C, Alg. 1), free of any FLARE type.
+
+Losses:
+
+* MAE (seed 000 eq. 4): ``sum_{i in M} |x_i - x^_i|^2 / |M|``, the mean squared pixel error of each patch
+  averaged over the masked patches only (visible patches do not count); with ``norm_pix`` the target
+  patch is normalised by its own mean and variance (MAE's ``norm_pix_loss``).
+* BEiT (seed 000 eq. 3): ``-sum_{i in M} log p(z_i | x^M) / |M|``, cross-entropy of the visual-token id
+  of each masked patch.
+
+:class:`MIMTrainer` keeps the model, AdamW state and mask generator of one client across rounds;
+the learning rate follows :func:`fedssl.core.schedule.warmup_cosine` indexed by round (fractional within
+the round), so a client that restarts from ``state_dict()`` continues the same schedule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedssl.core.masking import block_masking, block_masks, num_masked
+from fedssl.core.patches import normalize_patches
+from fedssl.core.schedule import warmup_cosine
+
+METHODS = ("mae", "beit")
+NO_DECAY_SUFFIXES = ("pos_embed", "cls_token", "mask_token")
+
+
+def mae_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, norm_pix: bool = False) -> torch.Tensor:
+    """``pred``, ``target`` ``[B, L, p*p*C]`` (patchified pixels), ``mask [B, L]`` (True/1 = masked) -> scalar."""
+    if pred.shape != target.shape or tuple(mask.shape) != tuple(pred.shape[:2]):
+        raise ValueError(f"mae_loss: pred {tuple(pred.shape)}, target {tuple(target.shape)}, mask {tuple(mask.shape)}")
+    target = target.float()
+    if norm_pix:
+        target = normalize_patches(target)
+    per_patch = ((pred.float() - target) ** 2).mean(dim=-1)  # [B, L]
+    m = mask.to(per_patch.dtype)
+    n = m.sum()
+    if n == 0:
+        raise ValueError("mae_loss: no masked patch; the loss is defined on masked patches only")
+    return (per_patch * m).sum() / n
+
+
+def beit_loss(logits: torch.Tensor, token_ids: torch.Tensor, bool_masked_pos: torch.Tensor) -> torch.Tensor:
+    """``logits [M, V]`` for the masked positions of ``bool_masked_pos [B, L]`` (row-major order),
+    ``token_ids [B, L]`` -> mean cross-entropy over the masked positions."""
+    mask = bool_masked_pos.to(torch.bool)
+    targets = token_ids.to(logits.device)[mask.to(logits.device)]
+    if logits.dim() != 2 or logits.shape[0] != targets.shape[0]:
+        raise ValueError(f"beit_loss: {logits.shape[0]} logit rows for {targets.shape[0]} masked positions")
+    if targets.numel() == 0:
+        raise ValueError("beit_loss: no masked position")
+    return F.cross_entropy(logits.float(), targets)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: weight decay on weight matrices; none on norms, biases, layer scales (1-D), position
+    embeddings, class and mask tokens (MAE / BEiT ``param_groups_weight_decay``).  Frozen tensors (fixed
+    sin-cos position embeddings) are left out."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim <= 1 or name.endswith(NO_DECAY_SUFFIXES) else decay).append(p)
+    return [{"params": decay, "weight_decay": float(weight_decay)}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class MIMTrainer:
+    """Local Fed-MAE / Fed-BEiT training of one client.
+
+    ``method="mae"``: ``model(imgs, mask_ratio, generator)`` -> ``(loss, pred, mask)`` (:class:`MAEViT`).
+    ``method="beit"``: ``mask_ratio`` is the block-masking budget (0.4); per sample a block mask, targets
+    ``tokenizer.encode(imgs)`` at the masked positions, ``model(imgs, mask)`` -> logits (:class:`BEiTViT`).
+
+    The executor loads the global model into ``trainer.model`` in place (``load_state_dict``) so the
+    optimiser keeps its state across rounds.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        method: str,
+        lr: float,
+        weight_decay: float = 0.05,
+        betas: tuple[float, float] = (0.9, 0.999),
+        warmup_rounds: float = 5,
+        total_rounds: float = 1600,
+        mask_ratio: float = 0.6,
+        tokenizer: object | None = None,
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+        *,
+        min_lr: float = 0.0,
+        clip_grad: float | None = None,
+        min_block: int | None = None,
+        amp: bool = False,
+    ):
+        if method not in METHODS:
+            raise ValueError(f"MIMTrainer: method={method!r}; use one of {list(METHODS)}")
+        if not (float(lr) > 0 and 0 <= float(min_lr) <= float(lr)):
+            raise ValueError(f"MIMTrainer: lr={lr!r}, min_lr={min_lr!r}; need lr > 0 and 0 <= min_lr <= lr")
+        if not (float(total_rounds) > 0 and 0 <= float(warmup_rounds) <= float(total_rounds)):
+            raise ValueError(
+                f"MIMTrainer: warmup_rounds={warmup_rounds!r}, total_rounds={total_rounds!r}; need "
+                "0 <= warmup_rounds <= total_rounds (paper: MAE 5 / 1600, BEiT 10 / 1000)"
+            )
+        if float(weight_decay) < 0 or len(tuple(betas)) != 2:
+            raise ValueError(f"MIMTrainer: weight_decay={weight_decay!r}, betas={betas!r} (paper: 0.05, (0.9, 0.999))")
+        if clip_grad is not None and not float(clip_grad) > 0:
+            raise ValueError(f"MIMTrainer: clip_grad={clip_grad!r} must be > 0 or None (SSL-FL BEiT: 3.0)")
+        self.model = model.to(device)
+        self.method = method
+        self.lr, self.min_lr = float(lr), float(min_lr)
+        self.weight_decay, self.betas = float(weight_decay), tuple(float(b) for b in betas)
+        self.warmup_rounds, self.total_rounds = float(warmup_rounds), float(total_rounds)
+        self.mask_ratio = float(mask_ratio)
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.seed = int(seed)
+        self.clip_grad = None if clip_grad is None else float(clip_grad)
+        self.min_block = min_block
+        self.amp = bool(amp)
+        self.num_patches = int(getattr(model, "num_patches"))
+        self.grid_size = tuple(getattr(model, "grid_size"))
+        self._check_method_setup()
+        self.generator = torch.Generator().manual_seed(self.seed)
+        self.optimizer = torch.optim.AdamW(param_groups(self.model, self.weight_decay), lr=self.lr, betas=self.betas)
+        self.step = 0  # optimiser steps taken, all rounds
+        self.rounds_done = 0
+        self.last_stats: dict = {}
+
+    def _check_method_setup(self) -> None:
+        if self.method == "mae":
+            num_masked(self.num_patches, self.mask_ratio)  # raises on a bad ratio
+            return
+        block_masking(*self.grid_size, self.mask_ratio, self.min_block, torch.Generator().manual_seed(0))
+        tok = self.tokenizer
+        if tok is None or not callable(getattr(tok, "encode", None)):
+            raise ValueError("MIMTrainer: method 'beit' needs a tokenizer with encode(imgs) -> ids [B, L]")
+        vocab = int(getattr(self.model, "vocab_size"))
+        if getattr(tok, "vocab_size", None) is not None and int(tok.vocab_size) != vocab:
+            raise ValueError(
+                f"MIMTrainer: tokenizer has {tok.vocab_size} tokens but the model predicts {vocab}; "
+                "set the model's vocab_size to the codebook size"
+            )
+        if getattr(tok, "patch_size", None) is not None and int(tok.patch_size) != int(self.model.patch_size):
+            raise ValueError(
+                f"MIMTrainer: tokenizer patch size {tok.patch_size} differs from the model's {self.model.patch_size}"
+            )
+
+    def lr_at(self, progress: float) -> float:
+        return warmup_cosine(progress, self.lr, self.warmup_rounds, self.total_rounds, self.min_lr)
+
+    def _autocast(self):
+        if not self.amp:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+    def compute_loss(self, imgs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """The MIM loss of one batch of normalised images ``[B, 3, H, W]`` (masks drawn from ``generator``)."""
+        g = self.generator if generator is None else generator
+        imgs = imgs.to(self.device, non_blocking=True).float()
+        if self.method == "mae":
+            with self._autocast():
+                loss, _, _ = self.model(imgs, self.mask_ratio, generator=g)
+            return loss
+        mask = block_masks(imgs.shape[0], *self.grid_size, self.mask_ratio, self.min_block, g).to(self.device)
+        ids = self.tokenizer.encode(imgs)  # full precision: token targets must not depend on autocast
+        vocab = int(self.model.vocab_size)
+        if tuple(ids.shape) != tuple(mask.shape) or int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise ValueError(
+                f"tokenizer returned ids {tuple(ids.shape)} in [{int(ids.min())}, {int(ids.max())}]; expected "
+                f"{tuple(mask.shape)} in [0, {vocab}) (one id per patch of the model's grid)"
+            )
+        with self._autocast():
+            logits = self.model(imgs, mask)
+        return beit_loss(logits, ids, mask)
+
+    def train_round(
+        self,
+        batches: Iterable,
+        round_idx: int,
+        steps_per_round: int | None = None,
+        progress: Callable[[int, float], None] | None = None,
+    ) -> float:
+        """One local pass over ``batches`` (tensors ``[B, 3, H, W]`` or ``(imgs, labels)`` tuples) in round
+        ``round_idx`` (0-based); the lr of step ``s`` is ``warmup_cosine(round_idx + s / steps_per_round)``.
+        Returns the mean loss; ``last_stats`` holds steps, images, lr range."""
+        if steps_per_round is None:
+            try:
+                steps_per_round = len(batches)  # type: ignore[arg-type]
+            except TypeError:
+                raise ValueError("train_round: pass steps_per_round when batches is an iterator") from None
+        steps_per_round = max(int(steps_per_round), 1)
+        self.model.train()
+        losses: list[float] = []
+        n_images = 0
+        lrs: list[float] = []
+        for step, batch in enumerate(batches):
+            imgs = batch[0] if isinstance(batch, (tuple, list)) else batch
+            lr = self.lr_at(round_idx + min(step / steps_per_round, 1.0))
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            loss = self.compute_loss(imgs)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(
+                    f"{self.method.upper()} loss became {loss.item()} at round {round_idx} step {step} (lr {lr:.3g}); "
+                    "lower the learning rate or enable clip_grad"
+                )
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if self.clip_grad is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad)
+            self.optimizer.step()
+            self.step += 1
+            losses.append(float(loss.item()))
+            lrs.append(lr)
+            n_images += int(imgs.shape[0])
+            if progress is not None:
+                progress(step, losses[-1])
+        if not losses:
+            raise ValueError(f"no training batch in round {round_idx}: the site has fewer images than one batch")
+        self.rounds_done = int(round_idx) + 1
+        mean = sum(losses) / len(losses)
+        self.last_stats = {"loss": mean, "steps": len(losses), "images": n_images, "lr_start": lrs[0],
+                           "lr_end": lrs[-1], "round": int(round_idx)}
+        return mean
+
+    @torch.no_grad()
+    def eval_loss(self, imgs: torch.Tensor, seed: int = 0) -> float:
+        """Loss of a fixed batch with masks drawn from a fresh generator seeded ``seed`` (model in eval mode)."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return float(self.compute_loss(imgs, torch.Generator().manual_seed(int(seed))).item())
+        finally:
+            self.model.train(was_training)
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "generator": self.generator.get_state(),
+            "step": self.step,
+            "rounds_done": self.rounds_done,
+            "method": self.method,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("method", self.method) != self.method:
+            raise ValueError(f"checkpoint was written by a {state['method']!r} trainer, this one is {self.method!r}")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))  # never alias the source's buffers
+        self.generator.set_state(state["generator"])
+        self.step = int(state["step"])
+        self.rounds_done = int(state["rounds_done"])

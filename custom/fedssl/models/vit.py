@@ -1,0 +1,460 @@
+"""ViT models of SSL-FL (seed 000) and FedMAE (seed 001 section IV), built from timm's VisionTransformer blocks.
+
+* :class:`MAEViT` - MAE (He et al. 2022): random masking of patch tokens, the ViT encoder sees only the
+  visible tokens (+ class token), a lightweight ViT decoder gets the encoded tokens, a learnable mask token
+  and position embeddings, and regresses the pixels of every patch; MSE on the masked patches only
+  (seed 000 eq. 4).
+* :class:`BEiTViT` - BEiT (Bao et al. 2022): the embeddings of masked patches are replaced by a learnable
+  mask embedding, the encoder sees all tokens, a linear head predicts the visual-token id of each masked
+  patch (seed 000 eq. 3).  Absolute position embeddings (BEiT's shared relative position bias is not used,
+  so the encoder is a plain timm ViT that loads into :class:`ViTClassifier`).
+* :class:`ViTClassifier` - the fine-tuning network: the same encoder, average-pooled patch tokens ->
+  ``fc_norm`` -> linear ``head`` (seed 000 section III-D).
+
+Parameter names are a contract with the FLARE glue (FedMAE knowledge split and Table V of seed 001 select
+tensors by pattern):
+
+* ``encoder.cls_token`` - the class embedding (the "local knowledge" of FedMAE-KS),
+* ``encoder.pos_embed``, ``encoder.patch_embed.proj.{weight,bias}`` ("patch projection", the linear
+  projection at the encoder's input), ``encoder.blocks.<i>.*``, ``encoder.norm.*``,
+* MAE decoder: ``decoder.embed.*`` ("decoder projection", the linear projection at the decoder's input,
+  encoder width -> decoder width), ``decoder.mask_token``, ``decoder.pos_embed``, ``decoder.blocks.*``,
+  ``decoder.norm.*``, ``decoder.pred.*`` (decoder width -> p*p*3 pixels),
+* BEiT: ``mask_token``, ``lm_head.*``; classifier: ``fc_norm.*``, ``head.*``.
+
+The classifier has no ``encoder.norm``: with average pooling the final norm is replaced by ``fc_norm``
+(MAE and BEiT fine-tuning code), so a pre-trained ``encoder.norm`` is reported as ignored.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+import torch
+from timm.layers import LayerNorm, resample_abs_pos_embed, trunc_normal_
+from timm.models.vision_transformer import Block, VisionTransformer
+from torch import nn
+
+from fedssl.core.masking import random_masking
+from fedssl.core.mim import mae_loss
+from fedssl.core.patches import patchify
+from fedssl.models.unet import _seeded
+
+#: Tiny twin for unit tests and quick CPU runs: 32 px images, 4 px patches (8 x 8 grid).
+TINY_VIT: dict = {"img_size": 32, "patch_size": 4, "embed_dim": 48, "depth": 2, "num_heads": 3}
+TINY_DECODER: dict = {"decoder_embed_dim": 32, "decoder_depth": 1, "decoder_num_heads": 2}
+TINY_VOCAB = 64
+
+POS_EMBED_TYPES = ("sincos", "learned")
+
+
+def check_vit_args(img_size: int, patch_size: int, embed_dim: int, num_heads: int, what: str = "ViT") -> int:
+    """Validate the geometry; returns the grid side ``img_size // patch_size``."""
+    values = (img_size, patch_size, embed_dim, num_heads)
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)
+    if not ok or img_size % patch_size or img_size // patch_size < 2:
+        raise ValueError(
+            f"{what}: img_size={img_size!r}, patch_size={patch_size!r} must be positive integers with img_size a "
+            "multiple of patch_size and at least 2 x 2 patches (paper: 224 / 16)"
+        )
+    if embed_dim % num_heads or embed_dim % 4:
+        raise ValueError(
+            f"{what}: embed_dim={embed_dim} must be divisible by num_heads={num_heads} and by 4 (paper: 768 / 12)"
+        )
+    return img_size // patch_size
+
+
+def sincos_pos_embed(embed_dim: int, grid_h: int, grid_w: int, cls_token: bool = True) -> torch.Tensor:
+    """MAE's fixed 2D sin-cos position embedding ``[1, (1 +) grid_h*grid_w, D]`` (class-token row = 0).
+    Half of the channels encode the column, half the row (MAE ``get_2d_sincos_pos_embed``)."""
+    if embed_dim % 4:
+        raise ValueError(f"sin-cos position embedding needs embed_dim divisible by 4, got {embed_dim}")
+
+    def one_d(d: int, pos: torch.Tensor) -> torch.Tensor:  # [M] -> [M, d]
+        omega = 1.0 / 10000 ** (torch.arange(d // 2, dtype=torch.float64) / (d / 2.0))
+        out = pos.reshape(-1, 1).to(torch.float64) * omega[None, :]
+        return torch.cat([torch.sin(out), torch.cos(out)], dim=1)
+
+    rows, cols = torch.meshgrid(torch.arange(grid_h), torch.arange(grid_w), indexing="ij")
+    emb = torch.cat([one_d(embed_dim // 2, cols), one_d(embed_dim // 2, rows)], dim=1)  # [L, D]
+    if cls_token:
+        emb = torch.cat([torch.zeros(1, embed_dim, dtype=torch.float64), emb], dim=0)
+    return emb.float().unsqueeze(0)
+
+
+def _vit_encoder(
+    img_size: int,
+    patch_size: int,
+    embed_dim: int,
+    depth: int,
+    num_heads: int,
+    mlp_ratio: float,
+    drop_path_rate: float = 0.0,
+    layer_scale: float | None = None,
+    final_norm: bool = True,
+    fix_init: bool = False,
+) -> VisionTransformer:
+    """A timm ViT without head: state-dict keys cls_token, pos_embed, patch_embed.proj.*, blocks.*, norm.*."""
+    return VisionTransformer(
+        img_size=img_size,
+        patch_size=patch_size,
+        in_chans=3,
+        num_classes=0,
+        global_pool="",
+        embed_dim=embed_dim,
+        depth=depth,
+        num_heads=num_heads,
+        mlp_ratio=mlp_ratio,
+        qkv_bias=True,
+        init_values=layer_scale,
+        class_token=True,
+        final_norm=final_norm,
+        fc_norm=False,
+        drop_path_rate=drop_path_rate,
+        fix_init=fix_init,
+    )
+
+
+def _init_mae_module(m: nn.Module) -> None:
+    """MAE's initialisation: xavier-uniform Linear, zero bias, unit LayerNorm."""
+    if isinstance(m, nn.Linear):
+        nn.init.xavier_uniform_(m.weight)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.LayerNorm):
+        nn.init.ones_(m.weight)
+        nn.init.zeros_(m.bias)
+
+
+class MAEDecoder(nn.Module):
+    """MAE's lightweight decoder: ``embed`` (encoder width -> decoder width), mask token, position
+    embedding, ViT blocks, norm, ``pred`` (-> p*p*3 pixels per patch)."""
+
+    def __init__(self, num_patches: int, grid: tuple[int, int], patch_size: int, embed_dim: int,
+                 decoder_embed_dim: int, depth: int, num_heads: int, mlp_ratio: float, pos_embed_type: str):
+        super().__init__()
+        self.embed = nn.Linear(embed_dim, decoder_embed_dim)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, decoder_embed_dim))
+        learned = pos_embed_type == "learned"
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_patches + 1, decoder_embed_dim), requires_grad=learned)
+        self.blocks = nn.Sequential(*[
+            Block(decoder_embed_dim, num_heads, mlp_ratio, qkv_bias=True, norm_layer=LayerNorm) for _ in range(depth)
+        ])
+        self.norm = LayerNorm(decoder_embed_dim)
+        self.pred = nn.Linear(decoder_embed_dim, patch_size * patch_size * 3)
+        with torch.no_grad():
+            if learned:
+                trunc_normal_(self.pos_embed, std=0.02)
+            else:
+                self.pos_embed.copy_(sincos_pos_embed(decoder_embed_dim, *grid))
+
+    def forward(self, latent: torch.Tensor, ids_restore: torch.Tensor) -> torch.Tensor:
+        """``latent [B, 1 + V, D]`` (class token first, visible patches in shuffled order), ``ids_restore
+        [B, L]`` -> pixel predictions ``[B, L, p*p*3]`` in patch order."""
+        x = self.embed(latent)  # [B, 1+V, Dd]
+        b, l = ids_restore.shape
+        mask_tokens = self.mask_token.expand(b, l + 1 - x.shape[1], -1)
+        x_ = torch.cat([x[:, 1:], mask_tokens], dim=1)  # [B, L, Dd] shuffled order
+        x_ = torch.gather(x_, 1, ids_restore.unsqueeze(-1).expand(-1, -1, x.shape[2]))  # patch order
+        x = torch.cat([x[:, :1], x_], dim=1) + self.pos_embed
+        x = self.norm(self.blocks(x))
+        return self.pred(x)[:, 1:]
+
+
+class MAEViT(nn.Module):
+    """Masked autoencoder with a ViT encoder (keys ``encoder.*``) and decoder (keys ``decoder.*``).
+
+    ``forward(imgs, mask_ratio)`` -> ``(loss, pred [B, L, p*p*3], mask [B, L] bool, True = masked)``.
+    Position embeddings are MAE's fixed sin-cos (``pos_embed_type="sincos"``, not trained) or learned.
+    """
+
+    def __init__(
+        self,
+        img_size: int = 224,
+        patch_size: int = 16,
+        embed_dim: int = 768,
+        depth: int = 12,
+        num_heads: int = 12,
+        decoder_embed_dim: int = 512,
+        decoder_depth: int = 8,
+        decoder_num_heads: int = 16,
+        mlp_ratio: float = 4.0,
+        norm_pix_loss: bool = False,
+        seed: int | None = 0,
+        pos_embed_type: str = "sincos",
+        drop_path_rate: float = 0.0,
+    ):
+        super().__init__()
+        grid = check_vit_args(img_size, patch_size, embed_dim, num_heads, "MAEViT")
+        check_vit_args(img_size, patch_size, decoder_embed_dim, decoder_num_heads, "MAEViT decoder")
+        if pos_embed_type not in POS_EMBED_TYPES:
+            raise ValueError(f"MAEViT: pos_embed_type={pos_embed_type!r}; use one of {list(POS_EMBED_TYPES)}")
+        self.img_size, self.patch_size, self.embed_dim, self.depth, self.num_heads = (
+            img_size, patch_size, embed_dim, depth, num_heads)
+        self.decoder_embed_dim, self.decoder_depth, self.decoder_num_heads = (
+            decoder_embed_dim, decoder_depth, decoder_num_heads)
+        self.mlp_ratio, self.norm_pix_loss, self.seed = mlp_ratio, bool(norm_pix_loss), seed
+        self.pos_embed_type, self.drop_path_rate = pos_embed_type, drop_path_rate
+        self.grid_size = (grid, grid)
+        self.num_patches = grid * grid
+        with _seeded(seed):
+            self.encoder = _vit_encoder(img_size, patch_size, embed_dim, depth, num_heads, mlp_ratio, drop_path_rate)
+            self.decoder = MAEDecoder(self.num_patches, self.grid_size, patch_size, embed_dim, decoder_embed_dim,
+                                      decoder_depth, decoder_num_heads, mlp_ratio, pos_embed_type)
+            self._init_weights()
+
+    def _init_weights(self) -> None:
+        enc = self.encoder
+        with torch.no_grad():
+            if self.pos_embed_type == "sincos":
+                enc.pos_embed.copy_(sincos_pos_embed(self.embed_dim, *self.grid_size))
+                enc.pos_embed.requires_grad_(False)
+            w = enc.patch_embed.proj.weight
+            nn.init.xavier_uniform_(w.view(w.shape[0], -1))  # like nn.Linear
+            nn.init.normal_(enc.cls_token, std=0.02)
+            nn.init.normal_(self.decoder.mask_token, std=0.02)
+        self.apply(_init_mae_module)
+
+    def forward_encoder(
+        self, imgs: torch.Tensor, mask_ratio: float, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> latent ``[B, 1 + V, D]`` (class token + visible patches), mask ``[B, L]``, ids_restore ``[B, L]``."""
+        enc = self.encoder
+        x = enc.patch_embed(imgs)  # [B, L, D]
+        b, l, d = x.shape
+        x = x + enc.pos_embed[:, 1:]
+        ids_keep, mask, ids_restore = random_masking(b, l, mask_ratio, generator)
+        ids_keep, mask, ids_restore = ids_keep.to(x.device), mask.to(x.device), ids_restore.to(x.device)
+        x = torch.gather(x, 1, ids_keep.unsqueeze(-1).expand(-1, -1, d))  # [B, V, D]
+        cls = (enc.cls_token + enc.pos_embed[:, :1]).expand(b, -1, -1)
+        x = torch.cat([cls, x], dim=1)
+        x = enc.norm(enc.blocks(x))
+        return x, mask, ids_restore
+
+    def forward(
+        self, imgs: torch.Tensor, mask_ratio: float = 0.75, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        latent, mask, ids_restore = self.forward_encoder(imgs, mask_ratio, generator)
+        pred = self.decoder(latent, ids_restore)  # [B, L, p*p*3]
+        loss = mae_loss(pred, patchify(imgs, self.patch_size), mask, norm_pix=self.norm_pix_loss)
+        return loss, pred, mask
+
+
+class BEiTViT(nn.Module):
+    """BEiT masked image modelling: ``forward(imgs, bool_masked_pos [B, L])`` -> logits ``[n_masked, vocab]``
+    (masked positions in row-major order, sample by sample, as ``token_ids[bool_masked_pos]``)."""
+
+    def __init__(
+        self,
+        img_size: int = 224,
+        patch_size: int = 16,
+        embed_dim: int = 768,
+        depth: int = 12,
+        num_heads: int = 12,
+        vocab_size: int = 8192,
+        seed: int | None = 0,
+        mlp_ratio: float = 4.0,
+        drop_path_rate: float = 0.1,
+        layer_scale: float | None = 0.1,
+    ):
+        super().__init__()
+        grid = check_vit_args(img_size, patch_size, embed_dim, num_heads, "BEiTViT")
+        if not (isinstance(vocab_size, int) and vocab_size >= 2):
+            raise ValueError(f"BEiTViT: vocab_size={vocab_size!r} must be an integer >= 2 (DALL-E: 8192)")
+        self.img_size, self.patch_size, self.embed_dim, self.depth, self.num_heads = (
+            img_size, patch_size, embed_dim, depth, num_heads)
+        self.vocab_size, self.seed, self.mlp_ratio = vocab_size, seed, mlp_ratio
+        self.drop_path_rate, self.layer_scale = drop_path_rate, layer_scale
+        self.grid_size = (grid, grid)
+        self.num_patches = grid * grid
+        with _seeded(seed):
+            self.encoder = _vit_encoder(img_size, patch_size, embed_dim, depth, num_heads, mlp_ratio,
+                                        drop_path_rate, layer_scale, fix_init=True)
+            self.mask_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+            self.lm_head = nn.Linear(embed_dim, vocab_size)
+            with torch.no_grad():  # BEiT: truncated normal 0.02 for tokens and linear layers
+                trunc_normal_(self.encoder.cls_token, std=0.02)
+                trunc_normal_(self.mask_token, std=0.02)
+                trunc_normal_(self.lm_head.weight, std=0.02)
+                nn.init.zeros_(self.lm_head.bias)
+
+    def forward_features(self, imgs: torch.Tensor, bool_masked_pos: torch.Tensor) -> torch.Tensor:
+        """Encoded patch tokens ``[B, L, D]`` with masked patches replaced by the mask embedding."""
+        enc = self.encoder
+        x = enc.patch_embed(imgs)  # [B, L, D]
+        b, l, _ = x.shape
+        if tuple(bool_masked_pos.shape) != (b, l):
+            raise ValueError(f"bool_masked_pos has shape {tuple(bool_masked_pos.shape)}, expected ({b}, {l})")
+        w = bool_masked_pos.to(device=x.device, dtype=x.dtype).unsqueeze(-1)
+        x = x * (1.0 - w) + self.mask_token.expand(b, l, -1) * w
+        x = torch.cat([enc.cls_token.expand(b, -1, -1), x], dim=1) + enc.pos_embed
+        x = enc.norm(enc.blocks(enc.pos_drop(x)))
+        return x[:, 1:]
+
+    def forward(self, imgs: torch.Tensor, bool_masked_pos: torch.Tensor) -> torch.Tensor:
+        x = self.forward_features(imgs, bool_masked_pos)
+        return self.lm_head(x[bool_masked_pos.to(device=x.device, dtype=torch.bool)])  # [n_masked, vocab]
+
+
+class ViTClassifier(nn.Module):
+    """Fine-tuning ViT: encoder (keys ``encoder.*``, no final norm) -> mean of the patch tokens -> ``fc_norm``
+    -> ``head``.  ``layer_scale`` must equal the pre-training encoder's (BEiTViT default 0.1, MAE none)."""
+
+    def __init__(
+        self,
+        num_classes: int,
+        img_size: int = 224,
+        patch_size: int = 16,
+        embed_dim: int = 768,
+        depth: int = 12,
+        num_heads: int = 12,
+        drop_path_rate: float = 0.1,
+        seed: int | None = 0,
+        mlp_ratio: float = 4.0,
+        layer_scale: float | None = None,
+    ):
+        super().__init__()
+        grid = check_vit_args(img_size, patch_size, embed_dim, num_heads, "ViTClassifier")
+        if not (isinstance(num_classes, int) and not isinstance(num_classes, bool) and num_classes >= 2):
+            raise ValueError(f"ViTClassifier: num_classes={num_classes!r} must be an integer >= 2")
+        self.num_classes, self.img_size, self.patch_size, self.embed_dim, self.depth, self.num_heads = (
+            num_classes, img_size, patch_size, embed_dim, depth, num_heads)
+        self.drop_path_rate, self.seed, self.mlp_ratio, self.layer_scale = drop_path_rate, seed, mlp_ratio, layer_scale
+        self.grid_size = (grid, grid)
+        self.num_patches = grid * grid
+        with _seeded(seed):
+            self.encoder = _vit_encoder(img_size, patch_size, embed_dim, depth, num_heads, mlp_ratio,
+                                        drop_path_rate, layer_scale, final_norm=False)
+            self.fc_norm = LayerNorm(embed_dim)
+            self.head = nn.Linear(embed_dim, num_classes)
+            with torch.no_grad():
+                trunc_normal_(self.head.weight, std=0.02)
+                nn.init.zeros_(self.head.bias)
+
+    def forward_features(self, imgs: torch.Tensor) -> torch.Tensor:
+        """Pooled, normalised representation ``[B, D]``."""
+        x = self.encoder.forward_features(imgs)  # [B, 1+L, D]
+        return self.fc_norm(x[:, self.encoder.num_prefix_tokens:].mean(dim=1))
+
+    def forward(self, imgs: torch.Tensor) -> torch.Tensor:
+        return self.head(self.forward_features(imgs))  # [B, num_classes]
+
+
+# --------------------------------------------------------------------------- pre-trained weights
+
+
+def encoder_state(state_dict: Mapping[str, object]) -> dict:
+    """The ``encoder.*`` entries (keys unchanged) of a pre-training global model (MAE or BEiT)."""
+    enc = {k: v for k, v in state_dict.items() if k.startswith("encoder.")}
+    if not enc:
+        raise ValueError(
+            f"no key starts with 'encoder.' (first keys: {sorted(state_dict)[:3]}); pass the global model of a "
+            "Fed-MAE / Fed-BEiT pre-training run (FL_global_model.pt)"
+        )
+    return enc
+
+
+def read_state_dict(path: str) -> dict:
+    """State dict of a file: FLARE's ``FL_global_model.pt`` / PTFileModelPersistor ``{"model": ...}``, a
+    ``{"state_dict": ...}`` checkpoint, a plain state dict, or a ``.safetensors`` file; values as tensors."""
+    if not os.path.isfile(path):
+        raise ValueError(f"pre-trained model {path} does not exist; pass the FL_global_model.pt of a pre-training run")
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            data = load_file(path)
+        else:
+            data = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - name the file and the reason
+        raise ValueError(f"pre-trained model {path} cannot be read: {e}") from None
+    for key in ("model", "state_dict"):
+        if isinstance(data, dict) and isinstance(data.get(key), dict):
+            data = data[key]
+            break
+    if not isinstance(data, dict) or not data:
+        raise ValueError(f"{path} holds no state dict (got {type(data).__name__})")
+    try:
+        return {str(k): torch.as_tensor(v) for k, v in data.items()}
+    except (TypeError, RuntimeError) as e:
+        raise ValueError(f"{path} is not a state dict of tensors: {e}") from None
+
+
+def load_encoder_state(classifier: nn.Module, state: Mapping[str, object], source: str = "state dict") -> dict:
+    """Load the ``encoder.*`` tensors of ``state`` 1:1 into ``classifier`` (every encoder key by name and
+    shape; ``encoder.pos_embed`` is resampled when only the patch grid differs).
+
+    Returns ``{"loaded": n, "missing": [...], "ignored": [...]}``: missing = classifier keys left at their
+    initial value (``fc_norm.*``, ``head.*``), ignored = keys of ``state`` not used (decoder, BEiT head,
+    ``encoder.norm.*``).  Raises ValueError naming ``source`` if no encoder key is present, the encoder
+    architectures differ (keys) or a shape differs.
+    """
+    own = classifier.state_dict()
+    own_enc = [k for k in own if k.startswith("encoder.")]
+    given = {k: torch.as_tensor(v) for k, v in state.items() if k.startswith("encoder.")}
+    if not given:
+        raise ValueError(
+            f"{source}: no 'encoder.*' key matches the classifier (first keys: {sorted(state)[:3]}); pass the "
+            "global model of a Fed-MAE / Fed-BEiT pre-training run"
+        )
+    unexpected = sorted(k for k in given if k not in own and not k.startswith("encoder.norm."))
+    missing_enc = sorted(k for k in own_enc if k not in given)
+    if unexpected or missing_enc:
+        raise ValueError(
+            f"{source}: the pre-trained encoder does not match the classifier (unexpected {unexpected[:4]}, "
+            f"missing {missing_enc[:4]}); build the classifier with the pre-training depth, embed_dim and "
+            "layer_scale (BEiTViT uses layer_scale 0.1)"
+        )
+    for k in own_enc:
+        v = given[k]
+        if k == "encoder.pos_embed" and v.dim() == 3 and v.shape[-1] == own[k].shape[-1] and v.shape != own[k].shape:
+            gh, gw = classifier.encoder.patch_embed.grid_size
+            v = resample_abs_pos_embed(v.float(), new_size=[gh, gw], num_prefix_tokens=1)
+        if tuple(v.shape) != tuple(own[k].shape):
+            raise ValueError(
+                f"{source}: {k!r} has shape {tuple(v.shape)} but the classifier expects {tuple(own[k].shape)}; "
+                "use the pre-training img_size / patch_size / embed_dim"
+            )
+        own[k] = v.to(own[k].dtype)
+    classifier.load_state_dict(own)
+    return {
+        "loaded": len(own_enc),
+        "missing": sorted(k for k in own if not k.startswith("encoder.")),
+        "ignored": sorted(k for k in state if k not in own),
+    }
+
+
+def load_pretrained_encoder(classifier: nn.Module, path: str | Mapping[str, object]) -> dict:
+    """Initialise the classifier's encoder from a pre-training global model: a path to FLARE's
+    ``FL_global_model.pt`` (PTFileModelPersistor format) or a plain state-dict file, or a state dict."""
+    if isinstance(path, Mapping):
+        return load_encoder_state(classifier, path)
+    return load_encoder_state(classifier, read_state_dict(path), source=str(path))
+
+
+def load_imagenet_weights(classifier: nn.Module, path: str) -> dict:
+    """Initialise the encoder from a local timm ViT checkpoint (e.g. ``vit_base_patch16_224``'s
+    ``model.safetensors`` / ``pytorch_model.bin``): its keys (``cls_token``, ``blocks.*`` ...) map to
+    ``encoder.*``; its ImageNet head is ignored."""
+    state = read_state_dict(path)
+    if not any(k.startswith("encoder.") for k in state):  # timm names -> encoder.*; ImageNet head kept apart
+        state = {("imagenet." if k.startswith(("head.", "fc_norm.")) else "encoder.") + k: v for k, v in state.items()}
+    return load_encoder_state(classifier, state, source=path)
+
+
+__all__ = [
+    "TINY_DECODER",
+    "TINY_VIT",
+    "TINY_VOCAB",
+    "BEiTViT",
+    "MAEDecoder",
+    "MAEViT",
+    "ViTClassifier",
+    "encoder_state",
+    "load_encoder_state",
+    "load_imagenet_weights",
+    "load_pretrained_encoder",
+    "read_state_dict",
+    "sincos_pos_embed",
+]

@@ -1,0 +1,71 @@
+"""Tests for the synthetic retina / derm / covidfl writers (fedssl.data.image_synthetic)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from fedssl.data.image_synthetic import _source_params, render, write_synthetic_images
+from fedssl.data.images import class_names, load_image_records
+
+
+def _mean(dataset, cls, source, n=12, size=32, **kw):
+    return np.stack([render(dataset, cls, source, np.random.default_rng(i), size, **kw) for i in range(n)])
+
+
+def test_class_is_visible_in_the_pixels():
+    src = _source_params("retina", 0, 1)[0]
+    # the same random stream draws the same fundus, so the difference between levels is the lesions only
+    healthy = _mean("retina", 0, src, n=1, size=64)[0]
+    assert np.array_equal(healthy, _mean("retina", 0, src, n=1, size=64)[0])
+    for level in (1, 2, 4):
+        diff = np.abs(_mean("retina", level, src, n=1, size=64)[0] - healthy).max(axis=2)
+        assert (diff > 0.15).sum() >= 8 * level  # lesion pixels, more with the level
+    d = _source_params("derm", 0, 1)[0]
+    centre = lambda a: a[:, 12:20, 15:27].mean(axis=(0, 1, 2))  # noqa: E731 - lesion region
+    mel, nv, vasc = (centre(_mean("derm", c, d)) for c in ("MEL", "NV", "VASC"))
+    assert mel.mean() < nv.mean()  # melanoma darker than naevus
+    assert vasc[0] - vasc[1] > nv[0] - nv[1]  # vascular lesions redder
+    c = _source_params("covidfl", 0, 1)[0]
+    lungs = lambda a: a[:, 8:26, 4:28].mean()  # noqa: E731 - lung fields
+    normal, pneu, covid = (lungs(_mean("covidfl", k, c, n=16)) for k in ("normal", "pneumonia", "covid"))
+    assert pneu > normal + 0.01 and covid > normal + 0.01
+
+
+def test_sources_shift_appearance():
+    a, b = _source_params("derm", 0, 2)
+    ma, mb = _mean("derm", "NV", a).mean(axis=(0, 1, 2)), _mean("derm", "NV", b).mean(axis=(0, 1, 2))
+    assert np.abs(ma - mb).max() > 0.03
+
+
+def test_writer_is_deterministic_and_class_mix_is_realistic(tmp_path):
+    infos = [write_synthetic_images(tmp_path / f"r{k}", "retina", 200, seed=4, image_size=16) for k in (0, 1)]
+    assert infos[0]["class_counts"] == infos[1]["class_counts"]
+    assert infos[0]["class_counts"]["level_0"] == 147  # 73.5 % level 0, as Kaggle DR
+    h = [hashlib.sha256((tmp_path / f"r{k}" / "train" / "10_left.jpeg").read_bytes()).hexdigest() for k in (0, 1)]
+    assert h[0] == h[1]
+    recs = load_image_records(tmp_path / "r0", "retina")
+    assert len(recs) == 200 and sum(r.label for r in recs) == 53
+    other = write_synthetic_images(tmp_path / "r2", "retina", 200, seed=5, image_size=16)
+    assert other["class_counts"] == infos[0]["class_counts"]  # the mix depends on n_images, not the seed
+    assert hashlib.sha256((tmp_path / "r2" / "train" / "10_left.jpeg").read_bytes()).hexdigest() != h[0]
+    with pytest.raises(ValueError, match="already exists"):
+        write_synthetic_images(tmp_path / "r0", "retina", 200, seed=4, image_size=16)
+
+
+def test_derm_and_covidfl_layouts(tmp_path):
+    info = write_synthetic_images(tmp_path / "d", "derm", 100, seed=0, image_size=16)
+    assert min(info["class_counts"].values()) >= 2 and max(info["class_counts"], key=info["class_counts"].get) == "NV"
+    assert len(load_image_records(tmp_path / "d", "derm")) == 100
+    info = write_synthetic_images(tmp_path / "c", "covidfl", 60, seed=0, image_size=16, n_sources=4)
+    assert sorted(info["sources"]) == ["bimcv", "cohen", "guangzhou", "rsna"]
+    mixes = {s: {class_names("covidfl")[r.label] for r in load_image_records(tmp_path / "c" / s, "covidfl")}
+             for s in info["sources"]}
+    assert mixes["bimcv"] == {"covid"} and mixes["rsna"] == {"pneumonia", "normal"}
+    assert mixes["cohen"] == {"covid", "pneumonia", "normal"}
+    with pytest.raises(ValueError, match="n_sources"):
+        write_synthetic_images(tmp_path / "x", "covidfl", 60, n_sources=9)
+    with pytest.raises(ValueError, match="n_images"):
+        write_synthetic_images(tmp_path / "y", "derm", 10)

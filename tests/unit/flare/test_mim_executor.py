@@ -1,0 +1,224 @@
+"""MIMExecutor on a tiny ViT and synthetic retina images: train tasks, the knowledge-split loading rules,
+client restarts, and the Fed-BEiT tokenizer tasks (local codebook and the federated k-means exchanges)."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from nvflare.apis.dxo import DXO, DataKind, from_shareable
+from nvflare.apis.fl_constant import ReturnCode
+from nvflare.apis.signal import Signal
+
+from fedssl.core.tokenizer import PatchTokenizer, load_tokenizer
+from fedssl.data.image_synthetic import write_synthetic_images
+from fedssl.flare.federated_kmeans import KMEANS_INIT, KMEANS_STEP, LOCAL_TOKENIZER_KEY, SET_TOKENIZER
+from fedssl.flare.mim_executor import MIMExecutor, sum_squared_distance
+from fedssl.flare.partial_exclusion import EXCLUDED_META
+from fedssl.flare.run_summary import SITE_RECORD_META
+from fedssl.models.vit import TINY_DECODER, TINY_VIT, BEiTViT, MAEViT
+from tests.unit.flare.fakes import FakeEngine, context
+
+N_IMAGES = 12
+VOCAB = 16
+ARGS = dict(image_size=32, patch_size=4, embed_dim=48, depth=2, num_heads=3, decoder_embed_dim=32, decoder_depth=1,
+            decoder_num_heads=2, vocab_size=VOCAB, batch_size=4, max_steps_per_round=2, lr=1e-3, lr_per_256=False,
+            warmup_rounds=1, device="cpu")
+CLS = "encoder.cls_token"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("retina")
+    write_synthetic_images(root, "retina", n_images=N_IMAGES, seed=0, image_size=40)
+    return str(root)
+
+
+def global_weights(method="mae", **overrides):
+    model = MAEViT(**TINY_VIT, **TINY_DECODER, seed=0) if method == "mae" else BEiTViT(**TINY_VIT, vocab_size=VOCAB, seed=0)
+    w = {k: v.numpy() for k, v in model.state_dict().items()}
+    w.update(overrides)
+    return w
+
+
+def task(weights, round_idx=0, num_rounds=3, meta=None):
+    s = DXO(DataKind.WEIGHTS, data=weights, meta=meta or {}).to_shareable()
+    s.set_header("current_round", round_idx)
+    s.set_header("num_rounds", num_rounds)
+    return s
+
+
+def run(executor, run_dir, shareable, task_name="train", site="site-1"):
+    return executor.execute(task_name, shareable, context(site=site, engine=FakeEngine(run_dir)), Signal())
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in open(os.path.join(run_dir, "mim_metrics.jsonl"))]
+
+
+@pytest.mark.parametrize("kw, needle", [
+    ({"method": "simclr"}, "method='simclr'"),
+    ({"dataset": "cifar"}, "dataset='cifar'"),
+    ({"image_size": 30, "patch_size": 4}, "image_size=30"),
+    ({"embed_dim": 50, "num_heads": 3}, "embed_dim=50"),
+    ({"decoder_embed_dim": 30, "decoder_num_heads": 4}, "decoder_embed_dim=30"),
+    ({"mask_ratio": 1.0}, "mask_ratio=1.0"),
+    ({"lr": 0}, "lr=0"),
+    ({"lr_per_256": 1}, "lr_per_256=1"),
+    ({"batch_size": 0}, "batch_size=0"),
+    ({"local_epochs": 0}, "local_epochs=0"),
+    ({"warmup_rounds": -1}, "warmup_rounds=-1"),
+    ({"max_steps_per_round": 1.5}, "max_steps_per_round=1.5"),
+    ({"clip_grad": -1}, "clip_grad=-1"),
+    ({"tokenizer_path": "/t.pt"}, "tokenizer_path='/t.pt'"),  # MAE has no tokenizer
+    ({"device": "tpu"}, "device='tpu'"),
+    ({"vocab_size": 1}, "vocab_size=1"),
+])
+def test_bad_args_name_the_argument(kw, needle):
+    with pytest.raises(ValueError, match="MIMExecutor: argument " + needle.replace("(", r"\(").replace(".", r"\.")):
+        MIMExecutor(**kw)
+
+
+def test_args_are_stored_verbatim_and_lr_scales_per_256():
+    ex = MIMExecutor(lr=1e-3, batch_size=128)
+    assert ex.lr == 1e-3 and ex.batch_size == 128 and ex.peak_lr == pytest.approx(5e-4)  # SSL-FL MAE code
+    assert MIMExecutor(lr=1.5e-3, batch_size=256, lr_per_256=False).peak_lr == 1.5e-3  # BEiT code: no scaling
+
+
+def test_mae_train_task_returns_weights_image_count_and_loss(data, tmp_path):
+    ex = MIMExecutor(method="mae", data_root=data, **ARGS)
+    reply = run(ex, tmp_path, task(global_weights()))
+    out = from_shareable(reply)
+    assert out.data_kind == DataKind.WEIGHTS and set(out.data) == set(global_weights())
+    assert out.get_meta_prop("num_samples") == N_IMAGES  # |D_k|: all images of the site, not the steps
+    assert np.isfinite(out.get_meta_prop("loss")) and out.get_meta_prop("NUM_STEPS_CURRENT_ROUND") == 2
+    assert reply.get_header("current_round") == 0 and reply.get_header("num_rounds") == 3
+    qkv = "encoder.blocks.0.attn.qkv.weight"
+    assert not np.allclose(out.data[qkv], global_weights()[qkv])
+    assert os.path.isfile(tmp_path / "mim_client_state.pt")
+    (m,) = metrics(tmp_path)
+    assert m["round"] == 0 and m["steps"] == 2 and m["num_samples"] == N_IMAGES and m["kept_local"] == []
+
+
+def test_full_epochs_when_steps_are_not_capped(data, tmp_path):
+    ex = MIMExecutor(method="mae", data_root=data, **{**ARGS, "max_steps_per_round": 0, "local_epochs": 2})
+    out = from_shareable(run(ex, tmp_path, task(global_weights())))
+    assert out.get_meta_prop("NUM_STEPS_CURRENT_ROUND") == 2 * 3  # 2 epochs x ceil(12 / 4)
+
+
+def test_knowledge_split_keeps_the_local_class_token_and_rejects_unexpected_keys(data, tmp_path):
+    ex = MIMExecutor(method="mae", data_root=data, **ARGS)
+    local_cls = from_shareable(run(ex, tmp_path, task(global_weights()))).data[CLS]
+    fresh = global_weights()
+    assert not np.allclose(local_cls, fresh[CLS])  # training moved this site's token
+    broadcast = {k: v for k, v in fresh.items() if k != CLS}
+    # the broadcast without the class token (declared excluded): everything else is loaded, the token stays local
+    kept = ex.load_global(broadcast, [CLS], "site-1")
+    state = ex._trainer.model.state_dict()
+    assert kept == [CLS]
+    np.testing.assert_array_equal(state[CLS].numpy(), local_cls)
+    proj = "encoder.patch_embed.proj.weight"
+    np.testing.assert_array_equal(state[proj].numpy(), fresh[proj])
+    # a full train task through execute() with the filter's meta: the token stays local, the round goes on
+    out = from_shareable(run(ex, tmp_path, task(broadcast, 1, meta={EXCLUDED_META: [CLS]})))
+    assert metrics(tmp_path)[-1]["kept_local"] == [CLS] and np.isfinite(out.get_meta_prop("loss"))
+    # unexpected keys, or keys missing without an exclusion filter, fail this site's task with a clear message
+    with pytest.raises(ValueError, match=r"site-1: the global model has 1 keys .*'decoder.extra'"):
+        ex.load_global({**fresh, "decoder.extra": np.zeros(2, np.float32)}, [], "site-1")
+    with pytest.raises(ValueError, match=r"lacks 1 keys \(e.g. \['encoder.cls_token'\]\) that no exclusion filter"):
+        ex.load_global(broadcast, [], "site-1")
+    with pytest.raises(ValueError, match="global tensor encoder.cls_token has shape"):
+        ex.load_global({**fresh, CLS: np.zeros((1, 1, 8), np.float32)}, [], "site-1")
+    reply = run(ex, tmp_path, task({**fresh, "decoder.extra": np.zeros(2, np.float32)}, 2))
+    assert reply.get_return_code() == ReturnCode.EXECUTION_EXCEPTION
+
+
+def test_a_restarted_client_resumes_model_optimiser_and_local_tensors(data, tmp_path):
+    ex = MIMExecutor(method="mae", data_root=data, **ARGS)
+    run(ex, tmp_path, task(global_weights(), 0))
+    saved = torch.load(tmp_path / "mim_client_state.pt", weights_only=False)
+    assert saved["round"] == 0 and saved["trainer"]["step"] == 2
+    broadcast = {k: v for k, v in global_weights().items() if k != CLS}
+    run(ex, tmp_path, task(broadcast, 1, meta={EXCLUDED_META: [CLS]}))
+    ckpt = torch.load(tmp_path / "mim_client_state.pt", weights_only=False)
+    assert ckpt["round"] == 1 and set(ckpt["local"]) == {CLS}
+    # a new executor object = a client restart: it continues from the checkpoint, not from scratch
+    ex2 = MIMExecutor(method="mae", data_root=data, **ARGS)
+    out = from_shareable(run(ex2, tmp_path, task(broadcast, 2, meta={EXCLUDED_META: [CLS]})))
+    assert ex2._last_round == 2 and ex2._trainer.step == 6  # 2 steps in each of rounds 0, 1, 2
+    assert ex2._trainer.optimizer.state_dict()["state"]  # AdamW moments came back
+    assert metrics(tmp_path)[-1]["kept_local"] == [CLS]
+    # the class token it trained on in round 2 started from its own checkpointed value, not the global one
+    assert not np.allclose(out.data[CLS], global_weights()[CLS])
+
+
+def test_beit_with_a_local_tokenizer_reports_it(data, tmp_path):
+    path = str(tmp_path / "codebook.pt")
+    PatchTokenizer(torch.randn(VOCAB, 4 * 4 * 3, generator=torch.Generator().manual_seed(0)), 4).save(path)
+    ex = MIMExecutor(method="beit", data_root=data, mask_ratio=0.4, tokenizer_path=path, **ARGS)
+    out = from_shareable(run(ex, tmp_path, task(global_weights("beit"))))
+    assert np.isfinite(out.get_meta_prop("loss")) and out.get_meta_prop("num_samples") == N_IMAGES
+    assert out.get_meta_prop(SITE_RECORD_META) == {"tokenizer": f"local: {path}"}
+    # asked for federated k-means, it answers with its local tokenizer (the server then skips the workflow)
+    init = from_shareable(run(ex, tmp_path, kmeans_task({}), KMEANS_INIT))
+    assert init.data == {} and init.get_meta_prop(LOCAL_TOKENIZER_KEY) == f"local: {path}"
+    # a missing local tokenizer fails the site with a clear message
+    bad = MIMExecutor(method="beit", data_root=data, tokenizer_path=str(tmp_path / "nope.pt"), **ARGS)
+    assert run(bad, tmp_path / "x", task(global_weights("beit"))).get_return_code() == ReturnCode.EXECUTION_EXCEPTION
+
+
+def kmeans_task(meta, data=None):
+    base = {"vocab_size": VOCAB, "images_per_site": 6, "local_iters": 1, "seed": 0}
+    return DXO(DataKind.COLLECTION, data=data or {}, meta={**base, **meta}).to_shareable()
+
+
+def test_beit_federated_tokenizer_tasks_then_training(data, tmp_path, caplog):
+    ex = MIMExecutor(method="beit", data_root=data, mask_ratio=0.4, **ARGS)
+    os.makedirs(tmp_path / "a")
+    # without the codebook, training refuses with the fix
+    reply = run(ex, tmp_path / "a", task(global_weights("beit")))
+    assert reply.get_return_code() == ReturnCode.EXECUTION_EXCEPTION
+    assert "no federated codebook was received" in caplog.text and "FederatedKMeans" in caplog.text
+    ex = MIMExecutor(method="beit", data_root=data, mask_ratio=0.4, **ARGS)
+    init = from_shareable(run(ex, tmp_path, kmeans_task({}), KMEANS_INIT))
+    c, n = init.data["centroids"], init.data["counts"]
+    assert c.shape == (VOCAB, 48) and n.sum() == 6 * 64  # 6 images x 8x8 patches, only centroids go up
+    assert init.get_meta_prop("patch_size") == 4
+    random_start = from_shareable(run(ex, tmp_path, kmeans_task({"init": "random"}), KMEANS_INIT))
+    assert random_start.data == {} and random_start.get_meta_prop("patch_size") == 4  # data-free: nothing but p
+    step = from_shareable(run(ex, tmp_path, kmeans_task({"kmeans_iter": 0}, {"codebook": c}), KMEANS_STEP))
+    assert step.data["sums"].shape == (VOCAB, 48) and step.data["counts"].sum() == 6 * 64
+    assert step.get_meta_prop("kmeans_iter") == 0 and step.get_meta_prop("sse") >= 0
+    desc = "federated k-means K=16, iters=1"
+    reply = run(ex, tmp_path, kmeans_task({"patch_size": 4, "tokenizer": desc}, {"codebook": c}), SET_TOKENIZER)
+    assert reply.get_return_code() in (None, ReturnCode.OK)
+    tok = load_tokenizer(str(tmp_path / "tokenizer_codebook.pt"))
+    np.testing.assert_allclose(tok.codebook.numpy(), c)
+    # a restarted client finds the stored codebook and trains with it
+    ex2 = MIMExecutor(method="beit", data_root=data, mask_ratio=0.4, **ARGS)
+    out = from_shareable(run(ex2, tmp_path, task(global_weights("beit"))))
+    assert np.isfinite(out.get_meta_prop("loss")) and out.get_meta_prop(SITE_RECORD_META) == {"tokenizer": desc}
+
+
+def test_kmeans_tasks_are_refused_by_mismatched_sites(data, tmp_path, caplog):
+    mae = MIMExecutor(method="mae", data_root=data, **ARGS)
+    assert run(mae, tmp_path, kmeans_task({}), KMEANS_INIT).get_return_code() == ReturnCode.EXECUTION_EXCEPTION
+    assert "remove the FederatedKMeans workflow" in caplog.text
+    beit = MIMExecutor(method="beit", data_root=data, **{**ARGS, "vocab_size": 32})
+    assert run(beit, tmp_path, kmeans_task({}), KMEANS_INIT).get_return_code() == ReturnCode.EXECUTION_EXCEPTION
+    assert "K=16 tokens but this site's vocab_size=32" in caplog.text
+    too_many = kmeans_task({"vocab_size": 400, "images_per_site": 2})
+    beit400 = MIMExecutor(method="beit", data_root=data, **{**ARGS, "vocab_size": 400})
+    assert run(beit400, tmp_path, too_many, KMEANS_INIT).get_return_code() == ReturnCode.EXECUTION_EXCEPTION
+    assert "only 128 patch vectors for K=400" in caplog.text
+
+
+def test_sum_squared_distance_matches_the_direct_cost():
+    g = torch.Generator().manual_seed(0)
+    x, c = torch.randn(50, 6, generator=g), torch.randn(4, 6, generator=g)
+    from fedssl.core.tokenizer import kmeans_stats
+
+    sums, counts = kmeans_stats(x, c)
+    direct = float(torch.cdist(x.double(), c.double()).min(dim=1).values.pow(2).sum())
+    assert sum_squared_distance(x, c, sums, counts) == pytest.approx(direct, rel=1e-9)

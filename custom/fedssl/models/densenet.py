@@ -19,7 +19,6 @@ same key structure, for unit tests and CPU quick runs.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 from typing import Sequence
@@ -27,6 +26,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from fedssl.models.seeding import seeded
 from torchvision.models.densenet import DenseNet
 
 __all__ = [
@@ -48,16 +49,6 @@ _BN_TENSORS = ("weight", "bias", "running_mean", "running_var", "num_batches_tra
 _BN_KEY = re.compile(r"(^|\.)(norm\d*|bn\d*|batchnorm\d*)\.(" + "|".join(_BN_TENSORS) + r")$")
 # Old torchvision checkpoints name dense-layer modules 'norm.1', 'conv.2' ... (as torchvision's own loader fixes).
 _OLD_DENSE_KEY = re.compile(r"^(.*denselayer\d+\.(?:norm|relu|conv))\.((?:[12])\.(?:weight|bias|running_mean|running_var))$")
-
-
-@contextlib.contextmanager
-def _seeded(seed: int | None):
-    if seed is None:
-        yield
-        return
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(seed))
-        yield
 
 
 def is_bn_key(name: str) -> bool:
@@ -119,7 +110,7 @@ class MultiLabelDenseNet(DenseNet):
             raise ValueError(f"hidden_features={hidden_features!r}: use 0 (no hidden layer) or a positive int")
         if not 0.0 <= float(dropout) < 1.0:
             raise ValueError(f"dropout={dropout!r}: use a probability in [0, 1)")
-        with _seeded(seed):
+        with seeded(seed):
             super().__init__(growth_rate=growth_rate, block_config=tuple(block_config),
                              num_init_features=num_init_features, drop_rate=drop_rate, num_classes=len(cl))
             n_feat = self.classifier.in_features

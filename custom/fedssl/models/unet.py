@@ -9,7 +9,6 @@ encoder key matched and nothing renamed.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Mapping, Sequence
 
 import torch
@@ -17,24 +16,14 @@ import torch.nn.functional as F
 from monai.networks.nets import BasicUNet
 from torch import nn
 
+from fedssl.models.seeding import seeded
+
 #: Paper setting: standard U-Net, first level 48 channels, doubling per level (Ronneberger et al.).
 PAPER_FEATURES: tuple[int, ...] = (48, 96, 192, 384, 768, 48)
 #: Tiny twin for unit tests.
 TINY_FEATURES: tuple[int, ...] = (4, 4, 8, 8, 16, 4)
 
 ENCODER_MODULES: tuple[str, ...] = ("conv_0", "down_1", "down_2", "down_3", "down_4")
-
-
-@contextlib.contextmanager
-def _seeded(seed: int | None):
-    """Initial weights drawn from ``seed`` (None: the global RNG), leaving the global RNG untouched, so the
-    server's initial global model is the same in every run."""
-    if seed is None:
-        yield
-        return
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(seed))
-        yield
 
 
 def check_features(features: Sequence[int]) -> tuple[int, ...]:
@@ -65,7 +54,7 @@ class UNet2D(BasicUNet):
 
     def __init__(self, features: Sequence[int] = PAPER_FEATURES, in_channels: int = 1, out_channels: int = 4,
                  seed: int | None = 0):
-        with _seeded(seed):
+        with seeded(seed):
             super().__init__(spatial_dims=2, in_channels=in_channels, out_channels=out_channels,
                              features=check_features(features))
         self.seed = seed
@@ -127,7 +116,7 @@ class MoCoUNetEncoder(nn.Module):
         self.proj_dim = proj_dim
         self.in_channels = in_channels
         self.seed = seed
-        with _seeded(seed):
+        with seeded(seed):
             self.main = ContrastiveNet(features, proj_dim, in_channels)
             self.momentum = ContrastiveNet(features, proj_dim, in_channels)
         self.momentum.load_state_dict(self.main.state_dict())
@@ -151,7 +140,7 @@ class BYOLUNetEncoder(nn.Module):
         self.pred_hidden = pred_hidden
         self.in_channels = in_channels
         self.seed = seed
-        with _seeded(seed):
+        with seeded(seed):
             self.online = ContrastiveNet(features, proj_dim, in_channels, normalize=False)
             self.predictor = nn.Sequential(nn.Linear(proj_dim, pred_hidden), nn.BatchNorm1d(pred_hidden),
                                            nn.ReLU(inplace=True), nn.Linear(pred_hidden, proj_dim))

@@ -39,7 +39,7 @@ from torch import nn
 from fedssl.core.masking import random_masking
 from fedssl.core.mim import mae_loss
 from fedssl.core.patches import patchify
-from fedssl.models.unet import _seeded
+from fedssl.models.seeding import seeded
 
 #: Tiny twin for unit tests and quick CPU runs: 32 px images, 4 px patches (8 x 8 grid).
 TINY_VIT: dict = {"img_size": 32, "patch_size": 4, "embed_dim": 48, "depth": 2, "num_heads": 3}
@@ -198,7 +198,7 @@ class MAEViT(nn.Module):
         self.pos_embed_type, self.drop_path_rate = pos_embed_type, drop_path_rate
         self.grid_size = (grid, grid)
         self.num_patches = grid * grid
-        with _seeded(seed):
+        with seeded(seed):
             self.encoder = _vit_encoder(img_size, patch_size, embed_dim, depth, num_heads, mlp_ratio, drop_path_rate)
             self.decoder = MAEDecoder(self.num_patches, self.grid_size, patch_size, embed_dim, decoder_embed_dim,
                                       decoder_depth, decoder_num_heads, mlp_ratio, pos_embed_type)
@@ -268,7 +268,7 @@ class BEiTViT(nn.Module):
         self.drop_path_rate, self.layer_scale = drop_path_rate, layer_scale
         self.grid_size = (grid, grid)
         self.num_patches = grid * grid
-        with _seeded(seed):
+        with seeded(seed):
             self.encoder = _vit_encoder(img_size, patch_size, embed_dim, depth, num_heads, mlp_ratio,
                                         drop_path_rate, layer_scale, fix_init=True)
             self.mask_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
@@ -323,7 +323,7 @@ class ViTClassifier(nn.Module):
         self.drop_path_rate, self.seed, self.mlp_ratio, self.layer_scale = drop_path_rate, seed, mlp_ratio, layer_scale
         self.grid_size = (grid, grid)
         self.num_patches = grid * grid
-        with _seeded(seed):
+        with seeded(seed):
             self.encoder = _vit_encoder(img_size, patch_size, embed_dim, depth, num_heads, mlp_ratio,
                                         drop_path_rate, layer_scale, final_norm=False)
             self.fc_norm = LayerNorm(embed_dim)

@@ -9,7 +9,7 @@ def _cmd_demo(a) -> None:
     from fedssl.sslfl_demo import run_sslfl_demo
 
     run_sslfl_demo(a.out, n_images=a.images, image_px=a.px, n_sites=a.sites, alpha=a.alpha, pre_rounds=a.pre_rounds,
-                   ft_rounds=a.ft_rounds, ft_epochs=a.ft_epochs, ft_lr=a.ft_lr, seed=a.seed)
+                   ft_rounds=a.ft_rounds, ft_epochs=a.ft_epochs, ft_steps=a.ft_steps, ft_lr=a.ft_lr, seed=a.seed)
 
 
 def _settings(a) -> dict:
@@ -70,8 +70,10 @@ def register(sub) -> None:
     s.add_argument("--sites", type=int, default=5)
     s.add_argument("--alpha", type=float, default=0.5, help="Dirichlet alpha (0.5 = SSL-FL Split-3)")
     s.add_argument("--pre-rounds", type=int, default=20)
-    s.add_argument("--ft-rounds", type=int, default=15)
-    s.add_argument("--ft-epochs", type=int, default=2, help="local epochs per fine-tuning round")
+    s.add_argument("--ft-rounds", type=int, default=60)
+    s.add_argument("--ft-epochs", type=int, default=1, help="local epochs per fine-tuning round")
+    s.add_argument("--ft-steps", type=int, default=4,
+                   help="at most this many local steps per epoch (0 = full epochs); few steps limit client drift under Split-3")
     s.add_argument("--ft-lr", type=float, default=0.003)
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=_cmd_demo)

@@ -26,10 +26,19 @@ from fedssl.simulate import run_simulation
 
 JOBS = os.path.join(REPO_ROOT, "jobs")
 
-#: quick-profile overrides the demo adds (documented in the summary): full local epochs, not the CI step caps
+#: quick-profile overrides the demo adds (documented in the summary).  Pre-training: full local epochs, not the CI
+#: step caps.  Fine-tuning: few local steps per round and many rounds (``ft_steps``, ``ft_rounds``): under Split-3
+#: two of the five sites are (almost) single-class, and with full local epochs (20-50 AdamW steps a round) each such
+#: site only re-fits its class prior, so the average of the sites' models never leaves the tiny ViT's initial
+#: plateau (test AUC 0.5-0.6 for both inits; IID sites with the same code and 5 local epochs reach AUC 0.96).
+#: Capping local work at 4 steps a round limits that client drift: 60 rounds x 4 steps, in-process FedAvg of the
+#: same classes, seed 0: ViT scratch test acc 0.88 / AUC 0.95, Fed-MAE 0.62 / 0.70 (centralised on the pooled
+#: sites, Fed-MAE is the better init).  The demo shows what this setting gives; it does not tune for Fed-MAE.
+#: A 5-round warm-up as in SSL-FL.
 PRETRAIN_SETS = ["client.mim_trainer.max_steps_per_round=0", "client.mim_trainer.batch_size=32",
                  "client.mim_trainer.lr=0.0015", "client.mim_trainer.warmup_rounds=2"]
-FINETUNE_SETS = ["client.cls_trainer.val_fraction=0.2", "client.cls_trainer.batch_size=32"]
+FINETUNE_SETS = ["client.cls_trainer.val_fraction=0.2", "client.cls_trainer.batch_size=32",
+                 "client.cls_trainer.warmup_rounds=5"]
 
 
 def balance_retina(root: str, seed: int = 0) -> dict:
@@ -104,7 +113,8 @@ def _test_row(method: str, run: dict) -> dict:
 
 
 def run_sslfl_demo(out: str, *, n_images: int = 2800, image_px: int = 40, n_sites: int = 5, alpha: float = 0.5,
-                   pre_rounds: int = 20, ft_rounds: int = 15, ft_epochs: int = 2, ft_lr: float = 0.003, seed: int = 0) -> dict:
+                   pre_rounds: int = 20, ft_rounds: int = 60, ft_epochs: int = 1, ft_steps: int = 4, ft_lr: float = 0.003,
+                   seed: int = 0) -> dict:
     from fedssl.data.image_sites import write_site_folders
     from fedssl.data.image_synthetic import write_synthetic_images
 
@@ -131,10 +141,11 @@ def run_sslfl_demo(out: str, *, n_images: int = 2800, image_px: int = 40, n_site
     _say(t0, f"pre-training done in {pre['simulator_wall_time_s']} s; MAE loss {losses[0]:.3f} -> {losses[-1]:.3f}")
 
     ft_sets = [f"server.scatter_and_gather.num_rounds={ft_rounds}", f"client.cls_trainer.local_epochs={ft_epochs}",
-               f"client.cls_trainer.lr={ft_lr}", *FINETUNE_SETS]
+               f"client.cls_trainer.lr={ft_lr}", f"client.cls_trainer.max_steps_per_round={ft_steps}", *FINETUNE_SETS]
     rows = []
     for method, pretrained in (("Fed-MAE", pre["global_model"]), ("ViT scratch", "")):
-        _say(t0, f"federated fine-tuning from {method} ({ft_rounds} rounds x {ft_epochs} local epochs)")
+        _say(t0, f"federated fine-tuning from {method} ({ft_rounds} rounds x {ft_epochs} local epoch(s), "
+                 f"at most {ft_steps or 'all'} steps each)")
         run = run_simulation(os.path.join(JOBS, "sslfl_retina_finetune"), os.path.join(out, f"ws_ft_{method.split()[0].lower()}"),
                              n_sites=n_sites, data_root=data_root, profile="quick", echo=False,
                              sets=[*ft_sets, f"server.model.pretrained_path={pretrained}"])
@@ -144,7 +155,7 @@ def run_sslfl_demo(out: str, *, n_images: int = 2800, image_px: int = 40, n_site
     summary = {
         "title": "SSL-FL demo: Fed-MAE vs ViT scratch on synthetic retina, Split-3 (quick profile)",
         "settings": {"n_images": n_images, "image_px": image_px, "n_sites": n_sites, "alpha": alpha, "seed": seed,
-                     "pre_rounds": pre_rounds, "ft_rounds": ft_rounds, "ft_epochs": ft_epochs, "ft_lr": ft_lr,
+                     "pre_rounds": pre_rounds, "ft_rounds": ft_rounds, "ft_epochs": ft_epochs, "ft_steps": ft_steps, "ft_lr": ft_lr,
                      "pretrain_sets": PRETRAIN_SETS, "finetune_sets": FINETUNE_SETS, "profile": "quick"},
         "partition": {"sites": counts, "test": partition["test"]["class_counts"]},
         "pretraining": {"wall_time_s": pre["simulator_wall_time_s"], "mae_loss": losses,

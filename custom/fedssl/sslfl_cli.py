@@ -62,6 +62,13 @@ def _cmd_evaluate(a) -> None:
     print(json.dumps({k: v for k, v in m.items() if k != "confusion_matrix"}, indent=1))
 
 
+def _cmd_bench(a) -> None:
+    from fedssl.bench import run_bench
+
+    run_bench(a.out, methods=a.methods, size=a.size, batch_sizes=a.batch_sizes, steps=a.steps, warmup=a.warmup,
+              amp=not a.no_amp, device=a.device)
+
+
 def register(sub) -> None:
     s = sub.add_parser("demo-sslfl", help="synthetic retina -> Split-3 -> Fed-MAE -> federated fine-tuning vs scratch (quick)")
     s.add_argument("--out", default="runs/sslfl_demo")
@@ -107,3 +114,14 @@ def register(sub) -> None:
     s.add_argument("--test-root", required=True)
     vit_opts(s)
     s.set_defaults(fn=_cmd_evaluate)
+
+    b = sub.add_parser("bench-vit", help="training throughput (images/s) of the ViT-B/16 MAE, BEiT and fine-tuning steps")
+    b.add_argument("--methods", nargs="+", default=["mae", "beit", "finetune"], choices=["mae", "beit", "finetune"])
+    b.add_argument("--size", default="vit_b16", choices=["vit_b16", "tiny"], help="vit_b16 = paper (224 px); tiny = CPU twin")
+    b.add_argument("--batch-sizes", nargs="+", type=int, default=[64])
+    b.add_argument("--steps", type=int, default=20, help="timed steps per measurement")
+    b.add_argument("--warmup", type=int, default=5, help="untimed steps before timing")
+    b.add_argument("--no-amp", action="store_true", help="float32 instead of bfloat16 autocast (GPU)")
+    b.add_argument("--device", default="auto", help="auto (GPU when present), cpu, cuda, cuda:1 ...")
+    b.add_argument("--out", default=None, help="write the measurements to this JSON file")
+    b.set_defaults(fn=_cmd_bench)

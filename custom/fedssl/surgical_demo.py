@@ -1,11 +1,12 @@
 """The README's surgical-aggregation demo: synthetic NIH-like + CheXpert-like sites (+ a MIMIC-like external
 test set) -> jobs/surgical_cxr in the FLARE simulator with surgical aggregation, vanilla FL and FL with
-partial loss (quick profile) -> mean AUROC over shared and unique classes and on the external set.
+partial loss (quick profile), plus the centralised baseline (pooled data, ``fedssl.surgical_central``) ->
+mean AUROC over shared and unique classes and on the external set.
 
 Site 1 holds the 14 NIH classes, site 2 the 13 CheXpert classes (7 shared), as in the paper.  Every run is
-the same job with one switch (``server.class_registration.method``).  Everything lands in ``out``: data,
-simulator workspaces (each server run folder has results.md / results.json / auroc.png), and
-``surgical_demo.json`` / ``surgical_demo.md`` with the comparison.
+the same job with switches (``server.class_registration.method`` and ``.backbone``).  Everything lands in
+``out``: data, simulator workspaces (each server run folder has results.md / results.json / auroc.png),
+``central/`` (the same files), and ``surgical_demo.json`` / ``surgical_demo.md`` with the comparison.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 
 from fedssl.jobtools import REPO_ROOT
 from fedssl.simulate import run_simulation
+from fedssl.surgical_central import run_centralised
 
 JOB = os.path.join(REPO_ROOT, "jobs", "surgical_cxr")
 METHODS = ("surgical", "vanilla", "partial_loss")
@@ -26,42 +28,9 @@ def _say(t0: float, msg: str) -> None:
 
 
 def write_demo_data(data: str, n_patients: int, seed: int = 0) -> dict:
-    from fedssl.data.cxr_synthetic import write_synthetic_chexpert, write_synthetic_mimic_cxr, write_synthetic_nih
+    from fedssl.data.cxr_synthetic import write_synthetic_surgical
 
-    return {"site-1": write_synthetic_nih(os.path.join(data, "site-1"), n_patients=n_patients, seed=seed, image_size=64),
-            "site-2": write_synthetic_chexpert(os.path.join(data, "site-2"), n_patients=n_patients, seed=seed + 1, image_size=64),
-            "mimic": write_synthetic_mimic_cxr(os.path.join(data, "mimic"), n_patients=n_patients // 2, seed=seed + 2,
-                                               image_size=64)}
-
-
-def job_variant(out: str, backbone: str) -> str:
-    """jobs/surgical_cxr with another backbone strategy: "fedavg" drops the batch-norm exclusion filters (every
-    backbone tensor is exchanged and averaged); "fedbn" / "fedbn_plus" keep them.  Returns the job folder."""
-    import shutil
-
-    from fedssl.flare.surgical_registration import BACKBONES
-
-    if backbone not in BACKBONES:
-        raise ValueError(f"backbone={backbone!r}: use one of {list(BACKBONES)}")
-    job = os.path.join(out, f"job_{backbone}", "surgical_cxr")  # same folder name: the quick profile applies
-    if os.path.isdir(job):
-        shutil.rmtree(job)
-    shutil.copytree(JOB, job)
-    for part in ("server", "client"):
-        path = os.path.join(job, "app", "config", f"config_fed_{part}.json")
-        with open(path) as f:
-            config = json.load(f)
-        for key in ("task_data_filters", "task_result_filters"):
-            for group in config.get(key, []):
-                group["filters"] = [flt for flt in group["filters"] if not (
-                    backbone == "fedavg" and flt["path"].endswith("PartialModelExclusion"))]
-            config[key] = [g for g in config.get(key, []) if g["filters"]]  # FLARE refuses empty filter lists
-        for wf in config.get("workflows", []):
-            if wf["id"] == "class_registration":
-                wf["args"]["backbone"] = backbone
-        with open(path, "w") as f:
-            json.dump(config, f, indent=2)
-    return job
+    return write_synthetic_surgical(data, n_patients, seed=seed, image_size=64)
 
 
 def _fmt(v) -> str:
@@ -80,45 +49,68 @@ def comparison_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def result_row(method: str, res: dict, rounds: int, wall_time_s: float, bytes_per_site_per_round: dict,
+               results_md: str) -> tuple[dict, dict]:
+    """(table row, external per-class AUROC + classes) from a run's results.json payload."""
+    table, ext = res["table"], res["table"]["external"]
+    ext_per = next(iter(res["sites"].values())).get("external", {}).get("per_class", {}) if ext else {}
+    ext_vals = {c: e["auroc"] for c, e in ext_per.items()}
+    defined = [v for v in ext_vals.values() if v is not None]
+    row = {"method": method, **{k: table["mean"][k] for k in ("mean_auroc", "shared_auroc", "unique_auroc")},
+           "external_auroc": ext[0]["mean_auroc"] if ext else None,
+           "external_shared": ext[0]["shared_auroc"] if ext else None,
+           "external_unique": ext[0]["unique_auroc"] if ext else None,
+           "external_min_class": min(defined) if defined else None,
+           "external_classes": len(defined), "rounds": rounds, "wall_time_s": wall_time_s,
+           "kb_per_site_round": bytes_per_site_per_round["total"] / 1e3,
+           "bytes_per_site_per_round": bytes_per_site_per_round, "results": results_md}
+    return row, {"external_per_class": ext_vals, "global_classes": res["global_classes"]}
+
+
 def run_surgical_demo(out: str, *, rounds: int = 10, n_patients: int = 500, methods=METHODS, lr: float = 0.01,
-                      local_epochs: int = 3, backbone: str = "fedavg") -> dict:
+                      local_epochs: int = 3, backbone: str = "fedavg", central: bool = True) -> dict:
     """Without ImageNet weights there are no pre-trained batch-norm statistics for FedBN+ (the job's paper
-    setting) to freeze, so the demo runs the paper's other global-model strategy, FedAvg, by default."""
+    setting) to freeze, so the demo runs the paper's other global-model strategy, FedAvg, by default.
+    ``central``: add the centralised baseline (``fedssl.surgical_central``: same code, pooled data, same
+    settings; nothing is exchanged, so its KB/site/round is 0)."""
     t0 = time.time()
     out = os.path.abspath(out)
-    job = job_variant(out, backbone)
+    from fedssl.flare.surgical_registration import BACKBONES
+
+    if backbone not in BACKBONES:
+        raise ValueError(f"backbone={backbone!r}: use one of {list(BACKBONES)}")
     data = os.path.join(out, "data")
     if not os.path.isdir(os.path.join(data, "mimic")):
         _say(t0, f"writing synthetic NIH-like (site-1), CheXpert-like (site-2) and MIMIC-like (external) data, "
                  f"{n_patients} patients per site -> {data}")
         write_demo_data(data, n_patients)
+    client_sets = [f"client.cxr_trainer.external_test_root={os.path.join(data, 'mimic')}",
+                   f"client.cxr_trainer.lr={lr}", f"client.cxr_trainer.local_epochs={local_epochs}"]
     rows, runs = [], {}
     for method in methods:
         _say(t0, f"{method}: jobs/surgical_cxr in the FLARE simulator (2 sites, {rounds} rounds, backbone {backbone}, "
                  "quick profile)")
-        sets = [f"server.class_registration.method={method}", f"server.scatter_and_gather.num_rounds={rounds}",
-                f"client.cxr_trainer.external_test_root={os.path.join(data, 'mimic')}",
-                f"client.cxr_trainer.lr={lr}", f"client.cxr_trainer.local_epochs={local_epochs}"]
-        s = run_simulation(job, os.path.join(out, f"ws_{method}"), n_sites=2, data_root=os.path.join(data, "{site}"),
+        sets = [f"server.class_registration.method={method}", f"server.class_registration.backbone={backbone}",
+                f"server.scatter_and_gather.num_rounds={rounds}"] + client_sets
+        s = run_simulation(JOB, os.path.join(out, f"ws_{method}"), n_sites=2, data_root=os.path.join(data, "{site}"),
                            profile="quick", sets=sets, echo=False)
-        with open(os.path.join(s["workspace"], "server", "simulate_job", "results.json")) as f:
+        results = os.path.join(s["workspace"], "server", "simulate_job", "results.json")
+        with open(results) as f:
             res = json.load(f)
-        table, ext = res["table"], res["table"]["external"]
-        ext_per = next(iter(res["sites"].values())).get("external", {}).get("per_class", {}) if ext else {}
-        ext_vals = {c: e["auroc"] for c, e in ext_per.items()}
-        defined = [v for v in ext_vals.values() if v is not None]
-        row = {"method": method, **{k: table["mean"][k] for k in ("mean_auroc", "shared_auroc", "unique_auroc")},
-               "external_auroc": ext[0]["mean_auroc"] if ext else None,
-               "external_shared": ext[0]["shared_auroc"] if ext else None,
-               "external_unique": ext[0]["unique_auroc"] if ext else None,
-               "external_min_class": min(defined) if defined else None,
-               "external_classes": len(defined), "rounds": rounds, "wall_time_s": s["simulator_wall_time_s"],
-               "kb_per_site_round": s["bytes_per_site_per_round"]["total"] / 1e3,
-               "bytes_per_site_per_round": s["bytes_per_site_per_round"],
-               "results": os.path.join(s["workspace"], "server", "simulate_job", "results.md")}
+        row, runs[method] = result_row(method, res, rounds, s["simulator_wall_time_s"], s["bytes_per_site_per_round"],
+                                       results.replace(".json", ".md"))
         rows.append(row)
-        runs[method] = {"external_per_class": ext_vals, "global_classes": res["global_classes"]}
         _say(t0, f"{method}: site mean AUROC {_fmt(row['mean_auroc'])} (shared {_fmt(row['shared_auroc'])}, unique "
+                 f"{_fmt(row['unique_auroc'])}), external {_fmt(row['external_auroc'])} in {row['wall_time_s']} s")
+    if central:
+        _say(t0, f"centralised: the same training code on the pooled data of both sites ({rounds} x {local_epochs} "
+                 "epochs, quick profile)")
+        res = run_centralised(os.path.join(data, "{site}"), os.path.join(out, "central"), profile="quick",
+                              sets=client_sets + [f"server.scatter_and_gather.num_rounds={rounds}"], say=lambda m: None)
+        row, runs["centralised"] = result_row("centralised", res, rounds, res["wall_time_s"], {"total": 0},
+                                              os.path.join(out, "central", "results.md"))
+        rows.append(row)
+        _say(t0, f"centralised: site mean AUROC {_fmt(row['mean_auroc'])} (shared {_fmt(row['shared_auroc'])}, unique "
                  f"{_fmt(row['unique_auroc'])}), external {_fmt(row['external_auroc'])} in {row['wall_time_s']} s")
     table = comparison_table(rows)
     report = {"backbone": backbone, "rows": rows, "runs": runs, "demo_wall_time_s": round(time.time() - t0, 1)}
@@ -145,6 +137,7 @@ def run_surgical_demo(out: str, *, rounds: int = 10, n_patients: int = 500, meth
         verdict = ("predicts every class of the union" if not check["undefined"] and not check["auroc_at_most_0.6"]
                    else f"classes at or below AUROC 0.6: {sorted(check['auroc_at_most_0.6'])}; undefined: {check['undefined']}")
         print(f"  min AUROC {_fmt(check['min']).strip()}: {verdict}")
-    print(f"\nreport: {os.path.join(out, 'surgical_demo.md')}; per-run tables: ws_<method>/server/simulate_job/results.md")
+    print(f"\nreport: {os.path.join(out, 'surgical_demo.md')}; per-run tables: ws_<method>/server/simulate_job/results.md"
+          + (", central/results.md" if central else ""))
     _say(t0, "demo finished")
     return report

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from fedssl.data.cxr import CHEXPERT_CLASSES, NIH_CLASSES
-from fedssl.data.cxr_synthetic import write_synthetic_chexpert, write_synthetic_mimic_cxr, write_synthetic_nih
+from fedssl.data.cxr_synthetic import write_synthetic_surgical
 from fedssl.jobtools import REPO_ROOT
 from fedssl.simulate import SimulationError, run_simulation
 
@@ -21,9 +21,7 @@ JOB = os.path.join(REPO_ROOT, "jobs", "surgical_cxr")
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("cxr")
-    write_synthetic_nih(root / "site-1", n_patients=60, seed=0, image_size=64)
-    write_synthetic_chexpert(root / "site-2", n_patients=60, seed=1, image_size=64)
-    write_synthetic_mimic_cxr(root / "mimic", n_patients=30, seed=2, image_size=64)
+    write_synthetic_surgical(root, n_patients=60, seed=0, image_size=64)  # + 30 external (MIMIC-like) patients
     return root
 
 

@@ -1,28 +1,23 @@
-"""The demo's backbone variants of jobs/surgical_cxr are valid jobs (FedAvg: no batch-norm exclusion filters)."""
+"""The demo switches the backbone strategy by --set alone: the job's batch-norm filters follow the strategy."""
 
-import json
 import os
 
 import pytest
 
 from fedssl.jobtools import component_specs, job_configs
-from fedssl.surgical_demo import comparison_table, job_variant
-from tests.jobs.test_job_configs import check_job
+from fedssl.surgical_demo import JOB, comparison_table, run_surgical_demo
 
 
-@pytest.mark.parametrize("backbone", ["fedavg", "fedbn_plus"])
-def test_job_variant(tmp_path, backbone):
-    job = job_variant(str(tmp_path), backbone)
-    assert os.path.basename(job) == "surgical_cxr" and check_job(job) >= 3
-    paths = [c["path"] for _, cfg in job_configs(job) for c in component_specs(cfg)]
-    assert ("fedssl.flare.partial_exclusion.PartialModelExclusion" in paths) == (backbone != "fedavg")
-    for _, cfg in job_configs(job):
-        assert all(g["filters"] for k in ("task_data_filters", "task_result_filters") for g in cfg.get(k, []))
-    with open(os.path.join(job, "app", "config", "config_fed_server.json")) as f:
-        reg = [c for c in component_specs(json.load(f)) if c["id"] == "class_registration"][0]
-    assert reg["args"]["backbone"] == backbone
+def test_job_batchnorm_filters_follow_the_strategy():
+    paths = [c["path"] for _, cfg in job_configs(JOB) for c in component_specs(cfg)]
+    assert "fedssl.flare.partial_exclusion.PartialModelExclusion" not in paths
+    assert paths.count("fedssl.flare.backbone_exclusion.BackboneBNExclusion") == 3  # train + test download, upload
+
+
+def test_demo_rejects_an_unknown_backbone_before_doing_anything(tmp_path):
     with pytest.raises(ValueError, match="backbone"):
-        job_variant(str(tmp_path), "fedprox")
+        run_surgical_demo(str(tmp_path), backbone="fedprox")
+    assert not os.listdir(tmp_path)
 
 
 def test_comparison_table_prints_every_method():

@@ -5,7 +5,9 @@ A site's targets cover its own classes ``C_k`` (in its declared order); the head
 
 - vanilla FL: classes the site lacks are treated as negatives (target 0, counted in the loss);
 - partial loss (eq. 4): classes the site lacks are dropped from the loss (mask 0);
-- surgical / personalised / individual: the head is ``C_k`` itself; targets map one to one.
+- surgical / personalised / individual: the head is ``C_k`` itself; targets map one to one;
+- centralised (pooled data of every site, head over ``C``): each image's classes that its source does not
+  label are NaN (:func:`pool_targets`) and masked out of the loss (:func:`labelled`), as partial loss does.
 
 Pure torch; no FLARE.
 """
@@ -70,3 +72,19 @@ def masked_bce(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor |
     if n <= 0:
         raise ValueError("the mask drops every entry: no class of the site is a column of the head")
     return (loss * mask).sum() / n
+
+
+def pool_targets(targets: torch.Tensor, local_classes: Sequence[str], head_classes: Sequence[str], site: str = "?") -> torch.Tensor:
+    """Local targets [B, |C_k|] -> [B, |C|] over the head's classes with NaN ("not labelled") in every column of a
+    class the site does not annotate: pooled (centralised) training data, where a source's missing classes are
+    unknown rather than negative (masked out of the loss by :func:`labelled`, as partial loss does)."""
+    full, mask = expand_targets(targets, local_classes, head_classes, missing="ignore", site=site)
+    return full.masked_fill(mask == 0, float("nan"))
+
+
+def labelled(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(targets with NaN -> 0, mask of the labelled entries) for :func:`masked_bce`; mask None when all are labelled."""
+    unknown = torch.isnan(targets)
+    if not bool(unknown.any()):
+        return targets, None
+    return targets.masked_fill(unknown, 0.0), (~unknown).to(targets.dtype)

@@ -461,6 +461,7 @@ def write_synthetic_surgical(out: str | os.PathLike, n_patients: int = 200, seed
         out/site-2/   CheXpert layout (13 classes, 7 shared with NIH)
         out/mimic/    MIMIC-CXR-JPG layout, all 20 classes annotated (external test set; load with split="all")
 
+    The three writers draw from seeds ``seed``, ``seed + 1`` and ``seed + 2``.
     Returns ``{"site-1": summary, "site-2": summary, "mimic": summary}`` (the writers' summaries).
     """
     o = Path(out)
@@ -468,8 +469,8 @@ def write_synthetic_surgical(out: str | os.PathLike, n_patients: int = 200, seed
     return {
         "site-1": write_synthetic_nih(o / "site-1", n_patients, seed=seed, image_size=image_size, variant=nih_variant,
                                       prevalence=prevalence, unlabelled_prevalence=unlabelled_prevalence),
-        "site-2": write_synthetic_chexpert(o / "site-2", n_patients, seed=seed, image_size=image_size,
+        "site-2": write_synthetic_chexpert(o / "site-2", n_patients, seed=seed + 1, image_size=image_size,
                                            prevalence=prevalence, unlabelled_prevalence=unlabelled_prevalence),
-        "mimic": write_synthetic_mimic_cxr(o / "mimic", max(1, n_ext), seed=seed, image_size=image_size,
+        "mimic": write_synthetic_mimic_cxr(o / "mimic", max(1, n_ext), seed=seed + 2, image_size=image_size,
                                            prevalence=prevalence),
     }

@@ -25,7 +25,57 @@ COLLECTED = "collected"
 WEIGHTINGS = ("num_samples", "num_steps", "uniform")
 
 
-class FedAvgAggregator(Aggregator):
+class RoundAggregator(Aggregator):
+    """Per-round bookkeeping shared by the bundle's aggregators (FedAvgAggregator, SurgicalAggregator):
+    the accepted states, their weights and reported losses by site, and the checks every ``accept()`` runs first."""
+
+    def __init__(self):
+        super().__init__()
+        self._states: dict[str, dict] = {}
+        self._weights: dict[str, float] = {}
+        self._losses: dict[str, float] = {}
+
+    def reset(self, fl_ctx: FLContext) -> None:
+        self._states, self._weights, self._losses = {}, {}, {}
+
+    def admitted_site(self, shareable: Shareable, fl_ctx: FLContext) -> str | None:
+        """The sending site's name, or None (with a warning naming the site) when the result is left out of
+        this round: an error return code, a result of another round, or a second result of the same site."""
+        site = shareable.get_peer_prop(key=ReservedKey.IDENTITY_NAME, default="?")
+        rc = shareable.get_return_code()
+        if rc and rc != ReturnCode.OK:
+            self.log_warning(fl_ctx, f"{site} returned {rc}; its contribution is left out of this round")
+            return None
+        contribution_round = shareable.get_cookie(AppConstants.CONTRIBUTION_ROUND)
+        current_round = fl_ctx.get_prop(AppConstants.CURRENT_ROUND)
+        if contribution_round is not None and current_round is not None and contribution_round != current_round:
+            self.log_warning(fl_ctx, f"{site} sent a result for round {contribution_round} during round {current_round}; discarded")
+            return None
+        if site in self._states:
+            self.log_warning(fl_ctx, f"{site} already contributed to round {current_round}; duplicate discarded")
+            return None
+        return site
+
+    def keep(self, site: str, data: dict, weight: float, dxo: DXO) -> bool:
+        """Record an accepted contribution (and the training loss the site reported, if any); returns True."""
+        self._states[site] = data
+        self._weights[site] = weight
+        loss = dxo.get_meta_prop("loss")
+        if loss is not None:
+            self._losses[site] = float(loss)
+        return True
+
+    def round_sites(self, fl_ctx: FLContext) -> tuple[list[str], int]:
+        """(sorted sites that contributed to this round, number of clients of the run); with no contribution
+        the run is stopped (system panic) and the list is empty."""
+        sites = sorted(self._states)
+        n_clients = len(fl_ctx.get_engine().get_clients()) if fl_ctx.get_engine() else len(sites)
+        if not sites:
+            self.system_panic("no valid contribution this round: nothing to aggregate", fl_ctx)
+        return sites, n_clients
+
+
+class FedAvgAggregator(RoundAggregator):
     def __init__(self, weighting: str = "num_samples", collect_banks: bool = False, optional_prefixes: list = (),
                  exclude_patterns: list = ()):
         """
@@ -54,13 +104,11 @@ class FedAvgAggregator(Aggregator):
         self.exclude_patterns = list(exclude_patterns)
         self.collect_banks = collect_banks
         self.optional_prefixes = list(optional_prefixes)
-        self._states: dict[str, dict] = {}
-        self._weights: dict[str, float] = {}
         self._banks: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        self._losses: dict[str, float] = {}
 
     def reset(self, fl_ctx: FLContext) -> None:
-        self._states, self._weights, self._banks, self._losses = {}, {}, {}, {}
+        super().reset(fl_ctx)
+        self._banks = {}
 
     def _weight_of(self, dxo: DXO, site: str) -> float:
         if self.weighting == "uniform":
@@ -85,18 +133,8 @@ class FedAvgAggregator(Aggregator):
         return expected
 
     def accept(self, shareable: Shareable, fl_ctx: FLContext) -> bool:
-        site = shareable.get_peer_prop(key=ReservedKey.IDENTITY_NAME, default="?")
-        rc = shareable.get_return_code()
-        if rc and rc != ReturnCode.OK:
-            self.log_warning(fl_ctx, f"{site} returned {rc}; its contribution is left out of this round")
-            return False
-        contribution_round = shareable.get_cookie(AppConstants.CONTRIBUTION_ROUND)
-        current_round = fl_ctx.get_prop(AppConstants.CURRENT_ROUND)
-        if contribution_round is not None and current_round is not None and contribution_round != current_round:
-            self.log_warning(fl_ctx, f"{site} sent a result for round {contribution_round} during round {current_round}; discarded")
-            return False
-        if site in self._states:
-            self.log_warning(fl_ctx, f"{site} already contributed to round {current_round}; duplicate discarded")
+        site = self.admitted_site(shareable, fl_ctx)
+        if site is None:
             return False
         try:
             dxo = from_shareable(shareable)
@@ -116,20 +154,13 @@ class FedAvgAggregator(Aggregator):
         except (ContributionError, ValueError, TypeError) as e:
             self.log_error(fl_ctx, f"REJECTED contribution: {e}")
             return False
-        self._states[site] = dxo.data
-        self._weights[site] = weight
         if bank is not None:
             self._banks[site] = bank
-        loss = dxo.get_meta_prop("loss")
-        if loss is not None:
-            self._losses[site] = float(loss)
-        return True
+        return self.keep(site, dxo.data, weight, dxo)
 
     def aggregate(self, fl_ctx: FLContext) -> Shareable:
-        sites = sorted(self._states)
-        n_clients = len(fl_ctx.get_engine().get_clients()) if fl_ctx.get_engine() else len(sites)
+        sites, n_clients = self.round_sites(fl_ctx)
         if not sites:
-            self.system_panic("no valid contribution this round: nothing to aggregate", fl_ctx)
             return Shareable()
         avg = weighted_average([self._states[s] for s in sites], [self._weights[s] for s in sites])
         self.log_info(fl_ctx, f"aggregated {len(sites)}/{n_clients} sites, weights ({self.weighting}): "

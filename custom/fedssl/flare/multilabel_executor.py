@@ -32,12 +32,13 @@ from nvflare.apis.shareable import Shareable
 from nvflare.apis.signal import Signal
 from nvflare.app_common.app_constant import AppConstants
 
-from fedssl.core.multilabel import column_index, expand_targets, masked_bce
+from fedssl.core.multilabel import column_index, expand_targets, labelled, masked_bce
 from fedssl.core.surgical import HEAD_WEIGHT, check_class_list, is_head_key, local_keys
 from fedssl.data.cxr import CXRDataset, batches, dataset_classes, load_cxr_site, patient_split
 from fedssl.data.site_config import resolve_site_setting
 from fedssl.eval.auroc import auroc
 from fedssl.eval.surgical_report import auroc_table
+from fedssl.flare.backbone_exclusion import BACKBONE_HEADER
 from fedssl.flare.site_executor import SiteExecutor, TaskAborted, pick_device
 from fedssl.flare.surgical_registration import (
     BACKBONE_KEY,
@@ -194,6 +195,10 @@ class MultiLabelExecutor(SiteExecutor):
                                           fl_ctx.get_engine().get_workspace().get_site_config_dir())
         if dataset not in DATASETS:
             raise ValueError(f"{site}: dataset {dataset!r} is not one of {list(DATASETS)}")
+        return self.load_splits(root, dataset, site)
+
+    def load_splits(self, root: str, dataset: str, site: str) -> dict:
+        """The site's patient-level train / validation / test datasets over its classes (``_site_classes``)."""
         records = load_cxr_site(root, dataset, site=site)
         train, val, test = patient_split(records, fractions=tuple(self.split), seed=self.seed)
         if not train or not val or not test:
@@ -205,9 +210,10 @@ class MultiLabelExecutor(SiteExecutor):
                 "val": CXRDataset(val, self._site_classes, self.image_size, train=False, site=site),
                 "test": CXRDataset(test, self._site_classes, self.image_size, train=False, site=site)}
 
-    def _build_model(self, classes: list[str]) -> MultiLabelDenseNet:
+    def _build_model(self, classes: list[str], imagenet_path: str | None = None) -> MultiLabelDenseNet:
         return MultiLabelDenseNet(classes, self.growth_rate, tuple(self.block_config), self.num_init_features,
-                                  hidden_features=self.hidden_features, dropout=self.dropout, seed=self.seed)
+                                  hidden_features=self.hidden_features, dropout=self.dropout, seed=self.seed,
+                                  imagenet_path=imagenet_path)
 
     # ------------------------------------------------------------------ set-up / state
     def _switches_from(self, meta: dict, site: str) -> dict:
@@ -303,7 +309,7 @@ class MultiLabelExecutor(SiteExecutor):
             full, mask = expand_targets(targets, self._site_classes, self._head_classes,
                                         missing="negative" if method == "vanilla" else "ignore", site=site)
             return masked_bce(logits, full, mask)
-        return masked_bce(logits, targets)
+        return masked_bce(logits, *labelled(targets))  # NaN: a class the image's source does not label (pooled data)
 
     def _epoch_batches(self, dataset, train: bool, epoch: int):
         return batches(dataset, self.batch_size, seed=self.seed, epoch=epoch, shuffle=train,
@@ -326,7 +332,7 @@ class MultiLabelExecutor(SiteExecutor):
             opt.zero_grad()
             loss.backward()
             opt.step()
-            total, steps = total + float(loss), steps + 1
+            total, steps = total + float(loss.detach()), steps + 1
         self._epoch += 1
         return total / max(steps, 1), steps
 
@@ -362,7 +368,9 @@ class MultiLabelExecutor(SiteExecutor):
         probs, targets = self._scores(self._model, self._splits["val"])
         cols = column_index(self._site_classes, self._head_classes, site)
         p = np.clip(probs[:, cols], 1e-7, 1 - 1e-7)
-        bce = float(-np.mean(targets * np.log(p) + (1 - targets) * np.log(1 - p)))
+        known = ~np.isnan(targets)  # pooled data: entries of a class the image's source does not label are NaN
+        t = np.nan_to_num(targets)
+        bce = float(-np.sum(known * (t * np.log(p) + (1 - t) * np.log(1 - p))) / max(int(known.sum()), 1))
         return {"val_loss": bce, "val_auroc": _mean_auroc(p, targets)}
 
     # ------------------------------------------------------------------ tasks
@@ -410,8 +418,9 @@ class MultiLabelExecutor(SiteExecutor):
         self.log_info(fl_ctx, f"round {round_idx + 1}/{num_rounds}: loss {loss:.4f}" +
                       (f", warm-up loss {warm:.4f}" if warm is not None else "") +
                       (f", global model validation BCE {val['val_loss']:.4f} AUROC {val['val_auroc']:.3f}" if val else ""))
-        # batch-norm tensors go out with the rest: under FedBN / FedBN+ the job's PartialModelExclusion upload
-        # filter holds them back on the site; personalised heads and individual models never leave the site
+        # batch-norm tensors go out with the rest: under FedBN / FedBN+ the job's BackboneBNExclusion upload
+        # filter (following the backbone header set below) holds them back on the site; personalised heads and
+        # individual models never leave the site
         weights = {} if method == "individual" else {
             k: v.detach().cpu().numpy() for k, v in self._model.state_dict().items()
             if not (method == "personalised" and is_head_key(k))}
@@ -419,7 +428,9 @@ class MultiLabelExecutor(SiteExecutor):
                 MetaKey.NUM_STEPS_CURRENT_ROUND: steps, "loss": loss}
         if val:
             meta[MetaKey.INITIAL_METRICS] = val
-        return DXO(data_kind=DataKind.WEIGHTS, data=weights, meta=meta).to_shareable()
+        reply = DXO(data_kind=DataKind.WEIGHTS, data=weights, meta=meta).to_shareable()
+        reply.set_header(BACKBONE_HEADER, self._switches["backbone"])  # read by the BackboneBNExclusion upload filter
+        return reply
 
     def test(self, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
         site = self.site_name(fl_ctx)
@@ -443,22 +454,29 @@ class MultiLabelExecutor(SiteExecutor):
             head = list(self._head_classes)
             source = "personalised model" if method == "personalised" else "local model"
         t0 = time.time()
+        external = self.resolve_root(self.external_test_root, fl_ctx) if self.external_test_root else ""
+        result = self.evaluate(model, head, site, source, external)
+        self.append_metrics(fl_ctx, {"task": "test", "time_s": round(time.time() - t0, 2), **_flat_means(result)})
+        self.log_info(fl_ctx, f"test ({source}): mean AUROC {result['test']['mean_auroc']:.3f} "
+                              f"over {len(self._site_classes)} classes"
+                      + (f"; external {result['external']['mean_auroc']:.3f} over {result['external']['n_classes']} classes"
+                         if "external" in result else ""))
+        return DXO(data_kind=DataKind.METRICS, data=result, meta={CLASSES_KEY: classes_to_meta(self._site_classes)}).to_shareable()
+
+    def evaluate(self, model: torch.nn.Module, head: list[str], site: str, source: str, external_root: str = "") -> dict:
+        """The test reply: per-class AUROC (bootstrap CIs) of ``model`` (head over ``head``) on this site's test
+        patients, its classes; with ``external_root`` also on the external set (every annotated class of the head)."""
         probs, targets = self._scores(model, self._splits["test"])
         cols = column_index(self._site_classes, head, site)
         result = {"model": source, "n_test": int(len(targets)),
                   "test": auroc_table(probs[:, cols], targets, self._site_classes, n_bootstrap=self.n_bootstrap, seed=self.seed)}
         result["mean_auroc"] = result["test"]["mean_auroc"]
-        if self.external_test_root:
-            result["external"] = self._external(model, head, site, fl_ctx)
+        if external_root:
+            result["external"] = self._external(model, head, site, external_root)
             result["external_mean_auroc"] = result["external"]["mean_auroc"]
-        self.append_metrics(fl_ctx, {"task": "test", "time_s": round(time.time() - t0, 2), **_flat_means(result)})
-        self.log_info(fl_ctx, f"test ({source}): mean AUROC {result['test']['mean_auroc']:.3f} over {len(cols)} classes"
-                      + (f"; external {result['external']['mean_auroc']:.3f} over {result['external']['n_classes']} classes"
-                         if "external" in result else ""))
-        return DXO(data_kind=DataKind.METRICS, data=result, meta={CLASSES_KEY: classes_to_meta(self._site_classes)}).to_shareable()
+        return result
 
-    def _external(self, model, head: list[str], site: str, fl_ctx: FLContext) -> dict:
-        root = self.resolve_root(self.external_test_root, fl_ctx)
+    def _external(self, model, head: list[str], site: str, root: str) -> dict:
         records = load_cxr_site(root, "mimic", site=site, split="all")  # all of it is external to the federation
         annotated = set(dataset_classes("mimic", root, site))
         classes = [c for c in head if c in annotated]  # a class the external set does not annotate has no truth
@@ -473,7 +491,9 @@ class MultiLabelExecutor(SiteExecutor):
 
 
 def _mean_auroc(probs: np.ndarray, targets: np.ndarray) -> float:
-    values = [auroc(probs[:, j], targets[:, j]) for j in range(targets.shape[1])]
+    """Mean AUROC over the columns; per column only the labelled rows (targets not NaN) count."""
+    known = ~np.isnan(targets)
+    values = [auroc(probs[known[:, j], j], targets[known[:, j], j]) for j in range(targets.shape[1])]
     values = [v for v in values if not math.isnan(v)]
     return float(np.mean(values)) if values else float("nan")
 

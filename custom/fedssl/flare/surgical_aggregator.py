@@ -2,8 +2,8 @@
 
 Backbone (eq. 1): FedAvg of every non-head tensor (``weighting`` "uniform", as the paper's public code,
 or "num_samples"); under "fedbn" / "fedbn_plus" the batch-norm tensors stay on the sites (the job's
-PartialModelExclusion filters hold them back) and keep their global value.  Head, by ``method`` (read
-from the :class:`~fedssl.flare.surgical_registration.ClassRegistry`):
+BackboneBNExclusion filters, which follow the strategy, hold them back) and keep their global value.
+Head, by ``method`` (read from the :class:`~fedssl.flare.surgical_registration.ClassRegistry`):
 
 - surgical: every global class row (weights and bias) is the mean over only the sites holding the class
   (``fedssl.core.surgical.merge_heads``; a class of one site is copied from it); each site sends its head
@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import numpy as np
 from nvflare.apis.dxo import DXO, DataKind, from_shareable
-from nvflare.apis.fl_constant import ReservedKey, ReturnCode
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
-from nvflare.app_common.abstract.aggregator import Aggregator
 from nvflare.app_common.abstract.model import ModelLearnableKey
 from nvflare.app_common.app_constant import AppConstants
 
 from fedssl.core.state_dict import ContributionError, check_contribution, to_numpy, weighted_average
 from fedssl.core.surgical import aggregated_keys, is_head_key, merge_heads
+from fedssl.flare.fedavg_aggregator import RoundAggregator
 from fedssl.flare.surgical_registration import CLASSES_KEY, ClassRegistry, classes_from_meta, get_registry
 from fedssl.flare.validation import require, require_choice
 from fedssl.models.densenet import is_bn_key
@@ -48,7 +47,7 @@ def expected_keys(global_keys, reg: ClassRegistry, head: str) -> tuple[list[str]
     return backbone, heads
 
 
-class SurgicalAggregator(Aggregator):
+class SurgicalAggregator(RoundAggregator):
     def __init__(self, weighting: str = "uniform", head: str = "classifier"):
         """
         Args:
@@ -63,12 +62,6 @@ class SurgicalAggregator(Aggregator):
                 'use the module name of the class layer, e.g. "classifier"')
         self.weighting = weighting
         self.head = head
-        self._states: dict[str, dict] = {}
-        self._weights: dict[str, float] = {}
-        self._losses: dict[str, float] = {}
-
-    def reset(self, fl_ctx: FLContext) -> None:
-        self._states, self._weights, self._losses = {}, {}, {}
 
     # ------------------------------------------------------------------ validation
     def _check(self, dxo: DXO, site: str, reg: ClassRegistry, global_weights: dict) -> float:
@@ -85,12 +78,12 @@ class SurgicalAggregator(Aggregator):
         if reg.backbone != "fedavg" and bn_sent:
             raise ContributionError(
                 f"{site} sent {len(bn_sent)} batch-norm tensors (e.g. {bn_sent[0]!r}) but backbone {reg.backbone} keeps "
-                "batch-norm on the sites; add the PartialModelExclusion upload filter (average_at_end false) to the "
-                "client config")
+                "batch-norm on the sites; put fedssl.flare.backbone_exclusion.BackboneBNExclusion (direction upload) in the "
+                "client's task-result filters")
         if reg.backbone == "fedavg" and data and not bn_sent and any(is_bn_key(k) for k in backbone):
             raise ContributionError(
-                f"{site} sent no batch-norm tensors but backbone fedavg averages them; remove the PartialModelExclusion "
-                "filters from the job (or use backbone fedbn / fedbn_plus)")
+                f"{site} sent no batch-norm tensors but backbone fedavg averages them; the client's batch-norm filter "
+                "must follow the backbone strategy (BackboneBNExclusion), not exclude batch-norm unconditionally")
         check_contribution(global_weights, {k: v for k, v in data.items() if not is_head_key(k, self.head)}, site,
                            keys=backbone)
         extra_heads = sorted(set(k for k in data if is_head_key(k, self.head)) - set(heads))
@@ -117,18 +110,8 @@ class SurgicalAggregator(Aggregator):
         return float(n)
 
     def accept(self, shareable: Shareable, fl_ctx: FLContext) -> bool:
-        site = shareable.get_peer_prop(key=ReservedKey.IDENTITY_NAME, default="?")
-        rc = shareable.get_return_code()
-        if rc and rc != ReturnCode.OK:
-            self.log_warning(fl_ctx, f"{site} returned {rc}; its contribution is left out of this round")
-            return False
-        contribution_round = shareable.get_cookie(AppConstants.CONTRIBUTION_ROUND)
-        current_round = fl_ctx.get_prop(AppConstants.CURRENT_ROUND)
-        if contribution_round is not None and current_round is not None and contribution_round != current_round:
-            self.log_warning(fl_ctx, f"{site} sent a result for round {contribution_round} during round {current_round}; discarded")
-            return False
-        if site in self._states:
-            self.log_warning(fl_ctx, f"{site} already contributed to round {current_round}; duplicate discarded")
+        site = self.admitted_site(shareable, fl_ctx)
+        if site is None:
             return False
         try:
             reg = get_registry(fl_ctx, type(self).__name__)
@@ -140,19 +123,12 @@ class SurgicalAggregator(Aggregator):
         except (ContributionError, ValueError, TypeError) as e:
             self.log_error(fl_ctx, f"REJECTED contribution: {e}")
             return False
-        self._states[site] = dxo.data or {}
-        self._weights[site] = weight
-        loss = dxo.get_meta_prop("loss")
-        if loss is not None:
-            self._losses[site] = float(loss)
-        return True
+        return self.keep(site, dxo.data or {}, weight, dxo)
 
     # ------------------------------------------------------------------ aggregation
     def aggregate(self, fl_ctx: FLContext) -> Shareable:
-        sites = sorted(self._states)
-        n_clients = len(fl_ctx.get_engine().get_clients()) if fl_ctx.get_engine() else len(sites)
+        sites, n_clients = self.round_sites(fl_ctx)
         if not sites:
-            self.system_panic("no valid contribution this round: nothing to aggregate", fl_ctx)
             return Shareable()
         reg = get_registry(fl_ctx, type(self).__name__)
         global_weights = fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)[ModelLearnableKey.WEIGHTS]

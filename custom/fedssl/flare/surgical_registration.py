@@ -21,8 +21,8 @@ Switches (one place, the sites read them from the task):
 | personalised  | C_k local | not exchanged                       | BCE on C_k                     |
 | individual    | C_k local | nothing exchanged                   | BCE on C_k                     |
 
-backbone: "fedavg" (every backbone tensor averaged), "fedbn" (batch-norm stays local: the job adds
-PartialModelExclusion filters), "fedbn_plus" (FedBN with batch-norm frozen at its pre-trained
+backbone: "fedavg" (every backbone tensor averaged), "fedbn" (batch-norm stays local: the job's
+BackboneBNExclusion filters follow this switch), "fedbn_plus" (FedBN with batch-norm frozen at its pre-trained
 statistics on every site, Kulkarni et al. 2023; the paper's setting).
 """
 

@@ -103,8 +103,12 @@ def test_load_received_keeps_local_tensors_and_rejects_surprises():
 
 
 def test_job_batchnorm_patterns_match_exactly_the_batchnorm_keys():
+    from fedssl.flare.backbone_exclusion import BackboneBNExclusion
+
     with open(os.path.join(REPO_ROOT, "jobs", "surgical_cxr", "app", "config", "config_fed_client.json")) as f:
         client = json.load(f)
-    patterns = client["task_result_filters"][0]["filters"][0]["args"]["patterns"]
+    spec = client["task_result_filters"][0]["filters"][0]
+    assert spec["path"] == "fedssl.flare.backbone_exclusion.BackboneBNExclusion"
+    patterns = BackboneBNExclusion(**spec["args"]).patterns
     keys = list(MultiLabelDenseNet(["A"], 8, (2, 2, 2, 2), 16, hidden_features=4).state_dict())
     assert match_keys(keys, patterns) == [k for k in keys if is_bn_key(k)] != []

@@ -8,7 +8,7 @@ import json
 def _cmd_demo(a) -> None:
     from fedssl.sslfl_demo import run_sslfl_demo
 
-    run_sslfl_demo(a.out, n_images=a.images, image_px=a.px, n_sites=a.sites, alpha=a.alpha, pre_rounds=a.pre_rounds,
+    run_sslfl_demo(a.out, methods=a.methods, scratch=not a.no_scratch, n_images=a.images, image_px=a.px, n_sites=a.sites, alpha=a.alpha, pre_rounds=a.pre_rounds,
                    ft_rounds=a.ft_rounds, ft_epochs=a.ft_epochs, ft_steps=a.ft_steps, ft_lr=a.ft_lr, seed=a.seed)
 
 
@@ -70,9 +70,13 @@ def _cmd_bench(a) -> None:
 
 
 def register(sub) -> None:
-    s = sub.add_parser("demo-sslfl", help="synthetic retina -> Split-3 -> Fed-MAE -> federated fine-tuning vs scratch (quick)")
+    s = sub.add_parser("demo-sslfl", help="synthetic retina -> Split-3 -> Fed-MAE (or Fed-BEiT; FedMAE-KS on derm) -> "
+                                          "federated fine-tuning vs scratch (quick)")
     s.add_argument("--out", default="runs/sslfl_demo")
-    s.add_argument("--images", type=int, default=2800, help="images written; a balanced subset (~53%%) is kept")
+    s.add_argument("--methods", nargs="+", default=["fedmae"], choices=["fedmae", "fedbeit", "fedmae_ks"],
+                   help="pre-training methods, one data set: fedmae / fedbeit (retina) or fedmae_ks (derm)")
+    s.add_argument("--no-scratch", action="store_true", help="leave out the ViT-from-scratch baseline")
+    s.add_argument("--images", type=int, default=2800, help="images written (retina: a balanced subset, ~53%%, is kept)")
     s.add_argument("--px", type=int, default=40, help="height of the synthetic fundus images")
     s.add_argument("--sites", type=int, default=5)
     s.add_argument("--alpha", type=float, default=0.5, help="Dirichlet alpha (0.5 = SSL-FL Split-3)")

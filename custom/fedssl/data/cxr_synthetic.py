@@ -253,11 +253,11 @@ def _fracture(cv, img, an, lungs, rng):
     y0 = float(rng.uniform(0.25, 0.45))
     pts = [(x + s * 0.02 * (i % 2), y0 + 0.04 * i) for i in range(5)]
     for (a, b), (c, d) in zip(pts[:-1], pts[1:]):
-        img[cv.line(a, b, c, d, 0.02)] = 0.95
+        img[cv.line(a, b, c, d, 0.035)] = 0.95  # >= 2 px at 64 px: survives the augmentation's resampling
 
 
 def _support_devices(cv, img, an, lungs, rng):
-    img[cv.line(0.5, 0.0, 0.5 + float(rng.uniform(-0.03, 0.03)), 0.6, 0.008)] = 1.0
+    img[cv.line(0.5, 0.0, 0.5 + float(rng.uniform(-0.03, 0.03)), 0.6, 0.02)] = 1.0  # a tube, >= 1 px after blur
     x = 0.5 + _side(rng) * 0.27
     img[(np.abs(cv.x - x) < 0.04) & (np.abs(cv.y - 0.18) < 0.03)] = 1.0
 

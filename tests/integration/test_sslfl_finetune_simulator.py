@@ -44,15 +44,15 @@ def pretrained(tmp_path_factory):
     return str(path)
 
 
-def labelled_counts(data, dataset="retina", val_fraction=VAL_FRACTION):
+def labelled_counts(data, dataset="retina", val_fraction=VAL_FRACTION, label_fraction=1.0):
     counts = []
     for i in range(1, SITES + 1):
         train, _ = train_val_split(load_image_records(os.path.join(data, f"site-{i}"), dataset), val_fraction, seed=0)
-        counts.append(len(select_labelled(train, 1.0, seed=0)))
+        counts.append(len(select_labelled(train, label_fraction, seed=0)))
     return counts
 
 
-def check_run(run, data, dataset="retina", key_metric="val_accuracy", val_fraction=VAL_FRACTION):
+def check_run(run, data, dataset="retina", key_metric="val_accuracy", val_fraction=VAL_FRACTION, label_fraction=1.0):
     server = os.path.join(run["workspace"], "server", "simulate_job")
     with open(os.path.join(server, "test_metrics.json")) as f:
         report = json.load(f)
@@ -70,7 +70,7 @@ def check_run(run, data, dataset="retina", key_metric="val_accuracy", val_fracti
     assert run["test_evaluation"]["model"] == "best"  # RunSummary's summary.json carries the test evaluation
     # FedAvg weights = labelled images per site (sorted by site name), every round
     log = open(run["log"]).read()
-    expected = ", ".join(f"{n:g}" for n in labelled_counts(data, dataset, val_fraction))
+    expected = ", ".join(f"{n:g}" for n in labelled_counts(data, dataset, val_fraction, label_fraction))
     weights = re.findall(r"aggregated 3/3 sites, weights \(num_samples\): ([0-9, ]+)", log)
     assert weights == [expected, expected]
     return log
@@ -96,7 +96,8 @@ def test_fedmae_ks_finetune_on_derm(tmp_path, pretrained):
     job = os.path.join(REPO_ROOT, "jobs", "fedmae_derm_finetune")
     run = run_simulation(job, str(tmp_path / "ws"), n_sites=SITES, data_root=os.path.join(data, "{site}"), profile="quick",
                          echo=False, sets=["server.scatter_and_gather.num_rounds=2", f"server.model.pretrained_path={pretrained}"])
-    log = check_run(run, data, "derm", "val_macro_f1", val_fraction=0.25)  # the job's (quick keeps it)
+    # the job's validation fraction and labelled fraction (FedMAE-KS: 80% labelled); the quick profile keeps both
+    log = check_run(run, data, "derm", "val_macro_f1", val_fraction=0.25, label_fraction=0.8)
     assert f"encoder initialised from pretrained weights {pretrained}" in log
     with open(os.path.join(run["workspace"], "server", "simulate_job", "test_metrics.json")) as f:
         mean = json.load(f)["mean"]

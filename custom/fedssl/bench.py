@@ -17,6 +17,7 @@ synchronisations.  Pure torch: no FLARE.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import time
@@ -109,7 +110,7 @@ def measure(method: str = "mae", size: str = "vit_b16", batch_size: int = 64, st
     losses = [one_step() for _ in range(int(steps))]
     _sync(dev)
     dt = time.perf_counter() - t0
-    if not all(map(lambda v: v == v and abs(v) != float("inf"), losses)):
+    if not all(math.isfinite(v) for v in losses):
         raise FloatingPointError(f"bench: non-finite loss during the timed steps: {losses}")
     result = {
         "method": method, "size": size, "batch_size": int(batch_size), "steps": int(steps), "warmup": int(warmup),

@@ -95,6 +95,8 @@ def run_centralised(data_root: str, out: str, *, sites: Sequence[str] = ("site-1
     from fedssl.flare.multilabel_executor import MultiLabelExecutor
     from fedssl.flare.site_executor import pick_device
 
+    if not sites or len(set(sites)) != len(sites):
+        raise ValueError(f"sites={list(sites)}: name each site once")
     t0 = time.time()
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
@@ -102,8 +104,6 @@ def run_centralised(data_root: str, out: str, *, sites: Sequence[str] = ("site-1
     args = cfg["args"]
     external = args.pop("external_test_root", "") or ""
     args.pop("data_root", None)
-    if not sites or len(set(sites)) != len(sites):
-        raise ValueError(f"sites={list(sites)}: name each site once")
     # one executor per site: its classes, its data splits and its test evaluation, exactly as in a federated run
     per_site, site_classes = {}, {}
     for site in sites:

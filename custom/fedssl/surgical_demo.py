@@ -64,11 +64,11 @@ def result_row(method: str, res: dict, rounds: int, wall_time_s: float, bytes_pe
            "external_classes": len(defined), "rounds": rounds, "wall_time_s": wall_time_s,
            "kb_per_site_round": bytes_per_site_per_round["total"] / 1e3,
            "bytes_per_site_per_round": bytes_per_site_per_round, "results": results_md}
-    site_vals: dict[str, float | None] = {}  # class -> lowest AUROC over the test sets of the sites labelling it
+    by_class: dict[str, list] = {}  # class -> its AUROCs on the test sets of the sites labelling it
     for site_res in res["sites"].values():
         for c, e in site_res.get("test", {}).get("per_class", {}).items():
-            v, old = e["auroc"], site_vals.get(c)
-            site_vals[c] = v if old is None else old if v is None else min(old, v)
+            by_class.setdefault(c, []).append(e["auroc"])
+    site_vals = {c: min((v for v in vals if v is not None), default=None) for c, vals in by_class.items()}
     return row, {"external_per_class": ext_vals, "site_test_per_class": site_vals, "global_classes": res["global_classes"]}
 
 

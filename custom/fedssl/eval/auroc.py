@@ -20,7 +20,8 @@ from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-__all__ = ["auroc", "bootstrap_ci", "BootstrapCI", "per_class_auroc", "shared_unique", "mean_auroc", "site_summary"]
+__all__ = ["auroc", "bootstrap_ci", "BootstrapCI", "per_class_auroc", "shared_unique", "mean_auroc", "site_summary", "labelled_bce",
+           "labelled_mean_auroc"]
 
 
 def _as_1d(scores, labels) -> tuple[np.ndarray, np.ndarray]:
@@ -159,3 +160,23 @@ def site_summary(per_class: Mapping[str, float] | Sequence[dict], site: str,
     return {"all": mean_auroc(per_class, list(site_classes[site])),
             "shared": mean_auroc(per_class, groups["shared"]) if groups["shared"] else float("nan"),
             "unique": mean_auroc(per_class, groups["unique"]) if groups["unique"] else float("nan")}
+
+
+def labelled_bce(probs, targets, eps: float = 1e-7) -> float:
+    """Mean binary cross-entropy of ``probs [N, C]`` over the labelled entries of ``targets [N, C]`` (NaN = not
+    labelled: a class the image's source does not annotate, in pooled data); probabilities clipped to ``eps``."""
+    p = np.clip(np.asarray(probs, dtype=np.float64), eps, 1 - eps)
+    t = np.asarray(targets, dtype=np.float64)
+    known = ~np.isnan(t)
+    t = np.nan_to_num(t)
+    return float(-np.sum(known * (t * np.log(p) + (1 - t) * np.log(1 - p))) / max(int(known.sum()), 1))
+
+
+def labelled_mean_auroc(probs, targets) -> float:
+    """Mean AUROC over the columns of ``probs [N, C]``; per column only the labelled rows (targets not NaN)
+    count, and columns without both classes are left out (NaN when none is left)."""
+    p, t = np.asarray(probs), np.asarray(targets, dtype=np.float64)
+    known = ~np.isnan(t)
+    values = [auroc(p[known[:, j], j], t[known[:, j], j]) for j in range(t.shape[1])]
+    values = [v for v in values if not math.isnan(v)]
+    return float(np.mean(values)) if values else float("nan")

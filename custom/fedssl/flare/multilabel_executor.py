@@ -36,7 +36,7 @@ from fedssl.core.multilabel import column_index, expand_targets, labelled, maske
 from fedssl.core.surgical import HEAD_WEIGHT, check_class_list, is_head_key, local_keys
 from fedssl.data.cxr import CXRDataset, batches, dataset_classes, load_cxr_site, patient_split
 from fedssl.data.site_config import resolve_site_setting
-from fedssl.eval.auroc import auroc
+from fedssl.eval.auroc import labelled_bce, labelled_mean_auroc
 from fedssl.eval.surgical_report import auroc_table
 from fedssl.flare.backbone_exclusion import BACKBONE_HEADER
 from fedssl.flare.site_executor import SiteExecutor, TaskAborted, pick_device
@@ -367,11 +367,8 @@ class MultiLabelExecutor(SiteExecutor):
     def _validate(self, site: str) -> dict:
         probs, targets = self._scores(self._model, self._splits["val"])
         cols = column_index(self._site_classes, self._head_classes, site)
-        p = np.clip(probs[:, cols], 1e-7, 1 - 1e-7)
-        known = ~np.isnan(targets)  # pooled data: entries of a class the image's source does not label are NaN
-        t = np.nan_to_num(targets)
-        bce = float(-np.sum(known * (t * np.log(p) + (1 - t) * np.log(1 - p))) / max(int(known.sum()), 1))
-        return {"val_loss": bce, "val_auroc": _mean_auroc(p, targets)}
+        # pooled (centralised) data: entries of a class the image's source does not label are NaN and left out
+        return {"val_loss": labelled_bce(probs[:, cols], targets), "val_auroc": labelled_mean_auroc(probs[:, cols], targets)}
 
     # ------------------------------------------------------------------ tasks
     def declare(self, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
@@ -488,14 +485,6 @@ class MultiLabelExecutor(SiteExecutor):
         table["n_images"] = len(records)
         table["not_annotated"] = [c for c in head if c not in annotated]
         return table
-
-
-def _mean_auroc(probs: np.ndarray, targets: np.ndarray) -> float:
-    """Mean AUROC over the columns; per column only the labelled rows (targets not NaN) count."""
-    known = ~np.isnan(targets)
-    values = [auroc(probs[known[:, j], j], targets[known[:, j], j]) for j in range(targets.shape[1])]
-    values = [v for v in values if not math.isnan(v)]
-    return float(np.mean(values)) if values else float("nan")
 
 
 def _flat_means(result: dict) -> dict:

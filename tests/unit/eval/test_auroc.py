@@ -112,3 +112,19 @@ def test_shared_unique_paper_setting():
     summ = site_summary(table, "chexpert", {"nih": list(NIH_CLASSES), "chexpert": list(CHEXPERT_CLASSES)})
     assert summ["shared"] == pytest.approx(0.9) and summ["unique"] == pytest.approx(0.7)
     assert summ["all"] == pytest.approx((7 * 0.9 + 6 * 0.7) / 13)
+
+
+def test_labelled_metrics_leave_out_unlabelled_entries():
+    import math
+
+    from fedssl.eval.auroc import labelled_bce, labelled_mean_auroc
+
+    nan = float("nan")
+    probs = np.array([[0.9, 0.5], [0.2, 0.5], [0.6, 0.7]])
+    targets = np.array([[1.0, nan], [0.0, 1.0], [nan, 0.0]])
+    # labelled entries: (0.9, 1), (0.2, 0), (0.5, 1), (0.7, 0)
+    expected = -(math.log(0.9) + math.log(0.8) + math.log(0.5) + math.log(0.3)) / 4
+    assert labelled_bce(probs, targets) == pytest.approx(expected)
+    # column 0: rows 0, 1 -> AUROC 1; column 1: rows 1, 2 -> positive 0.5 below negative 0.7 -> 0
+    assert labelled_mean_auroc(probs, targets) == pytest.approx(0.5)
+    assert math.isnan(labelled_mean_auroc(probs[:1], targets[:1]))  # no column has both classes

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Provision a loopback FLARE system with N sites, start server + sites, wait until all are connected,
 # submit the given jobs through the FLARE API, wait, download the results, and stop everything
-# (also on failure or Ctrl-C).  Everything is in fedssl.deploy; this is the shell entry point.
+# (also on failure or Ctrl-C).  Everything is in fedssl.ops.deploy; this is the shell entry point.
 #
 #   provisioning/run_local.sh WORKSPACE N_SITES DATA_ROOT [JOB ...] [-- extra fedssl deploy-local options]
 #   provisioning/run_local.sh /tmp/fl 2 "$PWD/data/acdc/{site}" jobs/fcl_acdc -- --profile quick

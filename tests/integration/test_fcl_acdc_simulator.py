@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from fedssl.data.acdc_synthetic import write_synthetic_acdc
-from fedssl.finetune import encoder_init, evaluate_federated, export_unet_init, load_labelled_sites, protocol_settings, run_protocols
-from fedssl.jobtools import REPO_ROOT
-from fedssl.simulate import run_simulation
+from fedssl.experiments.fcl_finetune import encoder_init, evaluate_federated, export_unet_init, load_labelled_sites, protocol_settings, run_protocols
+from fedssl.ops.jobs import REPO_ROOT
+from fedssl.ops.simulate import run_simulation, server_run_dir
 
 pytestmark = pytest.mark.slow
 JOBS = os.path.join(REPO_ROOT, "jobs")
@@ -54,6 +54,27 @@ def test_fcl_pretraining_produces_model_summary_and_exchanges_features(pretraine
         metrics = [json.loads(line) for line in open(os.path.join(run, "fcl_metrics.jsonl"))]
         # each site received the banks of the 2 others (2 x 256 features) in round 2
         assert metrics[-1]["remote_features"] == (SITES - 1) * 256
+
+
+def test_training_curves_reach_the_servers_tensorboard(pretrained):
+    """Each site's per-round scalars travel TBWriter -> ConvertToFedEvent -> TBAnalyticsReceiver into
+    <server run folder>/tb_events/<site>/; the summary's loss terms are their means over the sites."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = os.path.join(server_run_dir(pretrained["workspace"]), "tb_events")
+    assert sorted(os.listdir(tb)) == [f"site-{i}" for i in range(1, SITES + 1)]
+    for site in sorted(os.listdir(tb)):
+        acc = EventAccumulator(os.path.join(tb, site), size_guidance={"scalars": 0})
+        acc.Reload()
+        tags = acc.Tags()["scalars"]
+        for tag in ("loss", "loss_local", "loss_remote", "lr"):
+            assert tag in tags, (site, tag, tags)
+            assert sorted(e.step for e in acc.Scalars(tag)) == [0, 1], (site, tag)  # step = round
+    for r in pretrained["rounds"]:
+        terms = r["loss_terms"]  # means over sites, no site names
+        assert set(terms) >= {"loss_local", "loss_remote"} and not any("site" in k for k in terms)
+        # FCL's loss = local + remote term per step, so the means over steps and sites add up too
+        assert terms["loss_local"] + terms["loss_remote"] == pytest.approx(r["mean_loss"], rel=1e-5)
 
 
 def test_local_and_federated_finetuning_from_fcl(pretrained, data, tmp_path):

@@ -7,8 +7,8 @@ import os
 import pytest
 
 from fedssl.data.acdc_synthetic import write_synthetic_acdc
-from fedssl.jobtools import REPO_ROOT
-from fedssl.simulate import run_simulation
+from fedssl.ops.jobs import REPO_ROOT
+from fedssl.ops.simulate import run_simulation
 
 pytestmark = pytest.mark.slow
 JOB = os.path.join(REPO_ROOT, "jobs", "fclopt_acdc")

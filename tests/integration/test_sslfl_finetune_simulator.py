@@ -15,9 +15,9 @@ import torch
 from fedssl.data.image_sites import write_site_folders
 from fedssl.data.image_synthetic import write_synthetic_images
 from fedssl.data.images import class_names, load_image_records, select_labelled, train_val_split
-from fedssl.jobtools import REPO_ROOT
+from fedssl.ops.jobs import REPO_ROOT
 from fedssl.models.vit import TINY_DECODER, TINY_VIT, MAEViT
-from fedssl.simulate import run_simulation
+from fedssl.ops.simulate import run_simulation
 
 pytestmark = pytest.mark.slow
 JOB = os.path.join(REPO_ROOT, "jobs", "sslfl_retina_finetune")

@@ -11,8 +11,8 @@ import pytest
 
 from fedssl.data.cxr import CHEXPERT_CLASSES, NIH_CLASSES
 from fedssl.data.cxr_synthetic import write_synthetic_surgical
-from fedssl.jobtools import REPO_ROOT
-from fedssl.simulate import SimulationError, run_simulation
+from fedssl.ops.jobs import REPO_ROOT
+from fedssl.ops.simulate import SimulationError, run_simulation
 
 pytestmark = pytest.mark.slow
 JOB = os.path.join(REPO_ROOT, "jobs", "surgical_cxr")

@@ -6,8 +6,11 @@ import json
 import os
 
 import pytest
+from nvflare.apis.analytix import ANALYTIC_EVENT_TYPE
+from nvflare.app_common.widgets.component_path_authorizer import ComponentPathAuthorizer
 
-from fedssl.jobtools import PROFILES_DIR, REPO_ROOT, build_job, component_specs, job_configs, load_profile
+from fedssl.ops.jobs import PROFILES_DIR, REPO_ROOT, build_job, component_specs, job_configs, load_profile
+from fedssl.ops.policy import write_site_local
 
 JOBS_DIR = os.path.join(REPO_ROOT, "jobs")
 JOBS = sorted(d for d in os.listdir(JOBS_DIR) if os.path.isfile(os.path.join(JOBS_DIR, d, "meta.json")))
@@ -85,3 +88,42 @@ def test_explicit_min_clients_wins_over_sites(tmp_path):
     with open(os.path.join(out, "app", "config", "config_fed_server.json")) as f:
         sag = [c for c in component_specs(json.load(f)) if c["id"] == "scatter_and_gather"][0]
     assert sag["args"]["min_clients"] == 2
+
+
+class _SiteWorkspace:
+    def __init__(self, resources_json):
+        self.resources_json = resources_json
+
+    def get_resources_file_path(self):
+        return self.resources_json
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_site_policy_allows_every_component(job, tmp_path):
+    """FLARE's own authoriser, on the resources.json a site gets from fedssl.ops.policy (from a narrow kit list)."""
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "resources.json.default").write_text(json.dumps({"format_version": 2, "class_allow_list": ["x.y"]}))
+    site = _SiteWorkspace(write_site_local(str(local)))
+    authorizer = ComponentPathAuthorizer()
+    for _, config in job_configs(os.path.join(JOBS_DIR, job)):
+        for comp in component_specs(config):
+            authorizer.authorize_component_config(comp, workspace=site)  # raises UnsafeComponentError if not allowed
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_every_job_streams_training_curves_to_the_server(job):
+    """client TBWriter (the id TrainerExecutor looks up) -> ConvertToFedEvent -> server TBAnalyticsReceiver."""
+    from fedssl.flare.trainer_executor import TrainerExecutor
+
+    configs = {os.path.basename(p): {c["id"]: c for c in component_specs(cfg)}
+               for p, cfg in job_configs(os.path.join(JOBS_DIR, job))}
+    client, server = configs["config_fed_client.json"], configs["config_fed_server.json"]
+    writer = client[TrainerExecutor.analytics_writer_id]
+    assert writer["path"] == "nvflare.app_opt.tracking.tb.tb_writer.TBWriter"
+    event = writer["args"].get("event_type", ANALYTIC_EVENT_TYPE)
+    fed = [c for c in client.values() if c["path"].endswith(".ConvertToFedEvent")]
+    assert len(fed) == 1 and event in fed[0]["args"]["events_to_convert"]
+    receivers = [c for c in server.values() if c["path"] == "nvflare.app_opt.tracking.tb.tb_receiver.TBAnalyticsReceiver"]
+    assert len(receivers) == 1
+    assert receivers[0]["args"]["events"] == [fed[0]["args"].get("fed_event_prefix", "fed.") + event]

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from fedssl.data.acdc_synthetic import write_synthetic_acdc
-from fedssl.deploy import LoopbackDeployment
-from fedssl.jobtools import REPO_ROOT, build_job
+from fedssl.ops.deploy import LoopbackDeployment
+from fedssl.ops.jobs import REPO_ROOT, build_job
 
 pytestmark = pytest.mark.slow
 JOB = os.path.join(REPO_ROOT, "jobs", "fcl_acdc")

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from fedssl.core.fcl import cosine_lr
 from fedssl.core.state_dict import ema_update
-from fedssl.models.unet import BYOLUNetEncoder
 
 
 def byol_loss(p: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -41,7 +40,7 @@ class BYOLConfig:
 
 
 class BYOLTrainer:
-    def __init__(self, model: BYOLUNetEncoder, cfg: BYOLConfig,
+    def __init__(self, model: torch.nn.Module, cfg: BYOLConfig,  # model: a fedssl.models.unet.BYOLUNetEncoder
                  augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor], device="cpu", seed: int = 0):
         self.model = model.to(device)
         self.cfg = cfg

@@ -64,7 +64,7 @@ def require_trained_head(model_or_state: nn.Module | Mapping[str, object], sourc
     if steps <= 0:
         raise UntrainedHeadError(
             f"checkpoint {source} has no trained classification head; fine-tune it first (federated: "
-            "jobs/sslfl_retina_finetune; local: fedssl finetune-vit) and evaluate the fine-tuned model, not a "
+            "jobs/sslfl_retina_finetune; local: fedssl sslfl finetune) and evaluate the fine-tuned model, not a "
             f"pre-trained encoder or a fresh initialisation ({HEAD_STEPS} counter is 0 or missing)"
         )
     return steps

@@ -17,7 +17,6 @@ import torch
 from fedssl.core.fcl_loss import fcl_loss_terms, paired_local_positives
 from fedssl.core.memory_bank import FeatureBank, sample_negatives
 from fedssl.core.state_dict import ema_update
-from fedssl.models.unet import MoCoUNetEncoder
 
 
 @dataclass
@@ -58,7 +57,7 @@ class FCLTrainer:
 
     def __init__(
         self,
-        model: MoCoUNetEncoder,
+        model: torch.nn.Module,  # a fedssl.models.unet.MoCoUNetEncoder (core imports nothing from models)
         cfg: FCLConfig,
         augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor],
         device: str | torch.device = "cpu",

@@ -64,6 +64,22 @@ def _site(site: object) -> str:
     return str(site) if site not in (None, "") else "<unnamed site>"
 
 
+def classes_to_meta(classes) -> np.ndarray:
+    """Class lists travel in DXO meta as numpy string arrays (design rule: arrays, not lists)."""
+    return np.asarray(list(classes), dtype=str)
+
+
+def classes_from_meta(value, site: str = "?") -> list[str]:
+    """The class list of a DXO meta value (``fedssl.flare.constants.CLASSES_KEY`` = "classes")."""
+    if value is None:
+        raise ValueError(f"{site} sent no class list (meta 'classes'); the site must run "
+                         "fedssl.flare.multilabel_executor.MultiLabelExecutor")
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        raise ValueError(f"{site} sent a class list of shape {arr.shape}; expected a flat list of names")
+    return [str(c) for c in arr.tolist()]
+
+
 def check_class_list(classes: object, site: object = "?", allowed: Sequence[str] | None = None) -> list[str]:
     """Validate one site's ordered class list and return it as a list of names.
 

@@ -66,6 +66,14 @@ def kmeans_stats(patch_features: torch.Tensor, codebook: torch.Tensor) -> tuple[
     return sums.cpu(), counts.cpu()
 
 
+def sum_squared_distance(x: torch.Tensor, codebook: torch.Tensor, sums: torch.Tensor, counts: torch.Tensor) -> float:
+    """k-means cost sum_i ||x_i - c_a(i)||^2 from the E-step statistics, without an [N, K] distance matrix:
+    sum_i ||x_i||^2 - 2 sum_k c_k . S_k + sum_k n_k ||c_k||^2."""
+    c = codebook.to(torch.float64)
+    x_sq = (x.to(torch.float64) ** 2).sum()
+    return float(x_sq - 2 * (c * sums).sum() + (counts.to(torch.float64) * (c ** 2).sum(1)).sum())
+
+
 def kmeans_update(
     codebook: torch.Tensor, stats_list: list[tuple[torch.Tensor, torch.Tensor]]
 ) -> torch.Tensor:
@@ -263,3 +271,22 @@ def load_tokenizer(path: str) -> PatchTokenizer | ScriptedTokenizer:
         return PatchTokenizer(data["codebook"], data["patch_size"], source=path)
     except (ValueError, TypeError) as e:
         raise ValueError(f"tokenizer {path}: {e}") from None
+
+
+def save_codebook(path: str, codebook: torch.Tensor, patch_size: int, description: str) -> str:
+    """Write the codebook in the file format of :func:`load_tokenizer` (plus a description)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    torch.save({"codebook": torch.as_tensor(codebook).detach().float().cpu(), "patch_size": int(patch_size),
+                "description": str(description)}, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def codebook_description(path: str) -> str:
+    """The description saved with a codebook by :func:`save_codebook` ("" for other tokenizer files)."""
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 - TorchScript or foreign files carry no description
+        return ""
+    return str(data.get("description", "")) if isinstance(data, dict) else ""

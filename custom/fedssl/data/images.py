@@ -151,7 +151,7 @@ def _check_root(root: PathLike, dataset: str, site: str) -> str:
     if not os.path.isdir(r):
         raise _err(site, r, f"{dataset} data folder does not exist or is not a directory",
                    "point the site's data_root at its data folder (write synthetic data with "
-                   "`fedssl synth-images` and site folders with `fedssl partition` if the real data is not here)")
+                   "`fedssl sslfl synth` and site folders with `fedssl sslfl partition` if the real data is not here)")
     return r
 
 

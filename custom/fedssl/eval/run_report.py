@@ -51,6 +51,29 @@ def mean_bytes_per_site_round(rows: list[dict]) -> dict:
     return {"upload": up, "download": down, "total": up + down}
 
 
+def loss_term_means(terms: dict) -> dict[int, dict[str, float]]:
+    """``{round: {term: {site: value}}}`` -> ``{round: {term: mean over the sites}}`` (the site names go)."""
+    out: dict[int, dict[str, float]] = {}
+    for rnd, per_term in sorted(terms.items()):
+        means = {term: sum(by_site.values()) / len(by_site) for term, by_site in sorted(per_term.items()) if by_site}
+        if means:
+            out[int(rnd)] = means
+    return out
+
+
+def loss_curves(rounds: list[dict]) -> dict[str, tuple[list, list]]:
+    """What ``loss.png`` draws (mean over sites per round): ``loss`` (the total) and every term under the rounds'
+    ``loss_terms`` (e.g. FCL's ``loss_local`` and ``loss_remote``), each as (rounds, values)."""
+    curves: dict[str, tuple[list, list]] = {}
+    pts = [(r["round"], r["mean_loss"]) for r in rounds if r.get("mean_loss") is not None]
+    if pts:
+        curves["loss"] = ([p[0] for p in pts], [p[1] for p in pts])
+    for term in sorted({t for r in rounds for t in r.get("loss_terms") or {}}):
+        pts = [(r["round"], r["loss_terms"][term]) for r in rounds if term in (r.get("loss_terms") or {})]
+        curves[term] = ([p[0] for p in pts], [p[1] for p in pts])
+    return curves
+
+
 def write_run_report(out_dir: str, *, title: str, rounds: list[dict], comm_records: list[dict], extra: dict | None = None) -> dict:
     """Write summary.json, loss.png and bytes_per_round.png into ``out_dir``; return the summary."""
     comm = communication_per_round(comm_records)
@@ -66,8 +89,11 @@ def write_run_report(out_dir: str, *, title: str, rounds: list[dict], comm_recor
         json.dump(summary, f, indent=2, default=float)
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    xs = [r["round"] for r in rounds if r.get("mean_loss") is not None]
-    ax.plot(xs, [r["mean_loss"] for r in rounds if r.get("mean_loss") is not None], marker="o", label="mean over sites")
+    curves = loss_curves(rounds)
+    total = curves.pop("loss", ([], []))
+    ax.plot(*total, marker="o", label="loss, mean over sites" if curves else "mean over sites")
+    for term, (xs, ys) in curves.items():  # the loss terms apart (FCL: the remote term grows as the bank fills)
+        ax.plot(xs, ys, marker=".", ls="--", label=f"{term}, mean over sites")
     sites = sorted({s for r in rounds for s in r.get("site_losses", {})})
     for s in sites:
         pts = [(r["round"], r["site_losses"][s]) for r in rounds if s in r.get("site_losses", {})]

@@ -25,10 +25,10 @@ from nvflare.apis.fl_constant import ReturnCode
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 
+from fedssl.flare.constants import BACKBONE_HEADER, BACKBONES
 from fedssl.flare.partial_exclusion import PartialModelExclusion
-from fedssl.flare.surgical_registration import BACKBONES, get_registry
+from fedssl.flare.surgical_registration import get_registry
 
-BACKBONE_HEADER = "fedssl_backbone_strategy"
 # the bundle's DenseNets: norm0, denseblock*.denselayer*.norm1/norm2, transition*.norm (fedssl.models.densenet.is_bn_key)
 BN_PATTERNS = ("*.norm*.weight", "*.norm*.bias", "*.norm*.running_mean", "*.norm*.running_var",
                "*.norm*.num_batches_tracked")

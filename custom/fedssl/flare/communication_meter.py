@@ -22,7 +22,7 @@ from nvflare.apis.shareable import Shareable
 from nvflare.app_common.app_constant import AppConstants
 from nvflare.fuel.utils import fobs
 
-from fedssl.flare.validation import require_choice
+from fedssl.core.checks import require_choice
 
 COMM_FILE = "communication.jsonl"
 

@@ -1,29 +1,33 @@
 """Client executor for FCL pre-training (seed 004 section 3) and its switches (FedMoCo, Local CL, ablations).
 
-Unwrap the global model and the remote bank -> ``fedssl.core.fcl.FCLTrainer.train_round`` -> wrap the
-updated main + momentum networks, the sample count and the local bank.  Only unlabelled images are read.
+The math is :class:`fedssl.train.fcl.FCLLocalTrainer`, the round protocol
+:class:`fedssl.flare.trainer_executor.TrainerExecutor`.  Per round: load the global model (Local CL: only before
+the site's first local round), hand the remote bank of the download to the trainer, train one local epoch,
+upload the main + momentum networks, the sample count and (feature exchange) the local bank.  Only unlabelled
+images are read.
 """
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
+from nvflare.apis.dxo import DXO
 from nvflare.apis.fl_context import FLContext
-from nvflare.apis.shareable import Shareable
-from nvflare.apis.signal import Signal
-from nvflare.app_common.app_constant import AppConstants
 
-from fedssl.core.fcl import FCLConfig, FCLTrainer
-from fedssl.data.acdc import PartitionSampleDataset, load_site
-from fedssl.data.transforms import augment_views
-from fedssl.flare.feature_bank_shuttle import REMOTE_FEATURES, REMOTE_PARTITIONS
-from fedssl.flare.site_executor import SiteExecutor, TaskAborted, pick_device
-from fedssl.flare.validation import require, require_choice, require_int, require_unet_args
-from fedssl.models.unet import MoCoUNetEncoder
+from fedssl.core.checks import require, require_choice, require_int
+from fedssl.core.fcl import FCLConfig
+from fedssl.core.trainer import RoundStats
+from fedssl.data.acdc import load_site
+from fedssl.flare.constants import BANK_FEATURES, BANK_PARTITIONS, REMOTE_FEATURES, REMOTE_PARTITIONS
+from fedssl.flare.site_executor import pick_device
+from fedssl.flare.trainer_executor import TrainerExecutor
+from fedssl.models.unet import require_unet_args
+from fedssl.train.fcl import FCLLocalTrainer
+
+#: the executor arguments that go to the trainer as they are
+TRAINER_ARGS = ("n_partitions", "features", "proj_dim", "batch_size", "lr", "tau", "momentum", "bank_size",
+                "feature_exchange", "negative_sampling", "structural_matching", "max_steps_per_round", "seed")
 
 
-class FCLExecutor(SiteExecutor):
+class FCLExecutor(TrainerExecutor):
     checkpoint_name = "fcl_client_state.pt"
     metrics_name = "fcl_metrics.jsonl"
 
@@ -71,86 +75,38 @@ class FCLExecutor(SiteExecutor):
                             ("structural_matching", structural_matching), ("federated", federated)):
             require(isinstance(value, bool), name, flag, value, "use true or false")
         require_int(name, "max_steps_per_round", max_steps_per_round, 0, "use 0 (full epoch) or a positive step count")
-        self.data_root = data_root
-        self.image_size = image_size
-        self.target_spacing = target_spacing
-        self.frames = frames
-        self.n_partitions = n_partitions
-        self.features = list(features)
-        self.proj_dim = proj_dim
-        self.batch_size = batch_size
-        self.lr = lr
-        self.tau = tau
-        self.momentum = momentum
-        self.bank_size = bank_size
-        self.feature_exchange = feature_exchange
-        self.negative_sampling = negative_sampling
-        self.structural_matching = structural_matching
-        self.federated = federated
-        self.max_steps_per_round = max_steps_per_round
-        self.seed = seed
-        self.device = device
+        self.data_root, self.image_size, self.target_spacing, self.frames = data_root, image_size, target_spacing, frames
+        self.n_partitions, self.features, self.proj_dim = n_partitions, list(features), proj_dim
+        self.batch_size, self.lr, self.tau, self.momentum, self.bank_size = batch_size, lr, tau, momentum, bank_size
+        self.feature_exchange, self.negative_sampling = feature_exchange, negative_sampling
+        self.structural_matching, self.federated = structural_matching, federated
+        self.max_steps_per_round, self.seed, self.device = max_steps_per_round, seed, device
         # validated now (clear message at construction), rebuilt per run with the job's num_rounds
         FCLConfig(tau=tau, momentum=momentum, bank_size=bank_size, lr=lr)
-        self._trainer: FCLTrainer | None = None
-        self._dataset: PartitionSampleDataset | None = None
-        self._last_round = -1
 
-    # ------------------------------------------------------------------ set-up
-    def _setup(self, fl_ctx: FLContext, num_rounds: int) -> None:
+    def build_trainer(self, fl_ctx: FLContext, num_rounds: int) -> FCLLocalTrainer:
         site = self.site_name(fl_ctx)
-        root = self.resolve_root(self.data_root, fl_ctx)
-        volumes = load_site(root, with_labels=False, target_spacing=self.target_spacing,
-                            image_size=self.image_size, frames=self.frames, site=site)
-        self._dataset = PartitionSampleDataset(volumes, self.n_partitions, seed=self.seed)
-        if len(volumes) < self.batch_size // self.n_partitions:
-            raise ValueError(f"{site}: {len(volumes)} volumes cannot fill one batch of "
-                             f"{self.batch_size // self.n_partitions} volumes; lower batch_size")
-        cfg = FCLConfig(tau=self.tau, momentum=self.momentum, bank_size=self.bank_size, lr=self.lr,
-                        num_rounds=num_rounds, feature_exchange=self.feature_exchange,
-                        negative_sampling=self.negative_sampling, structural_matching=self.structural_matching)
-        torch.manual_seed(self.seed)
-        model = MoCoUNetEncoder(self.features, self.proj_dim)
-        self._trainer = FCLTrainer(model, cfg, augment_views, device=pick_device(self.device), seed=self.seed)
-        state = self.load_checkpoint(fl_ctx)
-        if state is not None:
-            self._trainer.load_state_dict(state["trainer"])
-            self._last_round = int(state["round"])
-        self.log_info(fl_ctx, f"{site}: {len(volumes)} unlabelled volumes, device {self._trainer.device}")
+        volumes = load_site(self.resolve_root(self.data_root, fl_ctx), with_labels=False,
+                            target_spacing=self.target_spacing, image_size=self.image_size, frames=self.frames, site=site)
+        trainer = FCLLocalTrainer(volumes, num_rounds=num_rounds, device=pick_device(self.device), site=site,
+                                  **{k: getattr(self, k) for k in TRAINER_ARGS})
+        self.log_info(fl_ctx, f"{site}: {len(volumes)} unlabelled volumes, device {trainer.device}")
+        return trainer
 
-    # ------------------------------------------------------------------ task
-    def train(self, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
-        round_idx = int(shareable.get_header(AppConstants.CURRENT_ROUND, 0))
-        num_rounds = int(shareable.get_header(AppConstants.NUM_ROUNDS, 1))
-        if self._trainer is None:
-            self._setup(fl_ctx, num_rounds)
-        trainer = self._trainer
-        dxo = from_shareable(shareable)
-        if self.federated or self._last_round < 0:
-            state = {k: torch.as_tensor(np.asarray(v)) for k, v in dxo.data.items()}
-            trainer.model.load_state_dict(state)
-        remote = None
-        if self.feature_exchange and dxo.get_meta_prop(REMOTE_FEATURES) is not None:
-            remote = (torch.as_tensor(np.asarray(dxo.get_meta_prop(REMOTE_FEATURES))),
-                      torch.as_tensor(np.asarray(dxo.get_meta_prop(REMOTE_PARTITIONS))))
-        v = self.batch_size // self.n_partitions
-        steps_per_round = self._dataset.n_batches(v, self.max_steps_per_round)
+    def receive(self, dxo: DXO, fl_ctx: FLContext, round_idx: int) -> dict:
+        """The global model (Local CL: only before the site's first local round) and the remote bank."""
+        extra = super().receive(dxo, fl_ctx, round_idx) if self.federated or self.last_round < 0 else {}
+        features = dxo.get_meta_prop(REMOTE_FEATURES) if self.feature_exchange else None
+        self.trainer.set_remote(features, dxo.get_meta_prop(REMOTE_PARTITIONS))
+        return extra
 
-        def progress(step: int, loss: float) -> None:
-            if abort_signal.triggered:
-                raise TaskAborted()
+    def result_meta(self, stats: RoundStats, dxo: DXO, fl_ctx: FLContext) -> dict:
+        if not self.feature_exchange:
+            return {}  # FedMoCo: nothing but the model leaves the site
+        features, partitions = self.trainer.export_bank()
+        return {BANK_FEATURES: features, BANK_PARTITIONS: partitions}
 
-        batches = self._dataset.batches(v, round_idx, self.max_steps_per_round)
-        stats = trainer.train_round(batches, steps_per_round, round_idx, remote, progress)
-        self._last_round = round_idx
-        self.save_checkpoint(fl_ctx, {"round": round_idx, "trainer": trainer.state_dict()})
-        n_remote = 0 if remote is None else int(remote[0].shape[0])
-        self.append_metrics(fl_ctx, {"round": round_idx, "remote_features": n_remote, **stats})
-        self.log_info(fl_ctx, f"round {round_idx + 1}/{num_rounds}: loss {stats['loss']:.4f} "
-                              f"(local {stats['loss_local']:.4f} + remote {stats['loss_remote']:.4f}; "
-                              f"{stats['steps']} steps, {n_remote} remote features)")
-        weights = {k: v.detach().cpu().numpy() for k, v in trainer.model.state_dict().items()}
-        meta = {"num_samples": len(self._dataset), MetaKey.NUM_STEPS_CURRENT_ROUND: stats["steps"], "loss": stats["loss"]}
-        if self.feature_exchange:
-            meta["bank_features"], meta["bank_partitions"] = trainer.bank.export()
-        return DXO(data_kind=DataKind.WEIGHTS, data=weights, meta=meta).to_shareable()
+    def describe_round(self, stats: RoundStats) -> str:
+        m = stats.metrics
+        return (f"loss {stats.loss:.4f} (local {m['loss_local']:.4f} + remote {m['loss_remote']:.4f}; "
+                f"{stats.steps} steps, {m['remote_features']} remote features)")

@@ -28,15 +28,9 @@ from nvflare.app_common.abstract.shareable_generator import ShareableGenerator
 from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.workflows.scatter_and_gather import ScatterAndGather
 
+from fedssl.core.checks import require, require_choice
 from fedssl.core.ptnu import TARGET, PTNUError, calibrate_alpha, global_distance, predicted_distance, valid_distances
-from fedssl.flare.validation import require, require_choice
-
-MODES = ("fedbyol", "fclopt", "ptnu", "ptnu_dp")
-MODE_KEY = "byol_mode"
-DISTANCE_KEY = "target_distance"
-UPLOAD_TARGET_KEY = "upload_target"
-PROXY_KEY = "d_pc"
-DISTANCE_TASK = "report_distance"
+from fedssl.flare.constants import DISTANCE_KEY, DISTANCE_TASK, MODE_KEY, MODES, PROXY_KEY, UPLOAD_TARGET_KEY
 
 
 class _RoundData(ShareableGenerator):

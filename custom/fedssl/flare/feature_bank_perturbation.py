@@ -13,8 +13,8 @@ from nvflare.apis.filter import Filter
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 
+from fedssl.core.checks import require
 from fedssl.core.privacy import perturb_features
-from fedssl.flare.validation import require
 
 BANK_KEY = "bank_features"
 

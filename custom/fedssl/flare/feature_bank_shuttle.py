@@ -16,12 +16,10 @@ from nvflare.apis.filter import Filter
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 
+from fedssl.core.checks import require
 from fedssl.core.memory_bank import remote_bank_for
+from fedssl.flare.constants import REMOTE_FEATURES, REMOTE_PARTITIONS
 from fedssl.flare.fedavg_aggregator import COLLECTED
-from fedssl.flare.validation import require
-
-REMOTE_FEATURES = "remote_bank_features"
-REMOTE_PARTITIONS = "remote_bank_partitions"
 
 
 class FeatureBankShuttle(Filter):

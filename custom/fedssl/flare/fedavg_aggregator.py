@@ -1,15 +1,19 @@
 """Server aggregator: FedAvg of whole state dicts with explicit weighting, rejecting bad contributions.
 
 Every contribution is checked against the current global model (keys, shapes, finite values) before it
-is stored; a rejected site is logged and left out of the round.  Extra per-site payloads named in
-``collect_meta`` (e.g. FCL feature banks) are validated and passed on, per site, in the meta of the
-aggregated DXO under ``"collected"`` so that a per-site task-data filter can tailor the next broadcast.
+is stored; a rejected site is logged and left out of the round.  Extra per-site payloads of the result meta
+are the business of *collectors* (server components named in ``collectors``, e.g. FCL's
+``FeatureBankCollector``): each accepted contribution goes through every collector's ``collect(site, dxo)``,
+which validates and returns the site's items (or raises ValueError to reject the contribution); the items are
+passed on, per site, in the meta of the aggregated DXO under ``"collected"`` so that a per-site task-data
+filter can tailor the next broadcast.  The aggregator itself knows no method.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
+from nvflare.apis.event_type import EventType
 from nvflare.apis.fl_constant import ReservedKey, ReturnCode
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
@@ -17,9 +21,8 @@ from nvflare.app_common.abstract.aggregator import Aggregator
 from nvflare.app_common.abstract.model import ModelLearnableKey
 from nvflare.app_common.app_constant import AppConstants
 
-from fedssl.core.memory_bank import check_bank
+from fedssl.core.checks import require, require_choice
 from fedssl.core.state_dict import ContributionError, check_contribution, match_keys, weighted_average
-from fedssl.flare.validation import require, require_choice
 
 COLLECTED = "collected"
 WEIGHTINGS = ("num_samples", "num_steps", "uniform")
@@ -76,13 +79,12 @@ class RoundAggregator(Aggregator):
 
 
 class FedAvgAggregator(RoundAggregator):
-    def __init__(self, weighting: str = "num_samples", collect_banks: bool = False, optional_prefixes: list = (),
-                 exclude_patterns: list = ()):
+    def __init__(self, weighting: str = "num_samples", optional_prefixes: list = (), exclude_patterns: list = (),
+                 collectors: list = ()):
         """
         Args:
             weighting: "num_samples" (meta ``num_samples``: images/volumes, as FCL and SSL-FL weight),
                 "num_steps" (FLARE's NUM_STEPS_CURRENT_ROUND) or "uniform".
-            collect_banks: keep each site's ``bank_features``/``bank_partitions`` meta for shuttling (FCL FE).
             optional_prefixes: parameter-name prefixes a contribution may leave out as a whole (e.g.
                 ``["target."]`` when the BYOL target network is uploaded only on some rounds); every
                 contribution of a round must then carry the same key set, and the keys left out keep their
@@ -91,24 +93,48 @@ class FedAvgAggregator(RoundAggregator):
                 local (PartialModelExclusion on both sides): contributions leave out exactly these keys (all
                 sites of a round alike), which keep their global value; when a round carries them (the last
                 round of a knowledge split) they are averaged like every other key.
+            collectors: ids of server components with ``collect(site, dxo) -> dict`` (e.g. ``["bank_collector"]``,
+                a ``FeatureBankCollector`` for FCL's feature exchange); [] = only the weights are kept.
         """
         super().__init__()
         name = type(self).__name__
         require_choice(name, "weighting", weighting, WEIGHTINGS)
-        require(isinstance(collect_banks, bool), name, "collect_banks", collect_banks, "use true or false")
         require(isinstance(optional_prefixes, (list, tuple)) and all(isinstance(p, str) and p for p in optional_prefixes),
                 name, "optional_prefixes", optional_prefixes, 'use a list of parameter-name prefixes, e.g. ["target."]')
         require(isinstance(exclude_patterns, (list, tuple)) and all(isinstance(p, str) and p for p in exclude_patterns),
                 name, "exclude_patterns", exclude_patterns, 'use a list of parameter-name patterns, e.g. ["encoder.cls_token"]')
+        require(isinstance(collectors, (list, tuple)) and all(isinstance(c, str) and c for c in collectors),
+                name, "collectors", collectors, 'use a list of server component ids, e.g. ["bank_collector"]')
         self.weighting = weighting
         self.exclude_patterns = list(exclude_patterns)
-        self.collect_banks = collect_banks
         self.optional_prefixes = list(optional_prefixes)
-        self._banks: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.collectors = list(collectors)
+        self._collector_components: list | None = None
+        self._collected: dict[str, dict] = {}
 
     def reset(self, fl_ctx: FLContext) -> None:
         super().reset(fl_ctx)
-        self._banks = {}
+        self._collected = {}
+
+    def collector_components(self, fl_ctx: FLContext) -> list:
+        """The components named in ``collectors`` (looked up once); ValueError naming a missing or unfit one."""
+        if self._collector_components is None:
+            engine, found = fl_ctx.get_engine(), []
+            for cid in self.collectors:
+                comp = engine.get_component(cid) if engine is not None else None
+                if not callable(getattr(comp, "collect", None)):
+                    raise ValueError(f"{type(self).__name__}: collectors names {cid!r}, but the server config has no "
+                                     "component of that id with a collect(site, dxo) method; add it to the components")
+                found.append(comp)
+            self._collector_components = found
+        return self._collector_components
+
+    def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
+        if event_type == EventType.START_RUN and self.collectors:
+            try:
+                self.collector_components(fl_ctx)
+            except ValueError as e:
+                self.system_panic(str(e), fl_ctx)
 
     def _weight_of(self, dxo: DXO, site: str) -> float:
         if self.weighting == "uniform":
@@ -137,6 +163,11 @@ class FedAvgAggregator(RoundAggregator):
         if site is None:
             return False
         try:
+            collectors = self.collector_components(fl_ctx)
+        except ValueError as e:
+            self.system_panic(str(e), fl_ctx)
+            return False
+        try:
             dxo = from_shareable(shareable)
             if dxo.data_kind != DataKind.WEIGHTS:
                 raise ContributionError(f"{site} sent data kind {dxo.data_kind}; expected {DataKind.WEIGHTS}")
@@ -144,18 +175,14 @@ class FedAvgAggregator(RoundAggregator):
             reference = global_model[ModelLearnableKey.WEIGHTS] if global_model else next(iter(self._states.values()), dxo.data)
             check_contribution(reference, dxo.data, site, keys=self._expected_keys(reference, dxo.data, site))
             weight = self._weight_of(dxo, site)
-            bank = None
-            if self.collect_banks:
-                if dxo.get_meta_prop("bank_features") is None:
-                    raise ContributionError(
-                        f"{site} sent no feature bank but the aggregator collects banks (collect_banks=true); "
-                        "run every site with feature_exchange=true, or set both to false (FedMoCo)")
-                bank = check_bank(dxo.get_meta_prop("bank_features"), dxo.get_meta_prop("bank_partitions"), site)
+            items: dict = {}
+            for collector in collectors:
+                items.update(collector.collect(site, dxo))
         except (ContributionError, ValueError, TypeError) as e:
             self.log_error(fl_ctx, f"REJECTED contribution: {e}")
             return False
-        if bank is not None:
-            self._banks[site] = bank
+        if collectors:
+            self._collected[site] = items
         return self.keep(site, dxo.data, weight, dxo)
 
     def aggregate(self, fl_ctx: FLContext) -> Shareable:
@@ -169,6 +196,6 @@ class FedAvgAggregator(RoundAggregator):
             "aggregated_sites": len(sites),
             "site_losses": {s: self._losses[s] for s in sites if s in self._losses},
         }
-        if self.collect_banks:
-            meta[COLLECTED] = {s: {"bank_features": f, "bank_partitions": p} for s, (f, p) in self._banks.items()}
+        if self.collectors:
+            meta[COLLECTED] = dict(self._collected)
         return DXO(data_kind=DataKind.WEIGHTS, data=avg, meta=meta).to_shareable()

@@ -39,20 +39,24 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.impl.controller import Controller
 from nvflare.apis.signal import Signal
 
-from fedssl.core.tokenizer import init_codebook, kmeans_update, random_codebook
+from fedssl.core.checks import require, require_choice, require_int
+from fedssl.core.tokenizer import init_codebook, kmeans_update, random_codebook, save_codebook
+from fedssl.flare.constants import (
+    DESCRIPTION_KEY,
+    IMAGES_KEY,
+    INIT_KEY,
+    ITER_KEY,
+    K_KEY,
+    KMEANS_INIT,
+    KMEANS_STEP,
+    LOCAL_ITERS_KEY,
+    LOCAL_TOKENIZER_KEY,
+    SEED_KEY,
+    SET_TOKENIZER,
+)
 from fedssl.flare.run_summary import record_in_summary
-from fedssl.flare.validation import require, require_choice, require_int
 
-KMEANS_INIT = "kmeans_init"
-KMEANS_STEP = "kmeans_step"
-SET_TOKENIZER = "set_tokenizer"
 TOKENIZER_TASKS = (KMEANS_INIT, KMEANS_STEP, SET_TOKENIZER)
-#: meta keys of the task data
-K_KEY, IMAGES_KEY, LOCAL_ITERS_KEY, SEED_KEY, ITER_KEY, DESCRIPTION_KEY = (
-    "vocab_size", "images_per_site", "local_iters", "seed", "kmeans_iter", "tokenizer")
-#: result meta key of a site that uses a local tokenizer (its description, "local: <path>")
-LOCAL_TOKENIZER_KEY = "local_tokenizer"
-INIT_KEY = "init"
 INITS = ("local_kmeans", "random")
 
 
@@ -62,25 +66,6 @@ class KMeansError(ValueError):
 
 def describe(vocab_size: int, n_iters: int) -> str:
     return f"federated k-means K={vocab_size}, iters={n_iters}"
-
-
-def save_codebook(path: str, codebook: torch.Tensor, patch_size: int, description: str) -> str:
-    """Write the codebook in the file format of ``fedssl.core.tokenizer.load_tokenizer`` (plus a description)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    torch.save({"codebook": torch.as_tensor(codebook).detach().float().cpu(), "patch_size": int(patch_size),
-                "description": str(description)}, tmp)
-    os.replace(tmp, path)
-    return path
-
-
-def codebook_description(path: str) -> str:
-    """The description saved with a codebook by :func:`save_codebook` ("" for other tokenizer files)."""
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # noqa: BLE001 - TorchScript or foreign files carry no description
-        return ""
-    return str(data.get("description", "")) if isinstance(data, dict) else ""
 
 
 class FederatedKMeans(Controller):

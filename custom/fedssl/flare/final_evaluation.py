@@ -33,8 +33,8 @@ from nvflare.app_common.abstract.model_persistor import ModelPersistor
 from nvflare.app_common.app_constant import AppConstants, DefaultCheckpointFileName
 from nvflare.app_common.app_event_type import AppEventType
 
+from fedssl.core.checks import require, require_choice, require_int
 from fedssl.flare.run_summary import record_in_summary
-from fedssl.flare.validation import require, require_choice, require_int
 
 REPORT_JSON = "test_metrics.json"
 REPORT_MD = "test_metrics.md"

@@ -21,16 +21,10 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 from nvflare.app_common.app_constant import AppConstants
 
-from fedssl.core.surgical import is_head_key, slice_head
-from fedssl.flare.surgical_registration import (
-    BACKBONE_KEY,
-    CLASSES_KEY,
-    GLOBAL_CLASSES_KEY,
-    METHOD_KEY,
-    classes_to_meta,
-    get_registry,
-)
-from fedssl.flare.validation import require
+from fedssl.core.checks import require
+from fedssl.core.surgical import classes_to_meta, is_head_key, slice_head
+from fedssl.flare.constants import BACKBONE_KEY, CLASSES_KEY, GLOBAL_CLASSES_KEY, METHOD_KEY
+from fedssl.flare.surgical_registration import get_registry
 
 
 class HeadSlicer(Filter):

@@ -24,10 +24,9 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 from nvflare.app_common.app_constant import AppConstants
 
+from fedssl.core.checks import require, require_choice
 from fedssl.core.state_dict import match_keys
-from fedssl.flare.validation import require, require_choice
-
-EXCLUDED_META = "excluded_keys"
+from fedssl.flare.constants import EXCLUDED_META
 
 
 def is_last_round(shareable: Shareable) -> bool:

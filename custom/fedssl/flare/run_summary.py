@@ -17,30 +17,44 @@ PartialModelExclusion) lists them, as received by the server, under ``keys_not_u
 
 Exchanges that belong to no round (e.g. the federated k-means tasks before round 0) are summed per task
 and direction under ``communication_outside_rounds``.
+
+Loss terms (e.g. FCL's ``loss_local`` and ``loss_remote``): the sites stream every per-round scalar through
+FLARE's analytics path (client ``TBWriter`` -> ``ConvertToFedEvent`` -> the federated event
+``fed.analytix_log_stats``, which the server's ``TBAnalyticsReceiver`` writes to TensorBoard).  RunSummary
+listens to the same event, keeps each site's latest value of every ``loss_*`` tag per round in memory and
+writes only the means over the sites that reported, per round, under ``loss_terms`` of that round; ``loss.png``
+draws them beside the total.  The terms travel outside the task result, so the exchanged bytes are unchanged;
+a job without the client ``TBWriter`` has no ``loss_terms``.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import threading
 import time
 
+from nvflare.apis.analytix import ANALYTIC_EVENT_TYPE, AnalyticsData
 from nvflare.apis.dxo import DataKind, from_shareable
 from nvflare.apis.event_type import EventType
-from nvflare.apis.fl_constant import ReservedKey
+from nvflare.apis.fl_constant import EventScope, FLContextKey, ReservedKey
 from nvflare.apis.fl_component import FLComponent
 from nvflare.apis.fl_context import FLContext
 from nvflare.app_common.abstract.model import ModelLearnableKey
 from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.app_event_type import AppEventType
 
-from fedssl.eval.run_report import read_jsonl, write_run_report
+from fedssl.core.checks import require
+from fedssl.eval.run_report import loss_term_means, read_jsonl, write_run_report
 from fedssl.flare.communication_meter import COMM_FILE
-from fedssl.flare.validation import require
+from fedssl.flare.constants import SITE_RECORD_META
 
 #: event a server component fires (with the record under the same fl_ctx prop) to add keys to summary.json
 SUMMARY_RECORD_EVENT = "fedssl.summary_record"
-#: result meta key under which a site sends a dict of records for the summary
-SITE_RECORD_META = "summary_record"
+#: the federated analytics event the sites' TBWriter scalars arrive as (ConvertToFedEvent's default "fed." prefix)
+ANALYTICS_EVENT = f"fed.{ANALYTIC_EVENT_TYPE}"
+#: per-round analytics tags with this prefix are loss terms (averaged over sites into the round's ``loss_terms``)
+LOSS_TERM_PREFIX = "loss_"
 #: summary keys this component writes itself (a record cannot overwrite them)
 _OWN_KEYS = ("title", "rounds", "communication_per_round", "bytes_per_site_per_round", "wall_time_s",
              "site_records", "communication_outside_rounds")
@@ -73,12 +87,18 @@ class RunSummary(FLComponent):
         self._records: dict = {}
         self._site_records: dict[str, dict] = {}
         self._not_uploaded: dict[str, list] = {}  # this round: site -> global keys its contribution lacked
+        self._terms: dict[int, dict[str, dict[str, float]]] = {}  # round -> term -> site -> value (memory only)
+        self._terms_lock = threading.Lock()  # analytics events arrive on FLARE's fed-event thread
         self._t0 = time.time()
 
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
         if event_type == EventType.START_RUN:
             self._rounds, self._records, self._site_records, self._not_uploaded = [], {}, {}, {}
+            with self._terms_lock:
+                self._terms = {}
             self._t0 = time.time()
+        elif event_type == ANALYTICS_EVENT:
+            self._take_loss_term(fl_ctx)
         elif event_type == SUMMARY_RECORD_EVENT:
             record = fl_ctx.get_prop(SUMMARY_RECORD_EVENT) or {}
             clash = sorted(set(record) & set(_OWN_KEYS))
@@ -111,6 +131,7 @@ class RunSummary(FLComponent):
         elif event_type == EventType.END_RUN:
             run_dir = fl_ctx.get_engine().get_workspace().get_run_dir(fl_ctx.get_job_id())
             comm = read_jsonl(os.path.join(run_dir, COMM_FILE))
+            self._attach_loss_terms()
             summary = write_run_report(run_dir, title=self.title, rounds=self._rounds, comm_records=comm,
                                        extra=self._extra(comm))
             b = summary["bytes_per_site_per_round"]
@@ -132,6 +153,34 @@ class RunSummary(FLComponent):
             lacking = sorted(set(global_model[ModelLearnableKey.WEIGHTS]) - set(dxo.data or {}))
             if lacking:
                 self._not_uploaded[site] = lacking
+
+    def _take_loss_term(self, fl_ctx: FLContext) -> None:
+        """A site's per-round ``loss_*`` scalar from the federated analytics event (step = round)."""
+        if fl_ctx.get_prop(FLContextKey.EVENT_SCOPE) != EventScope.FEDERATION:
+            return
+        data = fl_ctx.get_prop(FLContextKey.EVENT_DATA)
+        try:
+            record = AnalyticsData.from_dxo(from_shareable(data))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return
+        if record is None or record.step is None or not str(record.tag).startswith(LOSS_TERM_PREFIX):
+            return
+        value = record.value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return
+        site = data.get_peer_prop(ReservedKey.IDENTITY_NAME, None)
+        if not site:
+            return
+        with self._terms_lock:  # a site's repeated value for a round replaces its earlier one
+            self._terms.setdefault(int(record.step), {}).setdefault(str(record.tag), {})[site] = float(value)
+
+    def _attach_loss_terms(self) -> None:
+        """Each round's ``loss_terms``: the mean over the reporting sites of every loss term (no site names)."""
+        with self._terms_lock:
+            means = loss_term_means(self._terms)
+        for r in self._rounds:
+            if r.get("round") in means:
+                r["loss_terms"] = means[r["round"]]
 
     def _extra(self, comm_records: list[dict]) -> dict:
         extra: dict = {"wall_time_s": round(time.time() - self._t0, 2)}

@@ -1,29 +1,30 @@
-"""Client executor for federated fine-tuning of the U-Net with N annotated patients per site (seed 004 sec. 5).
+"""Client executor for federated fine-tuning of the U-Net with N annotated patients per site.
 
-Each round: evaluate the received global model on the site's validation patients of the fold (Dice over
-LV, MYO, RV; reported in the result meta, never used to pick a checkpoint), then train one local epoch
-on the site's N labelled patients and upload the weights with the number of labelled slices.
+Paper: "Distributed contrastive learning for medical image segmentation" (Wu, Zeng, Wang, Shi, Hu; Medical
+Image Analysis, 2022), section 5.  Each round: evaluate the received global model on the site's validation
+patients of the fold (Dice over LV, MYO, RV; reported in the result meta, never used to pick a checkpoint),
+then train ``local_epochs`` epochs on the site's N labelled patients
+(:class:`fedssl.train.segmentation.SegmentationLocalTrainer`) and upload the weights with the number of
+labelled slices.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
-from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
+from nvflare.apis.dxo import DXO
 from nvflare.apis.fl_context import FLContext
-from nvflare.apis.shareable import Shareable
-from nvflare.apis.signal import Signal
-from nvflare.app_common.app_constant import AppConstants
 
+from fedssl.core.checks import require, require_int
+from fedssl.core.trainer import RoundStats
 from fedssl.data.acdc import load_site
-from fedssl.eval.protocol import site_split
-from fedssl.eval.segmentation import SegmentationTrainer, dice_per_volume, mean_dice, steps_per_epoch
-from fedssl.flare.site_executor import SiteExecutor, pick_device
-from fedssl.flare.validation import require, require_int, require_unet_args
-from fedssl.models.unet import build_unet
+from fedssl.flare.site_executor import pick_device
+from fedssl.flare.trainer_executor import TrainerExecutor
+from fedssl.models.unet import build_unet, require_unet_args
+from fedssl.train.protocol import site_split
+from fedssl.train.segmentation import SegmentationLocalTrainer
 
 
-class SegmentationExecutor(SiteExecutor):
+class SegmentationExecutor(TrainerExecutor):
     checkpoint_name = "seg_client_state.pt"
     metrics_name = "seg_metrics.jsonl"
 
@@ -39,25 +40,26 @@ class SegmentationExecutor(SiteExecutor):
         lr: float = 5e-4,
         batch_size: int = 10,
         local_epochs: int = 1,
-        max_steps_per_round: int = 0,
+        max_steps_per_epoch: int = 0,
         seed: int = 0,
         device: str = "auto",
     ):
         """
         Args (paper settings as defaults): n_labelled = N annotated patients of the site (1, 2, 4, 8);
         fold of the 5-fold split (8 train / 2 validation patients per site); Adam lr 5e-4, batch 10,
-        cosine over all rounds; local_epochs per round (paper: 1); max_steps_per_round caps each local
+        cosine over all rounds; local_epochs per round (paper: 1); max_steps_per_epoch caps each local
         epoch (0 = no cap).
         """
         super().__init__()
         name = type(self).__name__
+        require(isinstance(data_root, str), name, "data_root", data_root, 'use a path string or ""')
         require(isinstance(n_labelled, int) and n_labelled >= 1, name, "n_labelled", n_labelled, "paper: 1, 2, 4 or 8")
         require(isinstance(n_folds, int) and n_folds >= 2, name, "n_folds", n_folds, "paper: 5")
         require(isinstance(fold, int) and 0 <= fold < n_folds, name, "fold", fold, f"use 0..{n_folds - 1}")
         require(lr > 0, name, "lr", lr, "paper: 5e-4")
         require(isinstance(batch_size, int) and batch_size >= 1, name, "batch_size", batch_size, "paper: 10")
         require(isinstance(local_epochs, int) and local_epochs >= 1, name, "local_epochs", local_epochs, "paper: 1")
-        require_int(name, "max_steps_per_round", max_steps_per_round, 0, "use 0 (full epoch) or a positive step count")
+        require_int(name, "max_steps_per_epoch", max_steps_per_epoch, 0, "use 0 (full epoch) or a positive step count")
         require_unet_args(name, features, image_size)
         self.data_root = data_root
         self.image_size = image_size
@@ -69,48 +71,32 @@ class SegmentationExecutor(SiteExecutor):
         self.lr = lr
         self.batch_size = batch_size
         self.local_epochs = local_epochs
-        self.max_steps_per_round = max_steps_per_round
+        self.max_steps_per_epoch = max_steps_per_epoch
         self.seed = seed
         self.device = device
-        self._trainer: SegmentationTrainer | None = None
-        self._split: dict | None = None
+        self._val = float("nan")  # Dice of the last received global model
 
-    def _setup(self, fl_ctx: FLContext, num_rounds: int) -> None:
+    def build_trainer(self, fl_ctx: FLContext, num_rounds: int) -> SegmentationLocalTrainer:
         site = self.site_name(fl_ctx)
-        root = self.resolve_root(self.data_root, fl_ctx)
-        volumes = load_site(root, with_labels=True, target_spacing=self.target_spacing,
-                            image_size=self.image_size, site=site)
-        self._split = site_split({site: volumes}, self.fold, self.n_labelled, n_folds=self.n_folds)[site]
-        steps = steps_per_epoch(self._split["train_volumes"], self.batch_size, self.max_steps_per_round or None)
+        volumes = load_site(self.resolve_root(self.data_root, fl_ctx), with_labels=True,
+                            target_spacing=self.target_spacing, image_size=self.image_size, site=site)
+        split = site_split({site: volumes}, self.fold, self.n_labelled, n_folds=self.n_folds)[site]
         torch.manual_seed(self.seed)
-        unet = build_unet(self.features)
-        self._trainer = SegmentationTrainer(unet, lr=self.lr, batch_size=self.batch_size, total_steps=steps * self.local_epochs * num_rounds,
-                                            seed=self.seed, device=pick_device(self.device))
-        state = self.load_checkpoint(fl_ctx)
-        if state is not None:
-            self._trainer.load_state_dict(state["trainer"])
+        trainer = SegmentationLocalTrainer(build_unet(self.features), split["train_volumes"], split["val_volumes"],
+                                           num_rounds=num_rounds, lr=self.lr, batch_size=self.batch_size,
+                                           local_epochs=self.local_epochs, max_steps_per_epoch=self.max_steps_per_epoch,
+                                           seed=self.seed, device=pick_device(self.device))
         self.log_info(fl_ctx, f"{site}: fold {self.fold}, {self.n_labelled} labelled patients "
-                              f"({len(self._split['train_volumes'])} volumes), {len(self._split['val_volumes'])} validation volumes")
+                              f"({len(split['train_volumes'])} volumes), {len(split['val_volumes'])} validation volumes")
+        return trainer
 
-    def train(self, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
-        round_idx = int(shareable.get_header(AppConstants.CURRENT_ROUND, 0))
-        num_rounds = int(shareable.get_header(AppConstants.NUM_ROUNDS, 1))
-        if self._trainer is None:
-            self._setup(fl_ctx, num_rounds)
-        trainer, split = self._trainer, self._split
-        dxo = from_shareable(shareable)
-        trainer.unet.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in dxo.data.items()})
-        val = mean_dice(dice_per_volume(trainer.unet, split["val_volumes"], device=trainer.device))
-        step0 = trainer.step
-        losses = [trainer.train_epoch(split["train_volumes"], max_steps=self.max_steps_per_round or None)
-                  for _ in range(self.local_epochs)]
-        loss = sum(losses) / len(losses)
-        self.save_checkpoint(fl_ctx, {"round": round_idx, "trainer": trainer.state_dict()})
-        self.append_metrics(fl_ctx, {"round": round_idx, "loss": loss, "val_dice_global": val["mean"]})
-        self.log_info(fl_ctx, f"round {round_idx + 1}/{num_rounds}: loss {loss:.4f}, "
-                              f"global model validation Dice {val['mean']:.3f}")
-        weights = {k: v.detach().cpu().numpy() for k, v in trainer.unet.state_dict().items()}
-        n_slices = sum(v.n_slices for v in split["train_volumes"])
-        meta = {"num_samples": n_slices, MetaKey.NUM_STEPS_CURRENT_ROUND: trainer.step - step0, "loss": loss,
-                "val_dice": val["mean"]}
-        return DXO(data_kind=DataKind.WEIGHTS, data=weights, meta=meta).to_shareable()
+    def receive(self, dxo: DXO, fl_ctx: FLContext, round_idx: int) -> dict:
+        super().receive(dxo, fl_ctx, round_idx)
+        self._val = self.trainer.evaluate("val")["dice"]  # the received global model, before local training
+        return {"val_dice_global": self._val}
+
+    def result_meta(self, stats: RoundStats, dxo: DXO, fl_ctx: FLContext) -> dict:
+        return {"val_dice": self._val}
+
+    def describe_round(self, stats: RoundStats) -> str:
+        return f"loss {stats.loss:.4f}, global model validation Dice {self._val:.3f}"

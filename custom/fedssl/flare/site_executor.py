@@ -20,6 +20,7 @@ from nvflare.apis.shareable import Shareable, make_reply
 from nvflare.apis.signal import Signal
 from nvflare.app_common.app_constant import AppConstants
 
+from fedssl.core.trainer import StopRequested
 from fedssl.data.site_config import resolve_data_root
 
 
@@ -75,7 +76,7 @@ class SiteExecutor(Executor):
             return make_reply(ReturnCode.TASK_UNKNOWN)
         try:
             reply = getattr(self, handler)(shareable, fl_ctx, abort_signal)
-        except TaskAborted:
+        except (TaskAborted, StopRequested):  # FLARE's abort signal, seen inside a training loop
             self.log_info(fl_ctx, f"task {task_name} aborted")
             return make_reply(ReturnCode.TASK_ABORTED)
         except (ValueError, OSError, FloatingPointError) as e:

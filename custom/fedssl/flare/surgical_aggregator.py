@@ -26,11 +26,12 @@ from nvflare.apis.shareable import Shareable
 from nvflare.app_common.abstract.model import ModelLearnableKey
 from nvflare.app_common.app_constant import AppConstants
 
+from fedssl.core.checks import require, require_choice
 from fedssl.core.state_dict import ContributionError, check_contribution, to_numpy, weighted_average
-from fedssl.core.surgical import aggregated_keys, is_head_key, merge_heads
+from fedssl.core.surgical import aggregated_keys, classes_from_meta, is_head_key, merge_heads
+from fedssl.flare.constants import CLASSES_KEY
 from fedssl.flare.fedavg_aggregator import RoundAggregator
-from fedssl.flare.surgical_registration import CLASSES_KEY, ClassRegistry, classes_from_meta, get_registry
-from fedssl.flare.validation import require, require_choice
+from fedssl.flare.surgical_registration import ClassRegistry, get_registry
 from fedssl.models.densenet import is_bn_key
 
 WEIGHTINGS = ("uniform", "num_samples")

@@ -18,8 +18,8 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.app_common.abstract.model import ModelLearnable, ModelLearnableKey, make_model_learnable
 from nvflare.app_opt.pt.file_model_persistor import PTFileModelPersistor
 
+from fedssl.core.checks import require
 from fedssl.flare.surgical_registration import get_registry
-from fedssl.flare.validation import require
 
 
 def rehead(weight: np.ndarray, bias: np.ndarray, model_classes, global_classes, seed: int) -> tuple[np.ndarray, np.ndarray]:

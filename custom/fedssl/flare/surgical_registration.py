@@ -32,39 +32,18 @@ import json
 import os
 from dataclasses import dataclass, field
 
-import numpy as np
 from nvflare.apis.controller_spec import ClientTask, Task
 from nvflare.apis.dxo import DXO, DataKind, from_shareable
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.impl.controller import Controller
 from nvflare.apis.signal import Signal
 
-from fedssl.core.surgical import check_class_list, union_classes
-from fedssl.flare.validation import require, require_choice, require_int
+from fedssl.core.checks import require, require_choice, require_int
+from fedssl.core.surgical import check_class_list, classes_from_meta, union_classes
+from fedssl.flare.constants import BACKBONE_KEY, BACKBONES, CLASSES_KEY, DECLARE_TASK, METHOD_KEY, METHODS
 
-METHODS = ("surgical", "vanilla", "partial_loss", "personalised", "individual")
-BACKBONES = ("fedavg", "fedbn", "fedbn_plus")
-DECLARE_TASK = "declare_classes"
 REGISTRY_PROP = "fedssl.surgical.registry"
 REGISTRY_FILE = "classes.json"
-#: meta keys of the exchange
-METHOD_KEY, BACKBONE_KEY = "method", "backbone"
-CLASSES_KEY, GLOBAL_CLASSES_KEY = "classes", "global_classes"
-
-
-def classes_to_meta(classes) -> np.ndarray:
-    """Class lists travel in DXO meta as numpy string arrays (design rule: arrays, not lists)."""
-    return np.asarray(list(classes), dtype=str)
-
-
-def classes_from_meta(value, site: str = "?") -> list[str]:
-    if value is None:
-        raise ValueError(f"{site} sent no class list (meta {CLASSES_KEY!r}); the site must run "
-                         "fedssl.flare.multilabel_executor.MultiLabelExecutor")
-    arr = np.asarray(value)
-    if arr.ndim != 1:
-        raise ValueError(f"{site} sent a class list of shape {arr.shape}; expected a flat list of names")
-    return [str(c) for c in arr.tolist()]
 
 
 @dataclass(frozen=True)

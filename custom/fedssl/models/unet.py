@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from monai.networks.nets import BasicUNet
 from torch import nn
 
+from fedssl.core.checks import require
 from fedssl.models.seeding import seeded
 
 #: Paper setting: standard U-Net, first level 48 channels, doubling per level (Ronneberger et al.).
@@ -34,6 +35,16 @@ def check_features(features: Sequence[int]) -> tuple[int, ...]:
             f"(5 encoder levels + last decoder level), e.g. {list(PAPER_FEATURES)}"
         )
     return feats
+
+
+def require_unet_args(component: str, features: object, image_size: object) -> None:
+    """The U-Net arguments every ACDC executor shares: 6 channel counts and a size the 4 poolings divide."""
+    try:
+        check_features(features)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{component}: {e}") from None
+    require(isinstance(image_size, int) and image_size >= 16 and image_size % 16 == 0, component, "image_size",
+            image_size, "use a multiple of 16 (the U-Net pools 4 times), paper: 192")
 
 
 def build_unet(

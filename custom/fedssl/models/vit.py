@@ -42,27 +42,27 @@ from fedssl.core.patches import patchify
 from fedssl.models.seeding import seeded
 
 #: Tiny twin for unit tests and quick CPU runs: 32 px images, 4 px patches (8 x 8 grid).
-TINY_VIT: dict = {"img_size": 32, "patch_size": 4, "embed_dim": 48, "depth": 2, "num_heads": 3}
+TINY_VIT: dict = {"image_size": 32, "patch_size": 4, "embed_dim": 48, "depth": 2, "num_heads": 3}
 TINY_DECODER: dict = {"decoder_embed_dim": 32, "decoder_depth": 1, "decoder_num_heads": 2}
 TINY_VOCAB = 64
 
 POS_EMBED_TYPES = ("sincos", "learned")
 
 
-def check_vit_args(img_size: int, patch_size: int, embed_dim: int, num_heads: int, what: str = "ViT") -> int:
-    """Validate the geometry; returns the grid side ``img_size // patch_size``."""
-    values = (img_size, patch_size, embed_dim, num_heads)
+def check_vit_args(image_size: int, patch_size: int, embed_dim: int, num_heads: int, what: str = "ViT") -> int:
+    """Validate the geometry; returns the grid side ``image_size // patch_size``."""
+    values = (image_size, patch_size, embed_dim, num_heads)
     ok = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)
-    if not ok or img_size % patch_size or img_size // patch_size < 2:
+    if not ok or image_size % patch_size or image_size // patch_size < 2:
         raise ValueError(
-            f"{what}: img_size={img_size!r}, patch_size={patch_size!r} must be positive integers with img_size a "
+            f"{what}: image_size={image_size!r}, patch_size={patch_size!r} must be positive integers with image_size a "
             "multiple of patch_size and at least 2 x 2 patches (paper: 224 / 16)"
         )
     if embed_dim % num_heads or embed_dim % 4:
         raise ValueError(
             f"{what}: embed_dim={embed_dim} must be divisible by num_heads={num_heads} and by 4 (paper: 768 / 12)"
         )
-    return img_size // patch_size
+    return image_size // patch_size
 
 
 def sincos_pos_embed(embed_dim: int, grid_h: int, grid_w: int, cls_token: bool = True) -> torch.Tensor:
@@ -84,7 +84,7 @@ def sincos_pos_embed(embed_dim: int, grid_h: int, grid_w: int, cls_token: bool =
 
 
 def _vit_encoder(
-    img_size: int,
+    image_size: int,
     patch_size: int,
     embed_dim: int,
     depth: int,
@@ -97,7 +97,7 @@ def _vit_encoder(
 ) -> VisionTransformer:
     """A timm ViT without head: state-dict keys cls_token, pos_embed, patch_embed.proj.*, blocks.*, norm.*."""
     return VisionTransformer(
-        img_size=img_size,
+        img_size=image_size,  # timm's name
         patch_size=patch_size,
         in_chans=3,
         num_classes=0,
@@ -171,7 +171,7 @@ class MAEViT(nn.Module):
 
     def __init__(
         self,
-        img_size: int = 224,
+        image_size: int = 224,
         patch_size: int = 16,
         embed_dim: int = 768,
         depth: int = 12,
@@ -186,12 +186,12 @@ class MAEViT(nn.Module):
         drop_path_rate: float = 0.0,
     ):
         super().__init__()
-        grid = check_vit_args(img_size, patch_size, embed_dim, num_heads, "MAEViT")
-        check_vit_args(img_size, patch_size, decoder_embed_dim, decoder_num_heads, "MAEViT decoder")
+        grid = check_vit_args(image_size, patch_size, embed_dim, num_heads, "MAEViT")
+        check_vit_args(image_size, patch_size, decoder_embed_dim, decoder_num_heads, "MAEViT decoder")
         if pos_embed_type not in POS_EMBED_TYPES:
             raise ValueError(f"MAEViT: pos_embed_type={pos_embed_type!r}; use one of {list(POS_EMBED_TYPES)}")
-        self.img_size, self.patch_size, self.embed_dim, self.depth, self.num_heads = (
-            img_size, patch_size, embed_dim, depth, num_heads)
+        self.image_size, self.patch_size, self.embed_dim, self.depth, self.num_heads = (
+            image_size, patch_size, embed_dim, depth, num_heads)
         self.decoder_embed_dim, self.decoder_depth, self.decoder_num_heads = (
             decoder_embed_dim, decoder_depth, decoder_num_heads)
         self.mlp_ratio, self.norm_pix_loss, self.seed = mlp_ratio, bool(norm_pix_loss), seed
@@ -199,7 +199,7 @@ class MAEViT(nn.Module):
         self.grid_size = (grid, grid)
         self.num_patches = grid * grid
         with seeded(seed):
-            self.encoder = _vit_encoder(img_size, patch_size, embed_dim, depth, num_heads, mlp_ratio, drop_path_rate)
+            self.encoder = _vit_encoder(image_size, patch_size, embed_dim, depth, num_heads, mlp_ratio, drop_path_rate)
             self.decoder = MAEDecoder(self.num_patches, self.grid_size, patch_size, embed_dim, decoder_embed_dim,
                                       decoder_depth, decoder_num_heads, mlp_ratio, pos_embed_type)
             self._init_weights()
@@ -247,7 +247,7 @@ class BEiTViT(nn.Module):
 
     def __init__(
         self,
-        img_size: int = 224,
+        image_size: int = 224,
         patch_size: int = 16,
         embed_dim: int = 768,
         depth: int = 12,
@@ -259,17 +259,17 @@ class BEiTViT(nn.Module):
         layer_scale: float | None = 0.1,
     ):
         super().__init__()
-        grid = check_vit_args(img_size, patch_size, embed_dim, num_heads, "BEiTViT")
+        grid = check_vit_args(image_size, patch_size, embed_dim, num_heads, "BEiTViT")
         if not (isinstance(vocab_size, int) and vocab_size >= 2):
             raise ValueError(f"BEiTViT: vocab_size={vocab_size!r} must be an integer >= 2 (DALL-E: 8192)")
-        self.img_size, self.patch_size, self.embed_dim, self.depth, self.num_heads = (
-            img_size, patch_size, embed_dim, depth, num_heads)
+        self.image_size, self.patch_size, self.embed_dim, self.depth, self.num_heads = (
+            image_size, patch_size, embed_dim, depth, num_heads)
         self.vocab_size, self.seed, self.mlp_ratio = vocab_size, seed, mlp_ratio
         self.drop_path_rate, self.layer_scale = drop_path_rate, layer_scale
         self.grid_size = (grid, grid)
         self.num_patches = grid * grid
         with seeded(seed):
-            self.encoder = _vit_encoder(img_size, patch_size, embed_dim, depth, num_heads, mlp_ratio,
+            self.encoder = _vit_encoder(image_size, patch_size, embed_dim, depth, num_heads, mlp_ratio,
                                         drop_path_rate, layer_scale, fix_init=True)
             self.mask_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
             self.lm_head = nn.Linear(embed_dim, vocab_size)
@@ -304,7 +304,7 @@ class ViTClassifier(nn.Module):
     def __init__(
         self,
         num_classes: int,
-        img_size: int = 224,
+        image_size: int = 224,
         patch_size: int = 16,
         embed_dim: int = 768,
         depth: int = 12,
@@ -315,16 +315,16 @@ class ViTClassifier(nn.Module):
         layer_scale: float | None = None,
     ):
         super().__init__()
-        grid = check_vit_args(img_size, patch_size, embed_dim, num_heads, "ViTClassifier")
+        grid = check_vit_args(image_size, patch_size, embed_dim, num_heads, "ViTClassifier")
         if not (isinstance(num_classes, int) and not isinstance(num_classes, bool) and num_classes >= 2):
             raise ValueError(f"ViTClassifier: num_classes={num_classes!r} must be an integer >= 2")
-        self.num_classes, self.img_size, self.patch_size, self.embed_dim, self.depth, self.num_heads = (
-            num_classes, img_size, patch_size, embed_dim, depth, num_heads)
+        self.num_classes, self.image_size, self.patch_size, self.embed_dim, self.depth, self.num_heads = (
+            num_classes, image_size, patch_size, embed_dim, depth, num_heads)
         self.drop_path_rate, self.seed, self.mlp_ratio, self.layer_scale = drop_path_rate, seed, mlp_ratio, layer_scale
         self.grid_size = (grid, grid)
         self.num_patches = grid * grid
         with seeded(seed):
-            self.encoder = _vit_encoder(img_size, patch_size, embed_dim, depth, num_heads, mlp_ratio,
+            self.encoder = _vit_encoder(image_size, patch_size, embed_dim, depth, num_heads, mlp_ratio,
                                         drop_path_rate, layer_scale, final_norm=False)
             self.fc_norm = LayerNorm(embed_dim)
             self.head = nn.Linear(embed_dim, num_classes)
@@ -414,7 +414,7 @@ def load_encoder_state(classifier: nn.Module, state: Mapping[str, object], sourc
         if tuple(v.shape) != tuple(own[k].shape):
             raise ValueError(
                 f"{source}: {k!r} has shape {tuple(v.shape)} but the classifier expects {tuple(own[k].shape)}; "
-                "use the pre-training img_size / patch_size / embed_dim"
+                "use the pre-training image_size / patch_size / embed_dim"
             )
         own[k] = v.to(own[k].dtype)
     classifier.load_state_dict(own)

@@ -13,6 +13,7 @@ from fedssl.core.tokenizer import (
     lloyd_step,
     load_tokenizer,
     patch_vectors,
+    sum_squared_distance,
 )
 
 
@@ -156,3 +157,15 @@ def test_data_free_random_codebook_is_normalised_and_seeded():
     assert torch.equal(cb, random_codebook(6, 2, torch.Generator().manual_seed(0)))
     with pytest.raises(ValueError, match="K >= 2"):
         random_codebook(1, 2)
+
+
+def test_sum_squared_distance_matches_the_direct_cost():
+    g = torch.Generator().manual_seed(0)
+    x, c = torch.randn(50, 6, generator=g), torch.randn(4, 6, generator=g)
+    sums, counts = kmeans_stats(x, c)
+    direct = float(torch.cdist(x.double(), c.double()).min(dim=1).values.pow(2).sum())
+    assert sum_squared_distance(x, c, sums, counts) == pytest.approx(direct, rel=1e-9)
+    # hand-computed: x = 0, 2 on a line with one centroid at 1 -> cost 1 + 1
+    one = torch.tensor([[1.0]])
+    pts = torch.tensor([[0.0], [2.0]])
+    assert sum_squared_distance(pts, one, *kmeans_stats(pts, one)) == pytest.approx(2.0)

@@ -98,15 +98,15 @@ def test_impossible_min_per_site(src, tmp_path):
 
 
 def test_cli_synth_and_partition(tmp_path, capsys):
-    assert main(["synth-images", "derm", str(tmp_path / "d"), "--images", "40", "--size", "16", "--seed", "3"]) == 0
+    assert main(["sslfl", "synth", "derm", str(tmp_path / "d"), "--images", "40", "--size", "16", "--seed", "3"]) == 0
     assert "wrote 40 synthetic derm images" in capsys.readouterr().out
-    assert main(["partition", "derm", str(tmp_path / "d"), str(tmp_path / "p"), "--sites", "3", "--alpha", "1.0",
+    assert main(["sslfl", "partition", "derm", str(tmp_path / "d"), str(tmp_path / "p"), "--sites", "3", "--alpha", "1.0",
                  "--min-per-site", "3"]) == 0
     out = capsys.readouterr().out
     part = json.loads((tmp_path / "p" / "partition.json").read_text())
     assert format_partition_table(part) in out
     assert out.count("site-") == 3 and "NV" in out and "test" in out
-    assert main(["partition", "derm", str(tmp_path / "d"), str(tmp_path / "q"), "--min-per-site", "50"]) == 2
+    assert main(["sslfl", "partition", "derm", str(tmp_path / "d"), str(tmp_path / "q"), "--min-per-site", "50"]) == 2
     assert "min_per_site=50" in capsys.readouterr().err
 
 

@@ -18,9 +18,10 @@ class FakeWorkspace:
 
 
 class FakeEngine:
-    def __init__(self, root, n_clients=3):
+    def __init__(self, root, n_clients=3, components=None):
         self.ws = FakeWorkspace(root)
         self.n_clients = n_clients
+        self.components = dict(components or {})
 
     def get_workspace(self):
         return self.ws
@@ -30,6 +31,11 @@ class FakeEngine:
 
     def fire_event(self, event_type, fl_ctx):
         """log_error fires an event; nothing listens in unit tests."""
+
+    def get_component(self, component_id):
+        """The components given (none by default, e.g. no analytics writer: TrainerExecutor then writes its
+        metrics file only)."""
+        return self.components.get(component_id)
 
 
 def context(peer_site=None, engine=None, props=None, site=None) -> FLContext:

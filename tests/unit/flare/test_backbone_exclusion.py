@@ -6,8 +6,8 @@ from nvflare.apis.dxo import DXO, DataKind, from_shareable
 from nvflare.apis.fl_constant import ReturnCode
 from nvflare.apis.shareable import make_reply
 
-from fedssl.flare.backbone_exclusion import BACKBONE_HEADER, BackboneBNExclusion
-from fedssl.flare.partial_exclusion import EXCLUDED_META
+from fedssl.flare.backbone_exclusion import BackboneBNExclusion
+from fedssl.flare.constants import BACKBONE_HEADER, EXCLUDED_META
 from fedssl.flare.surgical_registration import REGISTRY_PROP, build_registry
 from tests.unit.flare.fakes import FakeEngine, context
 

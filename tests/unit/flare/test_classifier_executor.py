@@ -16,10 +16,10 @@ from fedssl.data.image_synthetic import write_synthetic_images
 from fedssl.data.images import load_image_records
 from fedssl.flare.classifier_executor import ClassifierExecutor
 from fedssl.models.vit import TINY_VIT
-from fedssl.vit_finetune import FineTuneViT
+from fedssl.models.vit_classifier import FineTuneViT
 from tests.unit.flare.fakes import FakeEngine, context
 
-TINY = dict(image_size=TINY_VIT["img_size"], patch_size=TINY_VIT["patch_size"], embed_dim=TINY_VIT["embed_dim"],
+TINY = dict(image_size=TINY_VIT["image_size"], patch_size=TINY_VIT["patch_size"], embed_dim=TINY_VIT["embed_dim"],
             depth=TINY_VIT["depth"], num_heads=TINY_VIT["num_heads"], drop_path_rate=0.0)
 ARGS = dict(dataset="retina", batch_size=16, lr=1e-3, warmup_rounds=1, val_fraction=0.2, eval_batch_size=64,
             device="cpu", **TINY)
@@ -34,7 +34,7 @@ def data(tmp_path_factory):
 
 
 def initial_weights(num_classes=2):
-    model = FineTuneViT(num_classes=num_classes, img_size=32, patch_size=4, embed_dim=48, depth=2, num_heads=3,
+    model = FineTuneViT(num_classes=num_classes, image_size=32, patch_size=4, embed_dim=48, depth=2, num_heads=3,
                         drop_path_rate=0.0)
     return {k: v.numpy() for k, v in model.state_dict().items()}
 
@@ -65,6 +65,7 @@ def round_half_up(x):
     ({"val_fraction": 0}, "val_fraction=0"),
     ({"fedprox_mu": -1}, "fedprox_mu=-1"),
     ({"layer_scale": 0}, "layer_scale=0"),
+    ({"max_steps_per_epoch": -1}, "max_steps_per_epoch=-1"),
     ({"device": "tpu"}, "device='tpu'"),
 ])
 def test_rejects_bad_args_naming_them(kw, needle):
@@ -85,7 +86,7 @@ def test_train_uploads_weights_with_the_labelled_count(data, tmp_path, fraction)
     for n in counts.values():  # stratified: validation first (20 %), then the labelled fraction of the rest
         n_train = n - min(n - 1, round_half_up(0.2 * n))
         expected += n_train if fraction == 1.0 else min(n_train, max(1, round_half_up(fraction * n_train)))
-    ex = ClassifierExecutor(data_root=site, label_fraction=fraction, max_steps_per_round=1, **{
+    ex = ClassifierExecutor(data_root=site, label_fraction=fraction, max_steps_per_epoch=1, **{
         k: v for k, v in ARGS.items()})
     out = from_shareable(run(ex, tmp_path, task(initial_weights())))
     assert out.data_kind == DataKind.WEIGHTS
@@ -106,16 +107,16 @@ def test_validation_metrics_of_the_received_model_go_to_initial_metrics(data, tm
     assert {"val_auc", "val_macro_f1", "val_recall_dr", "val_specificity_no_dr"} <= set(val)
     # the metrics are those of the RECEIVED model (before local training): recompute them
     ex2 = ClassifierExecutor(data_root=site, **ARGS)
-    ex2._setup_training(context(site="site-1", engine=FakeEngine(tmp_path / "other")), 3)
-    ex2._load_global(task(first.data, 1), context(site="site-1"))
-    again = ex2._evaluate(ex2._val_set, "check")
+    trainer = ex2.build_trainer(context(site="site-1", engine=FakeEngine(tmp_path / "other")), 3)
+    trainer.load_global(first.data)
+    again = trainer.evaluate("val", "check")
     assert again["n"] == n_val and again["accuracy"] == pytest.approx(val["val_accuracy"])
     lines = open(tmp_path / "cls_metrics.jsonl").read().splitlines()
     assert len(lines) == 2 and '"val_accuracy"' in lines[1]
 
 
 def test_test_task_returns_metrics_on_the_partition_test_folder(data, tmp_path):
-    ex = ClassifierExecutor(data_root=os.path.join(data, "site-1"), max_steps_per_round=2, **ARGS)
+    ex = ClassifierExecutor(data_root=os.path.join(data, "site-1"), max_steps_per_epoch=2, **ARGS)
     trained = from_shareable(run(ex, tmp_path, task(initial_weights()))).data
     s = DXO(DataKind.WEIGHTS, data=trained, meta={"model_source": "best global model"}).to_shareable()
     out = from_shareable(run(ClassifierExecutor(data_root=os.path.join(data, "site-1"), **ARGS), tmp_path, s, "test"))
@@ -160,11 +161,34 @@ def test_wrong_model_configuration_is_refused(data, tmp_path, caplog):
 
 def test_optimiser_state_survives_a_client_restart(data, tmp_path):
     site = os.path.join(data, "site-1")
-    ex = ClassifierExecutor(data_root=site, max_steps_per_round=2, fedprox_mu=0.001, **ARGS)
+    ex = ClassifierExecutor(data_root=site, max_steps_per_epoch=2, fedprox_mu=0.001, **ARGS)
     out = from_shareable(run(ex, tmp_path, task(initial_weights(), 0)))
-    assert ex._trainer.fedprox_mu == 0.001
+    assert ex.trainer.trainer.fedprox_mu == 0.001
     state = torch.load(tmp_path / "cls_client_state.pt", weights_only=False)
     assert state["round"] == 0 and state["trainer"]["step"] == 2
-    restarted = ClassifierExecutor(data_root=site, max_steps_per_round=2, fedprox_mu=0.001, **ARGS)
+    restarted = ClassifierExecutor(data_root=site, max_steps_per_epoch=2, fedprox_mu=0.001, **ARGS)
     run(restarted, tmp_path, task(out.data, 1))
-    assert restarted._trainer.step == 4  # resumed the step count (and AdamW moments) from the checkpoint
+    assert restarted.trainer.trainer.step == 4  # resumed the step count (and AdamW moments) from the checkpoint
+
+
+class StopAfter(Signal):
+    """FLARE's abort signal that fires once it has been asked ``n`` times (i.e. during the round)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.n, self.asked = n, 0
+
+    @property
+    def triggered(self):
+        self.asked += 1
+        return self.asked > self.n
+
+
+def test_an_abort_during_the_round_stops_within_one_step(data, tmp_path):
+    ex = ClassifierExecutor(data_root=os.path.join(data, "site-1"), **ARGS)
+    reply = ex.execute("train", task(initial_weights()), context(site="site-1", engine=FakeEngine(tmp_path)),
+                       StopAfter(1))
+    assert reply.get_return_code() == ReturnCode.TASK_ABORTED
+    assert ex.trainer.trainer.step == 1  # one step, then the abort
+    assert not os.path.exists(tmp_path / "cls_client_state.pt") and not os.path.exists(tmp_path / "cls_metrics.jsonl")
+

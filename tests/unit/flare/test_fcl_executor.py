@@ -1,5 +1,6 @@
 """FCLExecutor on tiny synthetic ACDC: one real train task, checkpoint resume, and bad data per site."""
 
+import json
 import os
 
 import numpy as np
@@ -9,9 +10,10 @@ from nvflare.apis.dxo import DXO, DataKind, from_shareable
 from nvflare.apis.fl_constant import ReturnCode
 from nvflare.apis.signal import Signal
 
+from fedssl.core.trainer import RoundStats
 from fedssl.data.acdc_synthetic import write_synthetic_acdc
+from fedssl.flare.constants import REMOTE_FEATURES, REMOTE_PARTITIONS
 from fedssl.flare.fcl_executor import FCLExecutor
-from fedssl.flare.feature_bank_shuttle import REMOTE_FEATURES, REMOTE_PARTITIONS
 from fedssl.models.unet import TINY_FEATURES, MoCoUNetEncoder
 from tests.unit.flare.fakes import FakeEngine, context
 
@@ -52,7 +54,10 @@ def test_train_task_returns_weights_bank_and_count_then_resumes(data, tmp_path):
     ex2 = FCLExecutor(data_root=data, **ARGS)
     out2 = from_shareable(run(ex2, tmp_path, task(1, remote)))
     assert (out2.get_meta_prop("bank_partitions") >= 0).sum() == 32
-    assert ex2._last_round == 1
+    assert ex2.last_round == 1
+    records = [json.loads(line) for line in open(tmp_path / "fcl_metrics.jsonl")]
+    assert [(r["round"], r["remote_features"]) for r in records] == [(0, 0), (1, 16)]  # the remote bank was used
+    assert records[1]["loss"] == pytest.approx(records[1]["loss_local"] + records[1]["loss_remote"])
 
 
 def test_fedmoco_uploads_no_features(data, tmp_path):
@@ -86,10 +91,64 @@ def test_bad_data_fails_this_site_with_a_clear_message(data, tmp_path, breakage,
 def test_local_cl_never_loads_the_aggregate_after_round_0(data, tmp_path):
     ex = FCLExecutor(data_root=data, federated=False, **ARGS)
     run(ex, tmp_path, task(0))
-    mine = {k: v.clone() for k, v in ex._trainer.model.state_dict().items()}
+    mine = {k: v.clone() for k, v in ex.trainer.model.state_dict().items()}
     poisoned = task(1)
     dxo = from_shareable(poisoned)
     zeros = DXO(DataKind.WEIGHTS, data={k: np.zeros_like(v) for k, v in dxo.data.items()}).update_shareable(poisoned)
-    ex._trainer.train_round = lambda *a, **k: {"loss": 1.0, "loss_local": 1.0, "loss_remote": 0.0, "steps": 1, "lr_end": 0.0}
+    ex.trainer.train_round = lambda round_idx, should_stop: RoundStats(
+        loss=1.0, steps=1, samples=8, metrics={"loss_local": 1.0, "loss_remote": 0.0, "remote_features": 0})
     run(ex, tmp_path, zeros)
-    assert all(torch.equal(mine[k], v) for k, v in ex._trainer.model.state_dict().items())
+    assert all(torch.equal(mine[k], v) for k, v in ex.trainer.model.state_dict().items())
+    # a restarted Local CL client knows from its checkpoint that it trained already: it does not load either
+    ex2 = FCLExecutor(data_root=data, federated=False, **ARGS)
+    ex2.ensure_trainer(zeros, context(site="site-1", engine=FakeEngine(tmp_path)))
+    assert ex2.last_round == 1
+    ex2.trainer.train_round = ex.trainer.train_round
+    run(ex2, tmp_path, zeros)
+    assert all(torch.equal(mine[k], v) for k, v in ex2.trainer.model.state_dict().items())
+    # the federated executor does load it
+    fed = FCLExecutor(data_root=data, **ARGS)
+    (tmp_path / "fed").mkdir()
+    run(fed, tmp_path / "fed", task(0))
+    fed.trainer.train_round = ex.trainer.train_round
+    run(fed, tmp_path / "fed", zeros)
+    assert all(not v.is_floating_point() or not v.any() for v in fed.trainer.model.state_dict().values())
+
+
+class CountingSignal(Signal):
+    """FLARE's abort signal, triggered from the ``after``-th time it is read."""
+
+    def __init__(self, after):
+        super().__init__()
+        self.reads, self.after = 0, after
+
+    @property
+    def triggered(self):
+        self.reads += 1
+        return self.reads >= self.after
+
+
+def test_abort_during_a_round_stops_within_one_step(data, tmp_path):
+    ex = FCLExecutor(data_root=data, **dict(ARGS, max_steps_per_round=3, batch_size=8))
+    c = context(site="site-1", engine=FakeEngine(tmp_path))
+    ex.ensure_trainer(task(0), c)
+    steps = []
+    step = ex.trainer.trainer.optimizer.step
+    ex.trainer.trainer.optimizer.step = lambda *a, **k: (steps.append(1), step(*a, **k))[1]
+    signal = CountingSignal(after=2)  # read before the round (no), then after the first step (yes)
+    reply = ex.execute("train", task(0), c, signal)
+    assert reply.get_return_code() == ReturnCode.TASK_ABORTED
+    assert len(steps) == 1 and signal.reads == 2 and ex.trainer.trainer.bank.filled == 8  # 2 volumes x 4 partitions
+    assert not os.path.isfile(tmp_path / "fcl_client_state.pt") and ex.last_round == -1  # nothing recorded
+
+
+def test_a_global_model_that_does_not_fit_names_the_keys(data, tmp_path, caplog):
+    s = task(0)
+    dxo = from_shareable(s)
+    data_ = dict(dxo.data)
+    missing = sorted(data_)[0]
+    del data_[missing]
+    reply = run(FCLExecutor(data_root=data, **ARGS), tmp_path, DXO(DataKind.WEIGHTS, data=data_).update_shareable(s))
+    assert reply.get_return_code() == ReturnCode.EXECUTION_EXCEPTION
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "site-1" in errors[0] and "lacks 1 keys" in errors[0] and missing in errors[0]

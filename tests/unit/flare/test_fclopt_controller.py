@@ -9,7 +9,8 @@ from nvflare.app_common.abstract.model import make_model_learnable
 from nvflare.app_common.app_constant import AppConstants
 
 from fedssl.core.ptnu import PTNUError
-from fedssl.flare.fclopt_controller import DISTANCE_KEY, DISTANCE_TASK, UPLOAD_TARGET_KEY, FCLOptController
+from fedssl.flare.constants import DISTANCE_KEY, DISTANCE_TASK, UPLOAD_TARGET_KEY
+from fedssl.flare.fclopt_controller import FCLOptController
 from tests.unit.flare.fakes import context
 
 # online vs target differ by 0.5 on every element: d = 0.5

@@ -3,8 +3,9 @@ import pytest
 from nvflare.apis.dxo import DXO, DataKind, from_shareable
 from nvflare.apis.shareable import Shareable
 
+from fedssl.flare.constants import REMOTE_FEATURES, REMOTE_PARTITIONS
 from fedssl.flare.fedavg_aggregator import COLLECTED
-from fedssl.flare.feature_bank_shuttle import REMOTE_FEATURES, REMOTE_PARTITIONS, FeatureBankShuttle
+from fedssl.flare.feature_bank_shuttle import FeatureBankShuttle
 from tests.unit.flare.fakes import context
 
 SITES = ["site-1", "site-2", "site-3"]

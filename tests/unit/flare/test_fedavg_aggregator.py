@@ -1,9 +1,11 @@
 import numpy as np
+import pytest
 from nvflare.apis.dxo import from_shareable
 from nvflare.app_common.abstract.model import make_model_learnable
 from nvflare.app_common.app_constant import AppConstants
 
 from fedssl.flare.fedavg_aggregator import COLLECTED, FedAvgAggregator
+from fedssl.flare.feature_bank_collector import FeatureBankCollector
 from tests.unit.flare.fakes import FakeEngine, context, contribution
 
 GLOBAL = {"w": np.zeros((2,), np.float32), "b": np.zeros((1,), np.float32)}
@@ -53,16 +55,53 @@ def test_bad_contributions_are_rejected_and_never_averaged(tmp_path):
     assert out.get_meta_prop("aggregated_sites") == 1
 
 
+def collecting_ctx(tmp_path, **components):
+    return context(engine=FakeEngine(tmp_path, components=components),
+                   props={AppConstants.GLOBAL_MODEL: make_model_learnable(GLOBAL, {}), AppConstants.CURRENT_ROUND: 0})
+
+
 def test_banks_collected_per_site_and_bad_bank_rejected(tmp_path):
-    agg, c = FedAvgAggregator(collect_banks=True), ctx(tmp_path)
+    agg, c = FedAvgAggregator(collectors=["bank_collector"]), collecting_ctx(tmp_path, bank_collector=FeatureBankCollector())
     w = {"w": np.ones(2, np.float32), "b": np.ones(1, np.float32)}
     assert agg.accept(contribution("site-1", w, {"num_samples": 1, **bank(1.0)}), c)
     bad = bank(2.0)
     bad["bank_features"][0, 0] = np.inf
     assert not agg.accept(contribution("site-2", w, {"num_samples": 1, **bad}), c)
     assert not agg.accept(contribution("site-3", w, {"num_samples": 1}), c)  # FE on but no bank
-    collected = from_shareable(agg.aggregate(c)).get_meta_prop(COLLECTED)
-    assert list(collected) == ["site-1"]
+    assert agg.accept(contribution("site-4", w, {"num_samples": 1, **bank(4.0, k=2)}), c)
+    assert not agg.accept(contribution("site-5", {"w": np.ones(3, np.float32), "b": np.ones(1, np.float32)},
+                                       {"num_samples": 1, **bank(5.0)}), c)  # bad weights: its bank is not kept
+    out = from_shareable(agg.aggregate(c))
+    collected = out.get_meta_prop(COLLECTED)
+    assert list(collected) == ["site-1", "site-4"] and out.get_meta_prop("aggregated_sites") == 2
+    for site, v, k in (("site-1", 1.0, 4), ("site-4", 4.0, 2)):
+        f, p = collected[site]["bank_features"], collected[site]["bank_partitions"]
+        assert f.dtype == np.float32 and p.dtype == np.int64 and f.shape == (k, 3)
+        np.testing.assert_array_equal(f, np.full((k, 3), v))
+        np.testing.assert_array_equal(p, np.arange(k))
+    agg.reset(c)  # a new round starts with nothing collected
+    assert agg.accept(contribution("site-2", w, {"num_samples": 1, **bank(2.0)}), c)
+    assert list(from_shareable(agg.aggregate(c)).get_meta_prop(COLLECTED)) == ["site-2"]
+
+
+def test_without_collectors_banks_are_neither_required_nor_passed_on(tmp_path):
+    """FedMoCo (collectors=[]): a bank in the meta is ignored, none is required, nothing is collected."""
+    agg, c = FedAvgAggregator(), collecting_ctx(tmp_path, bank_collector=FeatureBankCollector())
+    w = {"w": np.ones(2, np.float32), "b": np.ones(1, np.float32)}
+    assert agg.accept(contribution("site-1", w, {"num_samples": 1}), c)
+    assert agg.accept(contribution("site-2", w, {"num_samples": 1, **bank(2.0)}), c)
+    assert COLLECTED not in from_shareable(agg.aggregate(c)).get_meta_props()
+
+
+def test_a_collector_that_is_not_configured_stops_the_run(tmp_path):
+    agg, c = FedAvgAggregator(collectors=["bank_collector"]), collecting_ctx(tmp_path)  # no such component
+    panics = []
+    agg.system_panic = lambda reason, fl_ctx: panics.append(reason)
+    w = {"w": np.ones(2, np.float32), "b": np.ones(1, np.float32)}
+    assert not agg.accept(contribution("site-1", w, {"num_samples": 1, **bank(1.0)}), c)
+    assert len(panics) == 1 and "'bank_collector'" in panics[0] and "collect(site, dxo)" in panics[0]
+    with pytest.raises(ValueError, match="collectors="):
+        FedAvgAggregator(collectors="bank_collector")
 
 
 def test_constructor_errors_name_argument():

@@ -11,10 +11,10 @@ from nvflare.apis.fl_constant import ReturnCode
 from nvflare.apis.shareable import make_reply
 from nvflare.apis.signal import Signal
 
-from fedssl.core.tokenizer import (PatchTokenizer, init_codebook, kmeans_stats, kmeans_update, load_tokenizer, lloyd_step,
-                                   random_codebook)
-from fedssl.flare.federated_kmeans import (ITER_KEY, K_KEY, KMEANS_INIT, KMEANS_STEP, LOCAL_TOKENIZER_KEY, SET_TOKENIZER,
-                                           FederatedKMeans, KMeansError, codebook_description)
+from fedssl.core.tokenizer import (PatchTokenizer, codebook_description, init_codebook, kmeans_stats, kmeans_update,
+                                   lloyd_step, load_tokenizer, random_codebook)
+from fedssl.flare.constants import ITER_KEY, K_KEY, KMEANS_INIT, KMEANS_STEP, LOCAL_TOKENIZER_KEY, SET_TOKENIZER
+from fedssl.flare.federated_kmeans import FederatedKMeans, KMeansError
 from fedssl.flare.run_summary import SUMMARY_RECORD_EVENT
 from tests.unit.flare.fakes import FakeEngine, context
 

@@ -13,10 +13,8 @@ from nvflare.apis.signal import Signal
 
 from fedssl.core.tokenizer import PatchTokenizer, load_tokenizer
 from fedssl.data.image_synthetic import write_synthetic_images
-from fedssl.flare.federated_kmeans import KMEANS_INIT, KMEANS_STEP, LOCAL_TOKENIZER_KEY, SET_TOKENIZER
-from fedssl.flare.mim_executor import MIMExecutor, sum_squared_distance
-from fedssl.flare.partial_exclusion import EXCLUDED_META
-from fedssl.flare.run_summary import SITE_RECORD_META
+from fedssl.flare.constants import EXCLUDED_META, KMEANS_INIT, KMEANS_STEP, LOCAL_TOKENIZER_KEY, SET_TOKENIZER, SITE_RECORD_META
+from fedssl.flare.mim_executor import MIMExecutor
 from fedssl.models.vit import TINY_DECODER, TINY_VIT, BEiTViT, MAEViT
 from tests.unit.flare.fakes import FakeEngine, context
 
@@ -114,8 +112,8 @@ def test_knowledge_split_keeps_the_local_class_token_and_rejects_unexpected_keys
     assert not np.allclose(local_cls, fresh[CLS])  # training moved this site's token
     broadcast = {k: v for k, v in fresh.items() if k != CLS}
     # the broadcast without the class token (declared excluded): everything else is loaded, the token stays local
-    kept = ex.load_global(broadcast, [CLS], "site-1")
-    state = ex._trainer.model.state_dict()
+    kept = ex.trainer.load_global(broadcast, [CLS])
+    state = ex.trainer.model.state_dict()
     assert kept == [CLS]
     np.testing.assert_array_equal(state[CLS].numpy(), local_cls)
     proj = "encoder.patch_embed.proj.weight"
@@ -125,11 +123,11 @@ def test_knowledge_split_keeps_the_local_class_token_and_rejects_unexpected_keys
     assert metrics(tmp_path)[-1]["kept_local"] == [CLS] and np.isfinite(out.get_meta_prop("loss"))
     # unexpected keys, or keys missing without an exclusion filter, fail this site's task with a clear message
     with pytest.raises(ValueError, match=r"site-1: the global model has 1 keys .*'decoder.extra'"):
-        ex.load_global({**fresh, "decoder.extra": np.zeros(2, np.float32)}, [], "site-1")
-    with pytest.raises(ValueError, match=r"lacks 1 keys \(e.g. \['encoder.cls_token'\]\) that no exclusion filter"):
-        ex.load_global(broadcast, [], "site-1")
-    with pytest.raises(ValueError, match="global tensor encoder.cls_token has shape"):
-        ex.load_global({**fresh, CLS: np.zeros((1, 1, 8), np.float32)}, [], "site-1")
+        ex.trainer.load_global({**fresh, "decoder.extra": np.zeros(2, np.float32)}, [])
+    with pytest.raises(ValueError, match=r"lacks 1 keys .*\['encoder.cls_token'\]\) that no exclusion filter"):
+        ex.trainer.load_global(broadcast, [])
+    with pytest.raises(ValueError, match="site-1: the global model: encoder.cls_token has shape"):
+        ex.trainer.load_global({**fresh, CLS: np.zeros((1, 1, 8), np.float32)}, [])
     reply = run(ex, tmp_path, task({**fresh, "decoder.extra": np.zeros(2, np.float32)}, 2))
     assert reply.get_return_code() == ReturnCode.EXECUTION_EXCEPTION
 
@@ -142,12 +140,12 @@ def test_a_restarted_client_resumes_model_optimiser_and_local_tensors(data, tmp_
     broadcast = {k: v for k, v in global_weights().items() if k != CLS}
     run(ex, tmp_path, task(broadcast, 1, meta={EXCLUDED_META: [CLS]}))
     ckpt = torch.load(tmp_path / "mim_client_state.pt", weights_only=False)
-    assert ckpt["round"] == 1 and set(ckpt["local"]) == {CLS}
+    assert ckpt["round"] == 1 and set(ckpt["trainer"]["local"]) == {CLS}
     # a new executor object = a client restart: it continues from the checkpoint, not from scratch
     ex2 = MIMExecutor(method="mae", data_root=data, **ARGS)
     out = from_shareable(run(ex2, tmp_path, task(broadcast, 2, meta={EXCLUDED_META: [CLS]})))
-    assert ex2._last_round == 2 and ex2._trainer.step == 6  # 2 steps in each of rounds 0, 1, 2
-    assert ex2._trainer.optimizer.state_dict()["state"]  # AdamW moments came back
+    assert ex2.last_round == 2 and ex2.trainer.trainer.step == 6  # 2 steps in each of rounds 0, 1, 2
+    assert ex2.trainer.trainer.optimizer.state_dict()["state"]  # AdamW moments came back
     assert metrics(tmp_path)[-1]["kept_local"] == [CLS]
     # the class token it trained on in round 2 started from its own checkpointed value, not the global one
     assert not np.allclose(out.data[CLS], global_weights()[CLS])
@@ -214,11 +212,22 @@ def test_kmeans_tasks_are_refused_by_mismatched_sites(data, tmp_path, caplog):
     assert "only 128 patch vectors for K=400" in caplog.text
 
 
-def test_sum_squared_distance_matches_the_direct_cost():
-    g = torch.Generator().manual_seed(0)
-    x, c = torch.randn(50, 6, generator=g), torch.randn(4, 6, generator=g)
-    from fedssl.core.tokenizer import kmeans_stats
+class StopAfter(Signal):
+    """FLARE's abort signal that fires once it has been asked ``n`` times (i.e. during the round)."""
 
-    sums, counts = kmeans_stats(x, c)
-    direct = float(torch.cdist(x.double(), c.double()).min(dim=1).values.pow(2).sum())
-    assert sum_squared_distance(x, c, sums, counts) == pytest.approx(direct, rel=1e-9)
+    def __init__(self, n):
+        super().__init__()
+        self.n, self.asked = n, 0
+
+    @property
+    def triggered(self):
+        self.asked += 1
+        return self.asked > self.n
+
+
+def test_an_abort_during_the_round_stops_within_one_step(data, tmp_path):
+    ex = MIMExecutor(method="mae", data_root=data, **ARGS)
+    reply = ex.execute("train", task(global_weights()), context(site="site-1", engine=FakeEngine(tmp_path)), StopAfter(1))
+    assert reply.get_return_code() == ReturnCode.TASK_ABORTED
+    assert ex.trainer.trainer.step == 1  # one step, then the abort
+    assert not os.path.exists(tmp_path / "mim_client_state.pt") and not os.path.exists(tmp_path / "mim_metrics.jsonl")

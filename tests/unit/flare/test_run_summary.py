@@ -3,14 +3,20 @@
 import json
 
 import numpy as np
+from nvflare.apis.analytix import AnalyticsDataType
 from nvflare.apis.dxo import DXO, DataKind
 from nvflare.apis.event_type import EventType
+from nvflare.apis.fl_constant import EventScope, FLContextKey, ReservedKey
+from nvflare.apis.utils.analytix_utils import create_analytic_dxo
 from nvflare.app_common.abstract.model import make_model_learnable
 from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.app_event_type import AppEventType
 
 from fedssl.flare.communication_meter import COMM_FILE
-from fedssl.flare.run_summary import SITE_RECORD_META, SUMMARY_RECORD_EVENT, RunSummary, outside_rounds, record_in_summary
+from fedssl.eval.run_report import loss_curves
+from fedssl.flare.constants import SITE_RECORD_META
+from fedssl.flare.run_summary import (ANALYTICS_EVENT, SUMMARY_RECORD_EVENT, RunSummary, outside_rounds,
+                                      record_in_summary)
 from tests.unit.flare.fakes import FakeEngine, contribution, context
 
 GLOBAL = {"encoder.cls_token": np.zeros(3, np.float32), "encoder.w": np.ones(2, np.float32)}
@@ -78,3 +84,53 @@ def test_a_record_cannot_overwrite_the_summary_itself(tmp_path, caplog):
 
 def test_outside_rounds_ignores_round_records():
     assert outside_rounds([{"round": 3, "direction": "upload", "task": "train", "total": 5}]) == {}
+
+
+def stream(rs, ctx, site, tag, value, step, scope=EventScope.FEDERATION):
+    """A site's TBWriter scalar as the server sees it: the federated analytics event."""
+    data = create_analytic_dxo(tag=tag, value=value, data_type=AnalyticsDataType.SCALAR, global_step=step).to_shareable()
+    data.set_peer_props({ReservedKey.IDENTITY_NAME: site})
+    ctx.set_prop(FLContextKey.EVENT_DATA, data, private=True, sticky=False)
+    ctx.set_prop(FLContextKey.EVENT_SCOPE, scope, private=True, sticky=False)
+    rs.handle_event(ANALYTICS_EVENT, ctx)
+
+
+def test_loss_terms_are_means_over_sites_without_site_names(tmp_path):
+    rs = RunSummary(title="t")
+    ctx = context(engine=FakeEngine(tmp_path), site="server")
+    rs.handle_event(EventType.START_RUN, ctx)
+    # round 0: FCL's remote term is still 0 (empty bank); round 1: it appears
+    for site, local, remote in (("site-1", 4.0, 0.0), ("site-2", 5.0, 0.0)):
+        stream(rs, ctx, site, "loss", local + remote, 0)
+        stream(rs, ctx, site, "loss_local", local, 0)
+        stream(rs, ctx, site, "loss_remote", remote, 0)
+        stream(rs, ctx, site, "lr", 0.05, 0)  # not a loss term
+    aggregate(rs, ctx, 0, {"site-1": 4.0, "site-2": 5.0})
+    stream(rs, ctx, "site-1", "loss_local", 9.0, 1)  # replaced by site-1's later value for round 1 (a resend)
+    for site, local, remote in (("site-1", 3.0, 2.0), ("site-2", 4.0, 3.0), ("site-3", 2.0, 1.0)):
+        stream(rs, ctx, site, "loss_local", local, 1)
+        stream(rs, ctx, site, "loss_remote", remote, 1)
+        stream(rs, ctx, site, "step/loss_local", 100.0, 7)  # per-step curve: not a round's term
+    stream(rs, ctx, "site-1", "loss_local", 100.0, 1, scope=EventScope.LOCAL)  # the server's own event: ignored
+    stream(rs, ctx, "site-1", "loss_remote", float("nan"), 1)  # not finite: ignored
+    aggregate(rs, ctx, 1, {"site-1": 5.0, "site-2": 7.0, "site-3": 3.0})
+    rs.handle_event(EventType.END_RUN, ctx)
+    summary = json.load(open(tmp_path / "summary.json"))
+    rounds = summary["rounds"]
+    assert rounds[0]["loss_terms"] == {"loss_local": 4.5, "loss_remote": 0.0}
+    assert rounds[1]["loss_terms"] == {"loss_local": 3.0, "loss_remote": 2.0}  # (3+4+2)/3, (2+3+1)/3
+    assert rounds[1]["mean_loss"] == 5.0 and rounds[1]["site_losses"]["site-3"] == 3.0  # existing fields kept
+    assert "site" not in json.dumps([r["loss_terms"] for r in rounds])  # means only: no site names
+    assert loss_curves(rounds) == {"loss": ([0, 1], [4.5, 5.0]), "loss_local": ([0, 1], [4.5, 3.0]),
+                                   "loss_remote": ([0, 1], [0.0, 2.0])}
+    assert (tmp_path / "loss.png").stat().st_size > 0
+
+
+def test_no_streamed_terms_no_loss_terms(tmp_path):
+    rs = RunSummary(title="t")
+    ctx = context(engine=FakeEngine(tmp_path), site="server")
+    rs.handle_event(EventType.START_RUN, ctx)
+    aggregate(rs, ctx, 0, {"site-1": 1.0})
+    rs.handle_event(EventType.END_RUN, ctx)
+    rounds = json.load(open(tmp_path / "summary.json"))["rounds"]
+    assert "loss_terms" not in rounds[0] and loss_curves(rounds) == {"loss": ([0], [1.0])}

@@ -6,9 +6,10 @@ from nvflare.apis.dxo import from_shareable
 from nvflare.app_common.abstract.model import make_model_learnable
 from nvflare.app_common.app_constant import AppConstants
 
+from fedssl.core.surgical import classes_to_meta
 from fedssl.flare.fedavg_aggregator import FedAvgAggregator
 from fedssl.flare.surgical_aggregator import SurgicalAggregator
-from fedssl.flare.surgical_registration import REGISTRY_PROP, build_registry, classes_to_meta
+from fedssl.flare.surgical_registration import REGISTRY_PROP, build_registry
 from tests.unit.flare.fakes import FakeEngine, context, contribution
 
 F = 2  # input features of the head

@@ -94,14 +94,15 @@ def test_load_pretrained_encoder_errors_name_the_file(tmp_path, tiny_mae):
 
 
 def test_pos_embed_is_resampled_when_only_the_grid_differs(tiny_mae):
-    cls = build_model("tiny_vit_cls", num_classes=2, img_size=48)  # 12 x 12 grid instead of 8 x 8
+    cls = build_model("tiny_vit_cls", num_classes=2, image_size=48)  # 12 x 12 grid instead of 8 x 8
     report = load_pretrained_encoder(cls, tiny_mae.state_dict())
     assert report["loaded"] > 0 and cls.state_dict()["encoder.pos_embed"].shape == (1, 145, TINY_VIT["embed_dim"])
     assert cls(torch.randn(1, 3, 48, 48)).shape == (1, 2)
 
 
 def test_imagenet_weights_from_a_timm_checkpoint(tmp_path):
-    vit = VisionTransformer(**TINY_VIT, num_classes=1000)
+    vit = VisionTransformer(img_size=TINY_VIT["image_size"], **{k: v for k, v in TINY_VIT.items() if k != "image_size"},
+                            num_classes=1000)
     path = tmp_path / "vit_tiny.pth"
     torch.save(vit.state_dict(), path)
     cls = build_model("tiny_vit_cls", num_classes=2)
@@ -180,7 +181,7 @@ def test_beit_masked_patches_do_not_see_their_pixels():
 
 def test_bad_geometry_is_rejected():
     with pytest.raises(ValueError, match="multiple of patch_size"):
-        build_model("tiny_vit_mae", img_size=30)
+        build_model("tiny_vit_mae", image_size=30)
     with pytest.raises(ValueError, match="num_heads"):
         build_model("tiny_vit_cls", num_classes=2, num_heads=5)
     with pytest.raises(ValueError, match="pos_embed_type"):

@@ -1,0 +1,84 @@
+"""``fedssl`` command line: ``fedssl <family> <verb>`` for the method families (fcl, sslfl, surgical: synthetic
+data, demos, fine-tuning, reports) and the generic job verbs (job, simulate, site-local, deploy-local, submit)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+#: modules that add their own subcommands: each defines ``register(sub)`` (sub = argparse subparsers); a method
+#: family registers ``fedssl <family> <verb>`` (and the verbs' deprecated flat aliases) with :func:`add_family`
+COMMAND_MODULES: tuple[str, ...] = ("fedssl.cli.fcl", "fedssl.cli.sslfl", "fedssl.cli.surgical", "fedssl.cli.ops")
+
+
+@dataclass(frozen=True)
+class Verb:
+    """One subcommand: name, help line, the function adding its arguments and the one running it.
+
+    ``alias``: its former flat name (``fedssl demo-sslfl``), kept with the same arguments for one release.
+    """
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], None]
+    alias: str | None = None
+
+
+def add_verb(sub, verb: Verb, command: str | None = None) -> argparse.ArgumentParser:
+    """Add ``verb`` to the subparsers ``sub``; ``command`` is how messages name it (default: its name)."""
+    s = sub.add_parser(verb.name, help=verb.help, description=verb.help)
+    verb.add_arguments(s)
+    s.set_defaults(fn=verb.run, command=command or verb.name)
+    return s
+
+
+def add_family(sub, family: str, help: str, verbs: Sequence[Verb]) -> None:
+    """``fedssl <family> <verb>`` for every verb, and each verb's deprecated flat alias (same arguments, built
+    by the same ``add_arguments``; not listed in ``fedssl --help``, announced on stderr when used)."""
+    f = sub.add_parser(family, help=help, description=help)
+    fsub = f.add_subparsers(dest="verb", required=True, metavar="VERB")
+    for verb in verbs:
+        add_verb(fsub, verb, f"{family} {verb.name}")
+    for verb in verbs:
+        if verb.alias:
+            new = f"fedssl {family} {verb.name}"
+            s = sub.add_parser(verb.alias, description=f"Deprecated alias of '{new}', kept for one release: {verb.help}")
+            verb.add_arguments(s)
+            s.set_defaults(fn=verb.run, command=verb.alias, alias_of=new,
+                           deprecated=f"fedssl {verb.alias}: deprecated alias of '{new}', kept for one release")
+
+
+def _aliases_epilog(sub) -> str:
+    aliases = [f"{name} = {parser.get_default('alias_of')}" for name, parser in sub.choices.items()
+               if parser.get_default("alias_of")]
+    return ("Deprecated flat names, kept as aliases for one release: " + "; ".join(aliases) + ".") if aliases else ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
+    p = argparse.ArgumentParser(prog="fedssl", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    for module in COMMAND_MODULES:
+        importlib.import_module(module).register(sub)
+    p.epilog = _aliases_epilog(sub)
+
+    a = p.parse_args(argv)
+    command = getattr(a, "command", a.cmd)
+    if getattr(a, "deprecated", None):
+        print(a.deprecated, file=sys.stderr)
+    try:
+        a.fn(a)
+    except KeyboardInterrupt:
+        print(f"fedssl {command}: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, RuntimeError) as e:
+        print(f"fedssl {command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,103 @@
+"""The generic job verbs, at the top level: ``fedssl job | simulate | site-local | deploy-local | submit``."""
+
+from __future__ import annotations
+
+import json
+
+from fedssl.cli import Verb, add_verb
+
+
+def _job_opts(sp) -> None:
+    sp.add_argument("--profile", default=None, help="app_config/profiles/<name>.json, e.g. quick")
+    sp.add_argument("--set", action="append", default=[], metavar="PART.ID.ARG=VALUE",
+                    help="override one argument, e.g. server.scatter_and_gather.num_rounds=5")
+    sp.add_argument("--sites", type=int, default=None, help="number of sites (sets min_clients)")
+
+
+def _site_local_args(s) -> None:
+    s.add_argument("local_dir")
+
+
+def _site_local(a) -> None:
+    from fedssl.ops.policy import write_site_local
+
+    print(f"wrote {write_site_local(a.local_dir)}")
+
+
+def _job_args(s) -> None:
+    s.add_argument("job")
+    s.add_argument("out")
+    _job_opts(s)
+
+
+def _job(a) -> None:
+    from fedssl.ops.jobs import build_job
+
+    print(build_job(a.job, a.out, profile=a.profile, sets=a.set, n_sites=a.sites))
+
+
+def _simulate_args(s) -> None:
+    s.add_argument("job")
+    s.add_argument("-w", "--workspace", required=True)
+    s.add_argument("--data-root", required=True, help="data folder; {site} is replaced by the site name")
+    _job_opts(s)
+
+
+def _simulate(a) -> None:
+    from fedssl.ops.simulate import run_simulation
+
+    s = run_simulation(a.job, a.workspace, n_sites=a.sites, data_root=a.data_root, profile=a.profile, sets=a.set)
+    b = s["bytes_per_site_per_round"]
+    print(f"done in {s['simulator_wall_time_s']} s; global model {s['global_model']}; "
+          f"bytes per site per round: up {b['upload']:.0f}, down {b['download']:.0f}")
+
+
+def _deploy_local_args(s) -> None:
+    s.add_argument("job", nargs="*", help="job folders to submit, in order")
+    s.add_argument("-w", "--workspace", required=True)
+    s.add_argument("--data-root", required=True, help="each site's data folder; {site} is replaced by the site name")
+    s.add_argument("--timeout", type=float, default=1800)
+    s.add_argument("--hold", action="store_true", help="keep the system up after the jobs (for fl_admin.sh)")
+    _job_opts(s)
+
+
+def _deploy_local(a) -> None:
+    from fedssl.ops.deploy import deploy_and_run
+
+    leftover = deploy_and_run(a.workspace, a.job, n_sites=a.sites, data_root=a.data_root, profile=a.profile,
+                              sets=a.set, timeout_s=a.timeout, hold=a.hold)
+    print(f"stopped; leftover processes: {leftover or 'none'}")
+
+
+def _submit_args(s) -> None:
+    s.add_argument("job")
+    s.add_argument("--startup-kit", required=True, help="the admin's provisioned folder (contains startup/)")
+    s.add_argument("--username", default="admin@fedssl.org")
+    s.add_argument("--download", default=None, help="folder for the job result (default: the kit's transfer/)")
+    s.add_argument("--timeout", type=float, default=0, help="seconds to wait; 0 = until the job ends")
+    _job_opts(s)
+
+
+def _submit(a) -> None:
+    from fedssl.ops.admin import submit_and_download
+
+    r = submit_and_download(a.startup_kit, a.username, a.job, profile=a.profile, sets=a.set, n_sites=a.sites,
+                            timeout_s=a.timeout, download_to=a.download)
+    print(json.dumps(r, indent=1))
+    if r["status"] != "FINISHED:COMPLETED":
+        raise RuntimeError(f"job {r['job_id']} ended {r['status']}")
+
+
+VERBS = (
+    Verb("site-local", "write local/resources.json allowing the bundle's classes", _site_local_args, _site_local),
+    Verb("job", "copy a job folder with a profile / overrides applied", _job_args, _job),
+    Verb("simulate", "run a job in the FLARE simulator (-t = -n) and check its results", _simulate_args, _simulate),
+    Verb("deploy-local", "provision + start server and N sites on loopback, run jobs, stop everything",
+         _deploy_local_args, _deploy_local),
+    Verb("submit", "FLARE API: submit a job, monitor it, download its result", _submit_args, _submit),
+)
+
+
+def register(sub) -> None:
+    for verb in VERBS:
+        add_verb(sub, verb)

@@ -1,0 +1,199 @@
+"""``fedssl sslfl <verb>``: SSL-FL (seed 000) image data sets and ViT fine-tuning: synthetic retina / derm / covidfl
+data and its site folders, the demo, local fine-tuning, encoder export, evaluation, training throughput."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from fedssl.cli import Verb, add_family
+from fedssl.data.images import DATASETS
+
+
+def _synth_args(s) -> None:
+    s.add_argument("dataset", choices=list(DATASETS))
+    s.add_argument("out")
+    s.add_argument("--images", type=int, default=2000, help="total number of images")
+    s.add_argument("--size", type=int, default=64, help="image height in pixels")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--sources", type=int, default=None,
+                   help="acquisition sources (retina/derm default 4; covidfl real sites, 1-8, default 8)")
+
+
+def _synth(a) -> None:
+    from fedssl.data.image_synthetic import write_synthetic_images
+
+    t = time.perf_counter()
+    info = write_synthetic_images(a.out, a.dataset, a.images, seed=a.seed, image_size=a.size, n_sources=a.sources)
+    counts = ", ".join(f"{k} {v}" for k, v in info["class_counts"].items())
+    print(f"wrote {a.images} synthetic {a.dataset} images ({a.size} px) under {os.path.abspath(a.out)} "
+          f"in {time.perf_counter() - t:.1f} s")
+    print(f"classes: {counts}")
+    print(f"sources: {', '.join(f'{k} {v}' for k, v in info['sources'].items())}")
+
+
+def _partition_args(s) -> None:
+    s.add_argument("dataset", choices=list(DATASETS))
+    s.add_argument("src", help="the full data set in its real layout")
+    s.add_argument("out")
+    s.add_argument("--sites", type=int, default=None,
+                   help="retina/derm: Dirichlet sites (default 5); covidfl: default one per real site")
+    s.add_argument("--alpha", type=float, default=0.5, help="Dirichlet alpha: 100 / 1.0 / 0.5 = Split-1 / 2 / 3")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--test-fraction", type=float, default=0.2)
+    s.add_argument("--min-per-site", type=int, default=10, help="minimum training images per site (SSL-FL: 10)")
+
+
+def _partition(a) -> None:
+    from fedssl.data.image_sites import format_partition_table, write_site_folders
+
+    part = write_site_folders(a.src, a.dataset, a.out, n_sites=a.sites, alpha=a.alpha, seed=a.seed,
+                              test_fraction=a.test_fraction, min_per_site=a.min_per_site)
+    how = "real sites" if a.dataset == "covidfl" else f"Dirichlet alpha={a.alpha}"
+    print(f"{part['n_sites']} site folders + test/ under {os.path.abspath(a.out)} ({how}, seed {a.seed}, "
+          f"images as {part['files']}s); counts in partition.json:")
+    print(format_partition_table(part))
+
+
+def _demo_args(s) -> None:
+    s.add_argument("--out", default="runs/sslfl_demo")
+    s.add_argument("--methods", nargs="+", default=["fedmae"], choices=["fedmae", "fedbeit", "fedmae_ks"],
+                   help="pre-training methods, one data set: fedmae / fedbeit (retina) or fedmae_ks (derm)")
+    s.add_argument("--no-scratch", action="store_true", help="leave out the ViT-from-scratch baseline")
+    s.add_argument("--images", type=int, default=2800, help="images written (retina: a balanced subset, ~53%%, is kept)")
+    s.add_argument("--px", type=int, default=40, help="height of the synthetic fundus images")
+    s.add_argument("--sites", type=int, default=5)
+    s.add_argument("--alpha", type=float, default=0.5, help="Dirichlet alpha (0.5 = SSL-FL Split-3)")
+    s.add_argument("--pre-rounds", type=int, default=20)
+    s.add_argument("--ft-rounds", type=int, default=60)
+    s.add_argument("--ft-epochs", type=int, default=1, help="local epochs per fine-tuning round")
+    s.add_argument("--ft-steps", type=int, default=4,
+                   help="at most this many local steps per epoch (0 = full epochs); few steps limit client drift under Split-3")
+    s.add_argument("--ft-lr", type=float, default=0.003)
+    s.add_argument("--seed", type=int, default=0)
+
+
+def _demo(a) -> None:
+    from fedssl.experiments.sslfl_demo import run_sslfl_demo
+
+    run_sslfl_demo(a.out, methods=a.methods, scratch=not a.no_scratch, n_images=a.images, image_px=a.px, n_sites=a.sites, alpha=a.alpha, pre_rounds=a.pre_rounds,
+                   ft_rounds=a.ft_rounds, ft_epochs=a.ft_epochs, ft_steps=a.ft_steps, ft_lr=a.ft_lr, seed=a.seed)
+
+
+def _vit_opts(s) -> None:
+    s.add_argument("--dataset", default="retina", choices=["retina", "derm", "covidfl"])
+    s.add_argument("--tiny", action="store_true", help="tiny ViT (32 px, patch 4, width 48, depth 2) on CPU")
+    s.add_argument("--layer-scale", type=float, default=None, help="0.1 for a Fed-BEiT encoder")
+    s.add_argument("--device", default=None)
+
+
+def _settings(a) -> dict:
+    from fedssl.experiments.sslfl_local import local_settings
+
+    return local_settings(a.tiny, **{key: getattr(a, key, None)
+                                     for key in ("epochs", "lr", "label_fraction", "val_fraction", "device", "layer_scale")})
+
+
+def _finetune_args(s) -> None:
+    s.add_argument("--data-root", required=True, help="folder with site-* folders (and test/) from `fedssl sslfl partition`")
+    s.add_argument("--init", action="append", required=True, metavar="NAME=PATH|scratch|imagenet:PATH")
+    s.add_argument("--test-root", default="", help="default: DATA_ROOT/test")
+    s.add_argument("--epochs", type=int, default=None)
+    s.add_argument("--lr", type=float, default=None)
+    s.add_argument("--label-fraction", type=float, default=None)
+    s.add_argument("--val-fraction", type=float, default=None)
+    s.add_argument("--verbose", action="store_true")
+    s.add_argument("--out", default="finetune_vit.json")
+    _vit_opts(s)
+
+
+def _parse_inits(specs: list[str]) -> dict[str, tuple[str, str]]:
+    """``--init NAME=PATH|scratch|imagenet:PATH`` -> {name: (pretrained_path, imagenet_path)}."""
+    inits = {}
+    for spec in specs:
+        name, _, path = spec.partition("=")
+        if not path:
+            raise ValueError(f"--init {spec!r}: use NAME=PATH (pre-training FL_global_model.pt), NAME=scratch or "
+                             "NAME=imagenet:PATH")
+        inits[name] = ("", "") if path == "scratch" else ("", path[9:]) if path.startswith("imagenet:") else (path, "")
+    return inits
+
+
+def _finetune(a) -> None:
+    from fedssl.core.classification import format_metric
+    from fedssl.experiments.sslfl_local import run_finetune_local
+
+    rows = run_finetune_local(a.data_root, a.dataset, _parse_inits(a.init), a.out, settings=_settings(a),
+                              test_root=a.test_root,
+                              progress=(lambda m: print("  " + m, flush=True)) if a.verbose else None)
+    for r in rows:
+        t = r["test"]
+        print(f"{r['method']:<12} {r['site']:<8} best epoch {r['best_epoch']:>3}: test accuracy {format_metric(t['accuracy'])}, "
+              f"balanced {format_metric(t['balanced_accuracy'])}, AUC {format_metric(t['auc'])}")
+    print(f"wrote {a.out}")
+
+
+def _export_args(s) -> None:
+    s.add_argument("pretrained")
+    s.add_argument("out")
+
+
+def _export(a) -> None:
+    from fedssl.models.vit_classifier import export_encoder
+
+    print(json.dumps(export_encoder(a.pretrained, a.out)))
+
+
+def _evaluate_args(s) -> None:
+    s.add_argument("checkpoint")
+    s.add_argument("--test-root", required=True)
+    _vit_opts(s)
+
+
+def _evaluate(a) -> None:
+    from fedssl.experiments.sslfl_local import evaluate_checkpoint
+
+    m = evaluate_checkpoint(a.checkpoint, a.test_root, a.dataset, settings=_settings(a))
+    print(json.dumps({k: v for k, v in m.items() if k != "confusion_matrix"}, indent=1))
+
+
+def _bench_args(b) -> None:
+    b.add_argument("--methods", nargs="+", default=["mae", "beit", "finetune"], choices=["mae", "beit", "finetune"])
+    b.add_argument("--size", default="vit_b16", choices=["vit_b16", "tiny"], help="vit_b16 = paper (224 px); tiny = CPU twin")
+    b.add_argument("--batch-sizes", nargs="+", type=int, default=[64])
+    b.add_argument("--steps", type=int, default=20, help="timed steps per measurement")
+    b.add_argument("--warmup", type=int, default=5, help="untimed steps before timing")
+    b.add_argument("--no-amp", action="store_true", help="float32 instead of bfloat16 autocast (GPU)")
+    b.add_argument("--device", default="auto", help="auto (GPU when present), cpu, cuda, cuda:1 ...")
+    b.add_argument("--out", default=None, help="write the measurements to this JSON file")
+
+
+def _bench(a) -> None:
+    from fedssl.experiments.bench import run_bench
+
+    run_bench(a.out, methods=a.methods, size=a.size, batch_sizes=a.batch_sizes, steps=a.steps, warmup=a.warmup,
+              amp=not a.no_amp, device=a.device)
+
+
+VERBS = (
+    Verb("synth", "write a synthetic retina / derm / covidfl data set in its real layout", _synth_args, _synth,
+         alias="synth-images"),
+    Verb("partition", "held-out test set + Dirichlet (or COVID-FL real-site) site folders", _partition_args,
+         _partition, alias="partition"),
+    Verb("demo", "synthetic retina -> Split-3 -> Fed-MAE (or Fed-BEiT; FedMAE-KS on derm) -> federated fine-tuning "
+                 "vs scratch (quick)", _demo_args, _demo, alias="demo-sslfl"),
+    Verb("finetune", "local (per-site) ViT fine-tuning: epoch chosen on validation, then test", _finetune_args,
+         _finetune, alias="finetune-vit"),
+    Verb("export-encoder", "pre-training FL_global_model.pt -> encoder-only state dict", _export_args, _export,
+         alias="export-vit-encoder"),
+    Verb("evaluate", "test metrics of a fine-tuned checkpoint (refuses an untrained head)", _evaluate_args, _evaluate,
+         alias="evaluate-vit"),
+    Verb("bench", "training throughput (images/s) of the ViT-B/16 MAE, BEiT and fine-tuning steps", _bench_args,
+         _bench, alias="bench-vit"),
+)
+
+
+def register(sub) -> None:
+    add_family(sub, "sslfl", "SSL-FL image classification with Fed-MAE / Fed-BEiT: data, demo, ViT fine-tuning, "
+                             "export, evaluation, throughput", VERBS)

@@ -1,0 +1,17 @@
+"""Constructor-argument checks shared by every component (FLARE or not): one message naming argument, value and fix."""
+
+from __future__ import annotations
+
+
+def require(ok: bool, component: str, arg: str, value: object, fix: str) -> None:
+    if not ok:
+        raise ValueError(f"{component}: argument {arg}={value!r} is invalid; {fix}")
+
+
+def require_choice(component: str, arg: str, value: object, choices: tuple) -> None:
+    require(value in choices, component, arg, value, f"use one of {list(choices)}")
+
+
+def require_int(component: str, arg: str, value: object, minimum: int, fix: str) -> None:
+    require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum, component, arg, value, fix)
+

@@ -1,0 +1,117 @@
+"""Fine-tuning entry points shared by the CLI and the demo: load sites, load inits, run protocols, report."""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+
+from fedssl.data.acdc import load_site
+from fedssl.data.volume import Volume
+from fedssl.train.protocol import centralised_finetune, evaluate_per_site, local_finetune
+from fedssl.train.segmentation import init_unet
+from fedssl.models.unet import UNet2D, encoder_state_from_global, load_encoder_into_unet
+from fedssl.ops.jobs import load_profile
+
+PAPER_PROTOCOL = {"image_size": 192, "target_spacing": 1.25, "features": [48, 96, 192, 384, 768, 48], "epochs": 200,
+                  "lr": 5e-4, "device": "auto"}
+
+
+def protocol_settings(profile: str | None) -> dict:
+    settings = dict(PAPER_PROTOCOL)
+    if profile:
+        settings.update(load_profile(profile).get("finetune", {}))
+    if settings["device"] == "auto":
+        settings["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    return settings
+
+
+def site_folders(data_root: str) -> dict[str, str]:
+    """``data_root/site-*`` folders (as written by ``fedssl fcl synth`` / ``fedssl fcl link-sites``)."""
+    if not os.path.isdir(data_root):
+        raise ValueError(f"data root {data_root} is not a directory")
+    sites = {d: os.path.join(data_root, d) for d in sorted(os.listdir(data_root)) if d.startswith("site-")}
+    if not sites:
+        raise ValueError(f"no site-* folder under {data_root}; run `fedssl fcl synth acdc` or `fedssl fcl link-sites`")
+    return dict(sorted(sites.items(), key=lambda kv: int(kv[0].split("-")[1]) if kv[0].split("-")[1].isdigit() else kv[0]))
+
+
+def load_labelled_sites(data_root: str, settings: dict) -> dict[str, list[Volume]]:
+    return {
+        site: load_site(path, with_labels=True, target_spacing=settings["target_spacing"],
+                        image_size=settings["image_size"], site=site)
+        for site, path in site_folders(data_root).items()
+    }
+
+
+def load_global_state(path: str) -> dict:
+    """State dict of a FLARE global model file (PTFileModelPersistor format ``{"model": ...}``), of a site's
+    ``fcl_client_state.pt`` (Local CL) or a plain state dict."""
+    if not os.path.isfile(path):
+        raise ValueError(f"pre-trained model {path} does not exist; pass the FL_global_model.pt of a pre-training run")
+    data = torch.load(path, map_location="cpu", weights_only=False)
+    if isinstance(data, dict) and "trainer" in data:  # a site's FCL checkpoint (Local CL: each site's own model)
+        data = data["trainer"]
+    state = data.get("model", data) if isinstance(data, dict) else None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} holds no state dict")
+    return {k: torch.as_tensor(v) for k, v in state.items()}
+
+
+def encoder_init(path: str) -> dict:
+    return encoder_state_from_global(load_global_state(path))
+
+
+def export_unet_init(pretrained: str, out_path: str, features: Sequence[int]) -> str:
+    """A full U-Net checkpoint whose encoder is the pre-trained one (FLARE persistor format), for
+    ``source_ckpt_file_full_name`` of the federated fine-tuning job."""
+    unet = UNet2D(features)
+    load_encoder_into_unet(unet, encoder_init(pretrained))
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    torch.save({"model": unet.state_dict()}, out_path)
+    return out_path
+
+
+def run_protocols(
+    site_volumes: dict[str, list[Volume]],
+    inits: dict[str, object],
+    *,
+    modes: Sequence[str],
+    n_labelled: Sequence[int],
+    folds: Sequence[int],
+    settings: dict,
+    progress=None,
+) -> list[dict]:
+    rows: list[dict] = []
+    kw = dict(n_labelled=list(n_labelled), folds=list(folds), features=settings["features"], epochs=settings["epochs"],
+              lr=settings["lr"], device=settings["device"], progress=progress)
+    if "local" in modes:
+        rows += local_finetune(site_volumes, inits, **kw)
+    if "centralised" in modes:
+        rows += centralised_finetune(site_volumes, inits, **kw)
+    return rows
+
+
+def evaluate_federated(global_model: str, site_volumes, *, method: str, n_labelled: int, fold: int, settings: dict) -> list[dict]:
+    unet = init_unet(load_global_state(global_model), features=settings["features"])
+    return evaluate_per_site(unet, site_volumes, fold, method=method, n_labelled=n_labelled, device=settings["device"])
+
+
+def run_finetune(data_root: str, init_paths: dict[str, str], out: str, *, modes: Sequence[str] = ("local",),
+                 n_labelled: Sequence[int] = (1, 2, 4, 8), folds: Sequence[int] = (0, 1, 2, 3, 4),
+                 profile: str | None = None, epochs: int | None = None, progress=None) -> list[dict]:
+    """``fedssl fcl finetune``: the fine-tuning protocol of every init ``name -> FL_global_model.pt or "random"`` on
+    the ``site-*`` folders of ``data_root`` (settings of ``profile``, ``epochs`` overriding its epochs); writes
+    the report to ``out`` and returns its rows."""
+    from fedssl.eval.report import write_report
+
+    settings = protocol_settings(profile)
+    if epochs:
+        settings["epochs"] = epochs
+    sites = load_labelled_sites(data_root, settings)
+    inits = {name: "random" if path == "random" else encoder_init(path) for name, path in init_paths.items()}
+    rows = run_protocols(sites, inits, modes=modes, n_labelled=n_labelled, folds=folds, settings=settings,
+                         progress=progress)
+    write_report(rows, out, title="ACDC fine-tuning", extra={"settings": settings})
+    return rows

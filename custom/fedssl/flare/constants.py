@@ -1,0 +1,53 @@
+"""Names shared by the client executors and the server workflows / filters: task names, meta and header keys.
+
+Both sides import them from here (never a client from a server workflow module), so a site needs none of the
+server's code to speak the protocol.  Plain strings and tuples only: no FLARE import.
+"""
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------- FCLOpt / FedBYOL (fclopt_controller, byol_executor)
+#: the BYOL variants of the FCLOptController (``mode``)
+MODES = ("fedbyol", "fclopt", "ptnu", "ptnu_dp")
+#: task-data meta keys: the run's mode, the DP target distance, whether the site uploads its target network
+MODE_KEY = "byol_mode"
+DISTANCE_KEY = "target_distance"
+UPLOAD_TARGET_KEY = "upload_target"
+#: result meta key of the DP ``report_distance`` task: the site's proxy distance d_pc
+PROXY_KEY = "d_pc"
+#: the DP task that precedes ``train`` in a PTNU-DP round
+DISTANCE_TASK = "report_distance"
+
+# ---------------------------------------------------------------- federated k-means tokenizer (federated_kmeans, mim_executor)
+KMEANS_INIT = "kmeans_init"
+KMEANS_STEP = "kmeans_step"
+SET_TOKENIZER = "set_tokenizer"
+#: meta keys of the task data
+K_KEY, IMAGES_KEY, LOCAL_ITERS_KEY, SEED_KEY, ITER_KEY, DESCRIPTION_KEY = (
+    "vocab_size", "images_per_site", "local_iters", "seed", "kmeans_iter", "tokenizer")
+#: result meta key of a site that uses a local tokenizer (its description, "local: <path>")
+LOCAL_TOKENIZER_KEY = "local_tokenizer"
+INIT_KEY = "init"
+
+# ---------------------------------------------------------------- surgical aggregation (surgical_registration, multilabel_executor)
+METHODS = ("surgical", "vanilla", "partial_loss", "personalised", "individual")
+BACKBONES = ("fedavg", "fedbn", "fedbn_plus")
+DECLARE_TASK = "declare_classes"
+#: meta keys of the exchange
+METHOD_KEY, BACKBONE_KEY = "method", "backbone"
+CLASSES_KEY, GLOBAL_CLASSES_KEY = "classes", "global_classes"
+#: task / result header carrying the backbone strategy (backbone_exclusion, multilabel_executor)
+BACKBONE_HEADER = "fedssl_backbone_strategy"
+
+# ---------------------------------------------------------------- FCL feature banks (feature_bank_collector, feature_bank_shuttle, fcl_executor)
+REMOTE_FEATURES = "remote_bank_features"
+REMOTE_PARTITIONS = "remote_bank_partitions"
+#: result meta keys of an FCL site's own bank (fcl_executor -> feature_bank_collector)
+BANK_FEATURES = "bank_features"
+BANK_PARTITIONS = "bank_partitions"
+
+# ---------------------------------------------------------------- filters and the run summary
+#: DXO meta key listing the tensors a PartialModelExclusion kept on the site
+EXCLUDED_META = "excluded_keys"
+#: result meta key under which a site sends a dict of records for the summary (run_summary)
+SITE_RECORD_META = "summary_record"

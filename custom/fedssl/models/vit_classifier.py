@@ -1,0 +1,147 @@
+"""The ViT fine-tuning model and its checkpoints: used as a FLARE model component and by the client executor.
+
+- :class:`FineTuneViT`: ``fedssl.models.vit.ViTClassifier`` (pre-trained encoder + average-pooled patch tokens +
+  linear head, SSL-FL sec. III-D) with a ``head_steps`` buffer counting optimiser steps on the head, built from a
+  pre-trained MIM global model (``pretrained_path``), local ImageNet weights (``imagenet_path``) or from scratch.
+  It is the server's model component of the fine-tuning jobs and the clients' model.
+- :func:`read_checkpoint` / :func:`load_into`: a FLARE model file or state dict into the model, shapes checked.
+- :func:`export_encoder`: the ``encoder.*`` tensors of a pre-training ``FL_global_model.pt`` (the decoder / BEiT
+  head are dropped after pre-training) as a small state-dict file.
+
+The local (per-site) fine-tuning protocol and checkpoint evaluation are in :mod:`fedssl.experiments.sslfl_local`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from fedssl.core.checks import require, require_int
+from fedssl.core.classification import HEAD_STEPS
+from fedssl.models.vit import ViTClassifier, encoder_state, load_imagenet_weights, load_pretrained_encoder
+
+logger = logging.getLogger(__name__)
+
+
+def check_vit_args(component: str, image_size, patch_size, embed_dim, depth, num_heads, drop_path_rate,
+                   layer_scale=None) -> None:
+    """The ViT shape arguments every fine-tuning component shares (message names argument, value and fix)."""
+    require_int(component, "patch_size", patch_size, 1, "use a positive patch size (paper: 16)")
+    require(isinstance(image_size, int) and not isinstance(image_size, bool) and image_size >= patch_size
+            and image_size % patch_size == 0, component, "image_size", image_size,
+            f"use a multiple of patch_size={patch_size} (paper: 224)")
+    require_int(component, "num_heads", num_heads, 1, "use a positive number of heads (paper: 12)")
+    require(isinstance(embed_dim, int) and not isinstance(embed_dim, bool) and embed_dim >= 1
+            and embed_dim % num_heads == 0, component, "embed_dim", embed_dim,
+            f"use a multiple of num_heads={num_heads} (paper: 768)")
+    require_int(component, "depth", depth, 1, "use a positive number of blocks (paper: 12)")
+    require(isinstance(drop_path_rate, (int, float)) and 0 <= drop_path_rate < 1, component, "drop_path_rate",
+            drop_path_rate, "use a rate in [0, 1) (paper: 0.1)")
+    require(layer_scale is None or (isinstance(layer_scale, (int, float)) and not isinstance(layer_scale, bool)
+                                    and layer_scale > 0), component, "layer_scale", layer_scale,
+            "use null (Fed-MAE encoder) or the pre-training layer scale (Fed-BEiT: 0.1)")
+
+
+class FineTuneViT(ViTClassifier):
+    def __init__(self, num_classes: int = 2, image_size: int = 224, patch_size: int = 16, embed_dim: int = 768,
+                 depth: int = 12, num_heads: int = 12, drop_path_rate: float = 0.1, layer_scale: float | None = None,
+                 pretrained_path: str = "", imagenet_path: str = "", seed: int = 0):
+        """
+        Args:
+            num_classes: classes of the task (retina 2, derm 8, covidfl 3).
+            image_size, patch_size, embed_dim, depth, num_heads, drop_path_rate: the ViT (paper: ViT-B/16 at 224).
+            layer_scale: null for a Fed-MAE encoder, 0.1 for a Fed-BEiT encoder (BEiTViT's layer scale).
+            pretrained_path: a pre-training global model (``FL_global_model.pt`` of jobs/sslfl_mae_retina,
+                jobs/sslfl_beit_retina, jobs/fedmae_derm), or an exported encoder; "" = no MIM pre-training.
+            imagenet_path: a local timm ViT checkpoint (ImageNet weights, optional; loaded first, so a
+                ``pretrained_path`` encoder replaces it); "" = none.  Both "" = ViT from scratch.
+            seed: initial weights (the head is always freshly initialised).
+        """
+        name = type(self).__name__
+        require_int(name, "num_classes", num_classes, 2, "use the number of classes of the task (retina: 2)")
+        check_vit_args(name, image_size, patch_size, embed_dim, depth, num_heads, drop_path_rate, layer_scale)
+        require(isinstance(pretrained_path, str), name, "pretrained_path", pretrained_path, 'use a path or ""')
+        require(isinstance(imagenet_path, str), name, "imagenet_path", imagenet_path, 'use a path or ""')
+        for arg, path in (("pretrained_path", pretrained_path), ("imagenet_path", imagenet_path)):
+            require(not path or os.path.isfile(path), name, arg, path,
+                    "the file does not exist on this machine; give the path of the checkpoint here, or \"\"")
+        super().__init__(num_classes, image_size=image_size, patch_size=patch_size, embed_dim=embed_dim, depth=depth,
+                         num_heads=num_heads, drop_path_rate=drop_path_rate, seed=seed, layer_scale=layer_scale)
+        self.register_buffer(HEAD_STEPS, torch.zeros((), dtype=torch.long))
+        self.num_classes = num_classes
+        self.image_size = image_size
+        self.patch_size = patch_size
+        self.embed_dim = embed_dim
+        self.depth = depth
+        self.num_heads = num_heads
+        self.drop_path_rate = drop_path_rate
+        self.layer_scale = layer_scale
+        self.pretrained_path = pretrained_path
+        self.imagenet_path = imagenet_path
+        self.seed = seed
+        self.init_report: dict = {"init": "scratch"}
+        if imagenet_path:
+            self.init_report = {"init": "imagenet", "path": imagenet_path, **load_imagenet_weights(self, imagenet_path)}
+        if pretrained_path:
+            self.init_report = {"init": "pretrained", "path": pretrained_path,
+                                **load_pretrained_encoder(self, pretrained_path)}
+        if self.init_report["init"] != "scratch":
+            logger.info(f"FineTuneViT: encoder initialised from {self.init_report['init']} weights {self.init_report['path']}: "
+                        f"{self.init_report['loaded']} encoder tensors loaded, {len(self.init_report['ignored'])} ignored "
+                        f"(decoder / MIM head), head freshly initialised")
+
+
+def init_name(pretrained_path: str = "", imagenet_path: str = "") -> str:
+    return "pretrained" if pretrained_path else "imagenet" if imagenet_path else "scratch"
+
+
+def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
+    """State dict of a FLARE model file (PTFileModelPersistor ``{"model": ...}``) or of a plain state-dict file."""
+    if not os.path.isfile(path):
+        raise ValueError(f"checkpoint {path} does not exist")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # torch raises many types for a corrupt file
+        raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e})") from e
+    state = data.get("model", data) if isinstance(data, dict) else None
+    if not isinstance(state, dict) or not state:
+        raise ValueError(f"checkpoint {path} holds no state dict")
+    return {k: torch.as_tensor(np.asarray(v)) if not isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def load_into(model: torch.nn.Module, state: Mapping[str, object], source: str) -> list[str]:
+    """Load ``state`` (tensors or numpy arrays) into ``model``; returns the model keys ``state`` lacked.
+
+    Keys the state lacks keep the model's own values (tensors a PartialModelExclusion filter kept on this
+    site); a key the model does not have or a shape mismatch is a ValueError naming ``source``.
+    """
+    own = model.state_dict()
+    unexpected = sorted(set(state) - set(own))
+    if unexpected:
+        raise ValueError(f"{source} has keys this model does not have: {unexpected[:5]}; the site and the server must "
+                         "run the same model configuration")
+    tensors = {}
+    for k, v in state.items():
+        t = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v))
+        if tuple(t.shape) != tuple(own[k].shape):
+            raise ValueError(f"{source}: {k} has shape {tuple(t.shape)}, this model expects {tuple(own[k].shape)}; "
+                             "check num_classes / image_size / the ViT size of the site and the server")
+        tensors[k] = t.to(own[k].dtype)
+    model.load_state_dict(tensors, strict=False)
+    return sorted(set(own) - set(state))
+
+
+def export_encoder(pretrained_path: str, out: str) -> dict:
+    """Save the encoder of a pre-training global model (decoder / MIM head dropped); returns a small report."""
+    state = read_checkpoint(pretrained_path)
+    enc = encoder_state(state)
+    if not enc:
+        raise ValueError(f"{pretrained_path} has no encoder.* tensors; pass the FL_global_model.pt of a pre-training run")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    torch.save({k: v.clone() for k, v in enc.items()}, out)
+    n = sum(int(v.numel()) for v in enc.values())
+    return {"out": out, "tensors": len(enc), "parameters": n, "dropped": len(state) - len(enc)}

@@ -1,0 +1,191 @@
+"""Federated fine-tuning of the ViT classifier on one site (SSL-FL seed 000 sec. III-D; FedMAE-KS seed 001) as a
+:class:`fedssl.core.trainer.LocalTrainer`.
+
+The site's images are split (stratified) into a training pool and a VALIDATION split (``train_val_split``,
+never the test data); the labelled subset of the pool (``select_labelled(train, label_fraction)``) is
+fine-tuned for ``local_epochs`` epochs per round (AdamW, warm-up + cosine by round, layer-wise lr decay,
+optional FedProx against the received weights); ``samples`` = labelled images |D_l^k| (SSL-FL weights
+fine-tuning aggregation by labelled images).  ``evaluate("val" | "test")`` = classification metrics of the
+current model; a model whose head was never trained is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from fedssl.core.checks import require, require_choice, require_int
+from fedssl.core.classification import ClassifierTrainer, classification_metrics, predict, require_trained_head
+from fedssl.core.trainer import RoundStats, check_stop, detached, load_checked
+from fedssl.data.images import (
+    DATASETS,
+    ImageDataset,
+    ImageRecord,
+    batches,
+    class_histogram,
+    class_names,
+    select_labelled,
+    train_val_split,
+)
+from fedssl.models.vit_classifier import FineTuneViT, check_vit_args
+
+
+def check_classifier_args(name: str, a: Mapping[str, Any]) -> None:
+    """The arguments of a fine-tuning component (``ClassifierExecutor``), every one checked; the message names
+    argument, value and fix."""
+    require_choice(name, "dataset", a["dataset"], DATASETS)
+    for arg in ("data_root", "test_root"):
+        require(isinstance(a[arg], str), name, arg, a[arg], "use a path string ({site} allowed) or \"\"")
+    check_vit_args(name, a["image_size"], a["patch_size"], a["embed_dim"], a["depth"], a["num_heads"],
+                   a["drop_path_rate"], a["layer_scale"])
+    lr, min_lr = a["lr"], a["min_lr"]
+    require(isinstance(lr, (int, float)) and lr > 0, name, "lr", lr, "use a positive learning rate (paper: 3e-3)")
+    require(isinstance(min_lr, (int, float)) and 0 <= min_lr < lr, name, "min_lr", min_lr, "use 0 <= min_lr < lr")
+    require_int(name, "batch_size", a["batch_size"], 1, "use a positive batch size (paper: 256; COVID-FL 64)")
+    require_int(name, "local_epochs", a["local_epochs"], 1, "use a positive number of epochs per round (paper: 1)")
+    warmup = a["warmup_rounds"]
+    require(isinstance(warmup, (int, float)) and not isinstance(warmup, bool) and warmup >= 0,
+            name, "warmup_rounds", warmup, "use a number of rounds >= 0 (paper: 5)")
+    wd = a["weight_decay"]
+    require(isinstance(wd, (int, float)) and wd >= 0, name, "weight_decay", wd, "paper: 0.05")
+    frac = a["label_fraction"]
+    require(isinstance(frac, (int, float)) and 0 < frac <= 1, name, "label_fraction", frac,
+            "use a fraction in (0, 1]; paper: 0.1, 0.3, 0.7 or 1.0")
+    val = a["val_fraction"]
+    require(isinstance(val, (int, float)) and 0 < val < 1, name, "val_fraction", val,
+            "use a fraction in (0, 1): model selection needs validation images, e.g. 0.1")
+    mu = a["fedprox_mu"]
+    require(isinstance(mu, (int, float)) and mu >= 0, name, "fedprox_mu", mu,
+            "use 0 (FedAvg) or a positive mu (paper's FedProx: 0.001)")
+    ls = a["label_smoothing"]
+    require(isinstance(ls, (int, float)) and 0 <= ls < 1, name, "label_smoothing", ls, "use a value in [0, 1)")
+    decay = a["layer_decay"]
+    require(isinstance(decay, (int, float)) and not isinstance(decay, bool) and 0 < decay <= 1, name,
+            "layer_decay", decay, "use a factor in (0, 1] (paper: 0.65; 1.0 = no decay)")
+    require_int(name, "max_steps_per_epoch", a["max_steps_per_epoch"], 0,
+                "use 0 (full epoch) or a positive step count per local epoch")
+    require_int(name, "eval_batch_size", a["eval_batch_size"], 1, "use a positive batch size")
+    require_int(name, "seed", a["seed"], 0, "use a non-negative integer")
+    device = a["device"]
+    require(isinstance(device, str) and device.split(":")[0] in ("auto", "cpu", "cuda"), name, "device", device,
+            'use "auto", "cpu" or "cuda[:N]"')
+
+
+class ClassifierLocalTrainer:
+    """One site's federated fine-tuning of :class:`~fedssl.models.vit_classifier.FineTuneViT` (a ``LocalTrainer``).
+
+    Args (paper settings as defaults: SSL-FL fine-tuning, lr 3e-3, batch 256, 64 for COVID-FL):
+        records: the site's labelled images; site: its name in messages; num_rounds: the schedule's length.
+        dataset: "retina", "derm" or "covidfl" (the class list).
+        image_size, patch_size, embed_dim, depth, num_heads, drop_path_rate, layer_scale: the ViT (must match
+            the server's model component; layer_scale null for Fed-MAE / scratch, 0.1 for a Fed-BEiT encoder).
+        lr, min_lr, warmup_rounds, weight_decay: AdamW with warm-up then cosine, indexed by round.
+        batch_size, local_epochs: local training per round (SSL-FL: 1 epoch).
+        label_fraction: labelled fraction of the training pool, per class (SSL-FL: 0.1, 0.3, 0.7, 1.0).
+        val_fraction: fraction of the site's pool held out (stratified) for validation / model selection.
+        fedprox_mu: 0 = FedAvg; SSL-FL's FedProx baseline uses 0.001.
+        label_smoothing: cross-entropy label smoothing (0 = none).
+        layer_decay: layer-wise lr decay (SSL-FL's fine-tuning scripts: 0.65; 1.0 = one lr for all layers).
+        max_steps_per_epoch: cap on optimiser steps per local epoch (0 = full epoch).
+        eval_batch_size: batch size of validation and test passes.
+        seed: initial weights, data split, labelled subset, batches and augmentation.
+        device: a torch device.
+    """
+
+    def __init__(self, records: Sequence[ImageRecord], *, num_rounds: int, site: str = "?", dataset: str = "retina",
+                 image_size: int = 224, patch_size: int = 16, embed_dim: int = 768, depth: int = 12,
+                 num_heads: int = 12, drop_path_rate: float = 0.1, layer_scale: float | None = None, lr: float = 3e-3,
+                 batch_size: int = 256, local_epochs: int = 1, warmup_rounds: float = 5, min_lr: float = 1e-6,
+                 weight_decay: float = 0.05, label_fraction: float = 1.0, val_fraction: float = 0.1,
+                 fedprox_mu: float = 0.0, label_smoothing: float = 0.0, layer_decay: float = 0.65,
+                 max_steps_per_epoch: int = 0, eval_batch_size: int = 256, seed: int = 0,
+                 device: str | torch.device = "cpu"):
+        self.site, self.dataset, self.image_size, self.seed = site, dataset, image_size, seed
+        self.batch_size, self.local_epochs, self.eval_batch_size = batch_size, local_epochs, eval_batch_size
+        self.max_steps_per_epoch = max_steps_per_epoch
+        self.classes = class_names(dataset)
+        train, val = train_val_split(records, val_fraction, seed=seed)
+        if not val:
+            raise ValueError(f"{site}: val_fraction={val_fraction} of {len(records)} images leaves no validation "
+                             "image; raise val_fraction or add images")
+        labelled = select_labelled(train, label_fraction, seed=seed)
+        self.train_set = ImageDataset(labelled, image_size, "finetune", dataset, site=site, seed=seed)
+        self.val_set = ImageDataset(val, image_size, "eval", dataset, site=site)
+        self.test_set: ImageDataset | None = None
+        model = FineTuneViT(num_classes=len(self.classes), image_size=image_size, patch_size=patch_size,
+                            embed_dim=embed_dim, depth=depth, num_heads=num_heads, drop_path_rate=drop_path_rate,
+                            layer_scale=layer_scale, seed=seed).to(device)
+        self.trainer = ClassifierTrainer(
+            model, lr=lr, total_rounds=num_rounds, warmup_rounds=min(warmup_rounds, num_rounds), min_lr=min_lr,
+            weight_decay=weight_decay, fedprox_mu=fedprox_mu, label_smoothing=label_smoothing,
+            layer_decay=layer_decay, device=device, seed=seed)
+        #: one line for the site's log
+        self.summary = (f"{len(records)} images -> {len(train)} training pool, {len(val)} validation; "
+                        f"{len(labelled)} labelled ({label_fraction:g}) per class "
+                        f"{class_histogram(labelled, len(self.classes))}; device {self.trainer.device}")
+
+    @property
+    def model(self) -> FineTuneViT:
+        return self.trainer.model
+
+    @property
+    def head_trained(self) -> bool:
+        """Whether the head of the current model was ever trained (round 0's initial model: no)."""
+        return int(self.model.head_steps) > 0
+
+    def steps_per_epoch(self) -> int:
+        n = math.ceil(len(self.train_set) / self.batch_size)
+        return min(n, self.max_steps_per_epoch) if self.max_steps_per_epoch else n
+
+    def train_round(self, round_idx: int, should_stop: Callable[[], bool] | None = None) -> RoundStats:
+        """``local_epochs`` epochs over the labelled images; FedProx is taken against the weights held now
+        (the received global model)."""
+        trainer = self.trainer
+        trainer.set_global(dict(trainer.model.named_parameters()))
+        n_steps = self.steps_per_epoch()
+        step0, losses = trainer.step, []
+
+        def stop() -> bool:
+            check_stop(should_stop)
+            return False
+
+        for epoch in range(self.local_epochs):
+            progress = round_idx + epoch / self.local_epochs
+            data = batches(self.train_set, self.batch_size, seed=self.seed, epoch=round_idx * self.local_epochs + epoch)
+            losses.append(trainer.train_round(data, progress, n_steps=n_steps * self.local_epochs,
+                                              max_steps=self.max_steps_per_epoch or None, abort=stop))
+        lr = max(g["lr"] for g in trainer.optimizer.param_groups)  # the head's group: lr_scale 1
+        return RoundStats(loss=sum(losses) / len(losses), steps=trainer.step - step0, samples=len(self.train_set),
+                          metrics={"lr": lr})
+
+    def set_test_records(self, records: Sequence[ImageRecord]) -> None:
+        self.test_set = ImageDataset(records, self.image_size, "eval", self.dataset, site=self.site)
+
+    def evaluate(self, split: str = "val", source: str = "") -> dict[str, Any]:
+        """Classification metrics of the current model on ``split`` ("val", or "test" after
+        :meth:`set_test_records`); ``source`` names the model in the refusal of an untrained head."""
+        if split not in ("val", "test"):
+            raise ValueError(f"split={split!r}: use 'val' or 'test'")
+        dataset = self.val_set if split == "val" else self.test_set
+        if dataset is None:
+            raise ValueError(f"{self.site}: no test data was given to this trainer (set_test_records)")
+        require_trained_head(self.model, source or f"the {split} model of {self.site}")
+        device = next(self.model.parameters()).device
+        probs, labels = predict(self.model, batches(dataset, self.eval_batch_size, seed=self.seed, epoch=0), device)
+        return classification_metrics(probs, labels, self.classes)
+
+    def state_dict(self) -> dict:
+        """AdamW and the step count (the weights come from the server every round)."""
+        return self.trainer.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.trainer.load_state_dict(copy.deepcopy(dict(state)))  # never alias the source's AdamW moments
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        return detached(self.model.state_dict())
+
+    def load_global(self, state: Mapping[str, Any], keep_local: Sequence[str] = ()) -> list[str]:
+        return load_checked(self.model, state, f"the global model sent to {self.site}", keep_local)

@@ -1,0 +1,122 @@
+"""FCL pre-training on one site (seed 004 section 3) as a LocalTrainer.
+
+:class:`FCLLocalTrainer` holds :class:`fedssl.core.fcl.FCLTrainer` (MoCo main + momentum encoder, optimiser,
+local bank, generator) and the site's :class:`fedssl.data.acdc.PartitionSampleDataset` (one slice from each of
+the S partitions of every unlabelled volume).  One round = one local epoch of batches of
+``batch_size // n_partitions`` volumes (at most ``max_steps_per_round`` of them; 0 = all).
+
+What crosses the wire besides the model: the remote bank (the other sites' features, in through
+:meth:`FCLLocalTrainer.set_remote`) and this site's bank (out through :meth:`FCLLocalTrainer.export_bank`).
+FedMoCo is ``feature_exchange=False`` (a remote bank is then ignored); Local CL is the executor not loading
+the global model after round 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedssl.core.fcl import FCLConfig, FCLTrainer
+from fedssl.core.trainer import RoundStats, check_stop, detached, load_checked
+from fedssl.data.acdc import PartitionSampleDataset
+from fedssl.data.transforms import augment_views
+from fedssl.data.volume import Volume
+from fedssl.models.unet import PAPER_FEATURES, MoCoUNetEncoder
+
+
+class FCLLocalTrainer:
+    """One site's FCL pre-training (a ``LocalTrainer``); paper settings as defaults (seed 004 section 5).
+
+    Build order (it fixes every random draw): the partition dataset, the batch check, the config,
+    ``torch.manual_seed(seed)``, the MoCo encoder, the FCLTrainer.  ``state_dict`` = the FCLTrainer's (model,
+    optimiser, bank, generator, config): what a restarted client resumes from.
+    """
+
+    def __init__(self, volumes: Sequence[Volume], *, num_rounds: int, n_partitions: int = 4,
+                 features: Sequence[int] = PAPER_FEATURES, proj_dim: int = 128, batch_size: int = 32, lr: float = 0.05,
+                 tau: float = 0.1, momentum: float = 0.99, bank_size: int = 4096, feature_exchange: bool = True,
+                 negative_sampling: bool = True, structural_matching: bool = True, max_steps_per_round: int = 0,
+                 seed: int = 0, device: str | torch.device = "cpu", site: str = ""):
+        volumes = list(volumes)
+        self.dataset = PartitionSampleDataset(volumes, n_partitions, seed=seed)
+        self.volumes_per_batch = batch_size // n_partitions
+        if len(volumes) < self.volumes_per_batch:
+            raise ValueError(f"{site or 'this site'}: {len(volumes)} volumes cannot fill one batch of "
+                             f"{self.volumes_per_batch} volumes; lower batch_size")
+        cfg = FCLConfig(tau=tau, momentum=momentum, bank_size=bank_size, lr=lr, num_rounds=num_rounds,
+                        feature_exchange=feature_exchange, negative_sampling=negative_sampling,
+                        structural_matching=structural_matching)
+        torch.manual_seed(seed)
+        model = MoCoUNetEncoder(features, proj_dim)
+        self.trainer = FCLTrainer(model, cfg, augment_views, device=device, seed=seed)
+        self.max_steps_per_round = int(max_steps_per_round)
+        #: the remote bank ``(features [M, D], partitions [M])`` of the last download, or None
+        self.remote: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def model(self) -> MoCoUNetEncoder:
+        return self.trainer.model
+
+    @property
+    def device(self) -> torch.device:
+        return self.trainer.device
+
+    @property
+    def feature_exchange(self) -> bool:
+        return self.trainer.cfg.feature_exchange
+
+    # ------------------------------------------------------------------ the exchanged banks
+    def set_remote(self, features: object | None, partitions: object | None = None) -> None:
+        """The remote bank for the next rounds (the other sites' features and partition ids, eq. 1); None
+        clears it.  Ignored in training when feature exchange is off (FedMoCo)."""
+        if features is None:
+            self.remote = None
+            return
+        f, p = torch.as_tensor(np.asarray(features)), torch.as_tensor(np.asarray(partitions))
+        if f.ndim != 2 or f.shape[1] != self.model.proj_dim or tuple(p.shape) != (f.shape[0],):
+            raise ValueError(f"the remote bank has features {tuple(f.shape)} and partitions {tuple(p.shape)}; "
+                             f"expected [M, {self.model.proj_dim}] and [M]")
+        self.remote = (f, p)
+
+    def export_bank(self) -> tuple[np.ndarray, np.ndarray]:
+        """This site's bank as uploaded for feature exchange: float32 ``[K, D]`` features, int64 ``[K]`` partitions."""
+        return self.trainer.bank.export()
+
+    # ------------------------------------------------------------------ LocalTrainer
+    def train_round(self, round_idx: int, should_stop: Callable[[], bool] | None = None) -> RoundStats:
+        """One local epoch; ``should_stop`` is checked before the round and after every optimiser step."""
+        check_stop(should_stop)
+        v, cap = self.volumes_per_batch, self.max_steps_per_round
+        steps_per_round = self.dataset.n_batches(v, cap)
+        remote = self.remote if self.feature_exchange else None
+        optimizer, curve = self.trainer.optimizer, []
+
+        def progress(step: int, loss: float) -> None:
+            curve.append({"loss": loss, "lr": float(optimizer.param_groups[0]["lr"])})
+            check_stop(should_stop)
+
+        out = self.trainer.train_round(self.dataset.batches(v, round_idx, cap), steps_per_round, round_idx, remote,
+                                       progress)
+        n_remote = 0 if remote is None else int(remote[0].shape[0])
+        metrics = {"loss_local": out["loss_local"], "loss_remote": out["loss_remote"], "lr": out["lr_end"],
+                   "lr_end": out["lr_end"], "remote_features": n_remote}
+        return RoundStats(loss=out["loss"], steps=out["steps"], samples=len(self.dataset), metrics=metrics, curve=curve)
+
+    def evaluate(self, split: str = "val") -> dict[str, Any]:
+        raise ValueError(f"split={split!r}: FCL pre-training reads unlabelled images only; evaluate the encoder by "
+                         "fine-tuning it (fedssl.experiments.fcl_finetune)")
+
+    def state_dict(self) -> dict:
+        return self.trainer.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.trainer.load_state_dict(dict(state))
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        return detached(self.model.state_dict())
+
+    def load_global(self, state: Mapping[str, Any], keep_local: Sequence[str] = ()) -> list[str]:
+        return load_checked(self.model, state, "the global MoCo model", keep_local)

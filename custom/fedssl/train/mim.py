@@ -1,0 +1,284 @@
+"""Masked-image-modelling pre-training of one site (Fed-MAE / Fed-BEiT, SSL-FL seed 000; FedMAE-KS, seed 001)
+as a :class:`fedssl.core.trainer.LocalTrainer`, and the site's side of the federated k-means tokenizer.
+
+- :class:`MIMLocalTrainer`: the site's unlabelled images (:class:`fedssl.data.images.ImageDataset`, mode
+  ``pretrain``) -> :class:`fedssl.core.mim.MIMTrainer` for ``local_epochs`` epochs per round (learning rate:
+  warm-up then cosine, indexed by round); ``samples`` = |D_k|, every image of the site (SSL-FL weights the
+  average by local data size).  Knowledge split (FedMAE-KS): keys the server declared excluded keep this
+  site's values; any other missing or unexpected key is an error.
+- :class:`KMeansPatches`: seeded samples of the site's patch vectors and its k-means answers (local
+  centroids, E-step statistics); no image or patch leaves the site.
+- :func:`site_tokenizer`: Fed-BEiT's tokenizer, a local codebook / TorchScript dVAE encoder or the federated
+  codebook the site stored.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from fedssl.core.checks import require, require_choice, require_int
+from fedssl.core.mim import METHODS, MIMTrainer
+from fedssl.core.tokenizer import (
+    codebook_description,
+    init_codebook,
+    kmeans_stats,
+    kmeans_update,
+    load_tokenizer,
+    patch_vectors,
+    sum_squared_distance,
+)
+from fedssl.core.trainer import RoundStats, check_stop, detached, load_checked
+from fedssl.data.images import DATASETS, ImageDataset, ImageRecord, batches
+from fedssl.models.vit import BEiTViT, MAEViT
+
+
+def _positive_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def check_mim_args(name: str, a: Mapping[str, Any]) -> None:
+    """The arguments of a MIM component (``MIMExecutor``), every one checked; the message names argument, value and fix."""
+    require_choice(name, "method", a["method"], METHODS)
+    require_choice(name, "dataset", a["dataset"], DATASETS)
+    require(isinstance(a["data_root"], str), name, "data_root", a["data_root"], 'use a path string or ""')
+    patch_size, num_heads, decoder_num_heads = a["patch_size"], a["num_heads"], a["decoder_num_heads"]
+    require_int(name, "patch_size", patch_size, 1, "use a positive patch size (paper: 16)")
+    image_size = a["image_size"]
+    require(isinstance(image_size, int) and not isinstance(image_size, bool) and image_size >= patch_size
+            and image_size % patch_size == 0, name, "image_size", image_size,
+            f"use a multiple of patch_size={patch_size} (paper: 224)")
+    require_int(name, "num_heads", num_heads, 1, "use a positive number of heads (ViT-B: 12)")
+    embed_dim = a["embed_dim"]
+    require(isinstance(embed_dim, int) and not isinstance(embed_dim, bool) and embed_dim > 0
+            and embed_dim % num_heads == 0, name, "embed_dim", embed_dim,
+            f"use a positive multiple of num_heads={num_heads} (ViT-B: 768)")
+    require_int(name, "depth", a["depth"], 1, "use a positive number of blocks (ViT-B: 12)")
+    require_int(name, "decoder_num_heads", decoder_num_heads, 1, "use a positive number of heads (MAE: 16)")
+    dec_dim = a["decoder_embed_dim"]
+    require(isinstance(dec_dim, int) and not isinstance(dec_dim, bool) and dec_dim > 0
+            and dec_dim % decoder_num_heads == 0, name, "decoder_embed_dim", dec_dim,
+            f"use a positive multiple of decoder_num_heads={decoder_num_heads} (MAE: 512)")
+    require_int(name, "decoder_depth", a["decoder_depth"], 1, "use a positive number of decoder blocks (MAE: 8)")
+    require(isinstance(a["norm_pix_loss"], bool), name, "norm_pix_loss", a["norm_pix_loss"], "use true or false")
+    require_int(name, "vocab_size", a["vocab_size"], 2, "use the number of visual tokens (DALL-E: 8192)")
+    mask_ratio = a["mask_ratio"]
+    require(isinstance(mask_ratio, (int, float)) and not isinstance(mask_ratio, bool) and 0 < mask_ratio < 1,
+            name, "mask_ratio", mask_ratio, "use a fraction in (0, 1): MAE 0.6 (SSL-FL) / 0.75 (FedMAE), BEiT 0.4")
+    require(_positive_number(a["lr"]), name, "lr", a["lr"], "use a positive learning rate (Table I, e.g. 1e-3)")
+    require(isinstance(a["lr_per_256"], bool), name, "lr_per_256", a["lr_per_256"], "use true or false")
+    wd = a["weight_decay"]
+    require(isinstance(wd, (int, float)) and not isinstance(wd, bool) and wd >= 0,
+            name, "weight_decay", wd, "use a non-negative weight decay (paper: 0.05)")
+    require_int(name, "batch_size", a["batch_size"], 1, "use a positive batch size (Table I, e.g. 128)")
+    require_int(name, "local_epochs", a["local_epochs"], 1, "use at least one local epoch per round")
+    require_int(name, "warmup_rounds", a["warmup_rounds"], 0, "use 0 or more warm-up rounds (MAE 5, BEiT 10)")
+    require_int(name, "max_steps_per_round", a["max_steps_per_round"], 0,
+                "use 0 (full epochs) or a positive step count")
+    clip = a["clip_grad"]
+    require(isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip >= 0, name,
+            "clip_grad", clip, "use 0 (no clipping) or a positive gradient norm (SSL-FL BEiT: 3.0)")
+    require(isinstance(a["amp"], bool), name, "amp", a["amp"], "use true or false")
+    tok = a["tokenizer_path"]
+    require(isinstance(tok, str), name, "tokenizer_path", tok,
+            'use a path to a local tokenizer, or "" for the federated k-means codebook')
+    require(a["method"] == "beit" or tok == "", name, "tokenizer_path", tok,
+            'only Fed-BEiT uses a tokenizer; leave it "" for method "mae"')
+    require_int(name, "seed", a["seed"], 0, "use a non-negative integer")
+    device = a["device"]
+    require(isinstance(device, str) and (device in ("auto", "cpu") or device.startswith("cuda")), name, "device",
+            device, 'use "auto", "cpu" or "cuda[:N]"')
+
+
+def peak_lr(lr: float, batch_size: int, lr_per_256: bool) -> float:
+    """The peak learning rate: ``lr x batch_size / 256`` (SSL-FL's / MAE's code) with ``lr_per_256``, else ``lr``."""
+    return lr * batch_size / 256 if lr_per_256 else lr
+
+
+def site_tokenizer(site: str, tokenizer_path: str, codebook_path: str, vocab_size: int) -> tuple[Any, str]:
+    """Fed-BEiT's tokenizer and its description: the local one (``tokenizer_path``), or, when that is "", the
+    federated codebook this site stored at ``codebook_path`` (task set_tokenizer)."""
+    if tokenizer_path:
+        path, description = tokenizer_path, f"local: {tokenizer_path}"
+        if not os.path.isfile(path):
+            raise ValueError(f"{site}: tokenizer_path {path!r} does not exist; give the path of a local codebook "
+                             'or TorchScript dVAE encoder on this site, or "" for the federated k-means codebook')
+    else:
+        path = codebook_path
+        if not os.path.isfile(path):
+            raise ValueError(f"{site}: tokenizer_path is \"\" but no federated codebook was received ({path} is "
+                             "missing); put the FederatedKMeans workflow before scatter_and_gather in the server "
+                             "config, or set tokenizer_path to a local tokenizer")
+    tokenizer = load_tokenizer(path)
+    codebook = getattr(tokenizer, "codebook", None)
+    if codebook is not None and int(codebook.shape[0]) != vocab_size:
+        raise ValueError(f"{site}: tokenizer {path} has {int(codebook.shape[0])} tokens but vocab_size="
+                         f"{vocab_size}; set vocab_size to the tokenizer's size (FederatedKMeans vocab_size)")
+    if not tokenizer_path:
+        description = codebook_description(path) or tokenizer.describe()
+    return tokenizer, description
+
+
+def build_mim_model(method: str, image_size: int, patch_size: int, embed_dim: int, depth: int, num_heads: int,
+                    decoder_embed_dim: int, decoder_depth: int, decoder_num_heads: int, norm_pix_loss: bool,
+                    vocab_size: int, seed: int) -> torch.nn.Module:
+    common = dict(image_size=image_size, patch_size=patch_size, embed_dim=embed_dim, depth=depth,
+                  num_heads=num_heads, seed=seed)
+    if method == "mae":
+        return MAEViT(**common, decoder_embed_dim=decoder_embed_dim, decoder_depth=decoder_depth,
+                      decoder_num_heads=decoder_num_heads, norm_pix_loss=norm_pix_loss)
+    return BEiTViT(**common, vocab_size=vocab_size)
+
+
+class MIMLocalTrainer:
+    """One site's Fed-MAE / Fed-BEiT pre-training (a ``LocalTrainer``).
+
+    Args (defaults: Fed-MAE on Retina, SSL-FL sec. IV-A.3 and Table I):
+        records: the site's images (labels unused); site: its name in messages; num_rounds: the schedule's length.
+        method: "mae" (random masking, pixel MSE on masked patches) or "beit" (block-wise masking,
+            cross-entropy on the visual tokens of masked patches).
+        dataset: "retina", "derm" or "covidfl" (the layout of the site folder, see fedssl.data.images).
+        image_size, patch_size, embed_dim, depth, num_heads: the ViT encoder (ViT-B/16 at 224).
+        decoder_embed_dim, decoder_depth, decoder_num_heads: MAE's lightweight decoder (512 / 8 / 16).
+        norm_pix_loss: MAE target = per-patch normalised pixels (as SSL-FL's and MAE's public scripts).
+        vocab_size: BEiT's number of visual tokens (= codebook size K; DALL-E 8192).
+        mask_ratio: MAE: fraction of patches masked (SSL-FL 0.6, FedMAE 0.75); BEiT: the maximum
+            fraction of the block-wise mask (0.4).
+        lr: base learning rate eta of Table I; with ``lr_per_256`` the peak rate is
+            lr x batch_size / 256 (SSL-FL's / MAE's code), else lr itself.
+        weight_decay: AdamW (betas 0.9, 0.999) weight decay, 0.05.
+        batch_size: images per mini-batch (Table I).
+        local_epochs: E, epochs over the site's images per round (SSL-FL 1; FedMAE 10).
+        warmup_rounds: linear warm-up, in rounds (MAE 5, BEiT 10); then cosine decay to 0 at the last round.
+        max_steps_per_round: 0 = full epochs; > 0 caps the optimiser steps per round (quick CPU profile).
+        clip_grad: gradient-norm clipping (0 = off; SSL-FL's BEiT code clips at 3.0).
+        amp: bfloat16 autocast (GPU throughput; the paper trains in mixed precision).
+        tokenizer_path: BEiT only: a local tokenizer (codebook .pt or TorchScript dVAE encoder);
+            "" = the federated k-means codebook stored at ``codebook_path``.
+        seed: model initialisation (all sites alike: they start from the same weights), masks, batches.
+        device: a torch device.
+    """
+
+    def __init__(self, records: Sequence[ImageRecord], *, num_rounds: int, site: str = "?", codebook_path: str = "",
+                 method: str = "mae", dataset: str = "retina", image_size: int = 224, patch_size: int = 16,
+                 embed_dim: int = 768, depth: int = 12, num_heads: int = 12, decoder_embed_dim: int = 512,
+                 decoder_depth: int = 8, decoder_num_heads: int = 16, norm_pix_loss: bool = True,
+                 vocab_size: int = 8192, mask_ratio: float = 0.6, lr: float = 1e-3, lr_per_256: bool = True,
+                 weight_decay: float = 0.05, batch_size: int = 128, local_epochs: int = 1, warmup_rounds: int = 5,
+                 max_steps_per_round: int = 0, clip_grad: float = 0.0, amp: bool = False, tokenizer_path: str = "",
+                 seed: int = 0, device: str | torch.device = "cpu"):
+        self.site, self.method, self.seed = site, method, seed
+        self.batch_size, self.local_epochs, self.max_steps_per_round = batch_size, local_epochs, max_steps_per_round
+        self.peak_lr = peak_lr(lr, batch_size, lr_per_256)
+        self.dataset = ImageDataset(records, image_size, "pretrain", dataset, site=site, seed=seed)
+        tokenizer, self.tokenizer_description = None, ""
+        if method == "beit":
+            tokenizer, self.tokenizer_description = site_tokenizer(site, tokenizer_path, codebook_path, vocab_size)
+        model = build_mim_model(method, image_size, patch_size, embed_dim, depth, num_heads, decoder_embed_dim,
+                                decoder_depth, decoder_num_heads, norm_pix_loss, vocab_size, seed)
+        self.trainer = MIMTrainer(model, method, lr=self.peak_lr, weight_decay=weight_decay,
+                                  warmup_rounds=warmup_rounds, total_rounds=num_rounds, mask_ratio=mask_ratio,
+                                  tokenizer=tokenizer, device=device, seed=seed, clip_grad=clip_grad or None, amp=amp)
+        self.kept_local: list[str] = []  # the keys the last broadcast held back (FedMAE-KS)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.trainer.model
+
+    @property
+    def device(self) -> torch.device:
+        return self.trainer.device
+
+    def steps_per_round(self) -> int:
+        steps = self.local_epochs * math.ceil(len(self.dataset) / self.batch_size)
+        return min(steps, self.max_steps_per_round) if self.max_steps_per_round else steps
+
+    def train_round(self, round_idx: int, should_stop: Callable[[], bool] | None = None) -> RoundStats:
+        steps = self.steps_per_round()
+
+        def round_batches():
+            done = 0
+            for e in range(self.local_epochs):
+                for imgs, _ in batches(self.dataset, self.batch_size, seed=self.seed,
+                                       epoch=round_idx * self.local_epochs + e):
+                    check_stop(should_stop)
+                    if done >= steps:
+                        return
+                    done += 1
+                    yield imgs
+
+        loss = self.trainer.train_round(round_batches(), round_idx, steps_per_round=steps)
+        return RoundStats(loss=loss, steps=steps, samples=len(self.dataset),
+                          metrics={"lr_peak": self.peak_lr, "lr": self.trainer.last_stats["lr_end"],
+                                   "kept_local": list(self.kept_local)})
+
+    def evaluate(self, split: str = "val") -> dict[str, Any]:
+        raise ValueError(f"split={split!r}: MIM pre-training holds no evaluation split (its images are unlabelled)")
+
+    def state_dict(self) -> dict:
+        """The MIMTrainer's state (model, AdamW, mask generator, counters) and the tensors kept local."""
+        return {**self.trainer.state_dict(), "local": detached(self.model.state_dict(), self.kept_local)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.trainer.load_state_dict(dict(state))
+        self.kept_local = sorted(state.get("local", {}))
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        return detached(self.model.state_dict())
+
+    def load_global(self, state: Mapping[str, Any], keep_local: Sequence[str] = ()) -> list[str]:
+        """The broadcast into the model; keys declared in ``keep_local`` that it lacks keep this site's values."""
+        self.kept_local = load_checked(self.model, state, f"{self.site}: the global model", keep_local)
+        return self.kept_local
+
+
+class KMeansPatches:
+    """The site's side of the federated k-means tokenizer (FederatedKMeans): patch vectors ``[N, 3 p^2]`` of a
+    seeded sample of the site's images (resize + centre crop, normalised), kept for the k-means rounds."""
+
+    def __init__(self, records: Sequence[ImageRecord], *, dataset: str, image_size: int, patch_size: int,
+                 site: str = "?", seed: int = 0):
+        self.records, self.dataset, self.site, self.seed = list(records), dataset, site, seed
+        self.image_size, self.patch_size = image_size, patch_size
+        self._sample: tuple[tuple, torch.Tensor] | None = None  # (sample key, patch vectors)
+
+    def vectors(self, n_images: int, seed: int) -> torch.Tensor:
+        """Patch vectors of ``n_images`` images drawn with ``seed`` (0 = every image), cached per sample."""
+        key = (int(n_images), int(seed))
+        if self._sample is None or self._sample[0] != key:
+            order = np.random.default_rng([key[1], 7]).permutation(len(self.records))
+            chosen = [self.records[i] for i in sorted(order[: key[0]] if key[0] else order)]
+            ds = ImageDataset(chosen, self.image_size, "eval", self.dataset, site=self.site, seed=self.seed)
+            p = self.patch_size
+            vectors = [patch_vectors(torch.stack([ds[i][0] for i in range(s, min(s + 64, len(ds)))]), p)
+                       for s in range(0, len(ds), 64)]
+            self._sample = (key, torch.cat(vectors).reshape(-1, 3 * p ** 2).float())
+        return self._sample[1]
+
+    def local_centroids(self, k: int, n_images: int, seed: int, iters: int,
+                        should_stop: Callable[[], bool] | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """k-means++ start (generator ``seed + 1``) and ``iters`` Lloyd steps on the sample ->
+        (centroids [K, D], counts [K], number of vectors)."""
+        x = self.vectors(n_images, seed)
+        if x.shape[0] < k:
+            raise ValueError(f"{self.site}: only {x.shape[0]} patch vectors for K={k} local centroids; raise the "
+                             "server's images_per_site or lower vocab_size")
+        codebook = init_codebook(x, k, generator=torch.Generator().manual_seed(seed + 1))
+        for _ in range(iters):
+            check_stop(should_stop)
+            codebook = kmeans_update(codebook, [kmeans_stats(x, codebook)])
+        _, counts = kmeans_stats(x, codebook)
+        return codebook, counts, int(x.shape[0])
+
+    def e_step(self, codebook: torch.Tensor, n_images: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+        """E-step statistics of the sample against ``codebook`` -> (sums [K, D], counts [K], cost, vectors)."""
+        x = self.vectors(n_images, seed)
+        if codebook.shape[1] != x.shape[1]:
+            raise ValueError(f"{self.site}: codebook vectors have {codebook.shape[1]} values but this site's patches "
+                             f"{x.shape[1]} (patch_size={self.patch_size}); use one patch_size everywhere")
+        sums, counts = kmeans_stats(x, codebook)
+        return sums, counts, sum_squared_distance(x, codebook, sums, counts), int(x.shape[0])

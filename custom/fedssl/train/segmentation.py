@@ -1,0 +1,303 @@
+"""Supervised fine-tuning of the 2D U-Net (FCL, seed 004 section 5) and its LocalTrainer.
+
+Paper setting ("Training details"): the U-Net is initialised from the pre-trained global encoder and
+fine-tuned with Adam, batch size 10, learning rate 0.0005 and a cosine schedule, for 200 epochs
+(local / centralised fine-tuning) or 200 rounds of one local epoch (federated fine-tuning).
+Evaluation (Dice): :mod:`fedssl.eval.segmentation`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from monai.losses import DiceCELoss
+from monai.networks.nets import BasicUNet
+from torch import nn
+
+from fedssl.core.trainer import RoundStats, check_stop, detached, load_checked
+from fedssl.data.transforms import augment_segmentation
+from fedssl.data.volume import Volume
+from fedssl.eval.segmentation import ACDC_CLASSES, dice_per_volume, mean_dice
+from fedssl.models.unet import build_unet, load_encoder_into_unet
+
+#: Key prefixes that only a full U-Net state dict has (decoder / output layer), not an encoder one.
+_DECODER_PREFIXES: tuple[str, ...] = ("upcat_", "final_conv.")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Initialisation
+# ---------------------------------------------------------------------------------------------------
+
+
+def init_unet(init: str | Mapping[str, Any], *, features: Sequence[int], seed: int = 0, out_channels: int = 4) -> BasicUNet:
+    """Build the fine-tuning U-Net and initialise it (seed 004 section 5: "the pre-trained encoder
+    ... is used as the initialization for fine-tuning the U-Net").
+
+    ``init`` is
+      * ``"random"``: the *Random init* baseline;
+      * an encoder state dict (keys ``conv_0.*``, ``down_1.*`` ... ``down_4.*``): loaded 1:1 with
+        :func:`load_encoder_into_unet`, the decoder stays randomly initialised;
+      * a full U-Net state dict (has ``upcat_*`` / ``final_conv.*`` keys), e.g. a fine-tuned model.
+    The random weights are drawn from ``torch.manual_seed(seed)`` inside a forked RNG, so the result
+    depends only on ``seed`` and the global RNG state is left untouched. A state dict that does not
+    fit the U-Net built from ``features`` raises ValueError.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(seed))
+        unet = build_unet(features, in_channels=1, out_channels=out_channels)
+    if isinstance(init, str):
+        if init != "random":
+            raise ValueError(f"init={init!r}: use 'random', an encoder state dict or a full U-Net state dict")
+        return unet
+    if not isinstance(init, Mapping):
+        raise TypeError(f"init must be 'random' or a state dict (Mapping), got {type(init).__name__}")
+    if any(str(k).startswith(_DECODER_PREFIXES) for k in init):
+        own = unet.state_dict()
+        missing, extra = sorted(set(own) - set(init))[:5], sorted(set(init) - set(own))[:5]
+        bad_shape = [k for k in own if k in init and tuple(torch.as_tensor(init[k]).shape) != tuple(own[k].shape)]
+        if missing or extra or bad_shape:
+            raise ValueError(
+                f"U-Net state dict does not match the U-Net built from features={list(features)}: "
+                f"missing {missing}, unexpected {extra}, wrong shape {bad_shape[:5]}"
+            )
+        unet.load_state_dict({k: torch.as_tensor(v) for k, v in init.items()})
+    else:
+        load_encoder_into_unet(unet, init)
+    return unet
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------------
+
+
+def slices_from_volumes(volumes: Sequence[Volume]) -> tuple[torch.Tensor, torch.Tensor]:
+    """All 2D slices of the given labelled volumes -> images ``[S, 1, H, W]`` float32, labels ``[S, H, W]`` long."""
+    if not volumes:
+        raise ValueError("no volumes to train on")
+    images, labels = [], []
+    shape = None
+    for v in volumes:
+        if v.label is None:
+            raise ValueError(f"volume {v.patient_id}/{v.phase} has no label; fine-tuning needs annotated volumes")
+        if v.image.shape != v.label.shape:
+            raise ValueError(f"volume {v.patient_id}/{v.phase}: image {v.image.shape} != label {v.label.shape}")
+        if shape is None:
+            shape = tuple(v.image.shape[1:])
+        elif tuple(v.image.shape[1:]) != shape:
+            raise ValueError(
+                f"volume {v.patient_id}/{v.phase} has in-plane size {tuple(v.image.shape[1:])}, others {shape}; "
+                "crop/pad the volumes to one size before fine-tuning"
+            )
+        images.append(torch.as_tensor(np.ascontiguousarray(v.image), dtype=torch.float32))
+        labels.append(torch.as_tensor(np.asarray(v.label, dtype=np.int64)))
+    return torch.cat(images, 0).unsqueeze(1), torch.cat(labels, 0)
+
+
+def _cosine_factor(total_steps: int) -> Callable[[int], float]:
+    total = max(int(total_steps), 1)
+
+    def factor(step: int) -> float:
+        # Cosine decay from lr to 0 over `total` steps, then held at 0 (never rises again).
+        return 0.5 * (1.0 + math.cos(math.pi * min(step, total) / total))
+
+    return factor
+
+
+class SegmentationTrainer:
+    """Slice-level supervised fine-tuning with state that persists across calls.
+
+    Seed 004 section 5: Adam, lr 0.0005, batch size 10, cosine schedule; loss MONAI
+    ``DiceCELoss(to_onehot_y=True, softmax=True)``; every batch is augmented jointly (image + mask)
+    by :func:`fedssl.data.transforms.augment_segmentation`. The cosine schedule decays the lr to 0 over
+    ``total_steps`` optimiser steps (e.g. epochs x batches per epoch, or rounds x local batches in
+    federated fine-tuning), so a FLARE executor can call :meth:`train_epoch` once per round and keep
+    the optimiser moments and the schedule between rounds. One seeded ``torch.Generator`` (CPU) drives
+    both the shuffling and the augmentation, so runs are reproducible.
+
+    ``state_dict()`` holds the optimiser, the scheduler, the generator and the step/epoch counters,
+    not the model weights (checkpoint those with ``unet.state_dict()``).
+    """
+
+    def __init__(
+        self,
+        unet: nn.Module,
+        *,
+        lr: float = 5e-4,
+        batch_size: int = 10,
+        total_steps: int,
+        seed: int = 0,
+        device: str | torch.device = "cpu",
+    ):
+        if batch_size <= 0:
+            raise ValueError(f"batch_size={batch_size}: must be a positive integer (paper: 10)")
+        if total_steps <= 0:
+            raise ValueError(f"total_steps={total_steps}: must be a positive integer")
+        if lr <= 0:
+            raise ValueError(f"lr={lr}: must be positive (paper: 5e-4)")
+        self.device = torch.device(device)
+        self.unet = unet.to(self.device)
+        self.batch_size = int(batch_size)
+        self.total_steps = int(total_steps)
+        self.lr = float(lr)
+        self.seed = int(seed)
+        self.generator = torch.Generator(device="cpu")
+        self.generator.manual_seed(self.seed)
+        self.loss_fn = DiceCELoss(to_onehot_y=True, softmax=True)
+        self.optimizer = torch.optim.Adam(self.unet.parameters(), lr=self.lr)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _cosine_factor(self.total_steps))
+        self.step = 0
+        self.epoch = 0
+
+    @property
+    def current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def train_epoch(self, volumes: Sequence[Volume], max_steps: int | None = None,
+                    should_stop: Callable[[], bool] | None = None) -> float:
+        """One pass over all slices of ``volumes`` in shuffled batches (at most ``max_steps`` batches);
+        returns the mean loss over the batches.  ``should_stop`` is checked before every step
+        (:class:`fedssl.core.trainer.StopRequested` when it returns True)."""
+        if max_steps is not None and max_steps <= 0:
+            raise ValueError(f"max_steps={max_steps}: must be a positive integer or None")
+        images, labels = slices_from_volumes(volumes)
+        order = torch.randperm(images.shape[0], generator=self.generator)
+        batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        if max_steps is not None:
+            batches = batches[:max_steps]
+        self.unet.train()
+        losses = []
+        for idx in batches:
+            check_stop(should_stop)
+            x, y = augment_segmentation(images[idx], labels[idx], self.generator)
+            x = x.to(self.device, non_blocking=True)
+            y = y.to(self.device, non_blocking=True).long().unsqueeze(1)  # [N, 1, H, W] for to_onehot_y
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.loss_fn(self.unet(x), y)
+            loss.backward()
+            self.optimizer.step()
+            self.scheduler.step()
+            self.step += 1
+            losses.append(float(loss.detach()))
+        self.epoch += 1
+        return float(np.mean(losses))
+
+    def state_dict(self) -> dict:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "generator": self.generator.get_state(),
+            "step": self.step,
+            "epoch": self.epoch,
+            "total_steps": self.total_steps,
+            "lr": self.lr,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if int(state["total_steps"]) != self.total_steps or int(state["batch_size"]) != self.batch_size:
+            raise ValueError(
+                f"trainer state was saved with total_steps={state['total_steps']}, batch_size={state['batch_size']}; "
+                f"this trainer has total_steps={self.total_steps}, batch_size={self.batch_size}"
+            )
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.generator.set_state(torch.as_tensor(state["generator"], dtype=torch.uint8).cpu())
+        self.step = int(state["step"])
+        self.epoch = int(state["epoch"])
+
+
+def steps_per_epoch(volumes: Sequence[Volume], batch_size: int, max_steps_per_epoch: int | None = None) -> int:
+    """Number of optimiser steps one epoch over all slices of ``volumes`` takes."""
+    n_slices = sum(v.n_slices for v in volumes)
+    steps = math.ceil(n_slices / batch_size)
+    return min(steps, max_steps_per_epoch) if max_steps_per_epoch is not None else steps
+
+
+def train_segmentation(
+    unet: nn.Module,
+    volumes: Sequence[Volume],
+    *,
+    epochs: int,
+    batch_size: int = 10,
+    lr: float = 5e-4,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    max_steps_per_epoch: int | None = None,
+    progress: Callable[[int, float], None] | None = None,
+) -> list[float]:
+    """Fine-tune ``unet`` on all slices of the labelled ``volumes`` for ``epochs`` epochs (seed 004
+    section 5: 200 epochs, Adam, batch 10, lr 0.0005, cosine over all steps). Returns the mean loss of
+    every epoch; ``progress(epoch, loss)`` (1-based epoch) is called after each one."""
+    if epochs <= 0:
+        raise ValueError(f"epochs={epochs}: must be a positive integer (paper: 200)")
+    per_epoch = steps_per_epoch(volumes, batch_size, max_steps_per_epoch)
+    trainer = SegmentationTrainer(
+        unet, lr=lr, batch_size=batch_size, total_steps=epochs * per_epoch, seed=seed, device=device
+    )
+    losses = []
+    for epoch in range(1, epochs + 1):
+        losses.append(trainer.train_epoch(volumes, max_steps=max_steps_per_epoch))
+        if progress is not None:
+            progress(epoch, losses[-1])
+    return losses
+
+
+class SegmentationLocalTrainer:
+    """Federated fine-tuning of the U-Net on a site's N annotated patients (a ``LocalTrainer``).
+
+    Each round: ``local_epochs`` epochs over every slice of ``train_volumes`` (each capped at
+    ``max_steps_per_epoch`` batches; 0 = no cap) with one Adam optimiser and one cosine schedule over all
+    ``num_rounds`` rounds; ``samples`` = labelled slices (the FedAvg weight).  ``evaluate("val")`` = Dice of
+    the current model on ``val_volumes``.  The restart state is the optimiser / schedule / generator (the
+    weights come from the server every round).
+    """
+
+    def __init__(self, unet: nn.Module, train_volumes: Sequence[Volume], val_volumes: Sequence[Volume], *,
+                 num_rounds: int, lr: float = 5e-4, batch_size: int = 10, local_epochs: int = 1,
+                 max_steps_per_epoch: int = 0, seed: int = 0, device: str | torch.device = "cpu"):
+        self.train_volumes, self.val_volumes = list(train_volumes), list(val_volumes)
+        self.local_epochs, self.max_steps = int(local_epochs), (int(max_steps_per_epoch) or None)
+        steps = steps_per_epoch(self.train_volumes, batch_size, self.max_steps)
+        self.trainer = SegmentationTrainer(unet, lr=lr, batch_size=batch_size,
+                                           total_steps=steps * self.local_epochs * int(num_rounds), seed=seed,
+                                           device=device)
+        self.n_slices = sum(v.n_slices for v in self.train_volumes)
+
+    @property
+    def model(self) -> nn.Module:
+        return self.trainer.unet
+
+    @property
+    def device(self) -> torch.device:
+        return self.trainer.device
+
+    def train_round(self, round_idx: int, should_stop: Callable[[], bool] | None = None) -> RoundStats:
+        step0 = self.trainer.step
+        losses = [self.trainer.train_epoch(self.train_volumes, max_steps=self.max_steps, should_stop=should_stop)
+                  for _ in range(self.local_epochs)]
+        return RoundStats(loss=sum(losses) / len(losses), steps=self.trainer.step - step0, samples=self.n_slices,
+                          metrics={"lr": self.trainer.current_lr})
+
+    def evaluate(self, split: str = "val") -> dict[str, Any]:
+        if split != "val":
+            raise ValueError(f"split={split!r}: this trainer holds only a validation split ('val')")
+        summary = mean_dice(dice_per_volume(self.model, self.val_volumes, device=self.device))
+        return {"dice": summary["mean"], **{name: summary[name] for name in ACDC_CLASSES.values()}}
+
+    def state_dict(self) -> dict:
+        return self.trainer.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.trainer.load_state_dict(state)
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        return detached(self.model.state_dict())
+
+    def load_global(self, state: Mapping[str, Any], keep_local: Sequence[str] = ()) -> list[str]:
+        return load_checked(self.model, state, "the global U-Net", keep_local)

@@ -1,0 +1,45 @@
+"""The SSL-FL demo's pieces: method variants bind to real jobs, data set checks, the balanced retina subset."""
+
+import csv
+import os
+
+import pytest
+
+from fedssl.experiments.sslfl_demo import FINETUNE_SETS, PRETRAIN_SETS, VARIANTS, balance_retina, check_methods, format_table
+from fedssl.ops.jobs import REPO_ROOT, build_job
+
+
+@pytest.mark.parametrize("method", sorted(VARIANTS))
+def test_every_variant_builds_its_jobs_with_the_demo_overrides(method, tmp_path):
+    v = VARIANTS[method]
+    build_job(os.path.join(REPO_ROOT, "jobs", v["pretrain"]), str(tmp_path / "pre"), profile="quick",
+              sets=["server.scatter_and_gather.min_clients=5", *PRETRAIN_SETS], n_sites=5)
+    build_job(os.path.join(REPO_ROOT, "jobs", v["finetune"]), str(tmp_path / "ft"), profile="quick",
+              sets=["server.model.pretrained_path=", *FINETUNE_SETS, *v["finetune_sets"]], n_sites=5)
+
+
+def test_methods_must_share_one_data_set():
+    assert check_methods(["fedmae", "fedbeit"]) == "retina"
+    assert check_methods(["fedmae_ks"]) == "derm"
+    with pytest.raises(ValueError, match="different data sets"):
+        check_methods(["fedmae", "fedmae_ks"])
+    with pytest.raises(ValueError, match="use one or more of"):
+        check_methods(["simclr"])
+    with pytest.raises(ValueError, match="use one or more of"):
+        check_methods([])
+
+
+def test_balance_retina_keeps_as_many_healthy_as_diseased_rows(tmp_path):
+    rows = [("a", 0), ("b", 0), ("c", 0), ("d", 2), ("e", 4)]
+    with open(tmp_path / "trainLabels.csv", "w", newline="") as f:
+        csv.writer(f).writerows([("image", "level"), *rows])
+    assert balance_retina(str(tmp_path), seed=0) == {"no_dr": 2, "dr": 2, "dropped": 1}
+    with open(tmp_path / "trainLabels.csv", newline="") as f:
+        kept = list(csv.DictReader(f))
+    assert sum(int(r["level"]) == 0 for r in kept) == 2 and {r["image"] for r in kept} >= {"d", "e"}
+
+
+def test_table_prints_missing_metrics_as_na():
+    table = format_table([{"method": "Fed-MAE", "accuracy": 0.5, "balanced_accuracy": None, "auc": 0.75,
+                           "macro_f1": 0.25, "selected": "round 3"}])
+    assert "Fed-MAE" in table and "0.500" in table and "n/a" in table and "round 3" in table

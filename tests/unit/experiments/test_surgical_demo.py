@@ -1,0 +1,48 @@
+"""The demo switches the backbone strategy by --set alone: the job's batch-norm filters follow the strategy."""
+
+import os
+
+import pytest
+
+from fedssl.experiments.surgical_demo import JOB, comparison_table, run_surgical_demo
+from fedssl.ops.jobs import component_specs, job_configs
+
+
+def test_job_batchnorm_filters_follow_the_strategy():
+    paths = [c["path"] for _, cfg in job_configs(JOB) for c in component_specs(cfg)]
+    assert "fedssl.flare.partial_exclusion.PartialModelExclusion" not in paths
+    assert paths.count("fedssl.flare.backbone_exclusion.BackboneBNExclusion") == 3  # train + test download, upload
+
+
+def test_demo_rejects_an_unknown_backbone_before_doing_anything(tmp_path):
+    with pytest.raises(ValueError, match="backbone"):
+        run_surgical_demo(str(tmp_path), backbone="fedprox")
+    assert not os.listdir(tmp_path)
+
+
+def test_comparison_table_prints_every_method():
+    row = {"mean_auroc": 0.7, "shared_auroc": 0.6, "unique_auroc": None, "external_auroc": 0.65, "external_shared": 0.6,
+           "external_unique": 0.7, "external_min_class": 0.55, "rounds": 3, "wall_time_s": 10.0, "kb_per_site_round": 1.5}
+    text = comparison_table([{"method": "surgical", **row}, {"method": "vanilla", **row}])
+    assert "surgical" in text and "vanilla" in text and "n/a" in text and "0.700" in text
+
+
+def _results(site_aurocs: dict, external: dict) -> dict:
+    sites = {s: {"test": {"per_class": {c: {"auroc": v} for c, v in per.items()}},
+                 "external": {"per_class": {c: {"auroc": v} for c, v in external.items()}}}
+             for s, per in site_aurocs.items()}
+    row = {"mean_auroc": 0.7, "shared_auroc": 0.7, "unique_auroc": 0.7}
+    return {"table": {"mean": row, "external": [{"mean_auroc": 0.6, "shared_auroc": 0.6, "unique_auroc": 0.6}]},
+            "sites": sites, "global_classes": ["A", "B", "C"]}
+
+
+def test_every_class_is_checked_on_the_sites_that_label_it_and_on_the_external_set():
+    from fedssl.experiments.surgical_demo import class_check, result_row
+
+    res = _results({"site-1": {"A": 0.9, "B": 0.55}, "site-2": {"B": 0.8, "C": None}}, {"A": 0.7, "B": 0.65, "C": 0.4})
+    row, run = result_row("surgical", res, 3, 1.0, {"total": 1000}, "r.md")
+    assert run["site_test_per_class"] == {"A": 0.9, "B": 0.55, "C": None}  # B: the lower of its two sites
+    assert row["external_min_class"] == 0.4 and row["kb_per_site_round"] == 1.0
+    check = class_check(run)
+    assert check["site_test"] == {"undefined": ["C"], "at_most_threshold": {"B": 0.55}, "min": 0.55}
+    assert check["external"] == {"undefined": [], "at_most_threshold": {"C": 0.4}, "min": 0.4}

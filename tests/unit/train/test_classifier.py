@@ -1,0 +1,116 @@
+"""ClassifierLocalTrainer on a tiny ViT and synthetic retina data: the split, the per-epoch step cap, abort within
+one step, validation / test evaluation, the restart state round trip and the checked loading of the global model."""
+
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from fedssl.core.classification import UntrainedHeadError
+from fedssl.core.trainer import StopRequested
+from fedssl.data.image_synthetic import write_synthetic_images
+from fedssl.data.images import load_image_records
+from fedssl.models.vit_classifier import FineTuneViT
+from fedssl.train.classifier import ClassifierLocalTrainer
+
+TINY = dict(image_size=32, patch_size=4, embed_dim=48, depth=2, num_heads=3, drop_path_rate=0.0)
+ARGS = dict(dataset="retina", batch_size=16, lr=1e-3, warmup_rounds=1, val_fraction=0.2, eval_batch_size=64, **TINY)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("retina")
+    write_synthetic_images(root / "site-1", "retina", n_images=60, seed=0, image_size=32)
+    write_synthetic_images(root / "test", "retina", n_images=24, seed=1, image_size=32)
+    return (load_image_records(str(root / "site-1"), "retina", site="site-1"),
+            load_image_records(str(root / "test"), "retina", site="site-1"))
+
+
+def trainer(records, **kw):
+    return ClassifierLocalTrainer(records, num_rounds=3, site="site-1", **{**ARGS, **kw})
+
+
+def round_half_up(x):
+    return int(math.floor(x + 0.5))
+
+
+def stop_after(n):
+    asked = []
+
+    def should_stop():
+        asked.append(1)
+        return len(asked) > n
+
+    return should_stop
+
+
+def test_split_and_the_cap_per_local_epoch(data):
+    records, _ = data
+    t = trainer(records, max_steps_per_epoch=1, local_epochs=2)
+    counts = Counter(r.label for r in records).values()
+    n_val = sum(min(n - 1, round_half_up(0.2 * n)) for n in counts)  # stratified 20 %
+    assert len(t.val_set) == n_val and len(t.train_set) == len(records) - n_val  # label_fraction 1.0
+    stats = t.train_round(0)
+    # the cap holds per epoch, not per round: 2 epochs x 1 step
+    assert stats.steps == 2 and int(t.model.head_steps) == 2 and stats.samples == len(t.train_set)
+    # lr of the last step: epoch 1 starts at progress 0.5 of the 1-round warm-up -> 0.5 x lr
+    assert stats.metrics == {"lr": pytest.approx(0.5e-3)}
+    full = trainer(records)
+    assert full.train_round(0).steps == math.ceil(len(full.train_set) / 16)
+
+
+def test_should_stop_during_a_round_stops_within_one_step(data):
+    t = trainer(data[0])
+    with pytest.raises(StopRequested):
+        t.train_round(0, stop_after(1))
+    assert t.trainer.step == 1
+
+
+def test_validation_and_test_metrics_refuse_an_untrained_head(data):
+    records, test = data
+    t = trainer(records, max_steps_per_epoch=1)
+    assert not t.head_trained
+    with pytest.raises(UntrainedHeadError, match="checkpoint round-0 model has no trained classification head"):
+        t.evaluate("val", "round-0 model")
+    t.train_round(0)
+    assert t.head_trained and t.evaluate("val")["n"] == len(t.val_set)
+    with pytest.raises(ValueError, match="no test data"):
+        t.evaluate("test")
+    t.set_test_records(test)
+    metrics = t.evaluate("test")
+    assert metrics["n"] == 24 and set(metrics["per_class"]) == {"no_dr", "dr"}
+    with pytest.raises(ValueError, match="split='train'"):
+        t.evaluate("train")
+
+
+def test_state_round_trip_continues_the_same_run(data):
+    records = data[0]
+    a = trainer(records, max_steps_per_epoch=2, fedprox_mu=0.001)
+    a.train_round(0)
+    weights = a.global_state()
+    b = trainer(records, max_steps_per_epoch=2, fedprox_mu=0.001)  # a restarted site
+    b.load_state_dict(a.state_dict())
+    assert b.trainer.step == 2
+    a.load_global(weights)
+    b.load_global(weights)
+    sa, sb = a.train_round(1), b.train_round(1)
+    assert sa.loss == sb.loss and sa.steps == sb.steps == 2
+    assert all(torch.equal(v, b.global_state()[k]) for k, v in a.global_state().items())
+
+
+def test_checked_loading_of_the_global_model(data):
+    t = trainer(data[0])
+    fresh = FineTuneViT(num_classes=2, seed=3, **TINY).state_dict()
+    own_head = t.model.state_dict()["head.weight"].clone()
+    partial = {k: v.numpy() for k, v in fresh.items() if k != "head.weight"}
+    assert t.load_global(partial, keep_local=["head.weight"]) == ["head.weight"]
+    state = t.model.state_dict()
+    assert torch.equal(state["head.weight"], own_head) and torch.equal(state["head.bias"], fresh["head.bias"])
+    with pytest.raises(ValueError, match=r"the global model sent to site-1 lacks 1 keys .*'head\.weight'"):
+        t.load_global(partial)
+    with pytest.raises(ValueError, match=r"head\.weight has shape \(3, 48\)"):
+        t.load_global({k: v.numpy() for k, v in FineTuneViT(num_classes=3, **TINY).state_dict().items()})
+    with pytest.raises(ValueError, match="decoder.pred.weight"):
+        t.load_global({**partial, "head.weight": own_head, "decoder.pred.weight": np.zeros((2, 2), np.float32)})

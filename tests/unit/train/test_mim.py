@@ -1,0 +1,137 @@
+"""MIMLocalTrainer and KMeansPatches on a tiny ViT and 12 synthetic retina images: step caps and lr, abort within
+one step, the restart state round trip, the knowledge-split loading rules, the Fed-BEiT tokenizer and the
+site's k-means answers."""
+
+import numpy as np
+import pytest
+import torch
+
+from fedssl.core.tokenizer import PatchTokenizer, kmeans_stats
+from fedssl.core.trainer import StopRequested
+from fedssl.data.image_synthetic import write_synthetic_images
+from fedssl.data.images import load_image_records
+from fedssl.models.vit import TINY_DECODER, TINY_VIT, MAEViT
+from fedssl.train.mim import KMeansPatches, MIMLocalTrainer, peak_lr
+
+N_IMAGES = 12
+VOCAB = 16
+TINY = dict(image_size=32, patch_size=4, embed_dim=48, depth=2, num_heads=3, decoder_embed_dim=32, decoder_depth=1,
+            decoder_num_heads=2, vocab_size=VOCAB, batch_size=4, lr=1e-3, lr_per_256=False, warmup_rounds=1)
+CLS = "encoder.cls_token"
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    root = tmp_path_factory.mktemp("retina")
+    write_synthetic_images(root, "retina", n_images=N_IMAGES, seed=0, image_size=40)
+    return load_image_records(str(root), "retina", site="site-1")
+
+
+def mae(records, **kw):
+    return MIMLocalTrainer(records, num_rounds=3, site="site-1", **{**TINY, "max_steps_per_round": 2, **kw})
+
+
+def global_weights():
+    return MAEViT(**TINY_VIT, **TINY_DECODER, seed=0).state_dict()
+
+
+def stop_after(n):
+    """should_stop that answers False ``n`` times, then True."""
+    asked = []
+
+    def should_stop():
+        asked.append(1)
+        return len(asked) > n
+
+    return should_stop
+
+
+def test_peak_lr_scales_per_256_only_when_asked():
+    assert peak_lr(1e-3, 128, True) == pytest.approx(5e-4) and peak_lr(1.5e-3, 256, False) == 1.5e-3
+
+
+def test_round_is_capped_and_reports_image_count_and_lr(records):
+    t = mae(records)
+    stats = t.train_round(0)
+    # 2 steps of round 0 with warm-up over 1 round: lr 0 then 0.5 x peak (step s: peak x s / 2)
+    assert stats.steps == 2 and t.trainer.step == 2 and stats.samples == N_IMAGES and np.isfinite(stats.loss)
+    assert stats.metrics == {"lr_peak": 1e-3, "lr": pytest.approx(0.5e-3), "kept_local": []}
+    full = mae(records, max_steps_per_round=0, local_epochs=2)
+    assert full.train_round(0).steps == 2 * 3  # 2 epochs x ceil(12 / 4)
+
+
+def test_should_stop_during_a_round_stops_within_one_step(records):
+    t = mae(records)
+    with pytest.raises(StopRequested):
+        t.train_round(0, stop_after(1))
+    assert t.trainer.step == 1
+
+
+def test_knowledge_split_keeps_declared_keys_and_refuses_undeclared_ones(records):
+    t = mae(records)
+    t.train_round(0)
+    local_cls = t.model.state_dict()[CLS].clone()
+    fresh = global_weights()
+    broadcast = {k: v.numpy() for k, v in fresh.items() if k != CLS}
+    assert t.load_global(broadcast, keep_local=[CLS]) == [CLS] and t.kept_local == [CLS]
+    state = t.model.state_dict()
+    assert torch.equal(state[CLS], local_cls) and not torch.equal(local_cls, fresh[CLS])
+    assert torch.equal(state["encoder.patch_embed.proj.weight"], fresh["encoder.patch_embed.proj.weight"])
+    assert t.train_round(1).metrics["kept_local"] == [CLS]
+    with pytest.raises(ValueError, match=r"site-1: the global model lacks 1 keys .*'encoder\.cls_token'"):
+        t.load_global(broadcast, keep_local=[])
+    with pytest.raises(ValueError, match=r"site-1: the global model has 1 keys .*'decoder\.extra'"):
+        t.load_global({**broadcast, "decoder.extra": np.zeros(2, np.float32)}, keep_local=[CLS])
+
+
+def test_state_round_trip_continues_the_same_run(records):
+    a = mae(records)
+    a.train_round(0)
+    broadcast = {k: v for k, v in global_weights().items() if k != CLS}
+    a.load_global(broadcast, keep_local=[CLS])
+    a.train_round(1)
+    state = a.state_dict()
+    assert set(state["local"]) == {CLS} and torch.equal(state["local"][CLS], a.model.state_dict()[CLS])
+    b = mae(records)  # a restarted site
+    b.load_state_dict(state)
+    assert b.kept_local == [CLS] and b.trainer.step == 4
+    for k, v in a.model.state_dict().items():
+        assert torch.equal(v, b.model.state_dict()[k]), k
+    # round 2 from the same broadcast: the same loss and weights, bit for bit
+    a.load_global(broadcast, keep_local=[CLS])
+    b.load_global(broadcast, keep_local=[CLS])
+    assert a.train_round(2).loss == b.train_round(2).loss
+    assert all(torch.equal(v, b.global_state()[k]) for k, v in a.global_state().items())
+    assert not any(v.data_ptr() == a.model.state_dict()[k].data_ptr() for k, v in a.global_state().items())
+
+
+def test_beit_with_a_local_codebook_and_a_missing_federated_one(records, tmp_path):
+    path = str(tmp_path / "codebook.pt")
+    PatchTokenizer(torch.randn(VOCAB, 48, generator=torch.Generator().manual_seed(0)), 4).save(path)
+    t = MIMLocalTrainer(records, num_rounds=3, site="site-1", method="beit", mask_ratio=0.4, tokenizer_path=path,
+                        **{**TINY, "max_steps_per_round": 1})
+    assert t.tokenizer_description == f"local: {path}" and np.isfinite(t.train_round(0).loss)
+    with pytest.raises(ValueError, match="no federated codebook was received"):
+        MIMLocalTrainer(records, num_rounds=3, site="site-1", method="beit", codebook_path=str(tmp_path / "no.pt"),
+                        **TINY)
+    with pytest.raises(ValueError, match=f"has {VOCAB} tokens but vocab_size=32"):
+        MIMLocalTrainer(records, num_rounds=3, site="site-1", method="beit", tokenizer_path=path,
+                        **{**TINY, "vocab_size": 32})
+
+
+def test_kmeans_patches_sample_centroids_and_e_step(records):
+    p = KMeansPatches(records, dataset="retina", image_size=32, patch_size=4, site="site-1")
+    x = p.vectors(6, 0)
+    assert x.shape == (6 * 64, 48) and p.vectors(6, 0) is x  # cached per (images, seed)
+    assert not torch.equal(p.vectors(6, 1), x)
+    codebook, counts, n = p.local_centroids(VOCAB, 6, 0, iters=1)
+    assert codebook.shape == (VOCAB, 48) and int(counts.sum()) == n == 6 * 64
+    sums, counts, sse, n = p.e_step(codebook, 6, 0)
+    direct = float(torch.cdist(x.double(), codebook.double()).min(dim=1).values.pow(2).sum())
+    assert sse == pytest.approx(direct, rel=1e-6) and torch.equal(counts, kmeans_stats(x, codebook)[1])
+    with pytest.raises(StopRequested):
+        p.local_centroids(VOCAB, 6, 0, iters=3, should_stop=stop_after(1))
+    with pytest.raises(ValueError, match="only 128 patch vectors for K=400"):
+        p.local_centroids(400, 2, 0, iters=1)
+    with pytest.raises(ValueError, match="codebook vectors have 12 values"):
+        p.e_step(torch.zeros(VOCAB, 12), 6, 0)

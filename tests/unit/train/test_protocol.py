@@ -1,0 +1,112 @@
+"""Fine-tuning protocols (fedssl.train.protocol): row counts, pooled validation, disjoint splits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fedssl.data.volume import Volume
+from fedssl.train.protocol import (
+    centralised_finetune,
+    evaluate_per_site,
+    group_by_patient,
+    local_finetune,
+    site_split,
+)
+from fedssl.train.segmentation import init_unet
+from fedssl.models.unet import TINY_FEATURES, UNetEncoder
+
+torch.set_num_threads(1)
+
+N_SITES, PER_SITE = 3, 5  # n_folds=5 -> 4 train / 1 validation patient per site
+
+
+def _site_volumes() -> dict[str, list[Volume]]:
+    rng = np.random.default_rng(0)
+    out = {}
+    for s in range(N_SITES):
+        site = f"site-{s + 1}"
+        vols = []
+        for p in range(PER_SITE):
+            for phase in ("ED", "ES"):
+                label = rng.integers(0, 4, size=(2, 32, 32)).astype(np.uint8)
+                vols.append(Volume(f"s{s}p{p}", phase, (label / 3.0).astype(np.float32), label, site))
+        out[site] = vols
+    return out
+
+
+def _inits() -> dict[str, object]:
+    torch.manual_seed(0)
+    return {"random": "random", "fcl": UNetEncoder(TINY_FEATURES).state_dict()}
+
+
+KW = dict(n_labelled=[1], folds=[0], features=TINY_FEATURES, epochs=1, batch_size=4, max_steps_per_epoch=1)
+
+
+def test_group_by_patient():
+    groups = group_by_patient(_site_volumes()["site-1"])
+    assert len(groups) == PER_SITE and all(sorted(v.phase for v in vs) == ["ED", "ES"] for vs in groups.values())
+
+
+def test_local_finetune_rows_pooled_validation_disjoint():
+    sv = _site_volumes()
+    seen = []
+    rows = local_finetune(sv, _inits(), progress=seen.append, **KW)
+    assert len(rows) == 2 * 1 * 1 * N_SITES and len(seen) == len(rows)
+    assert {r["method"] for r in rows} == {"random", "fcl"}
+    assert {r["site"] for r in rows} == set(sv)
+    val = set(rows[0]["val_patients"])
+    assert len(val) == N_SITES  # one validation patient of every site, pooled
+    assert {pid[:2] for pid in val} == {f"s{s}" for s in range(N_SITES)}
+    for r in rows:
+        assert r["mode"] == "local" and r["n_labelled"] == 1 and r["fold"] == 0
+        assert set(r["val_patients"]) == val and r["n_val_volumes"] == 2 * N_SITES
+        assert len(r["train_patients"]) == 1 and r["n_train_volumes"] == 2  # ED + ES
+        assert not set(r["train_patients"]) & val
+        site_ids = {v.patient_id for v in sv[r["site"]]}
+        assert set(r["train_patients"]) <= site_ids
+        assert 0.0 <= r["dice"] <= 1.0
+        assert r["dice"] == pytest.approx((r["RV"] + r["MYO"] + r["LV"]) / 3)
+    # The same patients for every method.
+    by = {(r["site"], r["method"]): r["train_patients"] for r in rows}
+    assert all(by[(s, "random")] == by[(s, "fcl")] for s in sv)
+
+
+def test_centralised_finetune_per_site_and_pooled():
+    sv = _site_volumes()
+    local = local_finetune(sv, {"random": "random"}, **KW)
+    rows = centralised_finetune(sv, _inits(), **KW)
+    assert len(rows) == 2
+    expected_train = sorted(p for r in local for p in r["train_patients"])
+    for r in rows:
+        assert r["mode"] == "centralised" and r["site"] == "all"
+        assert sorted(r["train_patients"]) == expected_train  # N per site, same as local
+        assert r["n_train_volumes"] == 2 * N_SITES
+        assert set(r["val_patients"]) == set(local[0]["val_patients"])
+        assert not set(r["train_patients"]) & set(r["val_patients"])
+    pooled = centralised_finetune(sv, {"random": "random"}, labelled_from="pooled", **KW)
+    assert len(pooled) == 1 and len(pooled[0]["train_patients"]) == 1
+    assert not set(pooled[0]["train_patients"]) & set(pooled[0]["val_patients"])
+
+
+def test_evaluate_per_site_uses_each_sites_validation():
+    sv = _site_volumes()
+    unet = init_unet("random", features=TINY_FEATURES, seed=0)
+    rows = evaluate_per_site(unet, sv, 0, method="fcl", n_labelled=2)
+    pooled = local_finetune(sv, {"random": "random"}, **KW)[0]["val_patients"]
+    assert [r["site"] for r in rows] == sorted(sv)
+    assert sorted(p for r in rows for p in r["val_patients"]) == sorted(pooled)
+    split = site_split(sv, 0, 2)
+    for r in rows:
+        assert r["mode"] == "federated" and r["n_labelled"] == 2 and r["n_val_volumes"] == 2
+        assert r["val_patients"] == split[r["site"]]["val_patients"]
+        assert not set(split[r["site"]]["train_patients"]) & set(r["val_patients"])
+        assert len(split[r["site"]]["train_volumes"]) == 4
+
+
+def test_duplicate_patient_across_sites_rejected():
+    sv = _site_volumes()
+    sv["site-2"] = sv["site-2"] + [sv["site-1"][0]]
+    with pytest.raises(ValueError, match="appears in sites"):
+        local_finetune(sv, {"random": "random"}, **KW)

@@ -127,3 +127,80 @@ def test_every_job_streams_training_curves_to_the_server(job):
     receivers = [c for c in server.values() if c["path"] == "nvflare.app_opt.tracking.tb.tb_receiver.TBAnalyticsReceiver"]
     assert len(receivers) == 1
     assert receivers[0]["args"]["events"] == [fed[0]["args"].get("fed_event_prefix", "fed.") + event]
+
+
+def _profile_overrides(profile: str):
+    """(job, part, component id or None for shape, arg) of every override a profile makes."""
+    for job, parts in load_profile(profile).get("jobs", {}).items():
+        for part, comps in parts.items():
+            if part == "meta":
+                continue
+            if part == "shape":
+                yield from ((job, part, None, arg) for arg in comps)
+            else:
+                yield from ((job, part, cid, arg) for cid, args in comps.items() for arg in args)
+
+
+def _job_components(job: str) -> dict[str, list[dict]]:
+    return {os.path.basename(path).split("_")[-1][:-5]: component_specs(cfg)
+            for path, cfg in job_configs(os.path.join(JOBS_DIR, job))}
+
+
+def _takes(comp: dict, arg: str) -> bool:
+    """``arg`` is a named constructor argument of the class, or of a base class it passes ``**kwargs`` on to."""
+    for cls in resolve(comp["path"]).__mro__:
+        params = inspect.signature(cls.__init__).parameters
+        if arg in params:
+            return True
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return False
+    return False
+
+
+#: arguments the server's model and a site's executor both take that are not the model's shape
+NOT_SHAPE = {"classes", "seed", "device", "pretrained_path", "imagenet_path"}
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_every_profile_override_binds_to_a_constructor_argument(profile):
+    checked = 0
+    for job, part, comp_id, arg in _profile_overrides(profile):
+        assert job in JOBS, f"profile {profile} configures unknown job {job}"
+        comps = _job_components(job)
+        if part == "shape":
+            hits = [c for cs in comps.values() for c in cs if arg in c.get("args", {})]
+            assert hits, f"{profile}: shape.{arg} of {job} is no component's argument"
+        else:
+            hits = [c for c in comps[part] if c["id"] == comp_id]
+            assert len(hits) == 1, f"{profile}: {part}.{comp_id} of {job} is not one component"
+        for comp in hits:
+            assert _takes(comp, arg), f"{profile}: {job} {comp['id']} ({comp['path']}) has no constructor argument {arg}"
+            checked += 1
+    assert checked or profile == "paper"
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_the_model_shape_agrees_between_server_and_sites(job):
+    """Arguments the server's model component and a site's component both take must have one value (the job's
+    model shape); a profile names them once, under ``shape``."""
+    comps = _job_components(job)
+    model = [c for c in comps["server"] if c["id"] == "model"]
+    assert len(model) == 1, f"{job}: the server config needs one 'model' component"
+    shared = 0
+    for comp in comps["client"]:
+        for arg in (set(model[0].get("args", {})) & set(comp.get("args", {}))) - NOT_SHAPE:
+            assert comp["args"][arg] == model[0]["args"][arg], f"{job}: {arg} differs between model and {comp['id']}"
+            shared += 1
+    assert shared >= 1, f"{job}: no model argument shared by the server and the sites"
+
+
+def test_shape_override_reaches_server_and_sites_and_typos_fail(tmp_path):
+    out = build_job(os.path.join(JOBS_DIR, "fcl_acdc"), str(tmp_path / "j"), profile="quick",
+                    sets=["shape.proj_dim=16"])
+    comps = {os.path.basename(p): component_specs(c) for p, c in job_configs(out)}
+    model = [c for c in comps["config_fed_server.json"] if c["id"] == "model"][0]
+    trainer = [c for c in comps["config_fed_client.json"] if c["id"] == "fcl_trainer"][0]
+    assert model["args"]["proj_dim"] == trainer["args"]["proj_dim"] == 16
+    assert model["args"]["features"] == trainer["args"]["features"] == [8, 16, 32, 64, 128, 8]  # the profile's shape
+    with pytest.raises(ValueError, match="shape argument 'proj_dimm'"):
+        build_job(os.path.join(JOBS_DIR, "fcl_acdc"), str(tmp_path / "k"), sets=["shape.proj_dimm=16"])

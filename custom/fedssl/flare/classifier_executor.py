@@ -46,7 +46,7 @@ class ClassifierExecutor(TrainerExecutor):
     def __init__(self, dataset: str = "retina", data_root: str = "", test_root: str = "", image_size: int = 224,
                  patch_size: int = 16, embed_dim: int = 768, depth: int = 12, num_heads: int = 12,
                  drop_path_rate: float = 0.1, layer_scale: float | None = None, lr: float = 3e-3,
-                 batch_size: int = 256, local_epochs: int = 1, warmup_rounds: float = 5, min_lr: float = 1e-6,
+                 batch_size: int = 256, local_epochs: int = 1, warmup_rounds: int = 5, min_lr: float = 1e-6,
                  weight_decay: float = 0.05, label_fraction: float = 1.0, val_fraction: float = 0.1,
                  fedprox_mu: float = 0.0, label_smoothing: float = 0.0, layer_decay: float = 0.65,
                  max_steps_per_epoch: int = 0, eval_batch_size: int = 256, seed: int = 0, device: str = "auto"):

@@ -63,6 +63,11 @@ def load_profile(profile: str) -> dict:
         return json.load(f)
 
 
+#: the part of a profile / ``--set`` that names the job's model shape once (``shape.image_size=64``): it applies
+#: to every component of the job, client and server, that takes the argument
+SHAPE = "shape"
+
+
 def profile_overrides(profile: dict, job_name: str) -> dict:
     jobs = profile.get("jobs", {})
     merged: dict = {}
@@ -70,15 +75,28 @@ def profile_overrides(profile: dict, job_name: str) -> dict:
         for part, comps in jobs.get(key, {}).items():
             target = merged.setdefault(part, {})
             for comp_id, args in comps.items():
-                if part == "meta":
+                if part in ("meta", SHAPE):
                     target[comp_id] = args
                 else:
                     target.setdefault(comp_id, {}).update(args)
     return merged
 
 
+def apply_shape(configs: dict[str, dict], shape: dict, where: str) -> None:
+    """Set each ``shape`` argument in every component (of every config) that has it; an argument no component
+    takes is an error (a typo must not pass silently)."""
+    for arg, value in shape.items():
+        hits = [c for config in configs.values() for c in _components(config) if arg in c.get("args", {})]
+        if not hits:
+            raise ValueError(f"{where}: shape argument {arg!r} is not an argument of any component of this job; "
+                             "shape names model arguments shared by the server and the sites (e.g. image_size)")
+        for comp in hits:
+            comp["args"][arg] = value
+
+
 def parse_set(expr: str) -> tuple[str, str, str, Any]:
-    """``client.fcl_trainer.lr=0.1`` -> ("client", "fcl_trainer", "lr", 0.1); ``meta.min_clients=3`` too."""
+    """``client.fcl_trainer.lr=0.1`` -> ("client", "fcl_trainer", "lr", 0.1); ``meta.min_clients=3`` and
+    ``shape.image_size=64`` (every component of the job that takes image_size) too."""
     if "=" not in expr:
         raise ValueError(f"--set {expr!r}: expected PART.ID.ARG=VALUE, e.g. client.fcl_trainer.lr=0.1")
     lhs, raw = expr.split("=", 1)
@@ -87,10 +105,11 @@ def parse_set(expr: str) -> tuple[str, str, str, Any]:
     except json.JSONDecodeError:
         value = raw
     parts = lhs.split(".")
-    if parts[0] == "meta" and len(parts) == 2:
-        return "meta", "", parts[1], value
+    if parts[0] in ("meta", SHAPE) and len(parts) == 2:
+        return parts[0], "", parts[1], value
     if len(parts) != 3 or parts[0] not in CONFIG_FILES:
-        raise ValueError(f"--set {expr!r}: expected server.ID.ARG=VALUE, client.ID.ARG=VALUE or meta.KEY=VALUE")
+        raise ValueError(f"--set {expr!r}: expected server.ID.ARG=VALUE, client.ID.ARG=VALUE, shape.ARG=VALUE or "
+                         "meta.KEY=VALUE")
     return parts[0], parts[1], parts[2], value
 
 
@@ -98,7 +117,9 @@ def build_job(job_dir: str, out_dir: str, profile: str | None = None, sets: list
     """Copy ``job_dir`` to ``out_dir`` with the profile and ``--set`` overrides applied; returns ``out_dir``.
 
     ``n_sites`` sets ``min_clients`` in meta.json and of every workflow that has it, over the profile; a
-    ``--set`` value takes precedence over both (e.g. tolerate one failed site out of three).
+    ``--set`` value takes precedence over both (e.g. tolerate one failed site out of three).  Precedence, lowest
+    first: the job, the profile's ``shape``, the profile's component overrides, ``n_sites``, ``--set shape.*``,
+    the other ``--set`` overrides.
     """
     job_dir = os.path.abspath(job_dir)
     job_name = os.path.basename(job_dir.rstrip("/"))
@@ -109,8 +130,8 @@ def build_job(job_dir: str, out_dir: str, profile: str | None = None, sets: list
     from_sets: dict = {}
     for expr in sets:
         part, comp_id, arg, value = parse_set(expr)
-        if part == "meta":
-            from_sets.setdefault("meta", {})[arg] = value
+        if part in ("meta", SHAPE):
+            from_sets.setdefault(part, {})[arg] = value
         else:
             from_sets.setdefault(part, {}).setdefault(comp_id, {})[arg] = value
     if os.path.exists(out_dir):
@@ -126,22 +147,26 @@ def build_job(job_dir: str, out_dir: str, profile: str | None = None, sets: list
     with open(os.path.join(out_dir, "meta.json"), "w") as f:
         json.dump(meta, f, indent=2)
     for app in [d for d in os.listdir(out_dir) if os.path.isdir(os.path.join(out_dir, d, "config"))]:
-        for part, fname in CONFIG_FILES.items():
-            path = os.path.join(out_dir, app, "config", fname)
-            if not os.path.isfile(path):
-                continue
+        paths = {part: os.path.join(out_dir, app, "config", fname) for part, fname in CONFIG_FILES.items()
+                 if os.path.isfile(os.path.join(out_dir, app, "config", fname))}
+        configs = {}
+        for part, path in paths.items():
             with open(path) as f:
-                config = json.load(f)
-            where = f"{job_name}/{app}/{fname}"
+                configs[part] = json.load(f)
+        where = f"{job_name}/{app}"
+        apply_shape(configs, from_profile.get(SHAPE, {}), f"{where} (profile)")
+        for part, config in configs.items():
             for comp_id, args in from_profile.get(part, {}).items():
-                override_args(config, comp_id, args, where)
+                override_args(config, comp_id, args, f"{where}/{CONFIG_FILES[part]}")
             if n_sites is not None:
                 for comp in _components(config):
                     if "min_clients" in comp.get("args", {}):
                         comp["args"]["min_clients"] = n_sites
+        apply_shape(configs, from_sets.get(SHAPE, {}), f"{where} (--set)")
+        for part, config in configs.items():
             for comp_id, args in from_sets.get(part, {}).items():
-                override_args(config, comp_id, args, where)
-            with open(path, "w") as f:
+                override_args(config, comp_id, args, f"{where}/{CONFIG_FILES[part]}")
+            with open(paths[part], "w") as f:
                 json.dump(config, f, indent=2)
     return out_dir
 

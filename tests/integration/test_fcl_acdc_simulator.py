@@ -118,7 +118,7 @@ def test_client_state_survives_restarts(data, tmp_path):
                        sets=["server.scatter_and_gather.num_rounds=2", "client.fcl_trainer.max_steps_per_round=1"])
     log = open(s["log"]).read()
     for site in range(1, SITES + 1):
-        assert f"resumed client state from round 0" in log
+        assert "resumed client state from round 0" in log
         state = torch.load(os.path.join(s["workspace"], f"site-{site}", "simulate_job", "fcl_client_state.pt"),
                            weights_only=False)
         assert state["round"] == 1 and state["trainer"]["bank"]["filled"] == 2 * 16  # 1 step per round x 16 images

@@ -1,4 +1,4 @@
-"""``fedssl fcl <verb>``: ACDC / FCL / FCLOpt (seed 004): synthetic ACDC, site folders, U-Net export, local and
+"""``fedssl fcl <verb>``: ACDC / FCL / FCLOpt (FCL (Wu et al., MedIA 2022)): synthetic ACDC, site folders, U-Net export, local and
 centralised fine-tuning with the Dice table, Table 7 and the README's demo."""
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ VERBS = (
          alias="finetune"),
     Verb("export-unet", "pre-trained FL_global_model.pt -> U-Net init checkpoint", _export_unet_args, _export_unet,
          alias="export-unet"),
-    Verb("table7", "seed 004 Table 7: bytes per round (FCL = 1) and Dice, six methods", _table7_args, _table7,
+    Verb("table7", "FCL (Wu et al., MedIA 2022) Table 7: bytes per round (FCL = 1) and Dice, six methods", _table7_args, _table7,
          alias="table7"),
     Verb("demo", "synthetic ACDC -> FCL in the simulator -> fine-tuning -> Dice table (quick profile)", _demo_args,
          _demo, alias="demo"),

@@ -1,4 +1,4 @@
-"""``fedssl sslfl <verb>``: SSL-FL (seed 000) image data sets and ViT fine-tuning: synthetic retina / derm / covidfl
+"""``fedssl sslfl <verb>``: SSL-FL (SSL-FL (Yan et al., IEEE TMI 2023)) image data sets and ViT fine-tuning: synthetic retina / derm / covidfl
 data and its site folders, the demo, local fine-tuning, encoder export, evaluation, training throughput."""
 
 from __future__ import annotations

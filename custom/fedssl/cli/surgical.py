@@ -1,4 +1,4 @@
-"""``fedssl surgical <verb>``: surgical aggregation (seed 002) on chest X-rays: the demo on synthetic NIH / CheXpert /
+"""``fedssl surgical <verb>``: surgical aggregation (surgical aggregation (Kulkarni et al., ML4H 2024)) on chest X-rays: the demo on synthetic NIH / CheXpert /
 MIMIC data and the centralised baseline of jobs/surgical_cxr."""
 
 from __future__ import annotations

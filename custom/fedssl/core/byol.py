@@ -1,4 +1,4 @@
-"""One client's BYOL local training for FedBYOL / FCLOpt (seed 004 section 4.3), free of FLARE types.
+"""One client's BYOL local training for FedBYOL / FCLOpt (FCL (Wu et al., MedIA 2022) section 4.3), free of FLARE types.
 
 Online network (encoder + projector) + predictor q, target network xi updated by EMA (m = 0.99) after
 every step; loss 2 - 2 cos(q(f_theta(t)), f_xi(t')) symmetrised over the two views (Grill et al.).

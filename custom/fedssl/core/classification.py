@@ -1,11 +1,11 @@
-"""Supervised fine-tuning of a classifier (SSL-FL seed 000 sec. III-D) and the metrics every fine-tuning job reports.
+"""Supervised fine-tuning of a classifier (SSL-FL SSL-FL (Yan et al., IEEE TMI 2023) sec. III-D) and the metrics every fine-tuning job reports.
 
 Pure torch / numpy (no FLARE, no scikit-learn): the FLARE executor, the local fine-tuning protocol and the
 tests all call these.
 
 ``ClassifierTrainer``: AdamW (beta 0.9, 0.999), weight decay 0.05, learning rate warmed up then cosine-decayed,
 indexed by (fractional) round as in SSL-FL; cross-entropy with optional label smoothing; optional FedProx
-proximal term (Li et al., MLSys 2020; seed 000 sec. IV-F) ``mu/2 ||w - w_t||^2`` against the weights received
+proximal term (Li et al., MLSys 2020; SSL-FL (Yan et al., IEEE TMI 2023) sec. IV-F) ``mu/2 ||w - w_t||^2`` against the weights received
 this round (``set_global``).  The model must carry a ``head_steps`` buffer: the trainer counts every optimiser
 step that updated the classification head in it, so a checkpoint tells whether its head was ever trained
 (``require_trained_head``) and evaluation of an untrained head is refused.

@@ -1,4 +1,4 @@
-"""Seeded label-skew partitioners for image classification (SSL-FL, seed 000): Dirichlet and real-site.
+"""Seeded label-skew partitioners for image classification (SSL-FL, SSL-FL (Yan et al., IEEE TMI 2023)): Dirichlet and real-site.
 
 :func:`dirichlet_split` has the semantics of SSL-FL's public splitter (``data/data_split.py``,
 ``non_iid_split_dirichlet``, itself the NIID-Bench "distribution-based label imbalance" splitter):

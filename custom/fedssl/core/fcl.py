@@ -1,4 +1,4 @@
-"""One client's FCL local training (seed 004 section 3, Fig. 2), free of any FLARE type.
+"""One client's FCL local training (FCL (Wu et al., MedIA 2022) section 3, Fig. 2), free of any FLARE type.
 
 MoCo with a main and a momentum encoder, a local FIFO bank of momentum features with partition ids,
 feature exchange (FE, eq. 1), negative sampling (NS, eq. 2) and global structural matching (GSM,
@@ -21,7 +21,7 @@ from fedssl.core.state_dict import ema_update
 
 @dataclass
 class FCLConfig:
-    """Paper settings (seed 004 section 5 "Training details")."""
+    """Paper settings (FCL (Wu et al., MedIA 2022) section 5 "Training details")."""
 
     tau: float = 0.1
     momentum: float = 0.99  # m of the momentum encoder

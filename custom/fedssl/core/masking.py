@@ -1,4 +1,4 @@
-"""Patch masking for masked image modelling (seed 000 section III-C.1).
+"""Patch masking for masked image modelling (SSL-FL (Yan et al., IEEE TMI 2023) section III-C.1).
 
 * MAE: random masking, a uniformly random subset of exactly ``round(L * ratio)`` patches per image
   (argsort of uniform noise, as in MAE's ``random_masking``).

@@ -1,6 +1,6 @@
 """Local memory bank of momentum features with partition ids, and FCL negative sampling.
 
-Seed 004 section 3.2: each client keeps a size-K FIFO bank Q_{l,c} of momentum features ("progressively
+FCL (Wu et al., MedIA 2022) section 3.2: each client keeps a size-K FIFO bank Q_{l,c} of momentum features ("progressively
 updated by replacing the oldest features with the latest ones"); with feature exchange (FE) it also holds
 the banks of the other clients, Q = Q_{l,c} U {Q_{l,i}, i != c} (1); negative sampling (NS) draws a
 size-K subset Q' of Q uniformly (2).

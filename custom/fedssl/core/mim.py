@@ -1,11 +1,11 @@
-"""One client's masked-image-modelling pre-training (seed 000 section III-C, Alg. 1), free of any FLARE type.
+"""One client's masked-image-modelling pre-training (SSL-FL (Yan et al., IEEE TMI 2023) section III-C, Alg. 1), free of any FLARE type.
 
 Losses:
 
-* MAE (seed 000 eq. 4): ``sum_{i in M} |x_i - x^_i|^2 / |M|``, the mean squared pixel error of each patch
+* MAE (SSL-FL (Yan et al., IEEE TMI 2023) eq. 4): ``sum_{i in M} |x_i - x^_i|^2 / |M|``, the mean squared pixel error of each patch
   averaged over the masked patches only (visible patches do not count); with ``norm_pix`` the target
   patch is normalised by its own mean and variance (MAE's ``norm_pix_loss``).
-* BEiT (seed 000 eq. 3): ``-sum_{i in M} log p(z_i | x^M) / |M|``, cross-entropy of the visual-token id
+* BEiT (SSL-FL (Yan et al., IEEE TMI 2023) eq. 3): ``-sum_{i in M} log p(z_i | x^M) / |M|``, cross-entropy of the visual-token id
   of each masked patch.
 
 :class:`MIMTrainer` keeps the model, AdamW state and mask generator of one client across rounds;

@@ -1,4 +1,4 @@
-"""Multi-label BCE over a head whose columns are bound to class names (seed 002, sec. 2.3).
+"""Multi-label BCE over a head whose columns are bound to class names (surgical aggregation (Kulkarni et al., ML4H 2024), sec. 2.3).
 
 A site's targets cover its own classes ``C_k`` (in its declared order); the head may cover the union ``C``
 (vanilla FL, FL with partial loss) or exactly ``C_k`` (surgical aggregation, personalised heads):

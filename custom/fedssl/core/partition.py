@@ -8,7 +8,7 @@ import numpy as np
 
 
 def split_patients(patient_ids: Sequence[str], n_sites: int, per_site: int, seed: int = 0) -> list[list[str]]:
-    """Randomly split patients into ``n_sites`` disjoint groups of ``per_site`` (seed 004 section 5:
+    """Randomly split patients into ``n_sites`` disjoint groups of ``per_site`` (FCL (Wu et al., MedIA 2022) section 5:
     "we randomly split 100 patients in ACDC into 10 partitions, each with 10 patients").
 
     The input order does not matter (ids are sorted first), so the split depends only on the set of
@@ -32,7 +32,7 @@ def split_patients(patient_ids: Sequence[str], n_sites: int, per_site: int, seed
 def kfold_split(
     patient_ids: Sequence[str], fold: int, n_folds: int = 5, seed: int = 0
 ) -> tuple[list[str], list[str]]:
-    """Patient-level k-fold split of one site: fold ``fold`` is the validation set (seed 004 section 5:
+    """Patient-level k-fold split of one site: fold ``fold`` is the validation set (FCL (Wu et al., MedIA 2022) section 5:
     10 patients -> 8 train / 2 validation per fold, 5 folds)."""
     if not 0 <= fold < n_folds:
         raise ValueError(f"fold={fold}: must be in [0, {n_folds - 1}] for n_folds={n_folds}")

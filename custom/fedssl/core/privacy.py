@@ -1,4 +1,4 @@
-"""Perturbation of shared representations before they leave a site (seed 004 section 3.4).
+"""Perturbation of shared representations before they leave a site (FCL (Wu et al., MedIA 2022) section 3.4).
 
 FCL shares momentum features.  Section 3.4 points to representation perturbation (Sun et al. 2021) as a
 protection: here each shared feature gets isotropic Gaussian noise and is projected back to the unit

@@ -1,4 +1,4 @@
-"""Predictive target network update (PTNU) and distance prediction (DP), seed 004 sections 4.4-4.5.
+"""Predictive target network update (PTNU) and distance prediction (DP), FCL (Wu et al., MedIA 2022) sections 4.4-4.5.
 
 Distances are mean absolute differences over all target-network parameters and their online
 counterparts (``target.X`` <-> ``online.X``):  d(F_theta, F_xi) = mean |theta - xi|  (eq. 10).

@@ -1,4 +1,4 @@
-"""Learning-rate schedule of SSL-FL pre-training (seed 000 section IV-A.3): linear warm-up, then cosine decay.
+"""Learning-rate schedule of SSL-FL pre-training (SSL-FL (Yan et al., IEEE TMI 2023) section IV-A.3): linear warm-up, then cosine decay.
 
 Federated training counts in communication rounds (one round = E local epochs), so ``progress`` is in
 rounds and fractional within a round: step ``s`` of ``S`` in round ``t`` has ``progress = t + s / S``

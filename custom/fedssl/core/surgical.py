@@ -1,4 +1,4 @@
-"""Surgical aggregation (seed 002, Kulkarni et al., ML4H 2024): class-name-bound classifier heads.
+"""Surgical aggregation (surgical aggregation (Kulkarni et al., ML4H 2024), Kulkarni et al., ML4H 2024): class-name-bound classifier heads.
 
 Pure numpy/torch (no FLARE import); the FLARE aggregator and the per-site task-data filter call these.
 

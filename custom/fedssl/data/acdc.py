@@ -12,7 +12,7 @@ Layout read (one folder per patient, as in the public ``training/`` folder)::
         patient001_frame12_gt.nii.gz  # ES labels
       patient002/ ...
 
-Preprocessing (seed 004, FCL): slice-first ``[Z, H, W]``, intensities clipped to the volume's
+Preprocessing (FCL (Wu et al., MedIA 2022), FCL): slice-first ``[Z, H, W]``, intensities clipped to the volume's
 1st-99th percentile and min-max scaled to [0, 1], in-plane resampling to ``target_spacing`` mm
 (1.25 mm by default), centre crop / zero pad to ``image_size x image_size``.
 

@@ -1,4 +1,4 @@
-"""Chest X-ray loaders for Surgical aggregation (seed 002): NIH ChestX-ray14, CheXpert, MIMIC-CXR-JPG.
+"""Chest X-ray loaders for Surgical aggregation (surgical aggregation (Kulkarni et al., ML4H 2024)): NIH ChestX-ray14, CheXpert, MIMIC-CXR-JPG.
 
 Real layouts read (the same loaders read the synthetic stand-ins of :mod:`fedssl.data.cxr_synthetic`):
 

@@ -1,4 +1,4 @@
-"""Batched, generator-driven 2D augmentations for FCL (seed 004).
+"""Batched, generator-driven 2D augmentations for FCL (FCL (Wu et al., MedIA 2022)).
 
 Two entry points:
 

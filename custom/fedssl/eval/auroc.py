@@ -1,4 +1,4 @@
-"""AUROC for multi-label chest X-ray classification (Surgical aggregation, seed 002, section 2.6).
+"""AUROC for multi-label chest X-ray classification (Surgical aggregation, surgical aggregation (Kulkarni et al., ML4H 2024), section 2.6).
 
 - :func:`auroc`: rank-based (Mann-Whitney U / (n_pos n_neg)), ties counted one half; NaN when the labels
   hold one class only (the AUROC is undefined, not 0.5).

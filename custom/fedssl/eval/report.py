@@ -1,6 +1,6 @@
 """Summaries, text tables and plots of fine-tuning results in the layout of the FCL paper's Tables 1-3.
 
-Seed 004 Table 1 (local) caption: "The average dice score and standard deviation across 10 clients
+FCL (Wu et al., MedIA 2022) Table 1 (local) caption: "The average dice score and standard deviation across 10 clients
 are reported, in which on each client the dice score is averaged on 5-fold cross-validation." So for
 the local and federated modes the Dice of each site is first averaged over folds, then mean +- std is
 taken over sites. Centralised fine-tuning (Table 3) trains one model per fold, so its mean +- std is

@@ -1,4 +1,4 @@
-"""Dice evaluation of the 2D U-Net (FCL, seed 004 section 5; training: :mod:`fedssl.train.segmentation`).
+"""Dice evaluation of the 2D U-Net (FCL, FCL (Wu et al., MedIA 2022) section 5; training: :mod:`fedssl.train.segmentation`).
 
 "Evaluation": the Dice similarity coefficient, here the mean of the 3D Dice of LV, MYO and RV
 computed with MONAI ``DiceMetric`` per validation volume.
@@ -9,8 +9,7 @@ protocols in :mod:`fedssl.train.protocol` share one implementation.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,7 +57,7 @@ def dice_per_volume(
     batch_size: int = 16,
     classes: Mapping[int, str] = ACDC_CLASSES,
 ) -> list[dict]:
-    """3D Dice per foreground class of every labelled volume (seed 004 section 5, "Evaluation").
+    """3D Dice per foreground class of every labelled volume (FCL (Wu et al., MedIA 2022) section 5, "Evaluation").
 
     Each volume is predicted slice by slice (argmax over the model's output channels), and the Dice
     ``2|A n B| / (|A| + |B|)`` of each foreground class is computed on the whole 3D volume with MONAI

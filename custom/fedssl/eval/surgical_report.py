@@ -1,4 +1,4 @@
-"""Per-class AUROC tables of surgical aggregation runs (seed 002 sec. 2.6 and tables 2-4).
+"""Per-class AUROC tables of surgical aggregation runs (surgical aggregation (Kulkarni et al., ML4H 2024) sec. 2.6 and tables 2-4).
 
 - :func:`auroc_table`: one site's predictions -> per-class AUROC with a bootstrap 95 % CI and their mean
   (a class with only positives or only negatives in the set has no AUROC and is listed as such);

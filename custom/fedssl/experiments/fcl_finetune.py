@@ -7,6 +7,7 @@ from typing import Sequence
 
 import torch
 
+from fedssl.core.safe_load import safe_load
 from fedssl.data.acdc import load_site
 from fedssl.data.volume import Volume
 from fedssl.train.protocol import centralised_finetune, evaluate_per_site, local_finetune
@@ -50,7 +51,7 @@ def load_global_state(path: str) -> dict:
     ``fcl_client_state.pt`` (Local CL) or a plain state dict."""
     if not os.path.isfile(path):
         raise ValueError(f"pre-trained model {path} does not exist; pass the FL_global_model.pt of a pre-training run")
-    data = torch.load(path, map_location="cpu", weights_only=False)
+    data = safe_load(path)
     if isinstance(data, dict) and "trainer" in data:  # a site's FCL checkpoint (Local CL: each site's own model)
         data = data["trainer"]
     state = data.get("model", data) if isinstance(data, dict) else None

@@ -1,4 +1,4 @@
-"""Centralised baseline of surgical aggregation (seed 002, issue 6 "baselines in the same job by switches").
+"""Centralised baseline of surgical aggregation (surgical aggregation (Kulkarni et al., ML4H 2024), issue 6 "baselines in the same job by switches").
 
 The same training and evaluation code as the federated runs (``fedssl.train.multilabel.MultiLabelLocalTrainer``:
 warm-up, epochs, validation and test report), on the pooled training data of every site, with the settings of

@@ -1,4 +1,4 @@
-"""The bundle's version of seed 004 Table 7: communication per round vs Dice after local fine-tuning.
+"""The bundle's version of FCL (Wu et al., MedIA 2022) Table 7: communication per round vs Dice after local fine-tuning.
 
 Six pre-training runs in the FLARE simulator (FedMoCo, FCL, FedBYOL, FCLOpt, FCLOpt-PTNU, FCLOpt-PTNU-DP),
 the bytes each site really sent and received per round (FOBS payloads, up + down, mean over sites and

@@ -1,4 +1,4 @@
-"""Batch-norm exclusion that follows the run's backbone strategy (seed 002: FedAvg / FedBN / FedBN+).
+"""Batch-norm exclusion that follows the run's backbone strategy (surgical aggregation (Kulkarni et al., ML4H 2024): FedAvg / FedBN / FedBN+).
 
 :class:`BackboneBNExclusion` is :class:`~fedssl.flare.partial_exclusion.PartialModelExclusion` over the
 batch-norm tensors, switched by the backbone strategy of the run instead of by the job's filter list, so

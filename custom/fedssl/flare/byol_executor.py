@@ -1,4 +1,4 @@
-"""Client executor for FedBYOL / FCLOpt / FCLOpt-PTNU / FCLOpt-PTNU-DP (seed 004 section 4).
+"""Client executor for FedBYOL / FCLOpt / FCLOpt-PTNU / FCLOpt-PTNU-DP (FCL (Wu et al., MedIA 2022) section 4).
 
 The math is :class:`fedssl.train.byol.BYOLLocalTrainer`, the round protocol
 :class:`fedssl.flare.trainer_executor.TrainerExecutor`.  The server's task says which mode runs (meta
@@ -55,7 +55,7 @@ class BYOLExecutor(TrainerExecutor):
         seed: int = 0,
         device: str = "auto",
     ):
-        """Paper settings as defaults (seed 004 section 5): lr 0.5 cosine, m 0.99, m_d 0.995, batch 32 images
+        """Paper settings as defaults (FCL (Wu et al., MedIA 2022) section 5): lr 0.5 cosine, m 0.99, m_d 0.995, batch 32 images
         (slices sampled one per partition of each volume, as in FCL)."""
         super().__init__()
         name = type(self).__name__

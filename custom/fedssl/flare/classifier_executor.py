@@ -1,4 +1,4 @@
-"""Client executor for federated fine-tuning of a ViT classifier (SSL-FL seed 000 sec. III-D; FedMAE-KS seed 001).
+"""Client executor for federated fine-tuning of a ViT classifier (SSL-FL SSL-FL (Yan et al., IEEE TMI 2023) sec. III-D; FedMAE-KS FedCLF / FedMAE-KS (Wu et al., dermatology)).
 
 Task ``train`` (TrainerExecutor's round protocol, every round of ScatterAndGather):
 

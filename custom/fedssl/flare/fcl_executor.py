@@ -1,4 +1,4 @@
-"""Client executor for FCL pre-training (seed 004 section 3) and its switches (FedMoCo, Local CL, ablations).
+"""Client executor for FCL pre-training (FCL (Wu et al., MedIA 2022) section 3) and its switches (FedMoCo, Local CL, ablations).
 
 The math is :class:`fedssl.train.fcl.FCLLocalTrainer`, the round protocol
 :class:`fedssl.flare.trainer_executor.TrainerExecutor`.  Per round: load the global model (Local CL: only before
@@ -54,7 +54,7 @@ class FCLExecutor(TrainerExecutor):
         device: str = "auto",
     ):
         """
-        Args (paper settings as defaults, seed 004 section 5):
+        Args (paper settings as defaults, FCL (Wu et al., MedIA 2022) section 5):
             data_root: the site's folder of ``patientNNN`` folders; "" = site config / FEDSSL_DATA_ROOT.
             batch_size: 2D images per mini-batch (= volumes per batch x n_partitions; 32 = 8 x 4).
             feature_exchange / negative_sampling / structural_matching: FE / NS / GSM (Table 6).

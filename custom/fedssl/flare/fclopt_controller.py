@@ -1,4 +1,4 @@
-"""ScatterAndGather for FedBYOL / FCLOpt / FCLOpt-PTNU / FCLOpt-PTNU-DP (seed 004 section 4).
+"""ScatterAndGather for FedBYOL / FCLOpt / FCLOpt-PTNU / FCLOpt-PTNU-DP (FCL (Wu et al., MedIA 2022) section 4).
 
 The mode decides what each round's broadcast carries; the sites read the mode from the task, so the
 server configuration is the single switch:

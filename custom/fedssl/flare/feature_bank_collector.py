@@ -1,4 +1,4 @@
-"""Server component for FCL feature exchange (seed 004 eq. (1)): collects each site's feature bank.
+"""Server component for FCL feature exchange (FCL (Wu et al., MedIA 2022) eq. (1)): collects each site's feature bank.
 
 The aggregator calls it through its generic ``collectors`` hook (``FedAvgAggregator(collectors=["bank_collector"])``)
 for every contribution that passed the aggregator's own checks: the site's ``bank_features`` / ``bank_partitions``

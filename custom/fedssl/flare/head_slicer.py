@@ -1,6 +1,6 @@
 """Server task-data filter: each site receives the global model with the head cut to its own classes.
 
-Surgical aggregation (seed 002, sec. 2.1.2, last paragraph): the aggregated global head covers every class
+Surgical aggregation (surgical aggregation (Kulkarni et al., ML4H 2024), sec. 2.1.2, last paragraph): the aggregated global head covers every class
 of the network, but site ``k`` receives only the rows of its classes ``C_k``, in its own declared order
 (``fedssl.core.surgical.slice_head``).  FLARE runs this filter once per site as the site pulls its task
 (site name from the peer context); all sites of a round share one DXO underneath, so the filter builds a

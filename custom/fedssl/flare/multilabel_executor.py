@@ -1,12 +1,10 @@
-"""Client executor for class-heterogeneous multi-label chest X-ray classification (seed 002).
+"""Client executor for class-heterogeneous multi-label chest X-ray (surgical aggregation, Kulkarni et al., ML4H 2024).
 
-The math is :class:`fedssl.train.multilabel.MultiLabelLocalTrainer`, the round protocol
-:class:`fedssl.flare.trainer_executor.TrainerExecutor`.  Tasks: ``declare_classes`` (the site's ordered class list
-``C_k`` from argument ``classes`` or the site config, and its training-set size); ``train`` (trainer built from
-the task's switches; from round 1 on the received model's validation BCE / AUROC goes back as ``initial_metrics``
-for the server's model selection, paper sec. 2.5; the reply carries the class list and the backbone header read by
-the BackboneBNExclusion upload filter); ``test`` (per-class AUROC with bootstrap CIs on the site's test patients of
-the final global model, or of the site's own model for personalised / individual, and on the external set).
+Maths: :class:`fedssl.train.multilabel.MultiLabelLocalTrainer`; round protocol: ``TrainerExecutor``.  Tasks:
+``declare_classes`` (the site's class list ``C_k``, from ``classes`` or the site config, and its training-set size);
+``train`` (from round 1 the received model's validation BCE / AUROC goes back as ``initial_metrics``, paper sec. 2.5;
+the reply carries the class list and the backbone header for the BackboneBNExclusion filter); ``test`` (per-class
+AUROC with bootstrap CIs on the site's test patients, and on the external set).
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ from fedssl.flare.constants import (BACKBONE_HEADER, BACKBONE_KEY, BACKBONES, CL
 from fedssl.flare.site_executor import pick_device
 from fedssl.flare.trainer_executor import TrainerExecutor
 from fedssl.train.multilabel import (FULL_HEAD_METHODS, GLOBAL_HEAD_METHODS, MultiLabelLocalTrainer, MultiLabelSettings,
-                                     check_multilabel_args, load_splits)
+                                     check_multilabel_args, check_run_switches, load_splits)
 
 
 class MultiLabelExecutor(TrainerExecutor):
@@ -76,18 +74,9 @@ class MultiLabelExecutor(TrainerExecutor):
         return self.splits
 
     def check_task(self, meta: dict, site: str) -> None:
-        """The task's switches (fixed for a run) and this site's registered classes against its configuration."""
-        switches = {"method": meta.get(METHOD_KEY), "backbone": meta.get(BACKBONE_KEY)}
-        if switches["method"] not in METHODS or switches["backbone"] not in BACKBONES:
-            raise ValueError(f"{site}: the task carries method={switches['method']!r}, backbone={switches['backbone']!r}; "
-                             "the server must run ClassRegistration and the HeadSlicer filter")
-        if self.switches is not None and switches != self.switches:
-            raise ValueError(f"{site}: the server switched from {self.switches} to {switches} mid-run")
-        self.switches = switches
         registered = classes_from_meta(meta[CLASSES_KEY], "server") if meta.get(CLASSES_KEY) is not None else None
-        if registered is not None and registered != self.own_classes:
-            raise ValueError(f"{site}: the server registered this site's classes as {registered} but its configuration "
-                             f"now declares {self.own_classes}; a site's classes are fixed for a run")
+        self.switches = check_run_switches({"method": meta.get(METHOD_KEY), "backbone": meta.get(BACKBONE_KEY)},
+                                           self.switches, METHODS, BACKBONES, self.own_classes, registered, site)
 
     # ------------------------------------------------------------------ the trainer
     def ensure_trainer(self, shareable: Shareable, fl_ctx: FLContext) -> MultiLabelLocalTrainer:
@@ -137,10 +126,10 @@ class MultiLabelExecutor(TrainerExecutor):
         site, meta = self.site_name(fl_ctx), from_shareable(shareable).get_meta_props()
         self.own_classes = self.site_classes(fl_ctx)
         self.check_task(meta, site)
-        splits = self.load_data(fl_ctx)
         self.log_info(fl_ctx, f"{site}: declaring {len(self.own_classes)} classes ({self.switches})")
         return DXO(data_kind=DataKind.METRICS, data={"num_classes": len(self.own_classes)},
-                   meta={CLASSES_KEY: classes_to_meta(self.own_classes), "num_samples": splits["n_train"]}).to_shareable()
+                   meta={CLASSES_KEY: classes_to_meta(self.own_classes), "num_samples": self.load_data(fl_ctx)["n_train"]}
+                   ).to_shareable()
 
     def test(self, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
         site, trainer, dxo = self.site_name(fl_ctx), self.ensure_trainer(shareable, fl_ctx), from_shareable(shareable)
@@ -150,8 +139,7 @@ class MultiLabelExecutor(TrainerExecutor):
             model = trainer.global_model(data, self.network_classes(meta, f"{site}: the test task", fix))
         else:
             trainer.load_global(data)  # personalised / individual: the site's own model
-        t0 = time.time()
-        external = self.resolve_root(self.external_test_root, fl_ctx) if self.external_test_root else ""
+        t0, external = time.time(), self.resolve_root(self.external_test_root, fl_ctx) if self.external_test_root else ""
         result = trainer.evaluate("test", model=model, source="global model" if model is not None else "",
                                   external_root=external)
         means = {"test_mean_auroc": result["mean_auroc"], **{k: result[k] for k in ("external_mean_auroc",) if k in result}}

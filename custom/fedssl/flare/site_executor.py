@@ -20,6 +20,7 @@ from nvflare.apis.shareable import Shareable, make_reply
 from nvflare.apis.signal import Signal
 from nvflare.app_common.app_constant import AppConstants
 
+from fedssl.core.safe_load import safe_load
 from fedssl.core.trainer import StopRequested
 from fedssl.data.site_config import resolve_data_root
 
@@ -60,7 +61,7 @@ class SiteExecutor(Executor):
         path = os.path.join(self.run_dir(fl_ctx), self.checkpoint_name)
         if not os.path.isfile(path):
             return None
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = safe_load(path)
         self.log_info(fl_ctx, f"resumed client state from round {state.get('round')} ({self.checkpoint_name})")
         return state
 

@@ -1,4 +1,4 @@
-"""Server aggregator of surgical aggregation (seed 002, sec. 2.1.2, eqs. 1-3) and its baselines.
+"""Server aggregator of surgical aggregation (surgical aggregation (Kulkarni et al., ML4H 2024), sec. 2.1.2, eqs. 1-3) and its baselines.
 
 Backbone (eq. 1): FedAvg of every non-head tensor (``weighting`` "uniform", as the paper's public code,
 or "num_samples"); under "fedbn" / "fedbn_plus" the batch-norm tensors stay on the sites (the job's

@@ -1,4 +1,4 @@
-"""Server workflow run before ScatterAndGather: every site declares its ordered class list (seed 002 sec. 2.1.1).
+"""Server workflow run before ScatterAndGather: every site declares its ordered class list (surgical aggregation (Kulkarni et al., ML4H 2024) sec. 2.1.1).
 
 Task ``declare_classes`` goes to every site with the run's switches (``method``, ``backbone``); each site
 answers with its class list ``C_k`` (from its own site configuration) and its training-set size.  The

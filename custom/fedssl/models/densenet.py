@@ -1,4 +1,4 @@
-"""Multi-label DenseNet-121 for chest X-ray (Surgical aggregation, seed 002), and its tiny twin.
+"""Multi-label DenseNet-121 for chest X-ray (Surgical aggregation, surgical aggregation (Kulkarni et al., ML4H 2024)), and its tiny twin.
 
 The network is ``torchvision.models.DenseNet`` (``densenet121``: growth 32, blocks (6, 12, 24, 16), 64
 initial features), so every backbone key is torchvision's (``features.conv0.weight``,

@@ -1,6 +1,6 @@
 """2D U-Net (MONAI ``BasicUNet``) and its encoder, shared by FCL pre-training and fine-tuning.
 
-FCL (seed 004, section 3.1) pre-trains the *encoder* of a standard 2D U-Net (first level 48 channels)
+FCL (FCL (Wu et al., MedIA 2022), section 3.1) pre-trains the *encoder* of a standard 2D U-Net (first level 48 channels)
 and then loads it 1:1 into the U-Net for segmentation.  ``UNetEncoder`` owns exactly the encoder
 modules of ``monai.networks.nets.BasicUNet`` under the same attribute names (``conv_0``,
 ``down_1`` ... ``down_4``), so ``UNetEncoder.state_dict()`` loads into a ``BasicUNet`` with every
@@ -114,7 +114,7 @@ class ContrastiveNet(nn.Module):
 
 
 class MoCoUNetEncoder(nn.Module):
-    """The FCL global model: MoCo main network and momentum network (seed 004, Fig. 2).
+    """The FCL global model: MoCo main network and momentum network (FCL (Wu et al., MedIA 2022), Fig. 2).
 
     Both are federated (FedAvg by sample count of main *and* momentum encoders, SPEC "FCL"), so the
     FLARE persistor holds this whole module: keys ``main.*`` and ``momentum.*``.
@@ -139,7 +139,7 @@ class MoCoUNetEncoder(nn.Module):
 
 
 class BYOLUNetEncoder(nn.Module):
-    """The FCLOpt / FedBYOL global model (seed 004 section 4.3): online network (U-Net encoder + projector),
+    """The FCLOpt / FedBYOL global model (FCL (Wu et al., MedIA 2022) section 4.3): online network (U-Net encoder + projector),
     predictor, and target network (encoder + projector, EMA of the online one).  Keys ``online.*``,
     ``predictor.*`` and ``target.*``; ``target.X`` pairs with ``online.X`` (PTNU / DP distances)."""
 

@@ -1,17 +1,17 @@
-"""ViT models of SSL-FL (seed 000) and FedMAE (seed 001 section IV), built from timm's VisionTransformer blocks.
+"""ViT models of SSL-FL (SSL-FL (Yan et al., IEEE TMI 2023)) and FedMAE (FedCLF / FedMAE-KS (Wu et al., dermatology) section IV), built from timm's VisionTransformer blocks.
 
 * :class:`MAEViT` - MAE (He et al. 2022): random masking of patch tokens, the ViT encoder sees only the
   visible tokens (+ class token), a lightweight ViT decoder gets the encoded tokens, a learnable mask token
   and position embeddings, and regresses the pixels of every patch; MSE on the masked patches only
-  (seed 000 eq. 4).
+  (SSL-FL (Yan et al., IEEE TMI 2023) eq. 4).
 * :class:`BEiTViT` - BEiT (Bao et al. 2022): the embeddings of masked patches are replaced by a learnable
   mask embedding, the encoder sees all tokens, a linear head predicts the visual-token id of each masked
-  patch (seed 000 eq. 3).  Absolute position embeddings (BEiT's shared relative position bias is not used,
+  patch (SSL-FL (Yan et al., IEEE TMI 2023) eq. 3).  Absolute position embeddings (BEiT's shared relative position bias is not used,
   so the encoder is a plain timm ViT that loads into :class:`ViTClassifier`).
 * :class:`ViTClassifier` - the fine-tuning network: the same encoder, average-pooled patch tokens ->
-  ``fc_norm`` -> linear ``head`` (seed 000 section III-D).
+  ``fc_norm`` -> linear ``head`` (SSL-FL (Yan et al., IEEE TMI 2023) section III-D).
 
-Parameter names are a contract with the FLARE glue (FedMAE knowledge split and Table V of seed 001 select
+Parameter names are a contract with the FLARE glue (FedMAE knowledge split and Table V of FedCLF / FedMAE-KS (Wu et al., dermatology) select
 tensors by pattern):
 
 * ``encoder.cls_token`` - the class embedding (the "local knowledge" of FedMAE-KS),
@@ -36,6 +36,7 @@ from timm.layers import LayerNorm, resample_abs_pos_embed, trunc_normal_
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
+from fedssl.core.safe_load import safe_load
 from fedssl.core.masking import random_masking
 from fedssl.core.mim import mae_loss
 from fedssl.core.patches import patchify
@@ -366,7 +367,7 @@ def read_state_dict(path: str) -> dict:
 
             data = load_file(path)
         else:
-            data = torch.load(path, map_location="cpu", weights_only=False)
+            data = safe_load(path)
     except Exception as e:  # noqa: BLE001 - name the file and the reason
         raise ValueError(f"pre-trained model {path} cannot be read: {e}") from None
     for key in ("model", "state_dict"):

@@ -20,6 +20,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
+from fedssl.core.safe_load import safe_load
 from fedssl.core.checks import require, require_int
 from fedssl.core.classification import HEAD_STEPS
 from fedssl.models.vit import ViTClassifier, encoder_state, load_imagenet_weights, load_pretrained_encoder
@@ -104,7 +105,7 @@ def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
     if not os.path.isfile(path):
         raise ValueError(f"checkpoint {path} does not exist")
     try:
-        data = torch.load(path, map_location="cpu", weights_only=False)
+        data = safe_load(path)
     except Exception as e:  # torch raises many types for a corrupt file
         raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e})") from e
     state = data.get("model", data) if isinstance(data, dict) else None

@@ -1,4 +1,4 @@
-"""FedBYOL / FCLOpt / FCLOpt-PTNU / FCLOpt-PTNU-DP on one site (seed 004 section 4) as a LocalTrainer.
+"""FedBYOL / FCLOpt / FCLOpt-PTNU / FCLOpt-PTNU-DP on one site (FCL (Wu et al., MedIA 2022) section 4) as a LocalTrainer.
 
 :class:`BYOLLocalTrainer` holds :class:`fedssl.core.byol.BYOLTrainer` (online network + predictor, target
 network, optimiser, generator) and the site's :class:`fedssl.data.acdc.PartitionSampleDataset` (slices sampled
@@ -40,7 +40,7 @@ def _numpy(state: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
 
 
 class BYOLLocalTrainer:
-    """One site's BYOL pre-training (a ``LocalTrainer``); paper settings as defaults (seed 004 section 5: lr 0.5
+    """One site's BYOL pre-training (a ``LocalTrainer``); paper settings as defaults (FCL (Wu et al., MedIA 2022) section 5: lr 0.5
     cosine, m 0.99, m_d 0.995, batch 32 images).
 
     Build order (it fixes every random draw): the partition dataset, ``torch.manual_seed(seed)``, the BYOL

@@ -1,4 +1,4 @@
-"""FCL pre-training on one site (seed 004 section 3) as a LocalTrainer.
+"""FCL pre-training on one site (FCL (Wu et al., MedIA 2022) section 3) as a LocalTrainer.
 
 :class:`FCLLocalTrainer` holds :class:`fedssl.core.fcl.FCLTrainer` (MoCo main + momentum encoder, optimiser,
 local bank, generator) and the site's :class:`fedssl.data.acdc.PartitionSampleDataset` (one slice from each of
@@ -28,7 +28,7 @@ from fedssl.models.unet import PAPER_FEATURES, MoCoUNetEncoder
 
 
 class FCLLocalTrainer:
-    """One site's FCL pre-training (a ``LocalTrainer``); paper settings as defaults (seed 004 section 5).
+    """One site's FCL pre-training (a ``LocalTrainer``); paper settings as defaults (FCL (Wu et al., MedIA 2022) section 5).
 
     Build order (it fixes every random draw): the partition dataset, the batch check, the config,
     ``torch.manual_seed(seed)``, the MoCo encoder, the FCLTrainer.  ``state_dict`` = the FCLTrainer's (model,

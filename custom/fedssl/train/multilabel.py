@@ -1,4 +1,4 @@
-"""Class-heterogeneous multi-label chest X-ray classification on one site (seed 002) and its LocalTrainer.
+"""Class-heterogeneous multi-label chest X-ray classification on one site (surgical aggregation (Kulkarni et al., ML4H 2024)) and its LocalTrainer.
 
 :class:`MultiLabelLocalTrainer` trains a :class:`fedssl.models.densenet.MultiLabelDenseNet` on one site's data
 (or, for the centralised baseline, on the pooled data of every site) the way the paper does (sec. 2.5):
@@ -46,13 +46,29 @@ GLOBAL_HEAD_METHODS = ("surgical", "vanilla", "partial_loss")
 FULL_HEAD_METHODS = ("vanilla", "partial_loss")
 
 
+def check_run_switches(switches: Mapping[str, Any], previous: Mapping[str, Any] | None, methods: Sequence[str],
+                       backbones: Sequence[str], own: Sequence[str], registered: Sequence[str] | None, site: str) -> dict:
+    """The task's switches (method, backbone): known, fixed for a run; the classes the server registered for this
+    site must be the ones it declares.  Returns the switches; raises ValueError naming the site."""
+    switches = {"method": switches.get("method"), "backbone": switches.get("backbone")}
+    if switches["method"] not in methods or switches["backbone"] not in backbones:
+        raise ValueError(f"{site}: the task carries method={switches['method']!r}, backbone={switches['backbone']!r}; "
+                         "the server must run ClassRegistration and the HeadSlicer filter")
+    if previous is not None and switches != dict(previous):
+        raise ValueError(f"{site}: the server switched from {dict(previous)} to {switches} mid-run")
+    if registered is not None and list(registered) != list(own):
+        raise ValueError(f"{site}: the server registered this site's classes as {list(registered)} but its "
+                         f"configuration now declares {list(own)}; a site's classes are fixed for a run")
+    return switches
+
+
 def _positive(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
 
 
 @dataclass(frozen=True)
 class MultiLabelSettings:
-    """The training settings (paper settings as defaults, seed 002 sec. 2.5).
+    """The training settings (paper settings as defaults, surgical aggregation (Kulkarni et al., ML4H 2024) sec. 2.5).
 
     growth_rate, block_config, num_init_features, hidden_features, dropout: DenseNet-121 = 32, [6, 12, 24, 16],
     64, 256 with dropout 0.3 (the public code's 256-unit layer before the class layer); must match the server's

@@ -1,6 +1,6 @@
 """The FCL fine-tuning protocols: local, centralised, and per-site evaluation of a federated model.
 
-Seed 004 section 5, "Evaluation": "During fine-tuning, we use 5-fold cross-validation to evaluate the
+FCL (Wu et al., MedIA 2022) section 5, "Evaluation": "During fine-tuning, we use 5-fold cross-validation to evaluate the
 segmentation performance. In each fold, 10 patients on one client are split into a training set of 8
 patients and a validation set of 2 patients. For each fold, we fine-tune with annotations from
 N in {1, 2, 4, 8} patients in the training set, and validate on the validation set of the same fold on
@@ -147,7 +147,7 @@ def local_finetune(
     n_folds: int = 5,
     split_seed: int = 0,
 ) -> list[dict]:
-    """Local fine-tuning (seed 004 Table 1): each site fine-tunes alone on its N annotated patients.
+    """Local fine-tuning (FCL (Wu et al., MedIA 2022) Table 1): each site fine-tunes alone on its N annotated patients.
 
     For every method (``inits``: name -> ``"random"`` or an encoder / U-Net state dict), N, fold and
     site: a U-Net initialised by :func:`init_unet` is trained on both volumes (ED, ES) of the site's N
@@ -194,7 +194,7 @@ def centralised_finetune(
     split_seed: int = 0,
     labelled_from: Literal["per_site", "pooled"] = "per_site",
 ) -> list[dict]:
-    """Centralised fine-tuning (seed 004 Table 3): all data combined, one model per method, N and fold.
+    """Centralised fine-tuning (FCL (Wu et al., MedIA 2022) Table 3): all data combined, one model per method, N and fold.
 
     ``labelled_from="per_site"`` (default): N labelled patients are drawn from EVERY site's training
     patients, exactly those the local protocol uses, so one model is trained on N x n_sites patients.
@@ -263,7 +263,7 @@ def evaluate_per_site(
     n_folds: int = 5,
     split_seed: int = 0,
 ) -> list[dict]:
-    """Evaluate one model (e.g. the global model of federated fine-tuning, seed 004 Table 2) on every
+    """Evaluate one model (e.g. the global model of federated fine-tuning, FCL (Wu et al., MedIA 2022) Table 2) on every
     site's own validation patients of ``fold``. One row per site::
 
         {"method", "mode", "n_labelled", "fold", "site", "dice", "RV", "MYO", "LV",

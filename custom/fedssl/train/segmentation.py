@@ -1,4 +1,4 @@
-"""Supervised fine-tuning of the 2D U-Net (FCL, seed 004 section 5) and its LocalTrainer.
+"""Supervised fine-tuning of the 2D U-Net (FCL, FCL (Wu et al., MedIA 2022) section 5) and its LocalTrainer.
 
 Paper setting ("Training details"): the U-Net is initialised from the pre-trained global encoder and
 fine-tuned with Adam, batch size 10, learning rate 0.0005 and a cosine schedule, for 200 epochs
@@ -34,7 +34,7 @@ _DECODER_PREFIXES: tuple[str, ...] = ("upcat_", "final_conv.")
 
 
 def init_unet(init: str | Mapping[str, Any], *, features: Sequence[int], seed: int = 0, out_channels: int = 4) -> BasicUNet:
-    """Build the fine-tuning U-Net and initialise it (seed 004 section 5: "the pre-trained encoder
+    """Build the fine-tuning U-Net and initialise it (FCL (Wu et al., MedIA 2022) section 5: "the pre-trained encoder
     ... is used as the initialization for fine-tuning the U-Net").
 
     ``init`` is
@@ -111,7 +111,7 @@ def _cosine_factor(total_steps: int) -> Callable[[int], float]:
 class SegmentationTrainer:
     """Slice-level supervised fine-tuning with state that persists across calls.
 
-    Seed 004 section 5: Adam, lr 0.0005, batch size 10, cosine schedule; loss MONAI
+    FCL (Wu et al., MedIA 2022) section 5: Adam, lr 0.0005, batch size 10, cosine schedule; loss MONAI
     ``DiceCELoss(to_onehot_y=True, softmax=True)``; every batch is augmented jointly (image + mask)
     by :func:`fedssl.data.transforms.augment_segmentation`. The cosine schedule decays the lr to 0 over
     ``total_steps`` optimiser steps (e.g. epochs x batches per epoch, or rounds x local batches in
@@ -231,7 +231,7 @@ def train_segmentation(
     max_steps_per_epoch: int | None = None,
     progress: Callable[[int, float], None] | None = None,
 ) -> list[float]:
-    """Fine-tune ``unet`` on all slices of the labelled ``volumes`` for ``epochs`` epochs (seed 004
+    """Fine-tune ``unet`` on all slices of the labelled ``volumes`` for ``epochs`` epochs (FCL (Wu et al., MedIA 2022)
     section 5: 200 epochs, Adam, batch 10, lr 0.0005, cosine over all steps). Returns the mean loss of
     every epoch; ``progress(epoch, loss)`` (1-based epoch) is called after each one."""
     if epochs <= 0:

@@ -1,4 +1,4 @@
-"""FCL loss against a direct, loop-by-loop implementation of equations (3)-(5) of seed 004."""
+"""FCL loss against a direct, loop-by-loop implementation of equations (3)-(5) of FCL (Wu et al., MedIA 2022)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Surgical head merge (seed 002, eq. 2-3): hand-computed columns, FedAvg equivalence, slicing, BN key selection."""
+"""Surgical head merge (surgical aggregation (Kulkarni et al., ML4H 2024), eq. 2-3): hand-computed columns, FedAvg equivalence, slicing, BN key selection."""
 
 import numpy as np
 import pytest

@@ -23,7 +23,7 @@ def test_mae_parameter_names_follow_the_contract(tiny_mae):
         assert k in keys
     sd = tiny_mae.state_dict()
     d, dd, p = TINY_VIT["embed_dim"], 32, TINY_VIT["patch_size"]
-    # Table V of seed 001: "patch projection" = the encoder's input projection (pixels -> embed_dim) ...
+    # Table V of FedCLF / FedMAE-KS (Wu et al., dermatology): "patch projection" = the encoder's input projection (pixels -> embed_dim) ...
     assert match_keys(keys, ["encoder.patch_embed.*"]) == ["encoder.patch_embed.proj.weight", "encoder.patch_embed.proj.bias"]
     assert tuple(sd["encoder.patch_embed.proj.weight"].shape) == (d, 3, p, p)
     # ... "decoder projection" = the decoder's input projection (embed_dim -> decoder width)
@@ -190,7 +190,7 @@ def test_bad_geometry_is_rejected():
 
 
 def test_paper_sized_models_match_the_reported_parameter_counts():
-    """Seed 000 section IV-D: Fed-MAE communicates 111.7M parameters, Fed-BEiT 92M, fine-tuning 85.8M."""
+    """SSL-FL (Yan et al., IEEE TMI 2023) section IV-D: Fed-MAE communicates 111.7M parameters, Fed-BEiT 92M, fine-tuning 85.8M."""
     with torch.device("meta"):  # shapes only, no memory or init time
         mae = build_model("vit_b16_mae")
         beit = build_model("vit_b16_beit")

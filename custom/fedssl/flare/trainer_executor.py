@@ -120,6 +120,7 @@ class TrainerExecutor(SiteExecutor):
             stats.metrics.setdefault("steps_per_s", round(stats.steps / seconds, 3))
         self.append_metrics(fl_ctx, {"round": round_idx, **stats.record(), **extra})
         self.stream(fl_ctx, stats, round_idx)
+        self.stream_scalars(fl_ctx, extra, round_idx)  # e.g. validation metrics of the received global model
         self.log_info(fl_ctx, f"round {round_idx + 1}/{num_rounds}: {self.describe_round(stats)}")
         state = {k: v.detach().cpu().numpy() for k, v in self.result_state(stats, dxo).items()}
         meta = {"num_samples": stats.samples, MetaKey.NUM_STEPS_CURRENT_ROUND: stats.steps, "loss": stats.loss,

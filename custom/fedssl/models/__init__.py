@@ -1,4 +1,4 @@
-"""Model registry: ``build_model(name, **kw)`` over MONAI / timm / transformers, each with a tiny_* twin."""
+"""Model registry: ``build_model(name, **kw)`` over MONAI / timm, each with a tiny_* twin."""
 
 from __future__ import annotations
 

@@ -62,6 +62,10 @@ class DummyExecutor(TrainerExecutor):
     def build_trainer(self, fl_ctx, num_rounds):
         return DummyTrainer()
 
+    def receive(self, dxo, fl_ctx, round_idx):
+        super().receive(dxo, fl_ctx, round_idx)
+        return {"val_accuracy": 0.25 * (round_idx + 1), "kept": ["not", "a", "scalar"]}  # validation of the download
+
 
 class ClientEngine(FakeEngine):
     """A site's engine: components by id, and a record of the analytics events fired on it."""
@@ -103,7 +107,9 @@ def test_round_scalars_reach_tensorboard_and_the_summary(tmp_path):
     by_round = {}
     for a in sent:
         by_round.setdefault(a.step if not a.tag.startswith("step/") else "curve", {})[a.tag] = a.value
-    assert set(by_round[0]) == {"loss", "steps", "num_samples", "loss_local", "loss_remote", "lr", "time_s", "steps_per_s"}
+    assert set(by_round[0]) == {"loss", "steps", "num_samples", "loss_local", "loss_remote", "lr", "time_s", "steps_per_s",
+                                "val_accuracy"}
+    assert by_round[1]["val_accuracy"] == 0.5
     assert {k: by_round[1][k] for k in ("loss", "loss_local", "loss_remote", "lr", "steps")} == {
         "loss": 2.5, "loss_local": 2.0, "loss_remote": 0.5, "lr": 0.1, "steps": 2.0}
     # per-step curve: step = round x steps + i

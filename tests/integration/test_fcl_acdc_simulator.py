@@ -120,5 +120,5 @@ def test_client_state_survives_restarts(data, tmp_path):
     for site in range(1, SITES + 1):
         assert "resumed client state from round 0" in log
         state = torch.load(os.path.join(s["workspace"], f"site-{site}", "simulate_job", "fcl_client_state.pt"),
-                           weights_only=False)
+                           weights_only=True)
         assert state["round"] == 1 and state["trainer"]["bank"]["filled"] == 2 * 16  # 1 step per round x 16 images

@@ -115,7 +115,7 @@ def test_fedmae_derm_keeps_the_class_token_local_until_the_final_average(data, t
         records = [json.loads(line) for line in open(os.path.join(run, "mim_metrics.jsonl"))]
         assert [m["round"] for m in records] == list(range(rounds)) and all(m["kept_local"] == [CLS] for m in records)
         n_samples[site] = records[-1]["num_samples"]
-        ckpt = torch.load(os.path.join(run, "mim_client_state.pt"), weights_only=False)
+        ckpt = torch.load(os.path.join(run, "mim_client_state.pt"), weights_only=True)
         assert ckpt["round"] == rounds - 1
         local[site] = ckpt["trainer"]["local"][CLS]  # the tensors kept local are part of the trainer state
         torch.testing.assert_close(ckpt["trainer"]["model"][CLS], local[site])

@@ -10,8 +10,9 @@ import os
 import time
 
 import pytest
-import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from fedssl.core.safe_load import safe_load
 from fedssl.data.acdc_synthetic import write_synthetic_acdc
 from fedssl.ops.deploy import LoopbackDeployment
 from fedssl.ops.jobs import REPO_ROOT, build_job
@@ -37,13 +38,19 @@ def test_provisioned_fcl_job_runs_downloads_and_tears_down(data, tmp_path):
         r = d.run_job(job, timeout_s=300)
         assert r["status"] == "FINISHED:COMPLETED", r
         ws = os.path.join(r["result_dir"], "workspace")
-        model = torch.load(os.path.join(ws, "app_server", "FL_global_model.pt"), weights_only=False)
+        model = safe_load(os.path.join(ws, "app_server", "FL_global_model.pt"))
         assert any(k.startswith("main.encoder.") for k in model["model"])
         with open(os.path.join(ws, "summary.json")) as f:
             summary = json.load(f)
         assert [x["aggregated_sites"] for x in summary["rounds"]] == [2, 2]
         assert all(math.isfinite(x["mean_loss"]) for x in summary["rounds"])
         assert summary["communication_per_round"][1]["download"]["features"] > 0
+        # the sites' training curves reached the server's TensorBoard folder through FLARE's analytics path
+        for site in ("site-1", "site-2"):
+            acc = EventAccumulator(os.path.join(ws, "tb_events", site), size_guidance={"scalars": 0})
+            acc.Reload()
+            for tag in ("loss", "loss_local", "loss_remote", "lr"):
+                assert [e.step for e in acc.Scalars(tag)] == [0, 1], (site, tag)
     assert d.leftover_processes() == [] and not d.port_in_use()
 
 

@@ -164,7 +164,7 @@ def test_optimiser_state_survives_a_client_restart(data, tmp_path):
     ex = ClassifierExecutor(data_root=site, max_steps_per_epoch=2, fedprox_mu=0.001, **ARGS)
     out = from_shareable(run(ex, tmp_path, task(initial_weights(), 0)))
     assert ex.trainer.trainer.fedprox_mu == 0.001
-    state = torch.load(tmp_path / "cls_client_state.pt", weights_only=False)
+    state = torch.load(tmp_path / "cls_client_state.pt", weights_only=True)
     assert state["round"] == 0 and state["trainer"]["step"] == 2
     restarted = ClassifierExecutor(data_root=site, max_steps_per_epoch=2, fedprox_mu=0.001, **ARGS)
     run(restarted, tmp_path, task(out.data, 1))

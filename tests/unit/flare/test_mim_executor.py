@@ -135,11 +135,11 @@ def test_knowledge_split_keeps_the_local_class_token_and_rejects_unexpected_keys
 def test_a_restarted_client_resumes_model_optimiser_and_local_tensors(data, tmp_path):
     ex = MIMExecutor(method="mae", data_root=data, **ARGS)
     run(ex, tmp_path, task(global_weights(), 0))
-    saved = torch.load(tmp_path / "mim_client_state.pt", weights_only=False)
+    saved = torch.load(tmp_path / "mim_client_state.pt", weights_only=True)
     assert saved["round"] == 0 and saved["trainer"]["step"] == 2
     broadcast = {k: v for k, v in global_weights().items() if k != CLS}
     run(ex, tmp_path, task(broadcast, 1, meta={EXCLUDED_META: [CLS]}))
-    ckpt = torch.load(tmp_path / "mim_client_state.pt", weights_only=False)
+    ckpt = torch.load(tmp_path / "mim_client_state.pt", weights_only=True)
     assert ckpt["round"] == 1 and set(ckpt["trainer"]["local"]) == {CLS}
     # a new executor object = a client restart: it continues from the checkpoint, not from scratch
     ex2 = MIMExecutor(method="mae", data_root=data, **ARGS)

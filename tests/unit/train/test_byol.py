@@ -137,7 +137,7 @@ def test_restart_round_trip_of_state_dict_gives_the_same_next_round():
     torch.save({"round": 0, "trainer": a.state_dict()}, buf)
     buf.seek(0)
     b = trainer()
-    b.load_state_dict(torch.load(buf, weights_only=False)["trainer"])
+    b.load_state_dict(torch.load(buf, weights_only=True)["trainer"])
     assert b.has_local_target  # a restored site has a target network of its own
     assert all(np.array_equal(v, b.local_target()[k]) for k, v in a.local_target().items())
     g = global_download(0.5)

@@ -87,7 +87,7 @@ def test_restart_round_trip_of_state_dict_gives_the_same_next_round():
     torch.save({"round": 0, "trainer": a.state_dict()}, buf)  # what the executor checkpoints
     buf.seek(0)
     b = trainer()
-    b.load_state_dict(torch.load(buf, weights_only=False)["trainer"])
+    b.load_state_dict(torch.load(buf, weights_only=True)["trainer"])
     assert b.trainer.bank.filled == a.trainer.bank.filled
     for t in (a, b):
         t.set_remote(*remote())

@@ -150,7 +150,7 @@ def test_state_round_trip_continues_bit_identically():
     torch.save(a.state_dict(), buf)  # the checkpoint path
     saved = a.state_dict()
     b = make(dropout=0.3)
-    b.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
+    b.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
     assert (b.warmed_up, b.epoch) == (True, 3) and same(params(a.model), params(b.model))
     torch.manual_seed(1)
     ra = a.train_round(1)

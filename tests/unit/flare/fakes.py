@@ -4,6 +4,7 @@ from nvflare.apis.dxo import DXO, DataKind
 from nvflare.apis.fl_constant import ReservedKey
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
+from nvflare.apis.signal import Signal
 
 
 class FakeWorkspace:
@@ -59,3 +60,16 @@ def contribution(site, weights, meta=None, round_idx=0) -> Shareable:
     s.set_peer_props({ReservedKey.IDENTITY_NAME: site})
     s.add_cookie("contribution_round", round_idx)
     return s
+
+
+class CountingSignal(Signal):
+    """FLARE's abort signal, triggered from the ``after``-th time it is read (an abort arriving mid-round)."""
+
+    def __init__(self, after):
+        super().__init__()
+        self.reads, self.after = 0, after
+
+    @property
+    def triggered(self):
+        self.reads += 1
+        return self.reads >= self.after

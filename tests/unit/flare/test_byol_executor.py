@@ -14,8 +14,7 @@ from fedssl.flare.byol_executor import BYOLExecutor
 from fedssl.flare.constants import DISTANCE_KEY, DISTANCE_TASK, MODE_KEY, MODES, PROXY_KEY, UPLOAD_TARGET_KEY
 from fedssl.models.unet import TINY_FEATURES, BYOLUNetEncoder
 from fedssl.train.byol import BYOL_MODES
-from tests.unit.flare.fakes import FakeEngine, context
-from tests.unit.flare.test_fcl_executor import CountingSignal
+from tests.unit.flare.fakes import CountingSignal, FakeEngine, context
 
 ARGS = dict(image_size=32, target_spacing=4.0, features=list(TINY_FEATURES), proj_dim=8, pred_hidden=16, batch_size=8,
             max_steps_per_round=2, device="cpu")

@@ -17,7 +17,7 @@ from fedssl.data.images import load_image_records
 from fedssl.flare.classifier_executor import ClassifierExecutor
 from fedssl.models.vit import TINY_VIT
 from fedssl.models.vit_classifier import FineTuneViT
-from tests.unit.flare.fakes import FakeEngine, context
+from tests.unit.flare.fakes import CountingSignal, FakeEngine, context
 
 TINY = dict(image_size=TINY_VIT["image_size"], patch_size=TINY_VIT["patch_size"], embed_dim=TINY_VIT["embed_dim"],
             depth=TINY_VIT["depth"], num_heads=TINY_VIT["num_heads"], drop_path_rate=0.0)
@@ -171,23 +171,10 @@ def test_optimiser_state_survives_a_client_restart(data, tmp_path):
     assert restarted.trainer.trainer.step == 4  # resumed the step count (and AdamW moments) from the checkpoint
 
 
-class StopAfter(Signal):
-    """FLARE's abort signal that fires once it has been asked ``n`` times (i.e. during the round)."""
-
-    def __init__(self, n):
-        super().__init__()
-        self.n, self.asked = n, 0
-
-    @property
-    def triggered(self):
-        self.asked += 1
-        return self.asked > self.n
-
-
 def test_an_abort_during_the_round_stops_within_one_step(data, tmp_path):
     ex = ClassifierExecutor(data_root=os.path.join(data, "site-1"), **ARGS)
     reply = ex.execute("train", task(initial_weights()), context(site="site-1", engine=FakeEngine(tmp_path)),
-                       StopAfter(1))
+                       CountingSignal(after=2))
     assert reply.get_return_code() == ReturnCode.TASK_ABORTED
     assert ex.trainer.trainer.step == 1  # one step, then the abort
     assert not os.path.exists(tmp_path / "cls_client_state.pt") and not os.path.exists(tmp_path / "cls_metrics.jsonl")

@@ -15,7 +15,7 @@ from fedssl.data.acdc_synthetic import write_synthetic_acdc
 from fedssl.flare.constants import REMOTE_FEATURES, REMOTE_PARTITIONS
 from fedssl.flare.fcl_executor import FCLExecutor
 from fedssl.models.unet import TINY_FEATURES, MoCoUNetEncoder
-from tests.unit.flare.fakes import FakeEngine, context
+from tests.unit.flare.fakes import CountingSignal, FakeEngine, context
 
 ARGS = dict(image_size=32, target_spacing=4.0, features=list(TINY_FEATURES), proj_dim=8, batch_size=8, bank_size=32,
             max_steps_per_round=2, device="cpu")
@@ -113,19 +113,6 @@ def test_local_cl_never_loads_the_aggregate_after_round_0(data, tmp_path):
     fed.trainer.train_round = ex.trainer.train_round
     run(fed, tmp_path / "fed", zeros)
     assert all(not v.is_floating_point() or not v.any() for v in fed.trainer.model.state_dict().values())
-
-
-class CountingSignal(Signal):
-    """FLARE's abort signal, triggered from the ``after``-th time it is read."""
-
-    def __init__(self, after):
-        super().__init__()
-        self.reads, self.after = 0, after
-
-    @property
-    def triggered(self):
-        self.reads += 1
-        return self.reads >= self.after
 
 
 def test_abort_during_a_round_stops_within_one_step(data, tmp_path):

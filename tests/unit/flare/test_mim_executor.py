@@ -16,7 +16,7 @@ from fedssl.data.image_synthetic import write_synthetic_images
 from fedssl.flare.constants import EXCLUDED_META, KMEANS_INIT, KMEANS_STEP, LOCAL_TOKENIZER_KEY, SET_TOKENIZER, SITE_RECORD_META
 from fedssl.flare.mim_executor import MIMExecutor
 from fedssl.models.vit import TINY_DECODER, TINY_VIT, BEiTViT, MAEViT
-from tests.unit.flare.fakes import FakeEngine, context
+from tests.unit.flare.fakes import CountingSignal, FakeEngine, context
 
 N_IMAGES = 12
 VOCAB = 16
@@ -212,22 +212,9 @@ def test_kmeans_tasks_are_refused_by_mismatched_sites(data, tmp_path, caplog):
     assert "only 128 patch vectors for K=400" in caplog.text
 
 
-class StopAfter(Signal):
-    """FLARE's abort signal that fires once it has been asked ``n`` times (i.e. during the round)."""
-
-    def __init__(self, n):
-        super().__init__()
-        self.n, self.asked = n, 0
-
-    @property
-    def triggered(self):
-        self.asked += 1
-        return self.asked > self.n
-
-
 def test_an_abort_during_the_round_stops_within_one_step(data, tmp_path):
     ex = MIMExecutor(method="mae", data_root=data, **ARGS)
-    reply = ex.execute("train", task(global_weights()), context(site="site-1", engine=FakeEngine(tmp_path)), StopAfter(1))
+    reply = ex.execute("train", task(global_weights()), context(site="site-1", engine=FakeEngine(tmp_path)), CountingSignal(after=2))
     assert reply.get_return_code() == ReturnCode.TASK_ABORTED
     assert ex.trainer.trainer.step == 1  # one step, then the abort
     assert not os.path.exists(tmp_path / "mim_client_state.pt") and not os.path.exists(tmp_path / "mim_metrics.jsonl")

@@ -12,8 +12,7 @@ from nvflare.apis.signal import Signal
 from fedssl.data.acdc_synthetic import write_synthetic_acdc
 from fedssl.flare.segmentation_executor import SegmentationExecutor
 from fedssl.models.unet import TINY_FEATURES, build_unet
-from tests.unit.flare.fakes import FakeEngine, context
-from tests.unit.flare.test_fcl_executor import CountingSignal
+from tests.unit.flare.fakes import CountingSignal, FakeEngine, context
 
 torch.set_num_threads(1)
 ARGS = dict(image_size=32, target_spacing=4.0, features=list(TINY_FEATURES), n_labelled=1, n_folds=2, fold=0,

@@ -323,6 +323,7 @@ class ClassifierTrainer:
             losses.append(float(loss.detach()))
         if not losses:
             raise ValueError("no batch was trained this round")
+        self.last_losses = losses
         return sum(losses) / len(losses)
 
     def state_dict(self) -> dict:

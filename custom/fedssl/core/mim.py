@@ -228,7 +228,7 @@ class MIMTrainer:
         self.rounds_done = int(round_idx) + 1
         mean = sum(losses) / len(losses)
         self.last_stats = {"loss": mean, "steps": len(losses), "images": n_images, "lr_start": lrs[0],
-                           "lr_end": lrs[-1], "round": int(round_idx)}
+                           "lr_end": lrs[-1], "round": int(round_idx), "losses": losses, "lrs": lrs}
         return mean
 
     @torch.no_grad()

@@ -32,6 +32,7 @@ from nvflare.apis.signal import Signal
 from nvflare.app_common.app_constant import AppConstants
 
 from fedssl.core.trainer import LocalTrainer, RoundStats
+from fedssl.flare.constants import EXCLUDED_META
 from fedssl.flare.site_executor import SiteExecutor
 
 
@@ -63,8 +64,6 @@ class TrainerExecutor(SiteExecutor):
 
     def declared_local(self, dxo: DXO) -> list[str]:
         """Keys a server-side exclusion filter held back (and declared in the meta)."""
-        from fedssl.flare.constants import EXCLUDED_META
-
         return list(dxo.get_meta_prop(EXCLUDED_META) or [])
 
     def result_state(self, stats: RoundStats, dxo: DXO) -> dict:

@@ -146,7 +146,7 @@ class ClassifierLocalTrainer:
         trainer = self.trainer
         trainer.set_global(dict(trainer.model.named_parameters()))
         n_steps = self.steps_per_epoch()
-        step0, losses = trainer.step, []
+        step0, losses, curve = trainer.step, [], []
 
         def stop() -> bool:
             check_stop(should_stop)
@@ -157,9 +157,10 @@ class ClassifierLocalTrainer:
             data = batches(self.train_set, self.batch_size, seed=self.seed, epoch=round_idx * self.local_epochs + epoch)
             losses.append(trainer.train_round(data, progress, n_steps=n_steps * self.local_epochs,
                                               max_steps=self.max_steps_per_epoch or None, abort=stop))
+            curve += [{"loss": x} for x in trainer.last_losses]
         lr = max(g["lr"] for g in trainer.optimizer.param_groups)  # the head's group: lr_scale 1
         return RoundStats(loss=sum(losses) / len(losses), steps=trainer.step - step0, samples=len(self.train_set),
-                          metrics={"lr": lr})
+                          metrics={"lr": lr}, curve=curve)
 
     def set_test_records(self, records: Sequence[ImageRecord]) -> None:
         self.test_set = ImageDataset(records, self.image_size, "eval", self.dataset, site=self.site)

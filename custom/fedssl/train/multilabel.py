@@ -244,6 +244,7 @@ class MultiLabelLocalTrainer:
         self.optimizer = torch.optim.Adam([p for p in self.model.parameters() if p.requires_grad], lr=settings.lr)
         self.warmed_up = False
         self.epoch = 0  # epochs run (warm-up included): the batch order and augmentation of the next one
+        self.step_losses: list[float] = []  # the per-step losses of the current round (for the curve)
 
     @property
     def method(self) -> str:
@@ -281,6 +282,7 @@ class MultiLabelLocalTrainer:
             loss.backward()
             opt.step()
             total, steps = total + float(loss.detach()), steps + 1
+            self.step_losses.append(float(loss.detach()))
         self.epoch += 1
         return total / max(steps, 1), steps
 
@@ -305,13 +307,14 @@ class MultiLabelLocalTrainer:
         s = self.settings
         warm = self.warm_up(should_stop) if not self.warmed_up and s.warmup_epochs else None
         self.warmed_up = True
-        losses, steps = [], 0
+        losses, steps, self.step_losses = [], 0, []
         for _ in range(s.local_epochs):
             loss, n = self._run_epoch(self.optimizer, should_stop, frozen_features=False)
             losses.append(loss)
             steps += n
         metrics = {"lr": s.lr} if warm is None else {"warmup_loss": warm, "lr": s.lr}
-        return RoundStats(loss=sum(losses) / len(losses), steps=steps, samples=len(self.splits["train"]), metrics=metrics)
+        return RoundStats(loss=sum(losses) / len(losses), steps=steps, samples=len(self.splits["train"]), metrics=metrics,
+                          curve=[{"loss": x} for x in self.step_losses])
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, split: str = "val", model: MultiLabelDenseNet | None = None, source: str = "",

@@ -184,6 +184,7 @@ class SegmentationTrainer:
             self.step += 1
             losses.append(float(loss.detach()))
         self.epoch += 1
+        self.last_losses = losses
         return float(np.mean(losses))
 
     def state_dict(self) -> dict:
@@ -278,11 +279,12 @@ class SegmentationLocalTrainer:
         return self.trainer.device
 
     def train_round(self, round_idx: int, should_stop: Callable[[], bool] | None = None) -> RoundStats:
-        step0 = self.trainer.step
-        losses = [self.trainer.train_epoch(self.train_volumes, max_steps=self.max_steps, should_stop=should_stop)
-                  for _ in range(self.local_epochs)]
+        step0, losses, curve = self.trainer.step, [], []
+        for _ in range(self.local_epochs):
+            losses.append(self.trainer.train_epoch(self.train_volumes, max_steps=self.max_steps, should_stop=should_stop))
+            curve += [{"loss": x} for x in self.trainer.last_losses]
         return RoundStats(loss=sum(losses) / len(losses), steps=self.trainer.step - step0, samples=self.n_slices,
-                          metrics={"lr": self.trainer.current_lr})
+                          metrics={"lr": self.trainer.current_lr}, curve=curve)
 
     def evaluate(self, split: str = "val") -> dict[str, Any]:
         if split != "val":

@@ -57,6 +57,8 @@ def test_split_and_the_cap_per_local_epoch(data):
     assert stats.steps == 2 and int(t.model.head_steps) == 2 and stats.samples == len(t.train_set)
     # lr of the last step: epoch 1 starts at progress 0.5 of the 1-round warm-up -> 0.5 x lr
     assert stats.metrics == {"lr": pytest.approx(0.5e-3)}
+    # the per-step curve: one loss per step, their mean is the round's loss
+    assert len(stats.curve) == 2 and stats.loss == pytest.approx(sum(p["loss"] for p in stats.curve) / 2)
     full = trainer(records)
     assert full.train_round(0).steps == math.ceil(len(full.train_set) / 16)
 

@@ -56,6 +56,8 @@ def test_round_is_capped_and_reports_image_count_and_lr(records):
     # 2 steps of round 0 with warm-up over 1 round: lr 0 then 0.5 x peak (step s: peak x s / 2)
     assert stats.steps == 2 and t.trainer.step == 2 and stats.samples == N_IMAGES and np.isfinite(stats.loss)
     assert stats.metrics == {"lr_peak": 1e-3, "lr": pytest.approx(0.5e-3), "kept_local": []}
+    assert [p["lr"] for p in stats.curve] == pytest.approx([0.0, 0.5e-3])  # one point per step
+    assert stats.loss == pytest.approx(sum(p["loss"] for p in stats.curve) / 2)
     full = mae(records, max_steps_per_round=0, local_epochs=2)
     assert full.train_round(0).steps == 2 * 3  # 2 epochs x ceil(12 / 4)
 

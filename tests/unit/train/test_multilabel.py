@@ -99,6 +99,8 @@ def test_round_zero_warms_the_head_up_once_then_trains_every_weight():
     r0 = t.train_round(0)
     assert (r0.steps, r0.samples, t.epoch) == (4, 8, 3)  # warm-up epoch + 2 local epochs of 2 steps
     assert set(r0.metrics) == {"warmup_loss", "lr"} and r0.metrics["lr"] == SETTINGS.lr and np.isfinite(r0.loss)
+    assert len(r0.curve) == 4  # the 4 local steps; the warm-up's steps are not part of the round's curve
+    assert r0.loss == pytest.approx(sum(p["loss"] for p in r0.curve) / 4)
     before = params(t.model)
     r1 = t.train_round(1)
     assert (r1.steps, t.epoch) == (4, 5) and set(r1.metrics) == {"lr"}  # no second warm-up

@@ -110,6 +110,7 @@ def test_local_trainer_round_stats_count_slices_and_steps():
     assert stats.samples == 9  # 3 volumes x 3 slices: the FedAvg weight
     assert stats.steps == 4  # 2 epochs x the cap of 2 batches
     assert stats.metrics["lr"] == pytest.approx(t.trainer.current_lr)
+    assert len(stats.curve) == 4 and stats.loss == pytest.approx(sum(p["loss"] for p in stats.curve) / 4)
     assert set(t.evaluate("val")) == {"dice", "LV", "MYO", "RV"}
 
 

@@ -19,6 +19,33 @@ from fedssl.ops.policy import write_site_local
 
 RUN_NAME = "simulate_job"
 PROGRESS = re.compile(r"(round \d+/\d+: .*|aggregated \d+/\d+ sites.*|REJECTED.*|task \w+ failed: .*|summary written.*)")
+DUPLICATE = re.compile(r"(\S+) already contributed to round (\d+); duplicate discarded")
+REJECTED = re.compile(r"Contribution from (\S+) REJECTED by the aggregator at round (\d+)")
+
+
+class FailureLog:
+    """The site failures in a simulator log, line by line.  FLARE re-sends a task to a site that asks again before
+    the server has finished with its result (seen on a loaded machine); the aggregator then discards the second,
+    identical-round contribution as a duplicate.  That rejection is not a failure: the site's round counted."""
+
+    def __init__(self):
+        self.failures: list[str] = []
+        self._duplicates: set[tuple[str, str]] = set()
+        self.duplicates = 0
+
+    def read(self, line: str) -> None:
+        dup = DUPLICATE.search(line)
+        if dup:
+            self._duplicates.add(dup.groups())
+            return
+        rej = REJECTED.search(line)
+        if rej and rej.groups() in self._duplicates:
+            self._duplicates.discard(rej.groups())
+            self.duplicates += 1
+            return
+        m = PROGRESS.search(line)
+        if m and ("failed:" in line or "REJECTED" in line):
+            self.failures.append(m.group(1))
 
 
 class SimulationError(RuntimeError):
@@ -69,15 +96,14 @@ def run_simulation(
     cmd = ["nvflare", "simulator", job, "-w", workspace, "-n", str(n_sites), "-t", str(threads)]
     log_path = workspace + "_simulator.log"
     t0 = time.time()
-    failures = []
+    failure_log = FailureLog()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         for line in proc.stdout:
             log.write(line)
+            failure_log.read(line)
             m = PROGRESS.search(line)
             if m:
-                if "failed:" in line or "REJECTED" in line:
-                    failures.append(m.group(1))
                 if echo:
                     print(f"  [{time.time() - t0:6.1f}s] {m.group(1)}", flush=True)
         try:
@@ -86,6 +112,7 @@ def run_simulation(
             proc.kill()
             raise SimulationError(f"simulator exceeded {timeout_s}s; see {log_path}")
     summary_path = os.path.join(server_run_dir(workspace), "summary.json")
+    failures = failure_log.failures
     problems = []
     if rc != 0:
         problems.append(f"nvflare simulator exited with {rc}")
@@ -103,5 +130,6 @@ def run_simulation(
     summary["workspace"] = workspace
     summary["global_model"] = global_model_path(workspace)
     summary["site_failures"] = failures
+    summary["duplicate_results_discarded"] = failure_log.duplicates
     summary["log"] = log_path
     return summary

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import defaultdict
 
@@ -51,10 +52,29 @@ def mean_bytes_per_site_round(rows: list[dict]) -> dict:
     return {"upload": up, "download": down, "total": up + down}
 
 
-def loss_term_means(terms: dict) -> dict[int, dict[str, float]]:
-    """``{round: {term: {site: value}}}`` -> ``{round: {term: mean over the sites}}`` (the site names go)."""
+#: bounds on a loss term a site streams (it is a site's value: checked before it is kept)
+MAX_TERM_TAG, MAX_TERM_STEP, MAX_TERM_VALUE, MAX_TERMS_PER_ROUND = 64, 1_000_000, 1e6, 16
+
+
+def loss_term_ok(tag: object, step: object, value: object, prefix: str = "loss_") -> bool:
+    """A streamed per-round loss term worth keeping: a short ``loss_*`` tag, an integer round in range, a finite
+    number of bounded magnitude."""
+    return (isinstance(tag, str) and tag.startswith(prefix) and len(tag) <= MAX_TERM_TAG
+            and isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= MAX_TERM_STEP
+            and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and abs(value) <= MAX_TERM_VALUE)
+
+
+def loss_term_means(terms: dict, sites_per_round: dict | None = None) -> dict[int, dict[str, float]]:
+    """``{round: {term: {site: value}}}`` -> ``{round: {term: mean over the sites}}`` (the site names go).
+
+    With ``sites_per_round`` (round -> the sites whose contribution the round aggregated) only those sites count:
+    a name that contributed nothing that round cannot move the mean."""
     out: dict[int, dict[str, float]] = {}
     for rnd, per_term in sorted(terms.items()):
+        if sites_per_round is not None:
+            allowed = set(sites_per_round.get(rnd, ()))
+            per_term = {t: {s: v for s, v in by_site.items() if s in allowed} for t, by_site in per_term.items()}
         means = {term: sum(by_site.values()) / len(by_site) for term, by_site in sorted(per_term.items()) if by_site}
         if means:
             out[int(rnd)] = means

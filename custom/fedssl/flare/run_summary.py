@@ -29,7 +29,6 @@ a job without the client ``TBWriter`` has no ``loss_terms``.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
@@ -45,7 +44,7 @@ from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.app_event_type import AppEventType
 
 from fedssl.core.checks import require
-from fedssl.eval.run_report import loss_term_means, read_jsonl, write_run_report
+from fedssl.eval.run_report import MAX_TERMS_PER_ROUND, loss_term_means, loss_term_ok, read_jsonl, write_run_report
 from fedssl.flare.communication_meter import COMM_FILE
 from fedssl.flare.constants import SITE_RECORD_META
 
@@ -163,21 +162,21 @@ class RunSummary(FLComponent):
             record = AnalyticsData.from_dxo(from_shareable(data))
         except (ValueError, TypeError, KeyError, AttributeError):
             return
-        if record is None or record.step is None or not str(record.tag).startswith(LOSS_TERM_PREFIX):
-            return
-        value = record.value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if record is None or not loss_term_ok(record.tag, record.step, record.value, LOSS_TERM_PREFIX):
             return
         site = data.get_peer_prop(ReservedKey.IDENTITY_NAME, None)
-        if not site:
+        if not isinstance(site, str) or not site:
             return
         with self._terms_lock:  # a site's repeated value for a round replaces its earlier one
-            self._terms.setdefault(int(record.step), {}).setdefault(str(record.tag), {})[site] = float(value)
+            per_round = self._terms.setdefault(record.step, {})
+            if record.tag in per_round or len(per_round) < MAX_TERMS_PER_ROUND:  # bounded, whatever a site sends
+                per_round.setdefault(record.tag, {})[site] = float(record.value)
 
     def _attach_loss_terms(self) -> None:
         """Each round's ``loss_terms``: the mean over the reporting sites of every loss term (no site names)."""
-        with self._terms_lock:
-            means = loss_term_means(self._terms)
+        contributors = {r["round"]: list(r.get("site_losses") or {}) for r in self._rounds if "round" in r}
+        with self._terms_lock:  # only the sites the round aggregated count
+            means = loss_term_means(self._terms, contributors)
         for r in self._rounds:
             if r.get("round") in means:
                 r["loss_terms"] = means[r["round"]]

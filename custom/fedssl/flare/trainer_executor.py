@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+from abc import abstractmethod
 from typing import Any
 
 from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
@@ -54,8 +55,9 @@ class TrainerExecutor(SiteExecutor):
         self._writer = None
 
     # ------------------------------------------------------------------ what a method provides
+    @abstractmethod
     def build_trainer(self, fl_ctx: FLContext, num_rounds: int) -> LocalTrainer:
-        raise NotImplementedError
+        """The site's trainer for a run of ``num_rounds`` rounds (every method executor defines it)."""
 
     def receive(self, dxo: DXO, fl_ctx: FLContext, round_idx: int) -> dict:
         """Apply the received global state; return extra fields for the round's record."""

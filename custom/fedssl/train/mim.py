@@ -35,6 +35,7 @@ from fedssl.core.tokenizer import (
 from fedssl.core.trainer import RoundStats, check_stop, detached, load_checked
 from fedssl.data.images import DATASETS, ImageDataset, ImageRecord, batches
 from fedssl.models.vit import BEiTViT, MAEViT
+from fedssl.models.vit_classifier import check_vit_args
 
 
 def _positive_number(value: object) -> bool:
@@ -46,18 +47,9 @@ def check_mim_args(name: str, a: Mapping[str, Any]) -> None:
     require_choice(name, "method", a["method"], METHODS)
     require_choice(name, "dataset", a["dataset"], DATASETS)
     require(isinstance(a["data_root"], str), name, "data_root", a["data_root"], 'use a path string or ""')
-    patch_size, num_heads, decoder_num_heads = a["patch_size"], a["num_heads"], a["decoder_num_heads"]
-    require_int(name, "patch_size", patch_size, 1, "use a positive patch size (paper: 16)")
-    image_size = a["image_size"]
-    require(isinstance(image_size, int) and not isinstance(image_size, bool) and image_size >= patch_size
-            and image_size % patch_size == 0, name, "image_size", image_size,
-            f"use a multiple of patch_size={patch_size} (paper: 224)")
-    require_int(name, "num_heads", num_heads, 1, "use a positive number of heads (ViT-B: 12)")
-    embed_dim = a["embed_dim"]
-    require(isinstance(embed_dim, int) and not isinstance(embed_dim, bool) and embed_dim > 0
-            and embed_dim % num_heads == 0, name, "embed_dim", embed_dim,
-            f"use a positive multiple of num_heads={num_heads} (ViT-B: 768)")
-    require_int(name, "depth", a["depth"], 1, "use a positive number of blocks (ViT-B: 12)")
+    # the encoder's shape: the same checks as every ViT component (no drop path in pre-training)
+    check_vit_args(name, a["image_size"], a["patch_size"], a["embed_dim"], a["depth"], a["num_heads"], 0.0)
+    decoder_num_heads = a["decoder_num_heads"]
     require_int(name, "decoder_num_heads", decoder_num_heads, 1, "use a positive number of heads (MAE: 16)")
     dec_dim = a["decoder_embed_dim"]
     require(isinstance(dec_dim, int) and not isinstance(dec_dim, bool) and dec_dim > 0

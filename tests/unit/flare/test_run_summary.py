@@ -134,3 +134,21 @@ def test_no_streamed_terms_no_loss_terms(tmp_path):
     rs.handle_event(EventType.END_RUN, ctx)
     rounds = json.load(open(tmp_path / "summary.json"))["rounds"]
     assert "loss_terms" not in rounds[0] and loss_curves(rounds) == {"loss": ([0], [1.0])}
+
+
+def test_a_sites_streamed_terms_are_checked_and_bounded(tmp_path):
+    rs = RunSummary(title="t")
+    ctx = context(engine=FakeEngine(tmp_path), site="server")
+    rs.handle_event(EventType.START_RUN, ctx)
+    stream(rs, ctx, "site-1", "loss_local", 2.0, 0)
+    stream(rs, ctx, "site-1", "loss_remote", 1e30, 0)  # beyond the magnitude bound
+    stream(rs, ctx, "site-1", "loss_" + "x" * 80, 1.0, 0)  # tag too long
+    stream(rs, ctx, "site-1", "loss_local", 1.0, 10 ** 9)  # round out of range
+    for i in range(40):  # a flood of made-up terms: at most MAX_TERMS_PER_ROUND kept
+        stream(rs, ctx, "site-2", f"loss_t{i}", 1.0, 0)
+    stream(rs, ctx, "intruder", "loss_local", 1000.0, 0)  # a name the round did not aggregate
+    aggregate(rs, ctx, 0, {"site-1": 3.0, "site-2": 1.0})
+    rs.handle_event(EventType.END_RUN, ctx)
+    terms = json.load(open(tmp_path / "summary.json"))["rounds"][0]["loss_terms"]
+    assert terms["loss_local"] == 2.0 and "loss_remote" not in terms
+    assert len(terms) == 16 and not any(len(t) > 64 for t in terms)

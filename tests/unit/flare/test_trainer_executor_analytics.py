@@ -8,6 +8,7 @@ it fires.  Server: those events, as the federated event ``fed.analytix_log_stats
 import json
 
 import numpy as np
+import pytest
 import torch
 from nvflare.apis.analytix import ANALYTIC_EVENT_TYPE, AnalyticsData
 from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
@@ -31,8 +32,10 @@ class DummyTrainer:
 
     def __init__(self):
         self.w = torch.zeros(2)
+        self.rounds_done = 0
 
     def train_round(self, round_idx, should_stop):
+        self.rounds_done += 1
         local, remote = 1.0 + round_idx, 0.5 * round_idx
         return RoundStats(loss=local + remote, steps=2, samples=8,
                           metrics={"loss_local": local, "loss_remote": remote, "lr": 0.1, "note": "text",
@@ -43,10 +46,10 @@ class DummyTrainer:
         return {}
 
     def state_dict(self):
-        return {}
+        return {"rounds_done": self.rounds_done}
 
     def load_state_dict(self, state):
-        pass
+        self.rounds_done = int(state["rounds_done"])
 
     def global_state(self):
         return {"w": self.w}
@@ -155,3 +158,17 @@ def test_without_a_log_writer_training_goes_on_and_says_so(tmp_path, caplog):
     engine, metas = train_rounds(tmp_path, {}, n_rounds=1)
     assert engine.analytics == [] and metas[0]["loss"] == 1.0
     assert "no 'log_writer' component in the client config" in caplog.text
+
+
+def test_an_executor_must_build_its_trainer_and_a_restart_resumes_its_state(tmp_path):
+    class NoTrainer(TrainerExecutor):
+        """An executor whose author forgot build_trainer."""
+
+    with pytest.raises(TypeError, match="build_trainer"):
+        NoTrainer()
+    engine, _ = train_rounds(tmp_path, {}, n_rounds=2)  # writes dummy_state.pt after each round
+    restarted = DummyExecutor()
+    task = DXO(DataKind.WEIGHTS, data={"w": np.ones(2, np.float32)}).to_shareable()
+    task.set_header(AppConstants.CURRENT_ROUND, 2)
+    restarted.ensure_trainer(task, context(engine=engine, site="site-1"))
+    assert restarted.last_round == 1 and restarted.trainer.rounds_done == 2

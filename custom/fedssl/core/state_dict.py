@@ -11,9 +11,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-
-class ContributionError(ValueError):
-    """A contribution that must not touch the global model (wrong keys, shapes, dtype or non-finite values)."""
+from fedssl.core.untrusted import ContributionError  # noqa: F401  (re-exported: the error every aggregator raises)
 
 
 def to_numpy(v) -> np.ndarray:

@@ -1,0 +1,88 @@
+"""Checks for values that arrive from a site (tensors, counts, scores) before they touch shared state.
+
+Every site is treated as possibly faulty or malicious: what it sends is cast to the type the server
+expects, checked (finite, in range, bounded) and refused with a :class:`ContributionError` naming the site
+and the value otherwise.  Callers catch the error, log it and leave that site out; no check here raises
+anything else on any input (a dict, a string, a huge int, a complex number, an object array).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+import torch
+
+
+class ContributionError(ValueError):
+    """A contribution that must not touch shared state (wrong keys, shapes, types, non-finite or unbounded values)."""
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def as_finite_float(value: object, what: str, site: str, bound: float = 1e12) -> float:
+    """``value`` as a Python float when it is a real number (bool excluded) with ``|value| <= bound``."""
+    if isinstance(value, np.ndarray) and value.shape == ():
+        value = value.item()
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise ContributionError(f"{site} sent {what}={_short(value)}; a real number is required")
+    try:
+        out = float(value)
+    except (OverflowError, ValueError) as e:
+        raise ContributionError(f"{site} sent {what}={_short(value)}; not representable as a float ({e})") from None
+    if not math.isfinite(out) or abs(out) > bound:
+        raise ContributionError(f"{site} sent {what}={_short(value)}; a finite number of magnitude <= {bound:g} is required")
+    return out
+
+
+def as_count(value: object, what: str, site: str, cap: float, minimum: int = 1) -> int:
+    """``value`` as an int count in ``[minimum, cap]``: integral (5 or 5.0, not 5.5), finite, bool excluded."""
+    number = as_finite_float(value, what, site, bound=float("inf") if math.isinf(cap) else max(cap, 1.0) * 1e6)
+    if number != math.floor(number):
+        raise ContributionError(f"{site} sent {what}={_short(value)}; a whole number is required")
+    if number < minimum or number > cap:
+        raise ContributionError(f"{site} sent {what}={_short(value)}; it must lie in [{minimum}, {cap:g}]")
+    return int(number)
+
+
+def cast_array(value: object, dtype: np.dtype, what: str, site: str, shape: tuple | None = None) -> np.ndarray:
+    """``value`` (numpy array, torch tensor or nested list) cast to ``dtype``, refused unless the cast is safe.
+
+    Float targets accept float and integer sources (bool, complex, object and strings are refused) and the
+    result must be finite: a float64 1e300 cast to float32 becomes inf and is refused here, after the cast.
+    Integer targets accept integers only (a float 0.5 would be truncated silently).  ``shape`` (if given)
+    must match exactly.
+    """
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError) as e:
+        raise ContributionError(f"{site} sent {what} that is not an array ({e})") from None
+    dtype = np.dtype(dtype)
+    kind = arr.dtype.kind
+    if dtype.kind == "f":
+        if kind not in "fiu":
+            raise ContributionError(f"{site} sent {what} with dtype {arr.dtype}; expected real numbers ({dtype})")
+    elif dtype.kind in "iu":
+        if kind not in "iu":
+            raise ContributionError(f"{site} sent {what} with dtype {arr.dtype}; expected integers ({dtype})")
+        info = np.iinfo(dtype)
+        if arr.size and (arr.min() < info.min or arr.max() > info.max):
+            raise ContributionError(f"{site} sent {what} with values outside the range of {dtype}")
+    elif dtype.kind == "b":
+        if kind != "b":
+            raise ContributionError(f"{site} sent {what} with dtype {arr.dtype}; expected booleans")
+    else:
+        raise ValueError(f"cast_array: unsupported target dtype {dtype}")
+    if shape is not None and tuple(arr.shape) != tuple(shape):
+        raise ContributionError(f"{site} sent {what} with shape {tuple(arr.shape)}, expected {tuple(shape)}")
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = arr.astype(dtype, copy=True)
+    if dtype.kind == "f" and not np.all(np.isfinite(out)):
+        raise ContributionError(f"{site} sent non-finite values in {what} (NaN/Inf, or overflow when cast to {dtype})")
+    return out

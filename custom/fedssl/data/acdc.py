@@ -12,6 +12,10 @@ Layout read (one folder per patient, as in the public ``training/`` folder)::
         patient001_frame12_gt.nii.gz  # ES labels
       patient002/ ...
 
+A folder holding only ``patientNNN_4d.nii.gz`` (+ ``Info.cfg``) serves unlabelled loading: the ED and
+ES volumes are then taken out of the cine (Info.cfg frame numbers are 1-based, as in ACDC). Labelled
+loading always needs the ``_frameMM`` and ``_frameMM_gt`` files.
+
 Preprocessing (FCL (Wu et al., MedIA 2022), FCL): slice-first ``[Z, H, W]``, intensities clipped to the volume's
 1st-99th percentile and min-max scaled to [0, 1], in-plane resampling to ``target_spacing`` mm
 (1.25 mm by default), centre crop / zero pad to ``image_size x image_size``.
@@ -53,6 +57,8 @@ PathLike = Union[str, "os.PathLike[str]"]
 PATIENT_RE = re.compile(r"^patient\d{3}$")
 _INT_KEYS = ("ED", "ES", "NbFrame")
 _FLOAT_KEYS = ("Height", "Weight")
+ACDC_LABELS = (0, 1, 2, 3)  # bg, RV, MYO, LV
+_UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
 
 
 class ACDCDataError(ValueError):
@@ -121,11 +127,22 @@ def _parse_number(key: str, value: str, path: Path, site: str) -> Any:
         return value
 
 
+def _decode_cfg(raw: bytes) -> str:
+    """Text of an Info.cfg saved by any common editor: UTF-8 with or without a BOM, or UTF-16 with a BOM.
+
+    A BOM left in the text would glue itself to the first key (``"\\ufeffED"``) and hide ``ED``.
+    """
+    if raw.startswith(_UTF16_BOMS):
+        return raw.decode("utf-16", errors="replace")
+    return raw.decode("utf-8-sig", errors="replace")
+
+
 def read_info_cfg(path: PathLike, site: str = "") -> dict[str, Any]:
     """Parse an ACDC ``Info.cfg`` (``key: value`` lines).
 
     ``ED``, ``ES`` and ``NbFrame`` become ints, ``Height`` and ``Weight`` floats, other numeric
-    values floats and everything else (e.g. ``Group``) stays a string.
+    values floats and everything else (e.g. ``Group``) stays a string. A leading byte-order mark
+    (UTF-8 or UTF-16, as Windows editors write) is ignored.
 
     Raises:
         ACDCDataError: the file is missing/unreadable, ED or ES is missing, or a number is malformed.
@@ -135,7 +152,7 @@ def read_info_cfg(path: PathLike, site: str = "") -> dict[str, Any]:
         raise _err(site, p, "Info.cfg not found",
                    "every patient folder needs an Info.cfg with at least 'ED: <frame>' and 'ES: <frame>' lines")
     try:
-        text = p.read_text(encoding="utf-8", errors="replace")
+        text = _decode_cfg(p.read_bytes())
     except OSError as exc:
         raise _err(site, p, f"cannot read Info.cfg ({exc.__class__.__name__}: {exc})",
                    "check the file's permissions") from exc
@@ -202,6 +219,18 @@ def _crop_or_pad(arr: np.ndarray, size: int) -> np.ndarray:
     return out
 
 
+def _non_integral(arr: np.ndarray) -> np.ndarray:
+    """Mask of entries that are not finite integers (NaN, inf, 1.5, 0.3 ...)."""
+    arr = np.asarray(arr, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        return ~np.isfinite(arr) | (arr != np.rint(arr))
+
+
+def _examples(values: np.ndarray) -> str:
+    """Up to five distinct values, compactly printed for an error message."""
+    return ", ".join(f"{v:g}" for v in np.unique(values)[:5])
+
+
 def preprocess_volume(
     image_hwz: np.ndarray,
     spacing_xy: tuple[float, float],
@@ -224,7 +253,8 @@ def preprocess_volume(
         spacing_xy: voxel spacing in mm along H and W (the first two header zooms).
         target_spacing: in-plane spacing after resampling, in mm.
         image_size: output height and width.
-        label_hwz: optional ``(H, W, Z)`` integer label map of the same shape.
+        label_hwz: optional ``(H, W, Z)`` label map of the same shape; its values must be integral
+            (a float array holding 0.0/1.0/... is fine, 1.5 is refused rather than rounded).
 
     Returns:
         ``(image float32 [Z, image_size, image_size] in [0, 1], label uint8 [Z, image_size, image_size] or None)``.
@@ -234,6 +264,8 @@ def preprocess_volume(
         raise ValueError(f"image_hwz must be 3D (H, W, Z), got shape {image_hwz.shape}")
     if label_hwz is not None and np.asarray(label_hwz).shape != image_hwz.shape:
         raise ValueError(f"label shape {np.asarray(label_hwz).shape} != image shape {image_hwz.shape}")
+    if label_hwz is not None and _non_integral(np.asarray(label_hwz)).any():
+        raise ValueError("label_hwz holds non-integer values; labels must be class indices, not interpolated values")
     if target_spacing <= 0 or image_size <= 0:
         raise ValueError(f"target_spacing={target_spacing} and image_size={image_size} must be positive")
     sx, sy = float(spacing_xy[0]), float(spacing_xy[1])
@@ -253,8 +285,7 @@ def preprocess_volume(
 
         lab_r: Optional[np.ndarray] = None
         if label_hwz is not None:
-            lab = np.transpose(np.asarray(label_hwz), (2, 0, 1))
-            lab = np.rint(lab).astype(np.float32)
+            lab = np.transpose(np.asarray(label_hwz), (2, 0, 1)).astype(np.float32)
             lt = torch.from_numpy(np.ascontiguousarray(lab)).unsqueeze(1)
             if (new_h, new_w) != (h, w):
                 lt = F.interpolate(lt, size=(new_h, new_w), mode="nearest-exact")
@@ -270,6 +301,84 @@ def preprocess_volume(
 
 def _frame_path(pdir: Path, patient_id: str, frame: int, gt: bool = False) -> Path:
     return pdir / f"{patient_id}_frame{frame:02d}{'_gt' if gt else ''}.nii.gz"
+
+
+def _load_cine(cine_path: Path, site: str) -> tuple[np.ndarray, tuple[float, ...]]:
+    """The patient's ``_4d.nii.gz`` as ``(H, W, Z, T)`` (a 3D file counts as one frame)."""
+    data, zooms = load_nifti(cine_path, site=site)
+    if data.ndim == 3:
+        data = data[..., None]
+    if data.ndim != 4:
+        raise _err(site, cine_path, f"expected a 4D (H, W, Z, T) cine, got shape {data.shape}",
+                   "restore the patient's _4d.nii.gz from the ACDC archive")
+    return data, zooms
+
+
+def _frame_volume(data: np.ndarray, img_path: Path, site: str) -> np.ndarray:
+    """A per-frame file's data as ``(H, W, Z)`` (a trailing singleton time axis is dropped)."""
+    if data.ndim == 4 and data.shape[3] == 1:
+        data = data[..., 0]
+    if data.ndim != 3:
+        raise _err(site, img_path, f"expected a 3D (H, W, Z) volume, got shape {data.shape}",
+                   "use the per-frame patientNNN_frameXX.nii.gz files, not the 4D cine")
+    return data
+
+
+def _phase_image(
+    pdir: Path, patient_id: str, phase: str, frame: int, *, with_labels: bool,
+    cine: dict[str, tuple[np.ndarray, tuple[float, ...]]], site: str,
+) -> tuple[np.ndarray, tuple[float, ...]]:
+    """The ``(H, W, Z)`` image and zooms of the ED or ES frame.
+
+    The ``_frameMM`` file is used when present. Without it, unlabelled loading takes frame
+    ``frame`` (1-based) out of the ``_4d`` cine, loaded once per patient into ``cine``;
+    labelled loading needs the frame file, since its ``_gt`` labels belong to it.
+    """
+    img_path = _frame_path(pdir, patient_id, frame)
+    if img_path.is_file():
+        data, zooms = load_nifti(img_path, site=site)
+        return _frame_volume(data, img_path, site), zooms
+    cine_path = pdir / f"{patient_id}_4d.nii.gz"
+    if with_labels:
+        raise _err(site, img_path, f"{phase} frame image not found (labelled loading needs it and its _gt file)",
+                   "restore patientNNN_frameMM.nii.gz and _frameMM_gt.nii.gz, or leave this patient out of the "
+                   "labelled (fine-tuning) data: a folder with only the _4d cine serves pre-training only")
+    if not cine_path.is_file():
+        raise _err(site, img_path, f"{phase} frame image not found, and no 4D cine {cine_path.name} to take it from",
+                   "restore patientNNN_frameMM.nii.gz or patientNNN_4d.nii.gz from the ACDC archive")
+    if "data" not in cine:
+        cine["data"] = _load_cine(cine_path, site)
+    data, zooms = cine["data"]
+    n_frames = data.shape[3]
+    if not 1 <= frame <= n_frames:
+        raise _err(site, cine_path, f"Info.cfg gives {phase}: {frame} but the cine has {n_frames} frames "
+                   "(frame numbers are 1-based)", f"correct {phase} in {pdir / 'Info.cfg'} or restore the full cine")
+    return data[..., frame - 1], zooms
+
+
+def _load_label(gt_path: Path, shape: tuple[int, ...], site: str) -> np.ndarray:
+    """A ``_gt`` file as ``(H, W, Z)``: same shape as its image, values in :data:`ACDC_LABELS`.
+
+    Float files are accepted when every value is one of the integers 0-3; a non-integer value
+    (e.g. from linear-interpolation resampling) is refused, never rounded into some class.
+    """
+    label, _ = load_nifti(gt_path, site=site)
+    if label.ndim == 4 and label.shape[3] == 1:
+        label = label[..., 0]
+    if label.shape != shape:
+        raise _err(site, gt_path, f"label shape {label.shape} does not match image shape {shape}",
+                   "the _gt file must come from the same frame as the image")
+    bad = _non_integral(label)
+    if bad.any():
+        raise _err(site, gt_path, f"label file holds {int(bad.sum())} non-integer value(s), "
+                   f"e.g. {_examples(label[bad])}",
+                   "labels must be the integers 0 (bg), 1 (RV), 2 (MYO), 3 (LV); resample label maps "
+                   "with nearest-neighbour, not linear interpolation")
+    outside = ~np.isin(label, ACDC_LABELS)
+    if outside.any():
+        raise _err(site, gt_path, f"label values {_examples(label[outside])} are not ACDC classes",
+                   "labels must be 0 (bg), 1 (RV), 2 (MYO) or 3 (LV)")
+    return label
 
 
 def load_patient(
@@ -290,14 +399,16 @@ def load_patient(
         with_labels: load the ``_gt`` label maps. When False no ``_gt`` file is opened (the
             pre-training phase must not touch labels).
         target_spacing / image_size: see :func:`preprocess_volume`.
-        frames: ``"ed_es"`` -> the ED and ES volumes (phases ``"ED"``, ``"ES"``); ``"all"`` ->
+        frames: ``"ed_es"`` -> the ED and ES volumes (phases ``"ED"``, ``"ES"``; unlabelled, they
+            come from the cine when the ``_frameMM`` files are absent); ``"all"`` ->
             every frame of ``patientNNN_4d.nii.gz`` (phases ``"frame01"``, ``"frame02"`` ...,
             unlabelled).
         site: site name used in error messages and stored in ``Volume.site``.
 
     Raises:
         ValueError: bad ``frames`` value, or ``frames="all"`` with ``with_labels=True``.
-        ACDCDataError: missing folder / Info.cfg / NIfTI, corrupt file, inconsistent shapes.
+        ACDCDataError: missing folder / Info.cfg / NIfTI, corrupt file, inconsistent shapes,
+            non-integer or non-ACDC label values, ED/ES outside the cine.
     """
     if frames not in ("ed_es", "all"):
         raise ValueError(f"frames={frames!r}: must be 'ed_es' or 'all'")
@@ -312,38 +423,20 @@ def load_patient(
 
     volumes: list[Volume] = []
     if frames == "ed_es":
+        cine: dict[str, tuple[np.ndarray, tuple[float, ...]]] = {}
         for phase in ("ED", "ES"):
             frame = int(info[phase])
-            img_path = _frame_path(pdir, patient_id, frame)
-            data, zooms = load_nifti(img_path, site=site)
-            if data.ndim == 4 and data.shape[3] == 1:
-                data = data[..., 0]
-            if data.ndim != 3:
-                raise _err(site, img_path, f"expected a 3D (H, W, Z) volume, got shape {data.shape}",
-                           "use the per-frame patientNNN_frameXX.nii.gz files, not the 4D cine")
+            data, zooms = _phase_image(pdir, patient_id, phase, frame, with_labels=with_labels, cine=cine, site=site)
             label = None
             if with_labels:
-                gt_path = _frame_path(pdir, patient_id, frame, gt=True)
-                label, _ = load_nifti(gt_path, site=site)
-                if label.ndim == 4 and label.shape[3] == 1:
-                    label = label[..., 0]
-                if label.shape != data.shape:
-                    raise _err(site, gt_path,
-                               f"label shape {label.shape} does not match image shape {data.shape}",
-                               "the _gt file must come from the same frame as the image")
+                label = _load_label(_frame_path(pdir, patient_id, frame, gt=True), data.shape, site)
             img_p, lab_p = preprocess_volume(
                 data, (zooms[0], zooms[1]), target_spacing=target_spacing,
                 image_size=image_size, label_hwz=label,
             )
             volumes.append(Volume(patient_id=patient_id, phase=phase, image=img_p, label=lab_p, site=site))
     else:
-        cine_path = pdir / f"{patient_id}_4d.nii.gz"
-        data, zooms = load_nifti(cine_path, site=site)
-        if data.ndim == 3:
-            data = data[..., None]
-        if data.ndim != 4:
-            raise _err(site, cine_path, f"expected a 4D (H, W, Z, T) cine, got shape {data.shape}",
-                       "restore the patient's _4d.nii.gz from the ACDC archive")
+        data, zooms = _load_cine(pdir / f"{patient_id}_4d.nii.gz", site)
         for t in range(data.shape[3]):
             img_p, _ = preprocess_volume(
                 data[..., t], (zooms[0], zooms[1]), target_spacing=target_spacing, image_size=image_size

@@ -345,6 +345,96 @@ def test_corrupt_and_missing_nifti(tmp_path: Path) -> None:
     _assert_names(exc, missing, "site-6")
 
 
+# --------------------------------------------------------------------------- real-format edge cases
+
+
+@pytest.mark.parametrize("encoding,newline", [("utf-8-sig", "\n"), ("utf-8-sig", "\r\n"), ("utf-16", "\r\n")])
+def test_info_cfg_with_byte_order_mark(tmp_path: Path, encoding: str, newline: str) -> None:
+    cfg = tmp_path / "Info.cfg"
+    cfg.write_bytes(newline.join(["ED: 1", "ES: 12", "Group: NOR", "NbFrame: 30", ""]).encode(encoding))
+    assert cfg.read_bytes()[:2] in (b"\xef\xbb", b"\xff\xfe", b"\xfe\xff")  # the BOM really is there
+    assert read_info_cfg(cfg, site="site-2") == {"ED": 1, "ES": 12, "Group": "NOR", "NbFrame": 30}
+
+
+def _cine_only_patient(root: Path, pid: str = "patient009", ed: int = 2, es: int = 4) -> Path:
+    """Only Info.cfg + a (8, 8, 2, 4) cine whose frame t (1-based) is bright on rows 2(t-1):2t only."""
+    pdir = root / pid
+    pdir.mkdir(parents=True)
+    cine = np.zeros((8, 8, 2, 4), dtype=np.int16)
+    for t in range(4):
+        cine[2 * t : 2 * t + 2, :, :, t] = 100
+    _save_nifti(pdir / f"{pid}_4d.nii.gz", cine, (1.25, 1.25, 8.0, 1.0))
+    (pdir / "Info.cfg").write_text(f"ED: {ed}\nES: {es}\nNbFrame: 4\n")
+    return pdir
+
+
+def test_cine_only_folder_gives_ed_es_for_pretraining(tmp_path: Path) -> None:
+    pdir = _cine_only_patient(tmp_path)
+    ed, es = load_patient(tmp_path, "patient009", with_labels=False, target_spacing=1.25, image_size=8, site="site-3")
+    assert (ed.phase, es.phase) == ("ED", "ES") and ed.label is None and es.label is None
+    # ED: 2 -> cine[..., 1] (rows 2:4 bright); ES: 4 -> cine[..., 3] (rows 6:8); 1-based as in ACDC.
+    for vol, rows in ((ed, slice(2, 4)), (es, slice(6, 8))):
+        expected = np.zeros((2, 8, 8), np.float32)
+        expected[:, rows, :] = 1.0
+        assert np.array_equal(vol.image, expected)
+    # Labelled loading still needs the frame + _gt files: one clear error naming the missing frame file.
+    with pytest.raises(ACDCDataError, match="pre-training only") as exc:
+        load_patient(tmp_path, "patient009", with_labels=True, site="site-3")
+    _assert_names(exc, pdir / "patient009_frame02.nii.gz", "site-3")
+    # A frame number beyond the cine is refused, naming the cine.
+    _cine_only_patient(tmp_path, "patient010", ed=1, es=5)
+    with pytest.raises(ACDCDataError, match="ES: 5 but the cine has 4 frames") as exc:
+        load_patient(tmp_path, "patient010", with_labels=False, site="site-3")
+    _assert_names(exc, tmp_path / "patient010" / "patient010_4d.nii.gz", "site-3")
+    # Neither the frame file nor the cine: the error says both are missing.
+    (pdir / "patient009_4d.nii.gz").unlink()
+    with pytest.raises(ACDCDataError, match="no 4D cine") as exc:
+        load_patient(tmp_path, "patient009", with_labels=False, site="site-3")
+    _assert_names(exc, pdir / "patient009_frame02.nii.gz", "site-3")
+
+
+def test_cine_only_site_matches_frame_files(tmp_path: Path) -> None:
+    write_synthetic_acdc(tmp_path, n_patients=2, n_sites=1, seed=1, shape=(24, 24), n_frames=4, slices_range=(4, 4))
+    site_dir = tmp_path / "site-1"
+    kwargs = dict(with_labels=False, target_spacing=2.0, image_size=16, site="site-1")
+    from_frames = load_site(site_dir, **kwargs)
+    for f in site_dir.glob("*/*_frame*.nii.gz"):
+        f.unlink()
+    from_cine = load_site(site_dir, **kwargs)
+    assert [(v.patient_id, v.phase) for v in from_cine] == [(v.patient_id, v.phase) for v in from_frames]
+    assert all(np.array_equal(a.image, b.image) for a, b in zip(from_cine, from_frames))
+
+
+def test_float_gt_with_non_integer_labels_is_refused(tmp_path: Path) -> None:
+    pdir = _hand_patient(tmp_path)
+    gt = pdir / "patient007_frame02_gt.nii.gz"
+    lab, zooms = load_nifti(gt)
+    kwargs = dict(with_labels=True, target_spacing=1.25, image_size=48, site="site-4")
+    reference = load_patient(tmp_path, "patient007", **kwargs)
+    # Float file with exactly integral values 0/1/2/3: accepted, same labels as the uint8 file.
+    _save_nifti(gt, lab.astype(np.float32), zooms)
+    as_float = load_patient(tmp_path, "patient007", **kwargs)
+    assert all(np.array_equal(a.label, b.label) for a, b in zip(as_float, reference))
+    for bad_value, shown in ((1.5, "1.5"), (0.3, "0.3"), (np.nan, "nan")):
+        bad = lab.astype(np.float32)
+        bad[0, 0, 0] = bad_value
+        _save_nifti(gt, bad, zooms)
+        with pytest.raises(ACDCDataError, match=f"1 non-integer value.*{shown}") as exc:
+            load_patient(tmp_path, "patient007", **kwargs)
+        _assert_names(exc, gt, "site-4")
+    # Integral but not an ACDC class.
+    bad = lab.astype(np.float32)
+    bad[0, 0, 0] = 4.0
+    _save_nifti(gt, bad, zooms)
+    with pytest.raises(ACDCDataError, match="label values 4 are not ACDC classes") as exc:
+        load_patient(tmp_path, "patient007", **kwargs)
+    _assert_names(exc, gt, "site-4")
+    # preprocess_volume itself refuses rather than rounds.
+    with pytest.raises(ValueError, match="non-integer"):
+        preprocess_volume(np.zeros((4, 4, 1)), (1.0, 1.0), target_spacing=1.0, image_size=4,
+                          label_hwz=np.full((4, 4, 1), 1.5))
+
+
 # --------------------------------------------------------------------------- site folders for real ACDC
 
 

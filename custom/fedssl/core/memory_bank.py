@@ -12,6 +12,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedssl.core.untrusted import ContributionError, cast_array
+
 
 class FeatureBank:
     """FIFO bank of ``capacity`` L2-normalised features ``[K, D]`` with partition ids ``[K]``.
@@ -93,28 +95,57 @@ def sample_negatives(
     return q_feats[idx], q_parts[idx]
 
 
-def check_bank(features: object, partitions: object, site: str, dim: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Validate an uploaded bank before it is shuttled to other sites; returns float32/int64 arrays."""
-    f, p = np.asarray(features), np.asarray(partitions)
-    if f.ndim != 2 or f.dtype.kind != "f" or (dim is not None and f.shape[1] != dim):
-        raise ValueError(f"{site} sent a feature bank of shape {f.shape} dtype {f.dtype}; expected float [K, {dim or 'D'}]")
-    if p.shape != (f.shape[0],) or p.dtype.kind not in "iu":
-        raise ValueError(f"{site} sent bank partitions of shape {p.shape} dtype {p.dtype}; expected int [{f.shape[0]}]")
-    if not np.all(np.isfinite(f)):
-        raise ValueError(f"{site} sent non-finite values in its feature bank; contribution rejected")
-    return f.astype(np.float32, copy=False), p.astype(np.int64, copy=False)
+#: |norm - 1| tolerated on an uploaded feature (FCL features are L2-normalised; float32 rounding is ~1e-7)
+UNIT_NORM_TOL = 1e-3
+
+
+def check_bank(features: object, partitions: object, site: str, dim: int, max_rows: int,
+               n_partitions: int) -> tuple[np.ndarray, np.ndarray]:
+    """Validate an uploaded bank before it is shuttled to other sites; float32 ``[K, dim]`` / int64 ``[K]`` copies.
+
+    Checked after the cast (``fedssl.core.untrusted.cast_array``): width ``dim``, at most ``max_rows`` rows (the
+    job's K), finite, every row of unit norm within ``UNIT_NORM_TOL``, partition ids in ``[-1, n_partitions)``
+    (-1 marks a bank slot not yet filled).  ContributionError names the site otherwise.
+    """
+    f = cast_array(features, np.float32, "its feature bank", site)
+    if f.ndim != 2 or f.shape[1] != dim or not 0 < f.shape[0] <= max_rows:
+        raise ContributionError(f"{site} sent a feature bank of shape {f.shape}; expected [K, {dim}] with 1 <= K <= {max_rows}")
+    p = cast_array(partitions, np.int64, "its bank partition ids", site, shape=(f.shape[0],))
+    norms = np.linalg.norm(f.astype(np.float64), axis=1)
+    if np.any(np.abs(norms - 1.0) > UNIT_NORM_TOL):
+        raise ContributionError(f"{site} sent bank features that are not unit vectors (norms {norms.min():.4g} to "
+                                f"{norms.max():.4g}); FCL shares L2-normalised features")
+    if p.size and (p.min() < -1 or p.max() >= n_partitions):
+        raise ContributionError(f"{site} sent bank partition ids in [{p.min()}, {p.max()}]; expected -1 (unfilled) "
+                                f"or 0..{n_partitions - 1}")
+    return f, p
 
 
 def remote_bank_for(
-    banks: dict[str, tuple[np.ndarray, np.ndarray]], site: str, rng: np.random.Generator
+    banks: dict[str, tuple[np.ndarray, np.ndarray]], site: str, rows: int, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The remote bank a site receives: the banks of all *other* sites, concatenated and shuffled
-    (equation (1) without Q_{l,c}); new arrays, no site names.  Empty ``[0, D]`` if there is no other site."""
-    others = [banks[name] for name in sorted(banks) if name != site]
-    if not others:
-        dim = next(iter(banks.values()))[0].shape[1] if banks else 0
-        return np.zeros((0, dim), np.float32), np.zeros((0,), np.int64)
-    f = np.concatenate([b[0] for b in others], axis=0)
-    p = np.concatenate([b[1] for b in others], axis=0)
-    order = rng.permutation(f.shape[0])
-    return f[order], p[order]
+    """The remote bank a site receives (equation (1) without Q_{l,c}): exactly ``rows`` features, new arrays,
+    no site names, whatever the number of other sites and however full their banks are.
+
+    The filled entries (partition id >= 0) of every *other* site are pooled; ``rows`` of them are drawn without
+    replacement in a random order; while the pool is smaller than ``rows`` the rest is random unit vectors
+    with partition id -1, exactly what an unfilled bank slot holds (negatives, never positives).  ``rng``
+    must come from a secret the receiving site does not hold, so that it cannot undo the order.
+    """
+    dim = next(iter(banks.values()))[0].shape[1]
+    pooled = [banks[name] for name in sorted(banks) if name != site]
+    f = np.concatenate([b[0] for b in pooled], axis=0) if pooled else np.zeros((0, dim), np.float32)
+    p = np.concatenate([b[1] for b in pooled], axis=0) if pooled else np.zeros((0,), np.int64)
+    filled = p >= 0
+    f, p = f[filled], p[filled]
+    take = rng.permutation(f.shape[0])[:rows]
+    f, p = f[take], p[take]
+    pad = rows - f.shape[0]
+    if pad > 0:
+        noise = rng.standard_normal((pad, dim))
+        noise /= np.maximum(np.linalg.norm(noise, axis=1, keepdims=True), 1e-12)
+        f = np.concatenate([f, noise.astype(np.float32)], axis=0)
+        p = np.concatenate([p, np.full(pad, -1, np.int64)], axis=0)
+        order = rng.permutation(rows)
+        f, p = f[order], p[order]
+    return f.astype(np.float32, copy=False), p.astype(np.int64, copy=False)

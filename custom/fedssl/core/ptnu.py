@@ -132,3 +132,10 @@ def calibrate_alpha(d_exact: float, d_pcs: Sequence[float], previous: float) -> 
     if dp <= 0:
         return previous
     return d_exact / dp
+
+
+def uploads_target(mode: str, calibration_round: bool) -> bool:
+    """Whether the sites upload their target network in a round: always under FCLOpt and PTNU (the server
+    averages it), never under FedBYOL, and under PTNU-DP only in calibration rounds (every R rounds).  The
+    server's round plan and the sites' uploads both follow this one rule."""
+    return mode in ("fclopt", "ptnu") or (mode == "ptnu_dp" and bool(calibration_round))

@@ -11,7 +11,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from fedssl.core.untrusted import ContributionError  # noqa: F401  (re-exported: the error every aggregator raises)
+from fedssl.core.untrusted import ContributionError, cast_array  # ContributionError re-exported: every aggregator raises it
 
 
 def to_numpy(v) -> np.ndarray:
@@ -21,32 +21,49 @@ def to_numpy(v) -> np.ndarray:
 
 
 def check_contribution(
-    reference: Mapping[str, object], contribution: Mapping[str, object], site: str, keys: Iterable[str] | None = None
-) -> None:
-    """Raise ContributionError unless ``contribution`` has exactly the expected keys, their shapes and finite values.
+    reference: Mapping[str, object], contribution: Mapping[str, object], site: str, keys: Iterable[str] | None = None,
+    max_update_ratio: float | None = None,
+) -> dict[str, np.ndarray]:
+    """The contribution's tensors cast to the reference's dtypes, or ContributionError naming the site.
 
-    ``reference`` is the current global model (or the first accepted contribution of the round);
-    ``keys`` restricts the expected key set (e.g. when some keys are excluded by pattern).
+    ``reference`` is the current global model; ``keys`` (decided by the server, never by what a site
+    sends) is the exact key set expected (default: every reference key).  Each tensor is cast to the
+    reference dtype *before* any value check (``fedssl.core.untrusted.cast_array``: bool / complex /
+    object arrays are refused, a float64 1e300 that overflows float32 is refused as non-finite), must have
+    the reference shape, and, with ``max_update_ratio``, the update over all float tensors must satisfy
+    ``||x - g|| <= max_update_ratio * max(||g||, 1)`` so that a site cannot push 1e38 weights.
     """
     expected = set(reference if keys is None else keys)
     got = set(contribution)
     if got != expected:
-        missing, extra = sorted(expected - got)[:5], sorted(got - expected)[:5]
+        missing, extra = sorted(expected - got)[:5], sorted(map(str, got - expected))[:5]
         raise ContributionError(
             f"{site} sent a model with the wrong keys (missing {missing}, unexpected {extra}); "
             "the site must run the same model configuration as the server"
         )
+    cast: dict[str, np.ndarray] = {}
     for k in sorted(expected):
-        ref, val = to_numpy(reference[k]), to_numpy(contribution[k])
-        if ref.shape != val.shape:
+        ref = to_numpy(reference[k])
+        cast[k] = cast_array(contribution[k], ref.dtype, repr(k), site, shape=ref.shape)
+    if max_update_ratio is not None:
+        ratio = update_ratio(reference, cast)
+        if not ratio <= max_update_ratio:
             raise ContributionError(
-                f"{site} sent {k!r} with shape {val.shape}, expected {ref.shape}; "
-                "the site must run the same model configuration as the server"
-            )
-        if val.dtype.kind not in "fiub":
-            raise ContributionError(f"{site} sent {k!r} with non-numeric dtype {val.dtype}")
-        if val.dtype.kind == "f" and not np.all(np.isfinite(val)):
-            raise ContributionError(f"{site} sent non-finite values (NaN/Inf) in {k!r}; contribution rejected")
+                f"{site} sent an update of norm {ratio:.3g} x the global model's (bound {max_update_ratio:g}); "
+                "contribution rejected (raise the aggregator's max_update_ratio only if such updates are expected)")
+    return cast
+
+
+def update_ratio(reference: Mapping[str, object], contribution: Mapping[str, np.ndarray]) -> float:
+    """``||x - g|| / max(||g||, 1)`` over the float tensors of ``contribution`` (in float64, no overflow)."""
+    diff, base = 0.0, 0.0
+    for k, x in contribution.items():
+        if x.dtype.kind != "f":
+            continue
+        g = to_numpy(reference[k]).astype(np.float64)
+        diff += float(np.sum((x.astype(np.float64) - g) ** 2))
+        base += float(np.sum(g**2))
+    return float(np.sqrt(diff) / max(np.sqrt(base), 1.0))
 
 
 def weighted_average(states: Sequence[Mapping[str, object]], weights: Sequence[float]) -> dict[str, np.ndarray]:
@@ -92,3 +109,24 @@ def ema_update(target: torch.nn.Module, online: torch.nn.Module, m: float) -> No
         pt.mul_(m).add_(po.detach(), alpha=1.0 - m)
     for bt, bo in zip(target.buffers(), online.buffers()):
         bt.copy_(bo)
+
+
+def round_key_set(
+    keys: Iterable[str], exclude_patterns: Sequence[str] = (), optional_prefixes: Sequence[str] = (),
+    with_excluded: bool = False, with_optional: bool = False,
+) -> set[str]:
+    """The keys every contribution of a round must carry, as the *server* decides it.
+
+    Keys matching ``exclude_patterns`` (kept on the sites) are expected only ``with_excluded`` (e.g. the last
+    round of a knowledge split); keys starting with one of ``optional_prefixes`` only ``with_optional`` (e.g.
+    the rounds in which FCLOpt sites upload their target network).  Everything else is always expected.
+    """
+    full = set(keys)
+    excluded = set(match_keys(full, exclude_patterns))
+    optional = {k for k in full if optional_prefixes and k.startswith(tuple(optional_prefixes))} - excluded
+    expected = full - excluded - optional
+    if with_excluded:
+        expected |= excluded
+    if with_optional:
+        expected |= optional
+    return expected

@@ -8,6 +8,7 @@ import os
 from collections import defaultdict
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -114,10 +115,11 @@ def write_run_report(out_dir: str, *, title: str, rounds: list[dict], comm_recor
     ax.plot(*total, marker="o", label="loss, mean over sites" if curves else "mean over sites")
     for term, (xs, ys) in curves.items():  # the loss terms apart (FCL: the remote term grows as the bank fills)
         ax.plot(xs, ys, marker=".", ls="--", label=f"{term}, mean over sites")
-    sites = sorted({s for r in rounds for s in r.get("site_losses", {})})
-    for s in sites:
-        pts = [(r["round"], r["site_losses"][s]) for r in rounds if s in r.get("site_losses", {})]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], alpha=0.4, lw=1, label=s if len(sites) <= 10 else None)
+    spread = [(r["round"], r["mean_loss"], r["loss_std_over_sites"]) for r in rounds
+              if r.get("mean_loss") is not None and r.get("loss_std_over_sites") is not None]
+    if spread:  # the spread over sites, without naming any site
+        xs, ms, sd = (np.asarray(v, dtype=float) for v in zip(*spread))
+        ax.fill_between(xs, ms - sd, ms + sd, alpha=0.2, label="+-1 std over sites")
     ax.set(xlabel="round", ylabel="training loss", title=title)
     ax.legend(fontsize=7)
     fig.tight_layout()

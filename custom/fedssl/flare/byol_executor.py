@@ -18,6 +18,7 @@ from nvflare.apis.signal import Signal
 
 from fedssl.core.byol import BYOLConfig
 from fedssl.core.checks import require, require_choice, require_int
+from fedssl.core.ptnu import uploads_target
 from fedssl.core.trainer import RoundStats
 from fedssl.data.acdc import load_site
 from fedssl.flare.constants import DISTANCE_KEY, DISTANCE_TASK, MODE_KEY, MODES, PROXY_KEY, UPLOAD_TARGET_KEY
@@ -109,8 +110,7 @@ class BYOLExecutor(TrainerExecutor):
         return {"mode": mode, "ptnu_iterations": self.ptnu_iterations}
 
     def result_state(self, stats: RoundStats, dxo: DXO) -> dict:
-        upload_target = self.mode in ("fclopt", "ptnu") or (self.mode == "ptnu_dp" and bool(dxo.get_meta_prop(UPLOAD_TARGET_KEY)))
-        return self.trainer.global_state(with_target=upload_target)
+        return self.trainer.global_state(with_target=uploads_target(self.mode, dxo.get_meta_prop(UPLOAD_TARGET_KEY)))
 
     def describe_round(self, stats: RoundStats) -> str:
         n = self.ptnu_iterations

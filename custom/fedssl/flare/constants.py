@@ -28,6 +28,8 @@ K_KEY, IMAGES_KEY, LOCAL_ITERS_KEY, SEED_KEY, ITER_KEY, DESCRIPTION_KEY = (
 #: result meta key of a site that uses a local tokenizer (its description, "local: <path>")
 LOCAL_TOKENIZER_KEY = "local_tokenizer"
 INIT_KEY = "init"
+#: task meta: the fewest patch vectors any statistic a site sends may cover; result meta: the site's sample size
+MIN_CLUSTER_KEY, VECTORS_KEY = "min_cluster_size", "n_vectors"
 
 # ---------------------------------------------------------------- surgical aggregation (surgical_registration, multilabel_executor)
 METHODS = ("surgical", "vanilla", "partial_loss", "personalised", "individual")
@@ -51,3 +53,14 @@ BANK_PARTITIONS = "bank_partitions"
 EXCLUDED_META = "excluded_keys"
 #: result meta key under which a site sends a dict of records for the summary (run_summary)
 SITE_RECORD_META = "summary_record"
+
+# ---------------------------------------------------------------- server-side round bookkeeping (never sent to a site)
+#: sticky FL-context property a workflow sets before a round's broadcast: ``{"round": r, "optional": bool}``, whether
+#: the contributions of round r carry the aggregator's ``optional_prefixes`` keys (FCLOptController: the target net)
+ROUND_PLAN_PROP = "fedssl.round_plan"
+#: FL-context property the aggregators set for AFTER_AGGREGATION listeners (RunSummary): ``{"sites": [...],
+#: "losses": {site: loss}}``; memory only, it names the sites and is never persisted
+ROUND_STATS_PROP = "fedssl.round_stats"
+#: DXO meta of an aggregate that stays on the server (MergingShareableGenerator strips it from the global model)
+AGGREGATED_SITES = "aggregated_sites"
+COLLECTED = "collected"

@@ -29,8 +29,10 @@ from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.workflows.scatter_and_gather import ScatterAndGather
 
 from fedssl.core.checks import require, require_choice
-from fedssl.core.ptnu import TARGET, PTNUError, calibrate_alpha, global_distance, predicted_distance, valid_distances
-from fedssl.flare.constants import DISTANCE_KEY, DISTANCE_TASK, MODE_KEY, MODES, PROXY_KEY, UPLOAD_TARGET_KEY
+from fedssl.core.ptnu import (TARGET, PTNUError, calibrate_alpha, global_distance, predicted_distance, uploads_target,
+                              valid_distances)
+from fedssl.flare.constants import (DISTANCE_KEY, DISTANCE_TASK, MODE_KEY, MODES, PROXY_KEY, ROUND_PLAN_PROP,
+                                    UPLOAD_TARGET_KEY)
 
 
 class _RoundData(ShareableGenerator):
@@ -97,6 +99,9 @@ class FCLOptController(ScatterAndGather):
             meta[UPLOAD_TARGET_KEY] = round_idx % self.calibration_every == 0
             self._fresh_target = meta[UPLOAD_TARGET_KEY]
             data = {}  # the online network went out with the distance task
+        # the aggregator (optional_prefixes ["target."]) expects the target network in this round iff the server says so
+        plan = {"round": round_idx, "optional": uploads_target(self.mode, meta.get(UPLOAD_TARGET_KEY, False))}
+        fl_ctx.set_prop(ROUND_PLAN_PROP, plan, private=True, sticky=True)
         return DXO(data_kind=DataKind.WEIGHTS, data=data, meta=meta).to_shareable()
 
     def _distance_prediction(self, weights: dict, round_idx: int, fl_ctx: FLContext) -> float:

@@ -4,10 +4,17 @@ Runs once per site as it pulls the train task.  The banks that the aggregator co
 ``collected``, keyed by site) are replaced, in a DXO built new for this site, by one shuffled remote
 bank made of every *other* site's features and partition ids: never the site's own, no site names.
 The broadcast DXO shared by all sites is never edited in place.
+
+A receiving site must not be able to attribute a remote feature to its source: the bank always has exactly
+``bank_size`` rows (``fedssl.core.memory_bank.remote_bank_for``: drawn from the others' filled entries, padded
+with unfilled-slot rows while they hold fewer), so it reveals neither the number of sites nor how full their
+banks are once they hold K features between them; its order comes from a secret drawn from the operating
+system when the server starts (never a seed of the job configuration), so it cannot be undone by a site.
 """
 
 from __future__ import annotations
 
+import secrets
 import zlib
 
 import numpy as np
@@ -16,17 +23,18 @@ from nvflare.apis.filter import Filter
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 
-from fedssl.core.checks import require
+from fedssl.core.checks import require_int
 from fedssl.core.memory_bank import remote_bank_for
-from fedssl.flare.constants import REMOTE_FEATURES, REMOTE_PARTITIONS
-from fedssl.flare.fedavg_aggregator import COLLECTED
+from fedssl.flare.constants import COLLECTED, REMOTE_FEATURES, REMOTE_PARTITIONS
 
 
 class FeatureBankShuttle(Filter):
-    def __init__(self, seed: int = 0):
+    def __init__(self, bank_size: int = 4096):
+        """bank_size: K, the sites' bank size (paper: 4096): every remote bank has exactly K rows."""
         super().__init__()
-        require(isinstance(seed, int), type(self).__name__, "seed", seed, "use an integer")
-        self.seed = seed
+        require_int(type(self).__name__, "bank_size", bank_size, 1, "use the sites' bank size K (paper: 4096)")
+        self.bank_size = bank_size
+        self._secret = secrets.randbits(128)  # the server's alone: not in the job config, not sent anywhere
 
     def process(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
         peer = fl_ctx.get_peer_context()
@@ -39,9 +47,10 @@ class FeatureBankShuttle(Filter):
         banks = {s: (np.asarray(b["bank_features"]), np.asarray(b["bank_partitions"])) for s, b in collected.items()}
         if banks:
             round_idx = int(shareable.get_header("current_round", 0) or 0)
-            rng = np.random.default_rng([self.seed, round_idx, zlib.crc32(site.encode())])
-            feats, parts = remote_bank_for(banks, site, rng)
+            rng = np.random.default_rng([self._secret, round_idx, zlib.crc32(site.encode())])
+            feats, parts = remote_bank_for(banks, site, self.bank_size, rng)
             meta[REMOTE_FEATURES], meta[REMOTE_PARTITIONS] = feats, parts
-            self.log_info(fl_ctx, f"sending {site} a remote bank of {feats.shape[0]} features from {len(banks) - (site in banks)} other sites")
+            self.log_info(fl_ctx, f"sending {site} a remote bank of {feats.shape[0]} features "
+                                  f"({int((parts >= 0).sum())} filled) from {len(banks) - (site in banks)} other sites")
         out = DXO(data_kind=dxo.data_kind, data=dxo.data, meta=meta)
         return out.update_shareable(shareable)

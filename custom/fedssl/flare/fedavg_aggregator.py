@@ -1,17 +1,26 @@
 """Server aggregator: FedAvg of whole state dicts with explicit weighting, rejecting bad contributions.
 
-Every contribution is checked against the current global model (keys, shapes, finite values) before it
-is stored; a rejected site is logged and left out of the round.  Extra per-site payloads of the result meta
-are the business of *collectors* (server components named in ``collectors``, e.g. FCL's
-``FeatureBankCollector``): each accepted contribution goes through every collector's ``collect(site, dxo)``,
-which validates and returns the site's items (or raises ValueError to reject the contribution); the items are
-passed on, per site, in the meta of the aggregated DXO under ``"collected"`` so that a per-site task-data
-filter can tailor the next broadcast.  The aggregator itself knows no method.
+Every site is treated as possibly faulty or malicious.  The *server* decides what a round contains: the key
+set comes from the global model and the job's ``exclude_patterns`` / ``optional_prefixes`` (with the round
+number, and the round plan a workflow such as FCLOptController publishes), never from the first contribution
+to arrive.  Each contribution must come from a registered client of the run, for the current round, once; its
+tensors are cast to the global model's dtypes before any check (``fedssl.core.state_dict.check_contribution``),
+must be finite and within ``max_update_ratio`` of the global model; its weight (``num_samples`` / steps) must be
+a whole number in ``[1, max_weight]``, and a site's ``num_samples`` may not change during a run; every meta
+value read (loss, counts) is type-checked.  A rejected site is logged ("REJECTED ...", naming it) and left out
+of the round; nothing a site sends raises out of ``accept``.
+
+Extra per-site payloads of the result meta are the business of *collectors* (server components named in
+``collectors``, e.g. FCL's ``FeatureBankCollector``): each accepted contribution goes through every collector's
+``collect(site, dxo)``, which validates and returns the site's items (or raises ValueError to reject the
+contribution); the items are passed on, per site, in the meta of the aggregated DXO under ``"collected"``, which
+the MergingShareableGenerator keeps out of the persisted global model and hands to the next broadcast, where a
+per-site task-data filter tailors it.  The per-site losses go to AFTER_AGGREGATION listeners through the
+FL-context property ``ROUND_STATS_PROP`` only (memory, never persisted).  The aggregator itself knows no method.
 """
 
 from __future__ import annotations
 
-import numpy as np
 from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
 from nvflare.apis.event_type import EventType
 from nvflare.apis.fl_constant import ReservedKey, ReturnCode
@@ -20,53 +29,129 @@ from nvflare.apis.shareable import Shareable
 from nvflare.app_common.abstract.aggregator import Aggregator
 from nvflare.app_common.abstract.model import ModelLearnableKey
 from nvflare.app_common.app_constant import AppConstants
+from nvflare.app_common.app_event_type import AppEventType
 
 from fedssl.core.checks import require, require_choice
-from fedssl.core.state_dict import ContributionError, check_contribution, match_keys, weighted_average
+from fedssl.core.state_dict import ContributionError, check_contribution, round_key_set, weighted_average
+from fedssl.core.untrusted import as_count, as_finite_float
+from fedssl.flare.constants import AGGREGATED_SITES, COLLECTED, ROUND_PLAN_PROP, ROUND_STATS_PROP
 
-COLLECTED = "collected"
 WEIGHTINGS = ("num_samples", "num_steps", "uniform")
+#: default bound on one site's weight (images / volumes / steps of a round): far above any site of the papers
+DEFAULT_MAX_WEIGHT = 1_000_000
+#: default bound on ||x - g|| / max(||g||, 1): an honest round moves a model by well under its own norm
+DEFAULT_MAX_UPDATE_RATIO = 10.0
+
+
+def check_bounds(component: str, max_weight: object, max_update_ratio: object) -> None:
+    require(isinstance(max_weight, (int, float)) and not isinstance(max_weight, bool) and 1 <= max_weight < float("inf"),
+            component, "max_weight", max_weight, "use a finite number >= 1: the largest weight (samples or steps) one site may claim")
+    require(isinstance(max_update_ratio, (int, float)) and not isinstance(max_update_ratio, bool)
+            and 0 < max_update_ratio < float("inf"), component, "max_update_ratio", max_update_ratio,
+            "use a finite number > 0 (default 10): the largest ||update|| / ||global model|| accepted from a site")
 
 
 class RoundAggregator(Aggregator):
     """Per-round bookkeeping shared by the bundle's aggregators (FedAvgAggregator, SurgicalAggregator):
-    the accepted states, their weights and reported losses by site, and the checks every ``accept()`` runs first."""
+    who may contribute, the checked weight and loss of each contribution, and the accepted states by site."""
 
-    def __init__(self):
+    def __init__(self, weighting: str, max_weight: float, max_update_ratio: float):
         super().__init__()
+        self.weighting = weighting
+        self.max_weight = max_weight
+        self.max_update_ratio = max_update_ratio
         self._states: dict[str, dict] = {}
         self._weights: dict[str, float] = {}
         self._losses: dict[str, float] = {}
+        self._declared: dict[str, int] = {}  # site -> num_samples it declared with its first accepted result
+        self._num_rounds: int | None = None
 
     def reset(self, fl_ctx: FLContext) -> None:
         self._states, self._weights, self._losses = {}, {}, {}
 
+    def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
+        if event_type == AppEventType.ROUND_STARTED:  # fired from the workflow's context, which holds NUM_ROUNDS
+            n = fl_ctx.get_prop(AppConstants.NUM_ROUNDS)
+            self._num_rounds = n if isinstance(n, int) else self._num_rounds
+
+    def is_last_round(self, fl_ctx: FLContext) -> bool:
+        current = fl_ctx.get_prop(AppConstants.CURRENT_ROUND)
+        return self._num_rounds is not None and current == self._num_rounds - 1
+
     def admitted_site(self, shareable: Shareable, fl_ctx: FLContext) -> str | None:
         """The sending site's name, or None (with a warning naming the site) when the result is left out of
-        this round: an error return code, a result of another round, or a second result of the same site."""
-        site = shareable.get_peer_prop(key=ReservedKey.IDENTITY_NAME, default="?")
+        this round: not a client of this run, an error return code, a result of another (or no) round, or a
+        second result of the same site."""
+        site = shareable.get_peer_prop(key=ReservedKey.IDENTITY_NAME, default=None)
+        engine = fl_ctx.get_engine()
+        clients = {c.name for c in engine.get_clients()} if engine is not None else None
+        if not isinstance(site, str) or (clients is not None and site not in clients):
+            self.log_warning(fl_ctx, f"result from {site!r}, which is not a client of this run; discarded")
+            return None
         rc = shareable.get_return_code()
         if rc and rc != ReturnCode.OK:
             self.log_warning(fl_ctx, f"{site} returned {rc}; its contribution is left out of this round")
             return None
         contribution_round = shareable.get_cookie(AppConstants.CONTRIBUTION_ROUND)
         current_round = fl_ctx.get_prop(AppConstants.CURRENT_ROUND)
-        if contribution_round is not None and current_round is not None and contribution_round != current_round:
-            self.log_warning(fl_ctx, f"{site} sent a result for round {contribution_round} during round {current_round}; discarded")
+        if current_round is not None and contribution_round != current_round:
+            self.log_warning(fl_ctx, f"{site} sent a result for round {contribution_round!r} during round {current_round}; discarded")
             return None
         if site in self._states:
             self.log_warning(fl_ctx, f"{site} already contributed to round {current_round}; duplicate discarded")
             return None
         return site
 
+    def checked_dxo(self, shareable: Shareable, site: str) -> DXO:
+        """The result's DXO, refused unless it holds weights and every meta key is a string."""
+        dxo = from_shareable(shareable)
+        if dxo.data_kind != DataKind.WEIGHTS:
+            raise ContributionError(f"{site} sent data kind {dxo.data_kind}; expected {DataKind.WEIGHTS}")
+        if not isinstance(dxo.data or {}, dict) or not all(isinstance(k, str) for k in (dxo.data or {})):
+            raise ContributionError(f"{site} sent weights that are not a dict of named tensors")
+        if not all(isinstance(k, str) for k in dxo.get_meta_props()):
+            raise ContributionError(f"{site} sent meta keys that are not strings: "
+                                    f"{[k for k in dxo.get_meta_props() if not isinstance(k, str)][:3]}")
+        return dxo
+
+    def weight_of(self, dxo: DXO, site: str, declared: int | None = None) -> float:
+        """The contribution's aggregation weight: 1 (uniform), or a whole number in [1, cap] read from the meta.
+
+        ``num_samples`` is a dataset size: its cap is what the site declared at registration (``declared``,
+        e.g. the surgical class registration) or, without one, ``max_weight``; it may not change during the run.
+        """
+        if self.weighting == "uniform":
+            return 1.0
+        if self.weighting == "num_steps":
+            return float(as_count(dxo.get_meta_prop(MetaKey.NUM_STEPS_CURRENT_ROUND), MetaKey.NUM_STEPS_CURRENT_ROUND,
+                                  site, cap=self.max_weight))
+        n = as_count(dxo.get_meta_prop("num_samples"), "num_samples", site, cap=declared or self.max_weight)
+        first = self._declared.get(site)
+        if first is not None and n != first:
+            raise ContributionError(f"{site} sent num_samples={n} after declaring {first} earlier in this run; "
+                                    "a site's dataset size is fixed for a run")
+        return float(n)
+
     def keep(self, site: str, data: dict, weight: float, dxo: DXO) -> bool:
-        """Record an accepted contribution (and the training loss the site reported, if any); returns True."""
+        """Record an accepted contribution and its training loss (a real number if reported); returns True.
+        Raises ContributionError (before recording anything) when the loss is not a finite number."""
+        loss = dxo.get_meta_prop("loss")
+        loss = None if loss is None else as_finite_float(loss, "loss", site)
+        if self.weighting == "num_samples":
+            self._declared.setdefault(site, int(weight))
         self._states[site] = data
         self._weights[site] = weight
-        loss = dxo.get_meta_prop("loss")
         if loss is not None:
-            self._losses[site] = float(loss)
+            self._losses[site] = loss
         return True
+
+    def refused(self, fl_ctx: FLContext, site: str, error: Exception) -> bool:
+        """Log a refused contribution (naming the site); returns False for ``accept``."""
+        if isinstance(error, (ContributionError, ValueError, TypeError, KeyError)):
+            self.log_error(fl_ctx, f"REJECTED contribution from {site}: {error}")
+        else:  # whatever a site sends never ends the round or the run
+            self.log_error(fl_ctx, f"REJECTED contribution from {site}: unexpected {type(error).__name__}: {error}")
+        return False
 
     def round_sites(self, fl_ctx: FLContext) -> tuple[list[str], int]:
         """(sorted sites that contributed to this round, number of clients of the run); with no contribution
@@ -77,37 +162,48 @@ class RoundAggregator(Aggregator):
             self.system_panic("no valid contribution this round: nothing to aggregate", fl_ctx)
         return sites, n_clients
 
+    def publish_round_stats(self, fl_ctx: FLContext, sites: list[str]) -> None:
+        """Per-site losses for AFTER_AGGREGATION listeners (RunSummary), in memory only: never in the aggregate."""
+        fl_ctx.set_prop(ROUND_STATS_PROP, {"sites": list(sites), "losses": {s: self._losses[s] for s in sites if s in self._losses}},
+                        private=True, sticky=False)
+
 
 class FedAvgAggregator(RoundAggregator):
     def __init__(self, weighting: str = "num_samples", optional_prefixes: list = (), exclude_patterns: list = (),
-                 collectors: list = ()):
+                 average_excluded_at_end: bool = False, collectors: list = (), max_weight: float = DEFAULT_MAX_WEIGHT,
+                 max_update_ratio: float = DEFAULT_MAX_UPDATE_RATIO):
         """
         Args:
             weighting: "num_samples" (meta ``num_samples``: images/volumes, as FCL and SSL-FL weight),
                 "num_steps" (FLARE's NUM_STEPS_CURRENT_ROUND) or "uniform".
-            optional_prefixes: parameter-name prefixes a contribution may leave out as a whole (e.g.
-                ``["target."]`` when the BYOL target network is uploaded only on some rounds); every
-                contribution of a round must then carry the same key set, and the keys left out keep their
-                previous global value.
+            optional_prefixes: parameter-name prefixes that a round carries only when the workflow's round plan
+                says so (``ROUND_PLAN_PROP``; e.g. ``["target."]``, FCLOptController: the BYOL target network is
+                uploaded only in some modes and rounds); otherwise they keep their previous global value.
             exclude_patterns: parameter-name patterns (fnmatch, e.g. ``["encoder.cls_token"]``) that sites keep
-                local (PartialModelExclusion on both sides): contributions leave out exactly these keys (all
-                sites of a round alike), which keep their global value; when a round carries them (the last
-                round of a knowledge split) they are averaged like every other key.
+                local (PartialModelExclusion on both sides): contributions leave out exactly these keys, which
+                keep their global value.
+            average_excluded_at_end: the excluded keys are carried, and averaged, in the last round (FedMAE-KS,
+                the client filter's ``average_at_end``); false keeps them local for good (FedBN).
             collectors: ids of server components with ``collect(site, dxo) -> dict`` (e.g. ``["bank_collector"]``,
                 a ``FeatureBankCollector`` for FCL's feature exchange); [] = only the weights are kept.
+            max_weight: largest weight one site may claim (``num_samples`` or steps of a round).
+            max_update_ratio: largest ``||x - g|| / max(||g||, 1)`` accepted from a site (float tensors).
         """
-        super().__init__()
         name = type(self).__name__
         require_choice(name, "weighting", weighting, WEIGHTINGS)
         require(isinstance(optional_prefixes, (list, tuple)) and all(isinstance(p, str) and p for p in optional_prefixes),
                 name, "optional_prefixes", optional_prefixes, 'use a list of parameter-name prefixes, e.g. ["target."]')
         require(isinstance(exclude_patterns, (list, tuple)) and all(isinstance(p, str) and p for p in exclude_patterns),
                 name, "exclude_patterns", exclude_patterns, 'use a list of parameter-name patterns, e.g. ["encoder.cls_token"]')
+        require(isinstance(average_excluded_at_end, bool), name, "average_excluded_at_end", average_excluded_at_end,
+                "use true (knowledge split: averaged once, in the last round) or false (kept local for good)")
         require(isinstance(collectors, (list, tuple)) and all(isinstance(c, str) and c for c in collectors),
                 name, "collectors", collectors, 'use a list of server component ids, e.g. ["bank_collector"]')
-        self.weighting = weighting
+        check_bounds(name, max_weight, max_update_ratio)
+        super().__init__(weighting, max_weight, max_update_ratio)
         self.exclude_patterns = list(exclude_patterns)
         self.optional_prefixes = list(optional_prefixes)
+        self.average_excluded_at_end = average_excluded_at_end
         self.collectors = list(collectors)
         self._collector_components: list | None = None
         self._collected: dict[str, dict] = {}
@@ -130,33 +226,27 @@ class FedAvgAggregator(RoundAggregator):
         return self._collector_components
 
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
+        super().handle_event(event_type, fl_ctx)
         if event_type == EventType.START_RUN and self.collectors:
             try:
                 self.collector_components(fl_ctx)
             except ValueError as e:
                 self.system_panic(str(e), fl_ctx)
 
-    def _weight_of(self, dxo: DXO, site: str) -> float:
-        if self.weighting == "uniform":
-            return 1.0
-        key = "num_samples" if self.weighting == "num_samples" else MetaKey.NUM_STEPS_CURRENT_ROUND
-        w = dxo.get_meta_prop(key)
-        if w is None or not np.isfinite(float(w)) or float(w) <= 0:
-            raise ContributionError(f"{site} sent {key}={w!r}; a positive count is required for {self.weighting} weighting")
-        return float(w)
-
-    def _expected_keys(self, reference: dict, data: dict, site: str) -> set:
-        full = set(reference)
-        optional = {k for k in full if k.startswith(tuple(self.optional_prefixes))}
-        optional |= set(match_keys(full, self.exclude_patterns))
-        required = full - optional
-        expected = full if set(data) - required else required  # all optional/excluded keys, or none
-        if self._states:
-            round_keys = set(next(iter(self._states.values())))
-            if expected != round_keys:
-                raise ContributionError(f"{site} sent {len(expected)} keys but this round's contributions carry "
-                                        f"{len(round_keys)}; every site must upload the same parts in a round")
-        return expected
+    def round_keys(self, reference: dict, fl_ctx: FLContext) -> set:
+        """The keys every contribution of this round carries, decided here from the global model, the job's
+        exclusions and the workflow's round plan, never from what a site sent."""
+        with_optional = False
+        if self.optional_prefixes:
+            plan, current = fl_ctx.get_prop(ROUND_PLAN_PROP), fl_ctx.get_prop(AppConstants.CURRENT_ROUND)
+            if not isinstance(plan, dict) or plan.get("round") != current:
+                raise ContributionError(
+                    f"no round plan for round {current} (FL-context property {ROUND_PLAN_PROP!r}); "
+                    f"optional_prefixes {self.optional_prefixes} need a workflow that decides when they are uploaded "
+                    "(FCLOptController); remove optional_prefixes for a plain ScatterAndGather")
+            with_optional = bool(plan.get("optional"))
+        with_excluded = bool(self.exclude_patterns) and self.average_excluded_at_end and self.is_last_round(fl_ctx)
+        return round_key_set(reference, self.exclude_patterns, self.optional_prefixes, with_excluded, with_optional)
 
     def accept(self, shareable: Shareable, fl_ctx: FLContext) -> bool:
         site = self.admitted_site(shareable, fl_ctx)
@@ -168,22 +258,23 @@ class FedAvgAggregator(RoundAggregator):
             self.system_panic(str(e), fl_ctx)
             return False
         try:
-            dxo = from_shareable(shareable)
-            if dxo.data_kind != DataKind.WEIGHTS:
-                raise ContributionError(f"{site} sent data kind {dxo.data_kind}; expected {DataKind.WEIGHTS}")
+            dxo = self.checked_dxo(shareable, site)
             global_model = fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)
-            reference = global_model[ModelLearnableKey.WEIGHTS] if global_model else next(iter(self._states.values()), dxo.data)
-            check_contribution(reference, dxo.data, site, keys=self._expected_keys(reference, dxo.data, site))
-            weight = self._weight_of(dxo, site)
+            if not global_model:
+                raise ContributionError("no global model in the FL context; the aggregator runs inside ScatterAndGather")
+            reference = global_model[ModelLearnableKey.WEIGHTS]
+            data = check_contribution(reference, dxo.data or {}, site, keys=self.round_keys(reference, fl_ctx),
+                                      max_update_ratio=self.max_update_ratio)
+            weight = self.weight_of(dxo, site)
             items: dict = {}
             for collector in collectors:
                 items.update(collector.collect(site, dxo))
-        except (ContributionError, ValueError, TypeError) as e:
-            self.log_error(fl_ctx, f"REJECTED contribution: {e}")
-            return False
+            self.keep(site, data, weight, dxo)
+        except Exception as e:  # noqa: BLE001 -- one site's payload never ends the round (refused() names the type)
+            return self.refused(fl_ctx, site, e)
         if collectors:
             self._collected[site] = items
-        return self.keep(site, dxo.data, weight, dxo)
+        return True
 
     def aggregate(self, fl_ctx: FLContext) -> Shareable:
         sites, n_clients = self.round_sites(fl_ctx)
@@ -192,10 +283,8 @@ class FedAvgAggregator(RoundAggregator):
         avg = weighted_average([self._states[s] for s in sites], [self._weights[s] for s in sites])
         self.log_info(fl_ctx, f"aggregated {len(sites)}/{n_clients} sites, weights ({self.weighting}): "
                       + ", ".join(f"{self._weights[s]:g}" for s in sites))
-        meta = {
-            "aggregated_sites": len(sites),
-            "site_losses": {s: self._losses[s] for s in sites if s in self._losses},
-        }
+        self.publish_round_stats(fl_ctx, sites)
+        meta: dict = {AGGREGATED_SITES: len(sites)}
         if self.collectors:
-            meta[COLLECTED] = dict(self._collected)
+            meta[COLLECTED] = {s: self._collected[s] for s in sites}
         return DXO(data_kind=DataKind.WEIGHTS, data=avg, meta=meta).to_shareable()

@@ -1,7 +1,8 @@
 """Server component that leaves a machine-readable summary and plots in the job's run folder.
 
-Listens to FLARE events: after each aggregation it records the round's per-site losses (meta
-``site_losses`` of the aggregate); at the end of the run it reads the communication records of
+Listens to FLARE events: after each aggregation it records the round's mean training loss over the
+aggregated sites and its spread (standard deviation over sites), from the aggregator's in-memory round
+statistics (``ROUND_STATS_PROP``); no per-site value or site name is written; at the end of the run it reads the communication records of
 ``CommunicationMeter`` and writes ``summary.json``, ``loss.png`` and ``bytes_per_round.png``.
 
 Other components can add records to the summary (e.g. which tokenizer a BEiT run used):
@@ -12,8 +13,9 @@ Other components can add records to the summary (e.g. which tokenizer a BEiT run
   it lands under ``site_records`` per site, and a key on which every site agrees (and that no server
   record set) is also copied to the top level.
 
-A round in which some site's accepted contribution lacks keys of the global model (a knowledge split,
-PartialModelExclusion) lists them, as received by the server, under ``keys_not_uploaded`` (site -> keys).
+A round in which accepted contributions lack keys of the global model (a knowledge split,
+PartialModelExclusion) lists them, as received by the server, under ``keys_not_uploaded`` (the keys that
+no aggregated site uploaded).
 
 Exchanges that belong to no round (e.g. the federated k-means tasks before round 0) are summed per task
 and direction under ``communication_outside_rounds``.
@@ -46,7 +48,7 @@ from nvflare.app_common.app_event_type import AppEventType
 from fedssl.core.checks import require
 from fedssl.eval.run_report import MAX_TERMS_PER_ROUND, loss_term_means, loss_term_ok, read_jsonl, write_run_report
 from fedssl.flare.communication_meter import COMM_FILE
-from fedssl.flare.constants import SITE_RECORD_META
+from fedssl.flare.constants import AGGREGATED_SITES, ROUND_STATS_PROP, SITE_RECORD_META
 
 #: event a server component fires (with the record under the same fl_ctx prop) to add keys to summary.json
 SUMMARY_RECORD_EVENT = "fedssl.summary_record"
@@ -86,6 +88,7 @@ class RunSummary(FLComponent):
         self._records: dict = {}
         self._site_records: dict[str, dict] = {}
         self._not_uploaded: dict[str, list] = {}  # this round: site -> global keys its contribution lacked
+        self._contributors: dict[int, list] = {}  # round -> aggregated sites (memory only, never written)
         self._terms: dict[int, dict[str, dict[str, float]]] = {}  # round -> term -> site -> value (memory only)
         self._terms_lock = threading.Lock()  # analytics events arrive on FLARE's fed-event thread
         self._t0 = time.time()
@@ -93,6 +96,7 @@ class RunSummary(FLComponent):
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
         if event_type == EventType.START_RUN:
             self._rounds, self._records, self._site_records, self._not_uploaded = [], {}, {}, {}
+            self._contributors = {}
             with self._terms_lock:
                 self._terms = {}
             self._t0 = time.time()
@@ -108,25 +112,7 @@ class RunSummary(FLComponent):
         elif event_type == AppEventType.AFTER_CONTRIBUTION_ACCEPT:
             self._take_site_record(fl_ctx)
         elif event_type == AppEventType.AFTER_AGGREGATION:
-            result = fl_ctx.get_prop(AppConstants.AGGREGATION_RESULT)
-            try:
-                meta = from_shareable(result).get_meta_props()
-            except (ValueError, TypeError, AttributeError):
-                meta = {}
-            losses = {k: float(v) for k, v in (meta.get("site_losses") or {}).items()}
-            rnd = fl_ctx.get_prop(AppConstants.CURRENT_ROUND)
-            self._rounds.append({
-                "round": rnd,
-                "time_s": round(time.time() - self._t0, 2),
-                "aggregated_sites": meta.get("aggregated_sites"),
-                "site_losses": losses,
-                "mean_loss": sum(losses.values()) / len(losses) if losses else None,
-            })
-            if self._not_uploaded:
-                self._rounds[-1]["keys_not_uploaded"] = dict(sorted(self._not_uploaded.items()))
-            self._not_uploaded = {}
-            if losses:
-                self.log_info(fl_ctx, f"round {rnd}: mean loss {self._rounds[-1]['mean_loss']:.4f} over {len(losses)} sites")
+            self._take_round(fl_ctx)
         elif event_type == EventType.END_RUN:
             run_dir = fl_ctx.get_engine().get_workspace().get_run_dir(fl_ctx.get_job_id())
             comm = read_jsonl(os.path.join(run_dir, COMM_FILE))
@@ -136,6 +122,33 @@ class RunSummary(FLComponent):
             b = summary["bytes_per_site_per_round"]
             self.log_info(fl_ctx, f"summary written to {run_dir}/summary.json; bytes per site per round: "
                                   f"up {b['upload']:.0f}, down {b['download']:.0f}")
+
+    def _take_round(self, fl_ctx: FLContext) -> None:
+        """The round's mean loss and spread over the aggregated sites (the aggregator checked every loss)."""
+        result = fl_ctx.get_prop(AppConstants.AGGREGATION_RESULT)
+        try:
+            n_sites = from_shareable(result).get_meta_prop(AGGREGATED_SITES)
+        except (ValueError, TypeError, AttributeError):
+            n_sites = None
+        stats = fl_ctx.get_prop(ROUND_STATS_PROP) or {}
+        losses = list((stats.get("losses") or {}).values())
+        rnd = fl_ctx.get_prop(AppConstants.CURRENT_ROUND)
+        self._contributors[rnd] = list(stats.get("sites") or [])
+        mean = sum(losses) / len(losses) if losses else None
+        self._rounds.append({
+            "round": rnd,
+            "time_s": round(time.time() - self._t0, 2),
+            "aggregated_sites": n_sites,
+            "mean_loss": mean,
+            "loss_std_over_sites": (sum((x - mean) ** 2 for x in losses) / len(losses)) ** 0.5 if losses else None,
+        })
+        if self._not_uploaded:  # keys no aggregated site uploaded (a knowledge split); no site names
+            lacking = sorted({k for s, v in self._not_uploaded.items() if s in self._contributors[rnd] for k in v})
+            if lacking:
+                self._rounds[-1]["keys_not_uploaded"] = lacking
+        self._not_uploaded = {}
+        if losses:
+            self.log_info(fl_ctx, f"round {rnd}: mean loss {mean:.4f} over {len(losses)} sites")
 
     def _take_site_record(self, fl_ctx: FLContext) -> None:
         result = fl_ctx.get_prop(AppConstants.TRAINING_RESULT)
@@ -174,9 +187,8 @@ class RunSummary(FLComponent):
 
     def _attach_loss_terms(self) -> None:
         """Each round's ``loss_terms``: the mean over the reporting sites of every loss term (no site names)."""
-        contributors = {r["round"]: list(r.get("site_losses") or {}) for r in self._rounds if "round" in r}
         with self._terms_lock:  # only the sites the round aggregated count
-            means = loss_term_means(self._terms, contributors)
+            means = loss_term_means(self._terms, self._contributors)
         for r in self._rounds:
             if r.get("round") in means:
                 r["loss_terms"] = means[r["round"]]

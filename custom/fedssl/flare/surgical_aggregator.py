@@ -13,8 +13,10 @@ Head, by ``method`` (read from the :class:`~fedssl.flare.surgical_registration.C
 
 Every contribution is checked before it touches the global model: the site is registered and sends the
 class list it declared (a changed list mid-run is rejected), exactly the expected keys, backbone shapes of
-the global model, a head of one row per declared class, finite values.  A rejected site is logged
-("REJECTED ...", naming it) and left out of the round.
+the global model, a head of one row per declared class; every tensor is cast to the global dtype before any
+value check, must be finite and within ``max_update_ratio`` of the global model (the head against the global
+rows of the site's classes); ``num_samples`` is capped by the size the site declared at registration.  A
+rejected site is logged ("REJECTED ...", naming it) and left out of the round (see RoundAggregator).
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ from nvflare.app_common.abstract.model import ModelLearnableKey
 from nvflare.app_common.app_constant import AppConstants
 
 from fedssl.core.checks import require, require_choice
-from fedssl.core.state_dict import ContributionError, check_contribution, to_numpy, weighted_average
+from fedssl.core.state_dict import ContributionError, check_contribution, to_numpy, update_ratio, weighted_average
 from fedssl.core.surgical import aggregated_keys, classes_from_meta, is_head_key, merge_heads
 from fedssl.flare.constants import CLASSES_KEY
-from fedssl.flare.fedavg_aggregator import RoundAggregator
+from fedssl.flare.constants import AGGREGATED_SITES
+from fedssl.flare.fedavg_aggregator import DEFAULT_MAX_UPDATE_RATIO, DEFAULT_MAX_WEIGHT, RoundAggregator, check_bounds
 from fedssl.flare.surgical_registration import ClassRegistry, get_registry
 from fedssl.models.densenet import is_bn_key
 
@@ -49,25 +52,27 @@ def expected_keys(global_keys, reg: ClassRegistry, head: str) -> tuple[list[str]
 
 
 class SurgicalAggregator(RoundAggregator):
-    def __init__(self, weighting: str = "uniform", head: str = "classifier"):
+    def __init__(self, weighting: str = "uniform", head: str = "classifier", max_weight: float = DEFAULT_MAX_WEIGHT,
+                 max_update_ratio: float = DEFAULT_MAX_UPDATE_RATIO):
         """
         Args:
             weighting: backbone FedAvg weights: "uniform" (the paper's public code) or "num_samples" (meta
                 ``num_samples``, training images); the surgical head merge uses the same weights per class.
             head: module name of the class layer (``<head>.weight [C, F]``, ``<head>.bias [C]``).
+            max_weight: largest ``num_samples`` a site without a registered size may claim.
+            max_update_ratio: largest ``||x - g|| / max(||g||, 1)`` accepted from a site.
         """
-        super().__init__()
         name = type(self).__name__
         require_choice(name, "weighting", weighting, WEIGHTINGS)
         require(isinstance(head, str) and bool(head.strip()), name, "head", head,
                 'use the module name of the class layer, e.g. "classifier"')
-        self.weighting = weighting
+        check_bounds(name, max_weight, max_update_ratio)
+        super().__init__(weighting, max_weight, max_update_ratio)
         self.head = head
 
     # ------------------------------------------------------------------ validation
-    def _check(self, dxo: DXO, site: str, reg: ClassRegistry, global_weights: dict) -> float:
-        if dxo.data_kind != DataKind.WEIGHTS:
-            raise ContributionError(f"{site} sent data kind {dxo.data_kind}; expected {DataKind.WEIGHTS}")
+    def _check(self, dxo: DXO, site: str, reg: ClassRegistry, global_weights: dict) -> tuple[dict, float]:
+        """(the contribution cast to the global dtypes, its weight), or ContributionError naming the site."""
         registered = reg.classes_of(site)
         sent = classes_from_meta(dxo.get_meta_prop(CLASSES_KEY), site)
         if sent != registered:
@@ -85,30 +90,21 @@ class SurgicalAggregator(RoundAggregator):
             raise ContributionError(
                 f"{site} sent no batch-norm tensors but backbone fedavg averages them; the client's batch-norm filter "
                 "must follow the backbone strategy (BackboneBNExclusion), not exclude batch-norm unconditionally")
-        check_contribution(global_weights, {k: v for k, v in data.items() if not is_head_key(k, self.head)}, site,
-                           keys=backbone)
-        extra_heads = sorted(set(k for k in data if is_head_key(k, self.head)) - set(heads))
-        missing_heads = sorted(set(heads) - set(data))
-        if extra_heads or missing_heads:
-            raise ContributionError(f"{site} sent head tensors {sorted(k for k in data if is_head_key(k, self.head))}, "
-                                    f"expected {heads} for method {reg.method}")
-        if heads:
-            rows = len(registered) if reg.method == "surgical" else len(reg.global_classes)
-            w, b = to_numpy(data[f"{self.head}.weight"]), to_numpy(data[f"{self.head}.bias"])
-            n_feat = to_numpy(global_weights[f"{self.head}.weight"]).shape[1]
-            if w.shape != (rows, n_feat) or b.shape != (rows,):
-                raise ContributionError(
-                    f"{site} sent a head of shape {w.shape} / {b.shape}; method {reg.method} expects one row per "
-                    f"{'declared' if reg.method == 'surgical' else 'network'} class: ({rows}, {n_feat}) / ({rows},)")
-            for k, v in ((f"{self.head}.weight", w), (f"{self.head}.bias", b)):
-                if v.dtype.kind != "f" or not np.all(np.isfinite(v)):
-                    raise ContributionError(f"{site} sent non-finite or non-float values in {k!r}; contribution rejected")
-        if self.weighting == "uniform":
-            return 1.0
-        n = dxo.get_meta_prop("num_samples")
-        if n is None or not np.isfinite(float(n)) or float(n) <= 0:
-            raise ContributionError(f"{site} sent num_samples={n!r}; a positive count is required for num_samples weighting")
-        return float(n)
+        sent_heads = sorted(k for k in data if is_head_key(k, self.head))
+        if sent_heads != sorted(heads):
+            raise ContributionError(f"{site} sent head tensors {sent_heads}, expected {heads} for method {reg.method}")
+        reference = {k: global_weights[k] for k in backbone}
+        if heads:  # the reference of a surgical head is the global rows of the site's classes, in its order
+            wk, bk = f"{self.head}.weight", f"{self.head}.bias"
+            rows = ([list(reg.global_classes).index(c) for c in registered] if reg.method == "surgical"
+                    else list(range(len(reg.global_classes))))
+            reference[wk], reference[bk] = to_numpy(global_weights[wk])[rows], to_numpy(global_weights[bk])[rows]
+        cast = check_contribution(reference, data, site, keys=list(reference))
+        ratio = update_ratio(reference, cast)
+        if not ratio <= self.max_update_ratio:
+            raise ContributionError(f"{site} sent an update of norm {ratio:.3g} x the global model's (bound "
+                                    f"{self.max_update_ratio:g}); contribution rejected")
+        return cast, self.weight_of(dxo, site, declared=reg.num_samples.get(site))
 
     def accept(self, shareable: Shareable, fl_ctx: FLContext) -> bool:
         site = self.admitted_site(shareable, fl_ctx)
@@ -119,12 +115,11 @@ class SurgicalAggregator(RoundAggregator):
             global_model = fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)
             if not global_model:
                 raise ContributionError("no global model in the FL context; the aggregator runs inside ScatterAndGather")
-            dxo = from_shareable(shareable)
-            weight = self._check(dxo, site, reg, global_model[ModelLearnableKey.WEIGHTS])
-        except (ContributionError, ValueError, TypeError) as e:
-            self.log_error(fl_ctx, f"REJECTED contribution: {e}")
-            return False
-        return self.keep(site, dxo.data or {}, weight, dxo)
+            dxo = self.checked_dxo(shareable, site)
+            data, weight = self._check(dxo, site, reg, global_model[ModelLearnableKey.WEIGHTS])
+            return self.keep(site, data, weight, dxo)
+        except Exception as e:  # noqa: BLE001 -- one site's payload never ends the round (refused() names the type)
+            return self.refused(fl_ctx, site, e)
 
     # ------------------------------------------------------------------ aggregation
     def aggregate(self, fl_ctx: FLContext) -> Shareable:
@@ -149,5 +144,5 @@ class SurgicalAggregator(RoundAggregator):
             out.update(weighted_average([{k: self._states[s][k] for k in heads} for s in sites], weights))
         self.log_info(fl_ctx, f"aggregated {len(sites)}/{n_clients} sites ({reg.method}, backbone {reg.backbone}, "
                               f"{self.weighting} weights): {len(out)} tensors updated")
-        meta = {"aggregated_sites": len(sites), "site_losses": {s: self._losses[s] for s in sites if s in self._losses}}
-        return DXO(data_kind=DataKind.WEIGHTS, data=out, meta=meta).to_shareable()
+        self.publish_round_stats(fl_ctx, sites)
+        return DXO(data_kind=DataKind.WEIGHTS, data=out, meta={AGGREGATED_SITES: len(sites)}).to_shareable()

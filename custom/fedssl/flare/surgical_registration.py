@@ -40,10 +40,13 @@ from nvflare.apis.signal import Signal
 
 from fedssl.core.checks import require, require_choice, require_int
 from fedssl.core.surgical import check_class_list, classes_from_meta, union_classes
+from fedssl.core.untrusted import as_count
 from fedssl.flare.constants import BACKBONE_KEY, BACKBONES, CLASSES_KEY, DECLARE_TASK, METHOD_KEY, METHODS
 
 REGISTRY_PROP = "fedssl.surgical.registry"
 REGISTRY_FILE = "classes.json"
+#: bound on the training-set size a site may declare (the aggregator caps its num_samples weight by its declaration)
+MAX_DECLARED_SAMPLES = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,9 @@ class ClassRegistration(Controller):
         if ct.result is None:
             return None, None
         dxo = from_shareable(ct.result)
-        return classes_from_meta(dxo.get_meta_prop(CLASSES_KEY), ct.client.name), dxo.get_meta_prop("num_samples")
+        n = dxo.get_meta_prop("num_samples")
+        count = None if n is None else as_count(n, "num_samples", ct.client.name, cap=MAX_DECLARED_SAMPLES)
+        return classes_from_meta(dxo.get_meta_prop(CLASSES_KEY), ct.client.name), count
 
     def control_flow(self, abort_signal: Signal, fl_ctx: FLContext) -> None:
         data = DXO(data_kind=DataKind.METRICS, data={},
@@ -165,7 +170,7 @@ class ClassRegistration(Controller):
             if classes is None:
                 problems.append(f"{ct.client.name} sent no declaration (its {self.task_name} task failed; see its log)")
                 continue
-            declared[ct.client.name], counts[ct.client.name] = classes, int(n or 0)
+            declared[ct.client.name], counts[ct.client.name] = classes, n or 0
         try:
             if problems:
                 raise ValueError("; ".join(problems))

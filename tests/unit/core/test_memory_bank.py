@@ -48,23 +48,56 @@ def test_sampling_is_uniform_over_local_and_remote():
     assert abs(frac_remote - 0.75) < 0.03
 
 
-def test_remote_bank_never_contains_own_features():
-    banks = {s: (np.full((3, 2), i, np.float32), np.full(3, i, np.int64)) for i, s in enumerate(["site-1", "site-2", "site-3"])}
-    f, p = remote_bank_for(banks, "site-2", np.random.default_rng(0))
-    assert f.shape == (6, 2) and sorted(set(p.tolist())) == [0, 2]
+def _unit_rows(n, dim, value):
+    f = np.zeros((n, dim), np.float32)
+    f[:, value % dim] = 1.0
+    return f
+
+
+def test_remote_bank_never_contains_own_features_and_has_fixed_size():
+    """Site i's rows are the unit vector e_i with partition id i: what site-2 receives shows whose rows it got."""
+    banks = {s: (_unit_rows(3, 4, i), np.full(3, i, np.int64)) for i, s in enumerate(["site-1", "site-2", "site-3"])}
+    f, p = remote_bank_for(banks, "site-2", 4, np.random.default_rng(0))
+    assert f.shape == (4, 4) and p.shape == (4,)  # trimmed to K = 4 from the 6 rows of the two others
+    assert set(p.tolist()) <= {0, 2} and not np.any(f[:, 1])  # never site-2's own rows
     assert f.base is None or f.base is not banks["site-1"][0]  # new arrays
-    alone, _ = remote_bank_for({"site-1": banks["site-1"]}, "site-1", np.random.default_rng(0))
-    assert alone.shape == (0, 2)
+    big, pb = remote_bank_for(banks, "site-2", 10, np.random.default_rng(0))
+    assert big.shape == (10, 4) and sorted(pb.tolist()).count(-1) == 4  # 6 real rows, 4 unfilled-slot rows
+    np.testing.assert_allclose(np.linalg.norm(big, axis=1), 1.0, rtol=1e-5)
+    alone, pa = remote_bank_for({"site-1": banks["site-1"]}, "site-1", 4, np.random.default_rng(0))
+    assert alone.shape == (4, 4) and (pa == -1).all()  # the size does not reveal that there is no other site
 
 
-def test_check_bank_rejects_bad_uploads():
-    ok_f, ok_p = np.zeros((4, 2), np.float32), np.zeros(4, np.int64)
-    check_bank(ok_f, ok_p, "site-1", dim=2)
-    bad = ok_f.copy()
-    bad[0, 0] = np.nan
-    with pytest.raises(ValueError, match="site-1.*non-finite"):
-        check_bank(bad, ok_p, "site-1")
-    with pytest.raises(ValueError, match="shape"):
-        check_bank(ok_f, np.zeros(3, np.int64), "site-1")
-    with pytest.raises(ValueError, match="feature bank"):
-        check_bank(np.zeros((4, 3), np.float32), ok_p, "site-1", dim=2)
+def test_remote_bank_size_does_not_reveal_the_number_of_sites_or_fill_levels():
+    """Banks of K = 8: with 2 or 5 other sites, half-filled or full, the receiver gets 8 rows, all filled once
+    the others hold >= 8 filled rows between them; unfilled rows (-1) of a sender are never forwarded."""
+    def bank(filled):
+        p = np.full(8, -1, np.int64)
+        p[:filled] = 0
+        return _unit_rows(8, 4, 0), p
+    for n_others, filled in ((2, 4), (2, 8), (5, 2), (5, 8)):
+        banks = {f"site-{i}": bank(filled) for i in range(n_others + 1)}
+        f, p = remote_bank_for(banks, "site-0", 8, np.random.default_rng(1))
+        assert f.shape == (8, 4) and (p >= 0).all(), (n_others, filled)
+
+
+def test_check_bank_casts_and_rejects_bad_uploads():
+    ok_f, ok_p = _unit_rows(4, 2, 0).astype(np.float64), np.zeros(4, np.int32)
+    f, p = check_bank(ok_f, ok_p, "site-1", dim=2, max_rows=4, n_partitions=4)
+    assert f.dtype == np.float32 and p.dtype == np.int64
+    cases = {
+        "non-finite": (np.where(np.arange(8).reshape(4, 2) == 0, np.nan, ok_f), ok_p),
+        "overflow": (np.where(np.arange(8).reshape(4, 2) == 0, 1e300, ok_f), ok_p),
+        "shape": (ok_f, np.zeros(3, np.int64)),
+        "width": (np.zeros((4, 3), np.float32), ok_p),
+        "too many rows": (_unit_rows(5, 2, 0), np.zeros(5, np.int64)),
+        "not unit": (ok_f * 2, ok_p),
+        "partition range": (ok_f, np.array([0, 1, 2, 4])),
+        "partition below -1": (ok_f, np.array([0, 1, 2, -2])),
+        "float partitions": (ok_f, np.zeros(4, np.float32)),
+        "complex": (ok_f.astype(np.complex64), ok_p),
+    }
+    for what, (feats, parts) in cases.items():
+        with pytest.raises(ValueError, match="site-1"):
+            check_bank(feats, parts, "site-1", dim=2, max_rows=4, n_partitions=4)
+            pytest.fail(f"{what} was accepted")

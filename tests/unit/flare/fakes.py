@@ -18,17 +18,24 @@ class FakeWorkspace:
         return self.root
 
 
+class FakeClient:
+    def __init__(self, name):
+        self.name = name
+
+
 class FakeEngine:
-    def __init__(self, root, n_clients=3, components=None):
+    def __init__(self, root, n_clients=3, components=None, sites=None):
+        """``sites``: the names of the run's clients (default site-1 .. site-<n_clients>)."""
         self.ws = FakeWorkspace(root)
-        self.n_clients = n_clients
+        self.sites = list(sites) if sites is not None else [f"site-{i}" for i in range(1, n_clients + 1)]
+        self.n_clients = len(self.sites)
         self.components = dict(components or {})
 
     def get_workspace(self):
         return self.ws
 
     def get_clients(self):
-        return list(range(self.n_clients))
+        return [FakeClient(s) for s in self.sites]
 
     def fire_event(self, event_type, fl_ctx):
         """log_error fires an event; nothing listens in unit tests."""

@@ -12,8 +12,8 @@ from nvflare.app_common.abstract.model import make_model_learnable
 from nvflare.app_common.app_constant import AppConstants
 
 from fedssl.core.state_dict import ContributionError
-from fedssl.flare.constants import BANK_FEATURES, BANK_PARTITIONS, REMOTE_FEATURES, REMOTE_PARTITIONS
-from fedssl.flare.fedavg_aggregator import COLLECTED, FedAvgAggregator
+from fedssl.flare.constants import BANK_FEATURES, BANK_PARTITIONS, COLLECTED, REMOTE_FEATURES, REMOTE_PARTITIONS
+from fedssl.flare.fedavg_aggregator import FedAvgAggregator
 from fedssl.flare.feature_bank_collector import FeatureBankCollector
 from fedssl.flare.feature_bank_shuttle import FeatureBankShuttle
 from fedssl.ops.jobs import REPO_ROOT, build_job, component_specs, job_configs
@@ -21,31 +21,42 @@ from tests.unit.flare.fakes import FakeEngine, context, contribution
 
 SITES = ["site-1", "site-2", "site-3"]
 GLOBAL = {"w": np.zeros(2, np.float32)}
+K, D = 3, 9  # row j of site i is the unit vector e_(3i + j): every row says where it came from
+
+
+def collector(**kw):
+    return FeatureBankCollector(**{"bank_size": K, "proj_dim": D, "n_partitions": 2, **kw})
 
 
 def server_ctx(tmp_path, collect=True):
-    engine = FakeEngine(tmp_path, components={"bank_collector": FeatureBankCollector()} if collect else None)
+    engine = FakeEngine(tmp_path, components={"bank_collector": collector()} if collect else None)
     return context(engine=engine, props={AppConstants.GLOBAL_MODEL: make_model_learnable(GLOBAL, {}),
                                          AppConstants.CURRENT_ROUND: 0})
 
 
-def site_bank(i, k=3):
-    """Site i's bank: feature rows (i, j) so every row says where it came from; partitions j % 2."""
-    return {BANK_FEATURES: np.stack([np.full(k, i, np.float32), np.arange(k, dtype=np.float32)], 1),
-            BANK_PARTITIONS: np.arange(k, dtype=np.int64) % 2}
+def site_bank(i, k=K):
+    return {BANK_FEATURES: np.eye(D, dtype=np.float32)[3 * i: 3 * i + k], BANK_PARTITIONS: np.arange(k, dtype=np.int64) % 2}
 
 
 def test_collector_validates_and_returns_the_bank():
-    dxo = DXO(DataKind.WEIGHTS, data={}, meta={BANK_FEATURES: np.ones((2, 3), np.float64),
-                                               BANK_PARTITIONS: np.array([0, 1], np.int32)})
-    out = FeatureBankCollector().collect("site-1", dxo)
+    dxo = DXO(DataKind.WEIGHTS, data={}, meta={BANK_FEATURES: np.eye(D)[:2], BANK_PARTITIONS: np.array([0, 1], np.int32)})
+    out = collector().collect("site-1", dxo)
     assert set(out) == {BANK_FEATURES, BANK_PARTITIONS}
     assert out[BANK_FEATURES].dtype == np.float32 and out[BANK_PARTITIONS].dtype == np.int64
     with pytest.raises(ContributionError, match="site-2 sent no feature bank.*feature_exchange=false.*collectors=\\[\\]"):
-        FeatureBankCollector().collect("site-2", DXO(DataKind.WEIGHTS, data={}, meta={}))
-    with pytest.raises(ValueError, match="site-3 sent bank partitions of shape"):
-        FeatureBankCollector().collect("site-3", DXO(DataKind.WEIGHTS, data={}, meta={
-            BANK_FEATURES: np.ones((2, 3), np.float32), BANK_PARTITIONS: np.zeros(3, np.int64)}))
+        collector().collect("site-2", DXO(DataKind.WEIGHTS, data={}, meta={}))
+    with pytest.raises(ValueError, match="site-3 sent its bank partition ids with shape"):
+        collector().collect("site-3", DXO(DataKind.WEIGHTS, data={}, meta={
+            BANK_FEATURES: np.eye(D, dtype=np.float32)[:2], BANK_PARTITIONS: np.zeros(3, np.int64)}))
+    with pytest.raises(ValueError, match="site-4 sent a feature bank of shape \\(4, 9\\)"):  # more rows than K
+        collector().collect("site-4", DXO(DataKind.WEIGHTS, data={}, meta={
+            BANK_FEATURES: np.eye(D, dtype=np.float32)[:4], BANK_PARTITIONS: np.zeros(4, np.int64)}))
+
+
+@pytest.mark.parametrize("kwargs", [{"bank_size": 0}, {"proj_dim": "128"}, {"n_partitions": True}])
+def test_collector_arguments_are_checked(kwargs):
+    with pytest.raises(ValueError, match=f"{next(iter(kwargs))}="):
+        collector(**kwargs)
 
 
 def aggregate(tmp_path, collect=True):
@@ -59,17 +70,17 @@ def aggregate(tmp_path, collect=True):
 
 def test_each_site_receives_the_others_banks_shuffled_and_without_names(tmp_path):
     base = aggregate(tmp_path)
-    shuttle = FeatureBankShuttle(seed=0)
+    shuttle = FeatureBankShuttle(bank_size=2 * K)  # room for exactly the two other sites' rows
     for i, site in enumerate(SITES):
         copy = Shareable()
         copy.update(base)  # what FLARE hands each site's filter chain
         out = from_shareable(shuttle.process(copy, context(peer_site=site)))
         feats, parts = out.get_meta_prop(REMOTE_FEATURES), out.get_meta_prop(REMOTE_PARTITIONS)
-        others = [j for j in range(len(SITES)) if j != i]
-        expected = sorted((float(j), float(r)) for j in others for r in range(3))
-        assert sorted(map(tuple, feats.tolist())) == expected  # exactly the other sites' rows, never its own
-        assert [tuple(f) for f in feats.tolist()] != expected  # shuffled, not in site order
-        np.testing.assert_array_equal(parts, feats[:, 1].astype(np.int64) % 2)  # each row keeps its partition id
+        origin = feats.argmax(axis=1)  # 3 * site + row
+        expected = sorted(3 * j + r for j in range(len(SITES)) if j != i for r in range(K))
+        assert sorted(origin.tolist()) == expected  # exactly the other sites' rows, never its own
+        assert origin.tolist() != expected  # shuffled, not in site order
+        np.testing.assert_array_equal(parts, (origin % 3) % 2)  # each row keeps its partition id
         meta = out.get_meta_props()
         assert COLLECTED not in meta and not any(s in json.dumps(sorted(map(str, meta))) for s in SITES)
 
@@ -77,7 +88,7 @@ def test_each_site_receives_the_others_banks_shuffled_and_without_names(tmp_path
 def test_fedmoco_exchanges_no_bank(tmp_path):
     base = aggregate(tmp_path, collect=False)
     assert COLLECTED not in from_shareable(base).get_meta_props()
-    out = from_shareable(FeatureBankShuttle(seed=0).process(base, context(peer_site="site-1")))
+    out = from_shareable(FeatureBankShuttle(bank_size=K).process(base, context(peer_site="site-1")))
     assert out.get_meta_prop(REMOTE_FEATURES) is None and out.get_meta_prop(REMOTE_PARTITIONS) is None
 
 

@@ -3,8 +3,7 @@ import pytest
 from nvflare.apis.dxo import DXO, DataKind, from_shareable
 from nvflare.apis.shareable import Shareable
 
-from fedssl.flare.constants import REMOTE_FEATURES, REMOTE_PARTITIONS
-from fedssl.flare.fedavg_aggregator import COLLECTED
+from fedssl.flare.constants import COLLECTED, REMOTE_FEATURES, REMOTE_PARTITIONS
 from fedssl.flare.feature_bank_shuttle import FeatureBankShuttle
 from tests.unit.flare.fakes import context
 
@@ -12,7 +11,8 @@ SITES = ["site-1", "site-2", "site-3"]
 
 
 def broadcast():
-    collected = {s: {"bank_features": np.full((4, 2), i + 1, np.float32), "bank_partitions": np.full(4, i, np.int64)}
+    """Site i's 4 rows are the unit vector e_i with partition id i."""
+    collected = {s: {"bank_features": np.tile(np.eye(3, dtype=np.float32)[i], (4, 1)), "bank_partitions": np.full(4, i, np.int64)}
                  for i, s in enumerate(SITES)}
     dxo = DXO(DataKind.WEIGHTS, data={"w": np.zeros(2)}, meta={COLLECTED: collected, "aggregated_sites": 3})
     s = dxo.to_shareable()
@@ -29,14 +29,14 @@ def per_site_copy(base: Shareable) -> Shareable:
 
 def test_each_site_gets_all_others_never_its_own_fresh_per_site():
     base = broadcast()
-    f = FeatureBankShuttle(seed=0)
+    f = FeatureBankShuttle(bank_size=8)
     outs = {}
     for i, site in enumerate(SITES):
         out = from_shareable(f.process(per_site_copy(base), context(peer_site=site)))
         feats, parts = out.get_meta_prop(REMOTE_FEATURES), out.get_meta_prop(REMOTE_PARTITIONS)
-        assert feats.shape == (8, 2) and parts.shape == (8,)
+        assert feats.shape == (8, 3) and parts.shape == (8,)
         assert i not in set(parts.tolist()) and set(parts.tolist()) == set(range(3)) - {i}
-        assert float(i + 1) not in set(feats[:, 0].tolist())
+        assert not feats[:, i].any()  # none of its own rows
         assert out.get_meta_prop(COLLECTED) is None  # no site names travel
         outs[site] = feats
     # the shared broadcast was never edited: it still holds every bank and no remote bank
@@ -45,12 +45,29 @@ def test_each_site_gets_all_others_never_its_own_fresh_per_site():
     assert outs["site-1"] is not outs["site-2"]
 
 
-def test_remote_bank_is_shuffled():
-    out = from_shareable(FeatureBankShuttle(seed=3).process(per_site_copy(broadcast()), context(peer_site="site-1")))
-    parts = out.get_meta_prop(REMOTE_PARTITIONS).tolist()
-    assert parts != sorted(parts)
+def test_remote_bank_is_shuffled_by_a_server_secret_not_a_config_seed():
+    """Two servers with the same job configuration shuffle differently: the order comes from a secret that the
+    receiving site cannot know, so it cannot attribute rows by position."""
+    orders = []
+    for _ in range(2):
+        out = from_shareable(FeatureBankShuttle(bank_size=8).process(per_site_copy(broadcast()), context(peer_site="site-1")))
+        orders.append(out.get_meta_prop(REMOTE_PARTITIONS).tolist())
+    assert orders[0] != sorted(orders[0]) or orders[1] != sorted(orders[1])
+    assert orders[0] != orders[1]  # 8! / (4! 4!) = 70 orders of two sites' rows: equal by chance with p = 1/70
+    with pytest.raises(TypeError):
+        FeatureBankShuttle(seed=0)  # a job configuration cannot choose the shuffle
+
+
+def test_remote_bank_has_the_same_size_whatever_the_number_of_sites():
+    """K = 6 rows whether 1 or 2 other sites sent banks: the size does not tell a site how many others there are."""
+    two = {k: v for k, v in from_shareable(broadcast()).get_meta_prop(COLLECTED).items() if k != "site-3"}
+    small = DXO(DataKind.WEIGHTS, data={"w": np.zeros(2)}, meta={COLLECTED: two}).to_shareable()
+    shuttle = FeatureBankShuttle(bank_size=6)
+    for base in (small, broadcast()):
+        parts = from_shareable(shuttle.process(per_site_copy(base), context(peer_site="site-1"))).get_meta_prop(REMOTE_PARTITIONS)
+        assert parts.shape == (6,)
 
 
 def test_refuses_to_run_without_a_receiving_site():
     with pytest.raises(RuntimeError, match="server task-data filter"):
-        FeatureBankShuttle().process(broadcast(), context())
+        FeatureBankShuttle(bank_size=4).process(broadcast(), context())

@@ -4,20 +4,26 @@ from nvflare.apis.dxo import from_shareable
 from nvflare.app_common.abstract.model import make_model_learnable
 from nvflare.app_common.app_constant import AppConstants
 
-from fedssl.flare.fedavg_aggregator import COLLECTED, FedAvgAggregator
+from nvflare.app_common.app_event_type import AppEventType
+
+from fedssl.flare.constants import COLLECTED, ROUND_PLAN_PROP, ROUND_STATS_PROP
+from fedssl.flare.fedavg_aggregator import FedAvgAggregator
 from fedssl.flare.feature_bank_collector import FeatureBankCollector
 from tests.unit.flare.fakes import FakeEngine, context, contribution
 
 GLOBAL = {"w": np.zeros((2,), np.float32), "b": np.zeros((1,), np.float32)}
 
 
-def ctx(tmp_path):
-    return context(engine=FakeEngine(tmp_path), props={AppConstants.GLOBAL_MODEL: make_model_learnable(GLOBAL, {}),
-                                                         AppConstants.CURRENT_ROUND: 0})
+def ctx(tmp_path, round_idx=0, glob=GLOBAL, **props):
+    return context(engine=FakeEngine(tmp_path, n_clients=6), props={AppConstants.GLOBAL_MODEL: make_model_learnable(glob, {}),
+                                                                      AppConstants.CURRENT_ROUND: round_idx, **props})
 
 
 def bank(v, k=4, d=3):
-    return {"bank_features": np.full((k, d), v, np.float32), "bank_partitions": np.arange(k, dtype=np.int64)}
+    """k unit rows e_(v mod d), partition ids 0..k-1: which site's bank arrived shows in the rows."""
+    f = np.zeros((k, d), np.float32)
+    f[:, int(v) % d] = 1.0
+    return {"bank_features": f, "bank_partitions": np.arange(k, dtype=np.int64)}
 
 
 def test_weights_by_sample_count_by_hand(tmp_path):
@@ -30,7 +36,10 @@ def test_weights_by_sample_count_by_hand(tmp_path):
     # (10 * [1, 2] + 30 * [4, 8]) / 40 = [3.25, 6.5]; b = 30 * 3 / 40 = 2.25
     np.testing.assert_allclose(out.data["w"], [3.25, 6.5])
     np.testing.assert_allclose(out.data["b"], [2.25])
-    assert out.get_meta_prop("site_losses") == {"site-1": 1.0, "site-2": 3.0}
+    assert out.data["w"].dtype == np.float32  # the global model's dtype
+    # per-site losses go to the round's listeners in memory only, never into the aggregate (persisted)
+    assert c.get_prop(ROUND_STATS_PROP) == {"sites": ["site-1", "site-2"], "losses": {"site-1": 1.0, "site-2": 3.0}}
+    assert set(out.get_meta_props()) == {"aggregated_sites"}
 
 
 def test_uniform_weighting(tmp_path):
@@ -56,12 +65,16 @@ def test_bad_contributions_are_rejected_and_never_averaged(tmp_path):
 
 
 def collecting_ctx(tmp_path, **components):
-    return context(engine=FakeEngine(tmp_path, components=components),
+    return context(engine=FakeEngine(tmp_path, n_clients=6, components=components),
                    props={AppConstants.GLOBAL_MODEL: make_model_learnable(GLOBAL, {}), AppConstants.CURRENT_ROUND: 0})
 
 
+def collector():
+    return FeatureBankCollector(bank_size=4, proj_dim=3, n_partitions=4)
+
+
 def test_banks_collected_per_site_and_bad_bank_rejected(tmp_path):
-    agg, c = FedAvgAggregator(collectors=["bank_collector"]), collecting_ctx(tmp_path, bank_collector=FeatureBankCollector())
+    agg, c = FedAvgAggregator(collectors=["bank_collector"]), collecting_ctx(tmp_path, bank_collector=collector())
     w = {"w": np.ones(2, np.float32), "b": np.ones(1, np.float32)}
     assert agg.accept(contribution("site-1", w, {"num_samples": 1, **bank(1.0)}), c)
     bad = bank(2.0)
@@ -77,7 +90,7 @@ def test_banks_collected_per_site_and_bad_bank_rejected(tmp_path):
     for site, v, k in (("site-1", 1.0, 4), ("site-4", 4.0, 2)):
         f, p = collected[site]["bank_features"], collected[site]["bank_partitions"]
         assert f.dtype == np.float32 and p.dtype == np.int64 and f.shape == (k, 3)
-        np.testing.assert_array_equal(f, np.full((k, 3), v))
+        np.testing.assert_array_equal(f, bank(v, k)["bank_features"])
         np.testing.assert_array_equal(p, np.arange(k))
     agg.reset(c)  # a new round starts with nothing collected
     assert agg.accept(contribution("site-2", w, {"num_samples": 1, **bank(2.0)}), c)
@@ -86,7 +99,7 @@ def test_banks_collected_per_site_and_bad_bank_rejected(tmp_path):
 
 def test_without_collectors_banks_are_neither_required_nor_passed_on(tmp_path):
     """FedMoCo (collectors=[]): a bank in the meta is ignored, none is required, nothing is collected."""
-    agg, c = FedAvgAggregator(), collecting_ctx(tmp_path, bank_collector=FeatureBankCollector())
+    agg, c = FedAvgAggregator(), collecting_ctx(tmp_path, bank_collector=collector())
     w = {"w": np.ones(2, np.float32), "b": np.ones(1, np.float32)}
     assert agg.accept(contribution("site-1", w, {"num_samples": 1}), c)
     assert agg.accept(contribution("site-2", w, {"num_samples": 1, **bank(2.0)}), c)
@@ -104,44 +117,62 @@ def test_a_collector_that_is_not_configured_stops_the_run(tmp_path):
         FedAvgAggregator(collectors="bank_collector")
 
 
-def test_constructor_errors_name_argument():
-    import pytest
+@pytest.mark.parametrize("kwargs, match", [
+    ({"weighting": "by_size"}, "weighting='by_size'"),
+    ({"max_weight": 0}, "max_weight=0"),
+    ({"max_weight": float("inf")}, "max_weight=inf"),
+    ({"max_update_ratio": -1}, "max_update_ratio=-1"),
+    ({"average_excluded_at_end": "yes"}, "average_excluded_at_end='yes'"),
+])
+def test_constructor_errors_name_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FedAvgAggregator(**kwargs)
 
-    with pytest.raises(ValueError, match="weighting='by_size'"):
-        FedAvgAggregator(weighting="by_size")
 
-
-def test_optional_prefix_groups(tmp_path):
+def test_optional_prefix_groups_follow_the_servers_round_plan(tmp_path):
+    """The workflow's plan, not the first arrival, says whether a round carries the target network."""
     glob = {"online.w": np.zeros(2, np.float32), "target.w": np.zeros(2, np.float32)}
-    c = context(engine=FakeEngine(tmp_path), props={AppConstants.GLOBAL_MODEL: make_model_learnable(glob, {}),
-                                                     AppConstants.CURRENT_ROUND: 0})
+    online, target = {"online.w": np.ones(2, np.float32)}, {"target.w": np.ones(2, np.float32)}
     agg = FedAvgAggregator(weighting="uniform", optional_prefixes=["target."])
-    assert agg.accept(contribution("site-1", {"online.w": np.ones(2, np.float32)}), c)  # target left out
-    # a site that sends the target while the round's others do not is rejected
-    assert not agg.accept(contribution("site-2", {"online.w": np.ones(2, np.float32), "target.w": np.ones(2, np.float32)}), c)
-    out = from_shareable(agg.aggregate(c))
-    assert set(out.data) == {"online.w"}
+    c = ctx(tmp_path, glob=glob, **{ROUND_PLAN_PROP: {"round": 0, "optional": False}})
+    # a first arrival that carries the target cannot make the round's key set: it is refused, the honest sites are not
+    assert not agg.accept(contribution("site-1", {**online, **target}), c)
+    assert agg.accept(contribution("site-2", online), c)
+    assert agg.accept(contribution("site-3", online), c)
+    assert set(from_shareable(agg.aggregate(c)).data) == {"online.w"}
     agg.reset(c)
-    assert agg.accept(contribution("site-1", {"online.w": np.ones(2, np.float32), "target.w": np.ones(2, np.float32)}), c)
-    assert not agg.accept(contribution("site-2", {"target.w": np.ones(2, np.float32)}), c)  # online is required
+    c = ctx(tmp_path, glob=glob, **{ROUND_PLAN_PROP: {"round": 0, "optional": True}})
+    assert not agg.accept(contribution("site-1", online), c)  # the plan says the target comes along
+    assert agg.accept(contribution("site-2", {**online, **target}), c)
+    assert not agg.accept(contribution("site-3", target), c)  # online is always required
+    stale = ctx(tmp_path, glob=glob, **{ROUND_PLAN_PROP: {"round": 5, "optional": True}})
+    assert not agg.accept(contribution("site-4", {**online, **target}), stale)  # no plan for this round: refused
 
 
-def test_excluded_keys_may_be_left_out_and_keep_global_value_then_are_averaged_at_the_end(tmp_path):
-    agg, c = FedAvgAggregator(weighting="uniform", exclude_patterns=["b"]), ctx(tmp_path)
+def test_excluded_keys_are_left_out_then_averaged_in_the_last_round(tmp_path):
+    agg = FedAvgAggregator(weighting="uniform", exclude_patterns=["b"], average_excluded_at_end=True)
+    agg.handle_event(AppEventType.ROUND_STARTED, context(props={AppConstants.NUM_ROUNDS: 2}))
+    c = ctx(tmp_path, round_idx=0)
     assert agg.accept(contribution("site-1", {"w": np.array([1.0, 1.0], np.float32)}), c)
     assert agg.accept(contribution("site-2", {"w": np.array([3.0, 3.0], np.float32)}), c)
-    out = from_shareable(agg.aggregate(c)).data
-    assert set(out) == {"w"}  # "b" keeps its global value (the shareable generator merges)
+    assert set(from_shareable(agg.aggregate(c)).data) == {"w"}  # "b" keeps its global value (the generator merges)
     agg.reset(c)  # last round: the locally kept tensors come along and are averaged once
-    assert agg.accept(contribution("site-1", {"w": np.ones(2, np.float32), "b": np.array([1.0], np.float32)}), c)
-    assert agg.accept(contribution("site-2", {"w": np.ones(2, np.float32), "b": np.array([5.0], np.float32)}), c)
+    c = ctx(tmp_path, round_idx=1)
+    assert not agg.accept(contribution("site-3", {"w": np.ones(2, np.float32)}, round_idx=1), c)  # must carry "b" now
+    assert agg.accept(contribution("site-1", {"w": np.ones(2, np.float32), "b": np.array([1.0], np.float32)}, round_idx=1), c)
+    assert agg.accept(contribution("site-2", {"w": np.ones(2, np.float32), "b": np.array([5.0], np.float32)}, round_idx=1), c)
     np.testing.assert_allclose(from_shareable(agg.aggregate(c)).data["b"], [3.0])
 
 
-def test_excluded_keys_must_be_left_out_by_every_site_alike(tmp_path):
-    agg, c = FedAvgAggregator(weighting="uniform", exclude_patterns=["b"]), ctx(tmp_path)
-    assert agg.accept(contribution("site-1", {"w": np.ones(2, np.float32)}), c)
-    assert not agg.accept(contribution("site-2", {"w": np.ones(2, np.float32), "b": np.zeros(1, np.float32)}), c)
+def test_excluded_keys_are_refused_outside_the_last_round_and_for_good_without_average_at_end(tmp_path):
+    c = ctx(tmp_path)
+    agg = FedAvgAggregator(weighting="uniform", exclude_patterns=["b"], average_excluded_at_end=True)
+    # the first arrival carries the locally kept key: it cannot make the round average it
+    assert not agg.accept(contribution("site-1", {"w": np.ones(2, np.float32), "b": np.zeros(1, np.float32)}), c)
+    assert agg.accept(contribution("site-2", {"w": np.ones(2, np.float32)}), c)
+    fedbn = FedAvgAggregator(weighting="uniform", exclude_patterns=["b"])
+    fedbn.handle_event(AppEventType.ROUND_STARTED, context(props={AppConstants.NUM_ROUNDS: 1}))  # round 0 is the last
+    assert not fedbn.accept(contribution("site-1", {"w": np.ones(2, np.float32), "b": np.zeros(1, np.float32)}), c)
     # a non-excluded key can never be left out
     assert not FedAvgAggregator(exclude_patterns=["b"]).accept(
         contribution("site-3", {"b": np.zeros(1, np.float32)}, {"num_samples": 1}), c)

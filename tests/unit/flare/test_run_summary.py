@@ -14,7 +14,7 @@ from nvflare.app_common.app_event_type import AppEventType
 
 from fedssl.flare.communication_meter import COMM_FILE
 from fedssl.eval.run_report import loss_curves
-from fedssl.flare.constants import SITE_RECORD_META
+from fedssl.flare.constants import ROUND_STATS_PROP, SITE_RECORD_META
 from fedssl.flare.run_summary import (ANALYTICS_EVENT, SUMMARY_RECORD_EVENT, RunSummary, outside_rounds,
                                       record_in_summary)
 from tests.unit.flare.fakes import FakeEngine, contribution, context
@@ -29,9 +29,11 @@ def accept(rs, ctx, site, weights, meta, round_idx):
 
 
 def aggregate(rs, ctx, round_idx, losses):
-    meta = {"site_losses": losses, "aggregated_sites": len(losses)}
+    """What the aggregators hand AFTER_AGGREGATION listeners: the count in the aggregate, the losses in memory."""
+    meta = {"aggregated_sites": len(losses)}
     ctx.set_prop(AppConstants.AGGREGATION_RESULT, DXO(DataKind.WEIGHTS, data=GLOBAL, meta=meta).to_shareable(),
                  private=True, sticky=False)
+    ctx.set_prop(ROUND_STATS_PROP, {"sites": sorted(losses), "losses": dict(losses)}, private=True, sticky=False)
     ctx.set_prop(AppConstants.CURRENT_ROUND, round_idx, private=True, sticky=False)
     rs.handle_event(AppEventType.AFTER_AGGREGATION, ctx)
 
@@ -65,7 +67,7 @@ def test_summary_carries_records_held_back_keys_and_setup_bytes(tmp_path):
     assert summary["tokenizer_details"] == {"K": 8}
     assert summary["device"] == "cpu"  # every site agrees: promoted to the top level
     assert "note" not in summary and summary["site_records"]["site-2"]["note"] == "site-2"
-    assert summary["rounds"][0]["keys_not_uploaded"] == {"site-1": ["encoder.cls_token"], "site-2": ["encoder.cls_token"]}
+    assert summary["rounds"][0]["keys_not_uploaded"] == ["encoder.cls_token"]
     assert "keys_not_uploaded" not in summary["rounds"][1]
     assert summary["communication_outside_rounds"] == {"kmeans_step": {"download": {"total": 200, "exchanges": 2},
                                                                        "upload": {"total": 40, "exchanges": 1}}}
@@ -119,8 +121,8 @@ def test_loss_terms_are_means_over_sites_without_site_names(tmp_path):
     rounds = summary["rounds"]
     assert rounds[0]["loss_terms"] == {"loss_local": 4.5, "loss_remote": 0.0}
     assert rounds[1]["loss_terms"] == {"loss_local": 3.0, "loss_remote": 2.0}  # (3+4+2)/3, (2+3+1)/3
-    assert rounds[1]["mean_loss"] == 5.0 and rounds[1]["site_losses"]["site-3"] == 3.0  # existing fields kept
-    assert "site" not in json.dumps([r["loss_terms"] for r in rounds])  # means only: no site names
+    assert rounds[1]["mean_loss"] == 5.0 and abs(rounds[1]["loss_std_over_sites"] - (8 / 3) ** 0.5) < 1e-12
+    assert "site-" not in json.dumps(summary["rounds"])  # means and spreads only: no site names, no per-site value
     assert loss_curves(rounds) == {"loss": ([0, 1], [4.5, 5.0]), "loss_local": ([0, 1], [4.5, 3.0]),
                                    "loss_remote": ([0, 1], [0.0, 2.0])}
     assert (tmp_path / "loss.png").stat().st_size > 0

@@ -22,6 +22,7 @@ from nvflare.app_opt.tracking.tb.tb_writer import TBWriter
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from fedssl.core.trainer import RoundStats
+from fedssl.flare.constants import ROUND_STATS_PROP
 from fedssl.flare.run_summary import ANALYTICS_EVENT, RunSummary
 from fedssl.flare.trainer_executor import TrainerExecutor
 from tests.unit.flare.fakes import FakeEngine, context
@@ -135,8 +136,9 @@ def test_round_scalars_reach_tensorboard_and_the_summary(tmp_path):
         for comp in (receiver, summary):
             comp.handle_event(ANALYTICS_EVENT, sctx)
     for r, loss in enumerate((1.0, 2.5)):
-        agg = DXO(DataKind.WEIGHTS, data={"w": np.ones(2)}, meta={"site_losses": {"site-1": loss}, "aggregated_sites": 1})
+        agg = DXO(DataKind.WEIGHTS, data={"w": np.ones(2)}, meta={"aggregated_sites": 1})
         sctx.set_prop(AppConstants.AGGREGATION_RESULT, agg.to_shareable(), private=True, sticky=False)
+        sctx.set_prop(ROUND_STATS_PROP, {"sites": ["site-1"], "losses": {"site-1": loss}}, private=True, sticky=False)
         sctx.set_prop(AppConstants.CURRENT_ROUND, r, private=True, sticky=False)
         summary.handle_event(AppEventType.AFTER_AGGREGATION, sctx)
     for comp in (receiver, summary):

@@ -64,3 +64,5 @@ ROUND_STATS_PROP = "fedssl.round_stats"
 #: DXO meta of an aggregate that stays on the server (MergingShareableGenerator strips it from the global model)
 AGGREGATED_SITES = "aggregated_sites"
 COLLECTED = "collected"
+#: FL-context property an aggregator sets when it refuses a contribution: ``{"site": name, "reason": text}``
+REFUSAL_PROP = "fedssl.refusal"

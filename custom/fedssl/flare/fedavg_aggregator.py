@@ -34,7 +34,7 @@ from nvflare.app_common.app_event_type import AppEventType
 from fedssl.core.checks import require, require_choice
 from fedssl.core.state_dict import ContributionError, check_contribution, round_key_set, weighted_average
 from fedssl.core.untrusted import as_count, as_finite_float
-from fedssl.flare.constants import AGGREGATED_SITES, COLLECTED, ROUND_PLAN_PROP, ROUND_STATS_PROP
+from fedssl.flare.constants import AGGREGATED_SITES, COLLECTED, REFUSAL_PROP, ROUND_PLAN_PROP, ROUND_STATS_PROP
 
 WEIGHTINGS = ("num_samples", "num_steps", "uniform")
 #: default bound on one site's weight (images / volumes / steps of a round): far above any site of the papers
@@ -86,7 +86,7 @@ class RoundAggregator(Aggregator):
         engine = fl_ctx.get_engine()
         clients = {c.name for c in engine.get_clients()} if engine is not None else None
         if not isinstance(site, str) or (clients is not None and site not in clients):
-            self.log_warning(fl_ctx, f"result from {site!r}, which is not a client of this run; discarded")
+            self.refused(fl_ctx, str(site)[:64], ContributionError(f"{site!r} is not a client of this run"))
             return None
         rc = shareable.get_return_code()
         if rc and rc != ReturnCode.OK:
@@ -95,7 +95,8 @@ class RoundAggregator(Aggregator):
         contribution_round = shareable.get_cookie(AppConstants.CONTRIBUTION_ROUND)
         current_round = fl_ctx.get_prop(AppConstants.CURRENT_ROUND)
         if current_round is not None and contribution_round != current_round:
-            self.log_warning(fl_ctx, f"{site} sent a result for round {contribution_round!r} during round {current_round}; discarded")
+            self.refused(fl_ctx, site, ContributionError(
+                f"{site} sent a result for round {str(contribution_round)[:20]} during round {current_round}"))
             return None
         if site in self._states:
             self.log_warning(fl_ctx, f"{site} already contributed to round {current_round}; duplicate discarded")
@@ -146,11 +147,12 @@ class RoundAggregator(Aggregator):
         return True
 
     def refused(self, fl_ctx: FLContext, site: str, error: Exception) -> bool:
-        """Log a refused contribution (naming the site); returns False for ``accept``."""
-        if isinstance(error, (ContributionError, ValueError, TypeError, KeyError)):
-            self.log_error(fl_ctx, f"REJECTED contribution from {site}: {error}")
-        else:  # whatever a site sends never ends the round or the run
-            self.log_error(fl_ctx, f"REJECTED contribution from {site}: unexpected {type(error).__name__}: {error}")
+        """Log a refused contribution (naming the site) and leave the reason for AFTER_CONTRIBUTION_ACCEPT
+        listeners (RunSummary lists refused contributions); returns False for ``accept``."""
+        known = isinstance(error, (ContributionError, ValueError, TypeError, KeyError))
+        reason = str(error) if known else f"unexpected {type(error).__name__}: {error}"  # never ends the round
+        self.log_error(fl_ctx, f"REJECTED contribution from {site}: {reason}")
+        fl_ctx.set_prop(REFUSAL_PROP, {"site": site, "reason": reason[:300]}, private=True, sticky=False)
         return False
 
     def round_sites(self, fl_ctx: FLContext) -> tuple[list[str], int]:

@@ -13,6 +13,9 @@ Other components can add records to the summary (e.g. which tokenizer a BEiT run
   it lands under ``site_records`` per site, and a key on which every site agrees (and that no server
   record set) is also copied to the top level.
 
+A round in which the aggregator refused contributions lists them under ``refused_contributions`` (site and
+reason, at most 100 per round): the audit trail of a misbehaving site, without any of its data.
+
 A round in which accepted contributions lack keys of the global model (a knowledge split,
 PartialModelExclusion) lists them, as received by the server, under ``keys_not_uploaded`` (the keys that
 no aggregated site uploaded).
@@ -48,7 +51,7 @@ from nvflare.app_common.app_event_type import AppEventType
 from fedssl.core.checks import require
 from fedssl.eval.run_report import MAX_TERMS_PER_ROUND, loss_term_means, loss_term_ok, read_jsonl, write_run_report
 from fedssl.flare.communication_meter import COMM_FILE
-from fedssl.flare.constants import AGGREGATED_SITES, ROUND_STATS_PROP, SITE_RECORD_META
+from fedssl.flare.constants import AGGREGATED_SITES, REFUSAL_PROP, ROUND_STATS_PROP, SITE_RECORD_META
 
 #: event a server component fires (with the record under the same fl_ctx prop) to add keys to summary.json
 SUMMARY_RECORD_EVENT = "fedssl.summary_record"
@@ -89,6 +92,7 @@ class RunSummary(FLComponent):
         self._site_records: dict[str, dict] = {}
         self._not_uploaded: dict[str, list] = {}  # this round: site -> global keys its contribution lacked
         self._contributors: dict[int, list] = {}  # round -> aggregated sites (memory only, never written)
+        self._refused: list[dict] = []  # this round: contributions the aggregator refused (site, reason)
         self._terms: dict[int, dict[str, dict[str, float]]] = {}  # round -> term -> site -> value (memory only)
         self._terms_lock = threading.Lock()  # analytics events arrive on FLARE's fed-event thread
         self._t0 = time.time()
@@ -96,7 +100,7 @@ class RunSummary(FLComponent):
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
         if event_type == EventType.START_RUN:
             self._rounds, self._records, self._site_records, self._not_uploaded = [], {}, {}, {}
-            self._contributors = {}
+            self._contributors, self._refused = {}, []
             with self._terms_lock:
                 self._terms = {}
             self._t0 = time.time()
@@ -142,6 +146,9 @@ class RunSummary(FLComponent):
             "mean_loss": mean,
             "loss_std_over_sites": (sum((x - mean) ** 2 for x in losses) / len(losses)) ** 0.5 if losses else None,
         })
+        if self._refused:  # who was left out and why: the audit trail of a round (no data of the site)
+            self._rounds[-1]["refused_contributions"] = self._refused
+            self._refused = []
         if self._not_uploaded:  # keys no aggregated site uploaded (a knowledge split); no site names
             lacking = sorted({k for s, v in self._not_uploaded.items() if s in self._contributors[rnd] for k in v})
             if lacking:
@@ -151,6 +158,9 @@ class RunSummary(FLComponent):
             self.log_info(fl_ctx, f"round {rnd}: mean loss {mean:.4f} over {len(losses)} sites")
 
     def _take_site_record(self, fl_ctx: FLContext) -> None:
+        refusal = fl_ctx.get_prop(REFUSAL_PROP)
+        if not fl_ctx.get_prop(AppConstants.AGGREGATION_ACCEPTED) and isinstance(refusal, dict) and len(self._refused) < 100:
+            self._refused.append({"site": str(refusal.get("site"))[:64], "reason": str(refusal.get("reason"))[:300]})
         result = fl_ctx.get_prop(AppConstants.TRAINING_RESULT)
         try:
             dxo = from_shareable(result)

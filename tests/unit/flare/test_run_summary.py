@@ -14,7 +14,7 @@ from nvflare.app_common.app_event_type import AppEventType
 
 from fedssl.flare.communication_meter import COMM_FILE
 from fedssl.eval.run_report import loss_curves
-from fedssl.flare.constants import ROUND_STATS_PROP, SITE_RECORD_META
+from fedssl.flare.constants import REFUSAL_PROP, ROUND_STATS_PROP, SITE_RECORD_META
 from fedssl.flare.run_summary import (ANALYTICS_EVENT, SUMMARY_RECORD_EVENT, RunSummary, outside_rounds,
                                       record_in_summary)
 from tests.unit.flare.fakes import FakeEngine, contribution, context
@@ -154,3 +154,20 @@ def test_a_sites_streamed_terms_are_checked_and_bounded(tmp_path):
     terms = json.load(open(tmp_path / "summary.json"))["rounds"][0]["loss_terms"]
     assert terms["loss_local"] == 2.0 and "loss_remote" not in terms
     assert len(terms) == 16 and not any(len(t) > 64 for t in terms)
+
+
+def test_refused_contributions_are_listed_per_round(tmp_path):
+    """The aggregator leaves each refusal's reason in the context; the round's summary lists site and reason."""
+    rs = RunSummary(title="t")
+    ctx = context(engine=FakeEngine(tmp_path), site="server")
+    rs.handle_event(EventType.START_RUN, ctx)
+    ctx.set_prop(REFUSAL_PROP, {"site": "site-3", "reason": "site-3 sent non-finite values"}, private=True, sticky=False)
+    ctx.set_prop(AppConstants.TRAINING_RESULT, contribution("site-3", GLOBAL), private=True, sticky=False)
+    ctx.set_prop(AppConstants.AGGREGATION_ACCEPTED, False, private=True, sticky=False)
+    rs.handle_event(AppEventType.AFTER_CONTRIBUTION_ACCEPT, ctx)
+    aggregate(rs, ctx, 0, {"site-1": 1.0, "site-2": 2.0})
+    aggregate(rs, ctx, 1, {"site-1": 1.0, "site-2": 2.0})
+    rs.handle_event(EventType.END_RUN, ctx)
+    rounds = json.load(open(tmp_path / "summary.json"))["rounds"]
+    assert rounds[0]["refused_contributions"] == [{"site": "site-3", "reason": "site-3 sent non-finite values"}]
+    assert "refused_contributions" not in rounds[1]

@@ -15,7 +15,9 @@ This is the seam MONAI's ``ClientAlgo`` (``train`` / ``get_weights`` / ``evaluat
 - ``state_dict`` / ``load_state_dict``: the local state that must survive a restart (optimiser, banks, RNG,
   tensors kept local); ``global_state`` / ``load_global``: what is exchanged with the server;
 - :func:`load_checked` is the one loader of received tensors: it names missing and unexpected keys and
-  shape mismatches, casts to the model's dtypes, and keeps local exactly the keys it is told to.
+  shape mismatches, casts to the model's dtypes, and keeps local exactly the keys it is told to;
+- :func:`check_optimizer_state`: a saved optimiser state fits the optimiser (torch checks only the number of
+  parameters per group, so another model's state would load and fail at the first step).
 """
 
 from __future__ import annotations
@@ -124,6 +126,26 @@ def load_checked(model: torch.nn.Module, state: Mapping[str, object], source: st
         tensors[k] = t.to(own[k].dtype)
     model.load_state_dict(tensors, strict=False)
     return missing
+
+
+def check_optimizer_state(optimizer: torch.optim.Optimizer, state: object, source: str) -> None:
+    """ValueError naming ``source`` unless ``state`` is an optimiser state dict for ``optimizer``: as many groups
+    and parameters per group, and every per-parameter tensor (momentum, Adam moments) of its parameter's shape."""
+    groups = state.get("param_groups") if isinstance(state, Mapping) else None
+    per_param = state.get("state") if isinstance(state, Mapping) else None
+    if not isinstance(groups, list) or not isinstance(per_param, Mapping):
+        raise ValueError(f"{source}: the optimiser state is not an optimiser state dict")
+    own = [len(g["params"]) for g in optimizer.param_groups]
+    saved = [len(g.get("params", ())) if isinstance(g, Mapping) else -1 for g in groups]
+    if saved != own:
+        raise ValueError(f"{source}: the optimiser state has parameter groups of sizes {saved}, this model {own}")
+    for group, mine in zip(groups, optimizer.param_groups):
+        for pid, param in zip(group["params"], mine["params"]):
+            entry = per_param.get(pid, {})
+            for name, value in (entry.items() if isinstance(entry, Mapping) else ()):
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(param.shape):
+                    raise ValueError(f"{source}: the optimiser's {name} of parameter {pid} has shape "
+                                     f"{tuple(value.shape)}, this model's parameter {tuple(param.shape)}")
 
 
 def detached(state: Mapping[str, torch.Tensor], keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:

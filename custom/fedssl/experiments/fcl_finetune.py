@@ -51,13 +51,16 @@ def load_global_state(path: str) -> dict:
     ``fcl_client_state.pt`` (Local CL) or a plain state dict."""
     if not os.path.isfile(path):
         raise ValueError(f"pre-trained model {path} does not exist; pass the FL_global_model.pt of a pre-training run")
-    data = safe_load(path)
+    data = safe_load(path)  # UnreadableFile (a ValueError) naming the file: truncated, not weights, a pickle payload
     if isinstance(data, dict) and "trainer" in data:  # a site's FCL checkpoint (Local CL: each site's own model)
         data = data["trainer"]
     state = data.get("model", data) if isinstance(data, dict) else None
-    if not isinstance(state, dict):
+    if not isinstance(state, dict) or not state:
         raise ValueError(f"{path} holds no state dict")
-    return {k: torch.as_tensor(v) for k, v in state.items()}
+    try:
+        return {str(k): torch.as_tensor(v) for k, v in state.items()}
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{path} is not a state dict of tensors ({type(e).__name__}: {e})") from None
 
 
 def encoder_init(path: str) -> dict:
@@ -110,8 +113,9 @@ def run_finetune(data_root: str, init_paths: dict[str, str], out: str, *, modes:
     settings = protocol_settings(profile)
     if epochs:
         settings["epochs"] = epochs
-    sites = load_labelled_sites(data_root, settings)
+    # the init files first: a bad one is refused before the sites' volumes are loaded
     inits = {name: "random" if path == "random" else encoder_init(path) for name, path in init_paths.items()}
+    sites = load_labelled_sites(data_root, settings)
     rows = run_protocols(sites, inits, modes=modes, n_labelled=n_labelled, folds=folds, settings=settings,
                          progress=progress)
     write_report(rows, out, title="ACDC fine-tuning", extra={"settings": settings})

@@ -20,7 +20,7 @@ import torch
 
 from fedssl.core.classification import ClassifierTrainer, classification_metrics, predict, require_trained_head
 from fedssl.data.images import ImageDataset, batches, class_names, load_image_records, select_labelled, train_val_split
-from fedssl.models.vit import TINY_VIT
+from fedssl.models.vit import TINY_VIT, read_state_dict
 from fedssl.models.vit_classifier import FineTuneViT, init_name, load_into, read_checkpoint
 
 #: settings of local fine-tuning (paper: the federated fine-tuning recipe with epochs for rounds)
@@ -105,6 +105,8 @@ def finetune_local(data_root: str, dataset: str, inits: Mapping[str, tuple[str, 
     """
     s = {**PAPER_LOCAL, **(settings or {})}
     test_root = test_root or os.path.join(data_root, "test")
+    for path in (p for pair in inits.values() for p in pair if p):
+        read_state_dict(path)  # every init file readable before the first site trains (names the file otherwise)
     rows = []
     for method, (pretrained_path, imagenet_path) in inits.items():
         for site, root in site_folders(data_root).items():

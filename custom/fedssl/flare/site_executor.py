@@ -4,6 +4,11 @@ Subclasses implement ``train(shareable, fl_ctx, abort_signal) -> Shareable`` (an
 listed in ``task_handlers``).  Everything a site must keep across a client restart (banks, momentum
 encoder, optimiser) is checkpointed in the job's run folder of the site workspace, so a simulator
 restart (``-t`` < ``-n``) or a real one resumes where it left off.
+
+A checkpoint that is there but cannot be resumed (empty, truncated, not a client state, a pickle payload, or
+written by another method / model) is a :class:`CheckpointError`: the task fails on that site with one line
+naming the file and what to do, every time, and the file is never read past, replaced or deleted: losing a
+site's bank or optimiser silently would change the run without anyone knowing.
 """
 
 from __future__ import annotations
@@ -20,13 +25,27 @@ from nvflare.apis.shareable import Shareable, make_reply
 from nvflare.apis.signal import Signal
 from nvflare.app_common.app_constant import AppConstants
 
-from fedssl.core.safe_load import safe_load
+from fedssl.core.safe_load import UnreadableFile, safe_load
 from fedssl.core.trainer import StopRequested
 from fedssl.data.site_config import resolve_data_root
 
 
 class TaskAborted(Exception):
     """Raised from a training loop when FLARE's abort signal fires."""
+
+
+class CheckpointError(ValueError):
+    """A site's checkpoint that exists but cannot be resumed; the message names the site, the file, why, and what
+    to do.  A ValueError, so :meth:`SiteExecutor.execute` fails the task with that one line."""
+
+    def __init__(self, site: str, path: str, problem: str):
+        self.site, self.path, self.problem = site, path, problem
+        super().__init__(f"{site}: checkpoint {path} {problem}; delete it to start {site} from the global model, or "
+                         "restore it from a backup (it was left as it is)")
+
+
+def _is_round(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def pick_device(device: str) -> torch.device:
@@ -51,18 +70,29 @@ class SiteExecutor(Executor):
         ws = fl_ctx.get_engine().get_workspace()
         return resolve_data_root(arg, self.site_name(fl_ctx), ws.get_site_config_dir())
 
+    def checkpoint_path(self, fl_ctx: FLContext) -> str:
+        return os.path.join(self.run_dir(fl_ctx), self.checkpoint_name)
+
     def save_checkpoint(self, fl_ctx: FLContext, state: dict) -> None:
-        path = os.path.join(self.run_dir(fl_ctx), self.checkpoint_name)
+        path = self.checkpoint_path(fl_ctx)
         tmp = path + ".tmp"
         torch.save(state, tmp)
         os.replace(tmp, path)  # atomic: a crash mid-save never leaves a half-written checkpoint
 
     def load_checkpoint(self, fl_ctx: FLContext) -> dict | None:
-        path = os.path.join(self.run_dir(fl_ctx), self.checkpoint_name)
-        if not os.path.isfile(path):
+        """The site's client state ``{"round": int, "trainer": dict, ...}``, or None when there is no file (a
+        fresh start); :class:`CheckpointError` for a file that is there but unreadable or not a client state."""
+        path = self.checkpoint_path(fl_ctx)
+        if not os.path.lexists(path):
             return None
-        state = safe_load(path)
-        self.log_info(fl_ctx, f"resumed client state from round {state.get('round')} ({self.checkpoint_name})")
+        try:
+            state = safe_load(path)
+        except UnreadableFile as e:
+            raise CheckpointError(self.site_name(fl_ctx), path, e.problem) from None
+        if not (isinstance(state, dict) and _is_round(state.get("round")) and isinstance(state.get("trainer"), dict)):
+            found = sorted(map(str, state))[:5] if isinstance(state, dict) else type(state).__name__
+            raise CheckpointError(self.site_name(fl_ctx), path, "is not a client state of this bundle (expected "
+                                  f"{{'round': int >= 0, 'trainer': {{...}}}}, found {found})")
         return state
 
     def append_metrics(self, fl_ctx: FLContext, record: dict) -> None:

@@ -4,7 +4,9 @@ Task ``train`` (every method):
 
 1. read the round headers (``current_round``, ``num_rounds``);
 2. build the trainer once (``build_trainer``) and resume it from the site's checkpoint in the run folder
-   (a restarted client goes on where it stopped);
+   (a restarted client goes on where it stopped); a checkpoint that is there but unreadable, not a client
+   state, or written by another trainer / model fails the task on this site with one line naming the file,
+   every round, and is never overwritten: the trainer is kept only once it resumed;
 3. unwrap the received DXO (must be WEIGHTS) and hand it to ``receive`` (default: the trainer's checked
    ``load_global``, keeping local exactly the keys a server-side exclusion filter declared in the meta);
 4. ``trainer.train_round(round_idx, should_stop)`` with ``should_stop`` = FLARE's abort signal, checked
@@ -34,7 +36,11 @@ from nvflare.app_common.app_constant import AppConstants
 
 from fedssl.core.trainer import LocalTrainer, RoundStats
 from fedssl.flare.constants import EXCLUDED_META
-from fedssl.flare.site_executor import SiteExecutor
+from fedssl.flare.site_executor import CheckpointError, SiteExecutor
+
+
+#: checkpoint key: the class name of the trainer that wrote it (a file of another method is named as such)
+TRAINER_CLASS_KEY = "trainer_class"
 
 
 def round_headers(shareable: Shareable) -> tuple[int, int]:
@@ -86,14 +92,32 @@ class TrainerExecutor(SiteExecutor):
 
     # ------------------------------------------------------------------ the protocol
     def ensure_trainer(self, shareable: Shareable, fl_ctx: FLContext) -> LocalTrainer:
+        """The site's trainer, built on first use and resumed from the checkpoint when there is one.  It is kept
+        only once that succeeded: after a CheckpointError the next task tries again (and fails again) rather
+        than training a fresh trainer whose first checkpoint would replace the site's state."""
         if self.trainer is None:
             _, num_rounds = round_headers(shareable)
-            self.trainer = self.build_trainer(fl_ctx, num_rounds)
-            state = self.load_checkpoint(fl_ctx)
+            state = self.load_checkpoint(fl_ctx)  # the file first: a broken one fails before any data is read
+            trainer = self.build_trainer(fl_ctx, num_rounds)
             if state is not None:
-                self.trainer.load_state_dict(state["trainer"])
-                self.last_round = int(state["round"])
+                self.resume(trainer, state, fl_ctx)
+            self.trainer = trainer
         return self.trainer
+
+    def resume(self, trainer: LocalTrainer, state: dict, fl_ctx: FLContext) -> None:
+        """Load a checkpoint into a freshly built trainer; anything that does not fit (keys, shapes, another
+        trainer's state) is a CheckpointError naming the file."""
+        path, writer = self.checkpoint_path(fl_ctx), state.get(TRAINER_CLASS_KEY, type(trainer).__name__)
+        try:
+            if writer != type(trainer).__name__:
+                raise ValueError(f"it was written by a {writer}")
+            trainer.load_state_dict(state["trainer"])
+        except Exception as e:  # noqa: BLE001 - KeyError, RuntimeError, ValueError ...: all mean "foreign"
+            reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+            raise CheckpointError(self.site_name(fl_ctx), path, f"does not fit this site's {type(trainer).__name__} "
+                                  f"({reason}); it was written by another method or model configuration") from None
+        self.last_round = int(state["round"])
+        self.log_info(fl_ctx, f"resumed client state from round {self.last_round} ({path})")
 
     def received_weights(self, shareable: Shareable, fl_ctx: FLContext, task: str = "train") -> DXO:
         dxo = from_shareable(shareable)
@@ -115,7 +139,8 @@ class TrainerExecutor(SiteExecutor):
             raise FloatingPointError(f"{site}: the training loss became {stats.loss} in round {round_idx}; lower the "
                                      "learning rate or check the data")
         self.last_round = round_idx
-        self.save_checkpoint(fl_ctx, {"round": round_idx, "trainer": trainer.state_dict(), **self.checkpoint_extra()})
+        self.save_checkpoint(fl_ctx, {"round": round_idx, "trainer": trainer.state_dict(),
+                                      TRAINER_CLASS_KEY: type(trainer).__name__, **self.checkpoint_extra()})
         stats.metrics.setdefault("time_s", round(seconds, 3))
         if seconds > 0 and stats.samples:
             stats.metrics.setdefault("steps_per_s", round(stats.steps / seconds, 3))

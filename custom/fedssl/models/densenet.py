@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedssl.core.safe_load import safe_load
 from fedssl.models.seeding import seeded
 from torchvision.models.densenet import DenseNet
 
@@ -179,10 +180,13 @@ def load_imagenet_weights(model: MultiLabelDenseNet, path: str) -> dict:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"imagenet_path={path!r}: no such file; give a local torchvision densenet121 "
                                 "checkpoint (e.g. densenet121-a639ec97.pth) or leave it empty for random init")
-    sd = torch.load(path, map_location="cpu", weights_only=True)
+    sd = safe_load(path)
     for wrap in ("state_dict", "model"):
         if isinstance(sd, dict) and wrap in sd and isinstance(sd[wrap], dict):
             sd = sd[wrap]
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise ValueError(f"imagenet_path={path!r} holds no state dict of tensors (got {type(sd).__name__}); not a "
+                         "torchvision densenet121 checkpoint")
     fixed = {}
     for k, v in sd.items():
         k = k[len("module."):] if k.startswith("module.") else k

@@ -104,14 +104,14 @@ def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
     """State dict of a FLARE model file (PTFileModelPersistor ``{"model": ...}``) or of a plain state-dict file."""
     if not os.path.isfile(path):
         raise ValueError(f"checkpoint {path} does not exist")
-    try:
-        data = safe_load(path)
-    except Exception as e:  # torch raises many types for a corrupt file
-        raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e})") from e
+    data = safe_load(path)  # UnreadableFile (a ValueError) naming the file: truncated, not weights, a pickle payload
     state = data.get("model", data) if isinstance(data, dict) else None
     if not isinstance(state, dict) or not state:
         raise ValueError(f"checkpoint {path} holds no state dict")
-    return {k: torch.as_tensor(np.asarray(v)) if not isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    try:
+        return {k: torch.as_tensor(np.asarray(v)) if not isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"checkpoint {path} is not a state dict of tensors ({type(e).__name__}: {e})") from None
 
 
 def load_into(model: torch.nn.Module, state: Mapping[str, object], source: str) -> list[str]:

@@ -19,7 +19,7 @@ import torch
 
 from fedssl.core.checks import require, require_choice, require_int
 from fedssl.core.classification import ClassifierTrainer, classification_metrics, predict, require_trained_head
-from fedssl.core.trainer import RoundStats, check_stop, detached, load_checked
+from fedssl.core.trainer import RoundStats, check_optimizer_state, check_stop, detached, load_checked
 from fedssl.data.images import (
     DATASETS,
     ImageDataset,
@@ -183,6 +183,9 @@ class ClassifierLocalTrainer:
         return self.trainer.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """The saved AdamW (checked against this model's parameters: the state holds no weights to check) and step."""
+        source = f"{self.site}: the saved classifier state"
+        check_optimizer_state(self.trainer.optimizer, state.get("optimizer"), source)
         self.trainer.load_state_dict(copy.deepcopy(dict(state)))  # never alias the source's AdamW moments
 
     def global_state(self) -> dict[str, torch.Tensor]:

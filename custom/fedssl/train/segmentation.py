@@ -18,7 +18,7 @@ from monai.losses import DiceCELoss
 from monai.networks.nets import BasicUNet
 from torch import nn
 
-from fedssl.core.trainer import RoundStats, check_stop, detached, load_checked
+from fedssl.core.trainer import RoundStats, check_optimizer_state, check_stop, detached, load_checked
 from fedssl.data.transforms import augment_segmentation
 from fedssl.data.volume import Volume
 from fedssl.eval.segmentation import ACDC_CLASSES, dice_per_volume, mean_dice
@@ -206,6 +206,7 @@ class SegmentationTrainer:
                 f"trainer state was saved with total_steps={state['total_steps']}, batch_size={state['batch_size']}; "
                 f"this trainer has total_steps={self.total_steps}, batch_size={self.batch_size}"
             )
+        check_optimizer_state(self.optimizer, state["optimizer"], "the saved segmentation state")  # it holds no weights
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.generator.set_state(torch.as_tensor(state["generator"], dtype=torch.uint8).cpu())

@@ -102,6 +102,15 @@ def test_state_round_trip_continues_the_same_run(data):
     assert all(torch.equal(v, b.global_state()[k]) for k, v in a.global_state().items())
 
 
+def test_the_state_of_another_vit_width_is_refused_by_name(data):
+    records = data[0]
+    wide = trainer(records, max_steps_per_epoch=1)
+    wide.train_round(0)
+    narrow = trainer(records, embed_dim=24)  # as many tensors per AdamW group, other shapes
+    with pytest.raises(ValueError, match=r"site-1: the saved classifier state: the optimiser's exp_avg of parameter"):
+        narrow.load_state_dict(wide.state_dict())
+
+
 def test_checked_loading_of_the_global_model(data):
     t = trainer(data[0])
     fresh = FineTuneViT(num_classes=2, seed=3, **TINY).state_dict()

@@ -96,6 +96,16 @@ def test_trainer_schedule_and_state_round_trip():
         SegmentationTrainer(unet, lr=1e-3, batch_size=2, total_steps=8, seed=0).load_state_dict(t1.state_dict())
 
 
+def test_the_state_of_another_unet_width_is_refused_by_name():
+    vols = [_phantom("p1", "ED", seed=3)]
+    t1 = SegmentationTrainer(init_unet("random", features=TINY_FEATURES, seed=0), lr=1e-3, batch_size=2, total_steps=4)
+    t1.train_epoch(vols)
+    wider = [2 * f for f in TINY_FEATURES]  # the same tensors, other shapes
+    t2 = SegmentationTrainer(init_unet("random", features=wider, seed=0), lr=1e-3, batch_size=2, total_steps=4)
+    with pytest.raises(ValueError, match=r"the saved segmentation state: the optimiser's exp_avg of parameter 0"):
+        t2.load_state_dict(copy.deepcopy(t1.state_dict()))
+
+
 def _local_trainer(seed: int = 0, **kw) -> SegmentationLocalTrainer:
     vols = [_phantom(f"p{i}", ph, z=3, size=32, seed=i) for i in range(2) for ph in ("ED", "ES")]
     unet = init_unet("random", features=TINY_FEATURES, seed=seed)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -29,6 +31,55 @@ class Verb:
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], None]
     alias: str | None = None
+
+
+@dataclass(frozen=True)
+class Number:
+    """argparse ``type``: an int (``kind=int``) or a finite float in ``[minimum, maximum]`` (``above``: minimum
+    itself excluded), so ``--sites -3`` or ``--lr nan`` stop at the command line with the flag named, before
+    anything runs or is written.  Frozen: an alias and its verb share the same instances (and compare equal)."""
+
+    kind: type
+    minimum: float
+    maximum: float | None = None
+    above: bool = False
+
+    def __call__(self, text: str) -> int | float:
+        try:
+            value = self.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {self.describe()}") from None
+        low = value > self.minimum if self.above else value >= self.minimum
+        if not (math.isfinite(value) and low and (self.maximum is None or value <= self.maximum)):
+            raise argparse.ArgumentTypeError(f"{text!r} is out of range: expected {self.describe()}")
+        return value
+
+    def describe(self) -> str:
+        what = "a whole number" if self.kind is int else "a number"
+        low = f"{'>' if self.above else '>='} {self.minimum:g}"
+        return f"{what} {low}" + (f" and <= {self.maximum:g}" if self.maximum is not None else "")
+
+
+#: shared argparse types: counts (sites, rounds, images, epochs, sizes), indices / step caps where 0 means "none"
+#: or "all", seeds (numpy's range), positive reals (learning rates, alpha, timeouts) and fractions in (0, 1]
+COUNT = Number(int, 1)
+NON_NEGATIVE = Number(int, 0)
+SEED = Number(int, 0, 2**32 - 1)
+POSITIVE = Number(float, 0, above=True)
+NON_NEGATIVE_REAL = Number(float, 0)
+FRACTION = Number(float, 0, 1, above=True)
+
+
+def os_error_line(e: OSError) -> str:
+    """One line for an OSError that names the path(s): ``out/job: Permission denied``; shutil's copy errors list
+    (source, destination, reason) triples: the first is named."""
+    if isinstance(e, shutil.Error) and e.args and isinstance(e.args[0], list) and e.args[0]:
+        src, dst, why = e.args[0][0]
+        more = len(e.args[0]) - 1
+        return f"copying {src} to {dst}: {why}" + (f" (and {more} more)" if more else "")
+    paths = " -> ".join(str(p) for p in (e.filename, e.filename2) if p is not None)
+    reason = e.strerror or str(e)
+    return f"{paths}: {reason}" if paths else reason
 
 
 def add_verb(sub, verb: Verb, command: str | None = None) -> argparse.ArgumentParser:
@@ -81,4 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as e:
         print(f"fedssl {command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # unwritable or missing folder, a file in the way: the path, not a traceback
+        print(f"fedssl {command}: error: {os_error_line(e)}", file=sys.stderr)
+        return 1
     return 0

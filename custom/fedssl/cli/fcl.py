@@ -6,16 +6,16 @@ from __future__ import annotations
 import json
 import os
 
-from fedssl.cli import Verb, add_family
+from fedssl.cli import COUNT, NON_NEGATIVE, SEED, Verb, add_family
 
 
 def _synth_args(s) -> None:
     s.add_argument("dataset", choices=["acdc"])
     s.add_argument("out")
-    s.add_argument("--patients", type=int, default=100)
-    s.add_argument("--sites", type=int, default=10)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--size", type=int, default=128, help="in-plane matrix size of the written volumes")
+    s.add_argument("--patients", type=COUNT, default=100)
+    s.add_argument("--sites", type=COUNT, default=10)
+    s.add_argument("--seed", type=SEED, default=0)
+    s.add_argument("--size", type=COUNT, default=128, help="in-plane matrix size of the written volumes")
 
 
 def _synth(a) -> None:
@@ -28,9 +28,9 @@ def _synth(a) -> None:
 def _link_sites_args(s) -> None:
     s.add_argument("src")
     s.add_argument("out")
-    s.add_argument("--sites", type=int, default=10)
-    s.add_argument("--per-site", type=int, default=10)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--sites", type=COUNT, default=10)
+    s.add_argument("--per-site", type=COUNT, default=10)
+    s.add_argument("--seed", type=SEED, default=0)
 
 
 def _link_sites(a) -> None:
@@ -43,7 +43,7 @@ def _link_sites(a) -> None:
 def _export_unet_args(s) -> None:
     s.add_argument("pretrained")
     s.add_argument("out")
-    s.add_argument("--features", type=int, nargs=6, default=[48, 96, 192, 384, 768, 48])
+    s.add_argument("--features", type=COUNT, nargs=6, default=[48, 96, 192, 384, 768, 48])
 
 
 def _export_unet(a) -> None:
@@ -58,7 +58,7 @@ def _parse_inits(specs: list[str]) -> dict[str, str]:
     for spec in specs:
         name, _, path = spec.partition("=")
         if not path:
-            raise SystemExit(f"--init {spec!r}: use NAME=PATH_TO_FL_global_model.pt or NAME=random")
+            raise ValueError(f"--init {spec!r}: use NAME=PATH_TO_FL_global_model.pt or NAME=random")
         inits[name] = path
     return inits
 
@@ -66,11 +66,11 @@ def _parse_inits(specs: list[str]) -> dict[str, str]:
 def _finetune_args(s) -> None:
     s.add_argument("--data-root", required=True, help="folder with site-* folders")
     s.add_argument("--init", action="append", required=True, metavar="NAME=PATH|random")
-    s.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8])
-    s.add_argument("--folds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    s.add_argument("--n", type=COUNT, nargs="+", default=[1, 2, 4, 8])
+    s.add_argument("--folds", type=NON_NEGATIVE, nargs="+", default=[0, 1, 2, 3, 4])
     s.add_argument("--modes", nargs="+", default=["local"], choices=["local", "centralised"])
     s.add_argument("--profile", default=None)
-    s.add_argument("--epochs", type=int, default=None)
+    s.add_argument("--epochs", type=COUNT, default=None)
     s.add_argument("--out", required=True)
 
 
@@ -86,10 +86,10 @@ def _finetune(a) -> None:
 
 def _table7_args(s) -> None:
     s.add_argument("--out", default="runs/table7")
-    s.add_argument("--sites", type=int, default=3)
-    s.add_argument("--rounds", type=int, default=11, help="pre-training rounds (11 include two DP calibrations)")
-    s.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8])
-    s.add_argument("--epochs", type=int, default=None, help="local fine-tuning epochs (default: the profile's)")
+    s.add_argument("--sites", type=COUNT, default=3)
+    s.add_argument("--rounds", type=COUNT, default=11, help="pre-training rounds (11 include two DP calibrations)")
+    s.add_argument("--n", type=COUNT, nargs="+", default=[1, 2, 4, 8])
+    s.add_argument("--epochs", type=COUNT, default=None, help="local fine-tuning epochs (default: the profile's)")
     s.add_argument("--data-root", default=None, help="folder with site-* folders (default: synthetic)")
     s.add_argument("--profile", default="quick", help="quick on CPU; paper where a GPU is available")
 
@@ -103,11 +103,11 @@ def _table7(a) -> None:
 
 def _demo_args(s) -> None:
     s.add_argument("--out", default="runs/demo")
-    s.add_argument("--sites", type=int, default=3)
-    s.add_argument("--rounds", type=int, default=10, help="FCL pre-training rounds")
-    s.add_argument("--ft-rounds", type=int, default=10, help="federated fine-tuning rounds")
-    s.add_argument("--n", type=int, nargs="+", default=[1, 2])
-    s.add_argument("--epochs", type=int, default=None, help="local fine-tuning epochs (default: quick profile)")
+    s.add_argument("--sites", type=COUNT, default=3)
+    s.add_argument("--rounds", type=COUNT, default=10, help="FCL pre-training rounds")
+    s.add_argument("--ft-rounds", type=COUNT, default=10, help="federated fine-tuning rounds")
+    s.add_argument("--n", type=COUNT, nargs="+", default=[1, 2])
+    s.add_argument("--epochs", type=COUNT, default=None, help="local fine-tuning epochs (default: quick profile)")
 
 
 def _demo(a) -> None:

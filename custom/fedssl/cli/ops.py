@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import json
 
-from fedssl.cli import Verb, add_verb
+from fedssl.cli import COUNT, NON_NEGATIVE_REAL, POSITIVE, Verb, add_verb
 
 
-def _job_opts(sp) -> None:
+def _job_opts(sp, sites_required: bool = False) -> None:
+    """--profile / --set / --sites; ``sites_required`` where the verb starts that many sites."""
     sp.add_argument("--profile", default=None, help="app_config/profiles/<name>.json, e.g. quick")
     sp.add_argument("--set", action="append", default=[], metavar="PART.ID.ARG=VALUE",
                     help="override one argument, e.g. server.scatter_and_gather.num_rounds=5")
-    sp.add_argument("--sites", type=int, default=None, help="number of sites (sets min_clients)")
+    sp.add_argument("--sites", type=COUNT, default=None, required=sites_required,
+                    help="number of sites (sets min_clients)")
+
+
+def _check_jobs(a, jobs: list[str]) -> None:
+    """Every override of every job checked (names, types, --sites) before a workspace, a system or a job folder is
+    created: a bad value is one error and nothing is left behind."""
+    from fedssl.ops.jobs import configured_job
+
+    for job in jobs:
+        configured_job(job, profile=a.profile, sets=a.set, n_sites=a.sites)
 
 
 def _site_local_args(s) -> None:
@@ -40,12 +51,13 @@ def _simulate_args(s) -> None:
     s.add_argument("job")
     s.add_argument("-w", "--workspace", required=True)
     s.add_argument("--data-root", required=True, help="data folder; {site} is replaced by the site name")
-    _job_opts(s)
+    _job_opts(s, sites_required=True)
 
 
 def _simulate(a) -> None:
     from fedssl.ops.simulate import run_simulation
 
+    _check_jobs(a, [a.job])
     s = run_simulation(a.job, a.workspace, n_sites=a.sites, data_root=a.data_root, profile=a.profile, sets=a.set)
     b = s["bytes_per_site_per_round"]
     print(f"done in {s['simulator_wall_time_s']} s; global model {s['global_model']}; "
@@ -56,14 +68,15 @@ def _deploy_local_args(s) -> None:
     s.add_argument("job", nargs="*", help="job folders to submit, in order")
     s.add_argument("-w", "--workspace", required=True)
     s.add_argument("--data-root", required=True, help="each site's data folder; {site} is replaced by the site name")
-    s.add_argument("--timeout", type=float, default=1800)
+    s.add_argument("--timeout", type=POSITIVE, default=1800, help="seconds to wait for the jobs")
     s.add_argument("--hold", action="store_true", help="keep the system up after the jobs (for fl_admin.sh)")
-    _job_opts(s)
+    _job_opts(s, sites_required=True)
 
 
 def _deploy_local(a) -> None:
     from fedssl.ops.deploy import deploy_and_run
 
+    _check_jobs(a, a.job)
     leftover = deploy_and_run(a.workspace, a.job, n_sites=a.sites, data_root=a.data_root, profile=a.profile,
                               sets=a.set, timeout_s=a.timeout, hold=a.hold)
     print(f"stopped; leftover processes: {leftover or 'none'}")
@@ -74,13 +87,14 @@ def _submit_args(s) -> None:
     s.add_argument("--startup-kit", required=True, help="the admin's provisioned folder (contains startup/)")
     s.add_argument("--username", default="admin@fedssl.org")
     s.add_argument("--download", default=None, help="folder for the job result (default: the kit's transfer/)")
-    s.add_argument("--timeout", type=float, default=0, help="seconds to wait; 0 = until the job ends")
+    s.add_argument("--timeout", type=NON_NEGATIVE_REAL, default=0, help="seconds to wait; 0 = until the job ends")
     _job_opts(s)
 
 
 def _submit(a) -> None:
     from fedssl.ops.admin import submit_and_download
 
+    _check_jobs(a, [a.job])
     r = submit_and_download(a.startup_kit, a.username, a.job, profile=a.profile, sets=a.set, n_sites=a.sites,
                             timeout_s=a.timeout, download_to=a.download)
     print(json.dumps(r, indent=1))

@@ -7,17 +7,17 @@ import json
 import os
 import time
 
-from fedssl.cli import Verb, add_family
+from fedssl.cli import COUNT, FRACTION, NON_NEGATIVE, POSITIVE, SEED, Verb, add_family
 from fedssl.data.images import DATASETS
 
 
 def _synth_args(s) -> None:
     s.add_argument("dataset", choices=list(DATASETS))
     s.add_argument("out")
-    s.add_argument("--images", type=int, default=2000, help="total number of images")
-    s.add_argument("--size", type=int, default=64, help="image height in pixels")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--sources", type=int, default=None,
+    s.add_argument("--images", type=COUNT, default=2000, help="total number of images")
+    s.add_argument("--size", type=COUNT, default=64, help="image height in pixels")
+    s.add_argument("--seed", type=SEED, default=0)
+    s.add_argument("--sources", type=COUNT, default=None,
                    help="acquisition sources (retina/derm default 4; covidfl real sites, 1-8, default 8)")
 
 
@@ -37,12 +37,12 @@ def _partition_args(s) -> None:
     s.add_argument("dataset", choices=list(DATASETS))
     s.add_argument("src", help="the full data set in its real layout")
     s.add_argument("out")
-    s.add_argument("--sites", type=int, default=None,
+    s.add_argument("--sites", type=COUNT, default=None,
                    help="retina/derm: Dirichlet sites (default 5); covidfl: default one per real site")
-    s.add_argument("--alpha", type=float, default=0.5, help="Dirichlet alpha: 100 / 1.0 / 0.5 = Split-1 / 2 / 3")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--test-fraction", type=float, default=0.2)
-    s.add_argument("--min-per-site", type=int, default=10, help="minimum training images per site (SSL-FL: 10)")
+    s.add_argument("--alpha", type=POSITIVE, default=0.5, help="Dirichlet alpha: 100 / 1.0 / 0.5 = Split-1 / 2 / 3")
+    s.add_argument("--seed", type=SEED, default=0)
+    s.add_argument("--test-fraction", type=FRACTION, default=0.2)
+    s.add_argument("--min-per-site", type=NON_NEGATIVE, default=10, help="minimum training images per site (SSL-FL: 10)")
 
 
 def _partition(a) -> None:
@@ -61,17 +61,17 @@ def _demo_args(s) -> None:
     s.add_argument("--methods", nargs="+", default=["fedmae"], choices=["fedmae", "fedbeit", "fedmae_ks"],
                    help="pre-training methods, one data set: fedmae / fedbeit (retina) or fedmae_ks (derm)")
     s.add_argument("--no-scratch", action="store_true", help="leave out the ViT-from-scratch baseline")
-    s.add_argument("--images", type=int, default=2800, help="images written (retina: a balanced subset, ~53%%, is kept)")
-    s.add_argument("--px", type=int, default=40, help="height of the synthetic fundus images")
-    s.add_argument("--sites", type=int, default=5)
-    s.add_argument("--alpha", type=float, default=0.5, help="Dirichlet alpha (0.5 = SSL-FL Split-3)")
-    s.add_argument("--pre-rounds", type=int, default=20)
-    s.add_argument("--ft-rounds", type=int, default=60)
-    s.add_argument("--ft-epochs", type=int, default=1, help="local epochs per fine-tuning round")
-    s.add_argument("--ft-steps", type=int, default=4,
+    s.add_argument("--images", type=COUNT, default=2800, help="images written (retina: a balanced subset, ~53%%, is kept)")
+    s.add_argument("--px", type=COUNT, default=40, help="height of the synthetic fundus images")
+    s.add_argument("--sites", type=COUNT, default=5)
+    s.add_argument("--alpha", type=POSITIVE, default=0.5, help="Dirichlet alpha (0.5 = SSL-FL Split-3)")
+    s.add_argument("--pre-rounds", type=COUNT, default=20)
+    s.add_argument("--ft-rounds", type=COUNT, default=60)
+    s.add_argument("--ft-epochs", type=COUNT, default=1, help="local epochs per fine-tuning round")
+    s.add_argument("--ft-steps", type=NON_NEGATIVE, default=4,
                    help="at most this many local steps per epoch (0 = full epochs); few steps limit client drift under Split-3")
-    s.add_argument("--ft-lr", type=float, default=0.003)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--ft-lr", type=POSITIVE, default=0.003)
+    s.add_argument("--seed", type=SEED, default=0)
 
 
 def _demo(a) -> None:
@@ -84,7 +84,7 @@ def _demo(a) -> None:
 def _vit_opts(s) -> None:
     s.add_argument("--dataset", default="retina", choices=["retina", "derm", "covidfl"])
     s.add_argument("--tiny", action="store_true", help="tiny ViT (32 px, patch 4, width 48, depth 2) on CPU")
-    s.add_argument("--layer-scale", type=float, default=None, help="0.1 for a Fed-BEiT encoder")
+    s.add_argument("--layer-scale", type=POSITIVE, default=None, help="0.1 for a Fed-BEiT encoder")
     s.add_argument("--device", default=None)
 
 
@@ -99,10 +99,10 @@ def _finetune_args(s) -> None:
     s.add_argument("--data-root", required=True, help="folder with site-* folders (and test/) from `fedssl sslfl partition`")
     s.add_argument("--init", action="append", required=True, metavar="NAME=PATH|scratch|imagenet:PATH")
     s.add_argument("--test-root", default="", help="default: DATA_ROOT/test")
-    s.add_argument("--epochs", type=int, default=None)
-    s.add_argument("--lr", type=float, default=None)
-    s.add_argument("--label-fraction", type=float, default=None)
-    s.add_argument("--val-fraction", type=float, default=None)
+    s.add_argument("--epochs", type=COUNT, default=None)
+    s.add_argument("--lr", type=POSITIVE, default=None)
+    s.add_argument("--label-fraction", type=FRACTION, default=None)
+    s.add_argument("--val-fraction", type=FRACTION, default=None)
     s.add_argument("--verbose", action="store_true")
     s.add_argument("--out", default="finetune_vit.json")
     _vit_opts(s)
@@ -161,9 +161,9 @@ def _evaluate(a) -> None:
 def _bench_args(b) -> None:
     b.add_argument("--methods", nargs="+", default=["mae", "beit", "finetune"], choices=["mae", "beit", "finetune"])
     b.add_argument("--size", default="vit_b16", choices=["vit_b16", "tiny"], help="vit_b16 = paper (224 px); tiny = CPU twin")
-    b.add_argument("--batch-sizes", nargs="+", type=int, default=[64])
-    b.add_argument("--steps", type=int, default=20, help="timed steps per measurement")
-    b.add_argument("--warmup", type=int, default=5, help="untimed steps before timing")
+    b.add_argument("--batch-sizes", nargs="+", type=COUNT, default=[64])
+    b.add_argument("--steps", type=COUNT, default=20, help="timed steps per measurement")
+    b.add_argument("--warmup", type=NON_NEGATIVE, default=5, help="untimed steps before timing")
     b.add_argument("--no-amp", action="store_true", help="float32 instead of bfloat16 autocast (GPU)")
     b.add_argument("--device", default="auto", help="auto (GPU when present), cpu, cuda, cuda:1 ...")
     b.add_argument("--out", default=None, help="write the measurements to this JSON file")

@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import os
 
-from fedssl.cli import Verb, add_family
+from fedssl.cli import COUNT, POSITIVE, Verb, add_family
 
 
 def _demo_args(s) -> None:
     s.add_argument("--out", default="runs/surgical_demo")
     s.add_argument("--backbone", default="fedavg", choices=["fedavg", "fedbn", "fedbn_plus"],
                    help="backbone strategy (the job's paper setting fedbn_plus needs ImageNet weights to mean anything)")
-    s.add_argument("--rounds", type=int, default=10, help="federated rounds per method")
-    s.add_argument("--patients", type=int, default=500, help="synthetic patients per site")
+    s.add_argument("--rounds", type=COUNT, default=10, help="federated rounds per method")
+    s.add_argument("--patients", type=COUNT, default=500, help="synthetic patients per site")
     s.add_argument("--methods", nargs="+", default=["surgical", "vanilla", "partial_loss"],
                    choices=["surgical", "vanilla", "partial_loss", "personalised", "individual"])
-    s.add_argument("--lr", type=float, default=0.01, help="local learning rate (tiny model, few rounds; paper 5e-5)")
-    s.add_argument("--local-epochs", type=int, default=3, help="local epochs per round (paper: 1)")
+    s.add_argument("--lr", type=POSITIVE, default=0.01, help="local learning rate (tiny model, few rounds; paper 5e-5)")
+    s.add_argument("--local-epochs", type=COUNT, default=3, help="local epochs per round (paper: 1)")
     s.add_argument("--no-central", action="store_true", help="leave out the centralised baseline row")
 
 

@@ -8,22 +8,46 @@ names, per job, the component ids whose ``args`` change::
                            "server": {"scatter_and_gather": {"num_rounds": 2}},
                            "client": {"fcl_trainer": {"image_size": 64}}}}}
 
-``"*"`` instead of a job name applies to every job.  Every id and argument must already exist in the
-job (a typo is an error, never a silently ignored override).  The result is a normal job folder that
-``nvflare simulator`` or ``submit_job`` take as they are.
+``"*"`` instead of a job name applies to every job.  Every component id must exist in the job, and every
+overridden argument must be a constructor argument of the component's class (the class its ``path`` names, and
+the base classes its ``**kwargs`` reach) with a value of the declared type: ``5`` where ``int`` is declared, any
+number for ``float``, ``true`` / ``false`` for ``bool`` (never ``1``), a list for ``Sequence[int]``.  A typo or a
+value of the wrong type is an error naming the component, the argument and what it takes, raised before anything
+is written -- never a silently ignored override nor a job that fails on the sites.  The values themselves are
+left to the constructors' own checks (nothing is instantiated here).
+
+The folder is built beside the destination and moved in only when complete, so a failed build leaves whatever
+was there (a job folder built before) as it was.  The result is a normal job folder that ``nvflare simulator``
+or ``submit_job`` take as they are.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import copy
+import errno
+import functools
+import importlib
+import inspect
 import json
+import math
 import os
 import shutil
+import tempfile
+import types
+import typing
 from typing import Any, Iterator
+
+from fedssl.core.checks import require_int
 
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 PROFILES_DIR = os.path.join(REPO_ROOT, "app_config", "profiles")
 CONFIG_FILES = {"server": "config_fed_server.json", "client": "config_fed_client.json"}
+#: the meta.json keys a profile or ``--set meta.KEY=VALUE`` may set, with the type FLARE reads them as
+META_KEYS: dict[str, Any] = {"min_clients": int, "mandatory_clients": list[str], "deploy_map": dict,
+                             "resource_spec": dict}
+#: how messages say what JSON values look like (``--set`` values are parsed as JSON)
+JSON_HINT = 'values are JSON: 5, 0.1, true, "text", [1, 2]'
 
 
 def _components(config: Any) -> Iterator[dict]:
@@ -38,51 +62,231 @@ def _components(config: Any) -> Iterator[dict]:
             yield from _components(v)
 
 
-def override_args(config: dict, comp_id: str, args: dict, where: str) -> None:
+def read_json(path: str) -> Any:
+    """The content of a JSON file; a syntax error names the file (json's own message does not)."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def _read_object(path: str) -> dict:
+    content = read_json(path)
+    if not isinstance(content, dict):
+        raise ValueError(f"{path}: expected a JSON object, found {_json_kind(content)}")
+    return content
+
+
+# ---- what a component's constructor takes -------------------------------------------------------------------
+
+
+def component_class(comp: dict, where: str) -> type:
+    """The class a component's ``path`` names; a path that does not import or names no class is an error naming
+    the component."""
+    path = comp["path"]
+    module, _, name = str(path).rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"{where}: component {comp['id']!r}: path {path!r} does not import ({e})") from None
+    if not inspect.isclass(obj):
+        raise ValueError(f"{where}: component {comp['id']!r}: path {path!r} is not a class")
+    return obj
+
+
+@functools.lru_cache(maxsize=None)
+def constructor_parameters(cls: type) -> dict[str, Any]:
+    """name -> resolved annotation of every named constructor argument of ``cls`` and of the base classes its
+    ``**kwargs`` are passed on to (FCLOptController hands ScatterAndGather's on).  An argument without an
+    annotation maps to ``inspect.Parameter.empty`` and takes any JSON value: a default is no declaration
+    (MultiLabelExecutor's ``dataset=""`` also takes an object keyed by site name)."""
+    params: dict[str, Any] = {}
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if klass is object or init is None:
+            continue  # object takes no arguments; a class without its own __init__ hands on to the next one
+        try:
+            hints = typing.get_type_hints(init)
+        except Exception:  # noqa: BLE001 - a name importable only for type checkers: leave those unchecked
+            hints = {}
+        named = list(inspect.signature(init).parameters.values())[1:]  # without self
+        for p in named:
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                params.setdefault(p.name, hints.get(p.name, inspect.Parameter.empty))
+        if not any(p.kind is p.VAR_KEYWORD for p in named):
+            break
+    return params
+
+
+_SEQUENCES = (list, tuple, set, frozenset, collections.abc.Sequence, collections.abc.MutableSequence,
+              collections.abc.Set, collections.abc.MutableSet)
+_MAPPINGS = (dict, collections.abc.Mapping, collections.abc.MutableMapping)
+
+
+def _fits(value: Any, annotation: Any) -> bool | None:
+    """Whether a JSON value fits ``annotation``: int for ``int`` (never a bool, never 5.0), int or float for
+    ``float``, bool for ``bool``, a list (with fitting items) for a sequence, an object for a mapping, null for
+    None.  None = the annotation says nothing a JSON value can be checked against (``Any``, a class such as
+    ``torch.nn.Module``): the constructor decides."""
+    if annotation is inspect.Parameter.empty or annotation is Any:
+        return None
+    if annotation is None or annotation is type(None):
+        return value is None
+    if isinstance(value, dict) and any(k in value for k in ("path", "class_path", "name")):
+        return None  # a nested component FLARE builds into an object before calling the constructor
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Union or origin is types.UnionType:
+        known = [f for f in (_fits(value, a) for a in args) if f is not None]
+        return any(known) if known else None
+    if origin is typing.Literal:
+        return any(value == a and type(value) is type(a) for a in args)
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    container = origin or annotation
+    if container in _MAPPINGS:
+        return isinstance(value, dict) and (len(args) != 2 or all(
+            _fits(v, args[1]) is not False for v in value.values()))
+    if container in _SEQUENCES:
+        if not isinstance(value, list):
+            return False
+        if container is tuple and args and args[-1] is not Ellipsis:
+            return len(value) == len(args) and all(_fits(v, a) is not False for v, a in zip(value, args))
+        return not args or all(_fits(v, args[0]) is not False for v in value)
+    return None
+
+
+def _finite(value: Any) -> bool:
+    """No NaN or infinity anywhere in a JSON value (``--set lr=NaN`` parses, and strict JSON cannot hold it)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, list):
+        return all(_finite(v) for v in value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    return True
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    for kind, words in ((bool, "true/false"), (int, "an integer"), (float, "a number with a fraction"),
+                        (str, "a string"), (list, "a list"), (dict, "an object")):
+        if isinstance(value, kind):
+            return words
+    return type(value).__name__
+
+
+def check_argument(comp: dict, arg: str, value: Any, where: str) -> None:
+    """Refuse an override the component's class cannot take: no such constructor argument (the message lists the
+    ones it has), a value whose JSON type does not fit the declared type, or NaN / infinity."""
+    cls = component_class(comp, where)
+    params = constructor_parameters(cls)
+    name = f"{where}: component {comp['id']!r} ({comp['path']})"
+    if arg not in params:
+        raise ValueError(f"{name} has no argument {arg!r}; it accepts {sorted(params)}")
+    if not _finite(value):
+        raise ValueError(f"{name}: argument {arg}={value!r} is not a finite number")
+    declared = params[arg]
+    if _fits(value, declared) is False:
+        raise ValueError(f"{name}: argument {arg}={value!r} is {_json_kind(value)}, but {cls.__name__} takes "
+                         f"{inspect.formatannotation(declared)} ({JSON_HINT})")
+
+
+def check_binds(comp: dict, where: str) -> None:
+    """The component's full ``args`` bind to its constructor (a required argument missing is reported too)."""
+    try:
+        inspect.signature(component_class(comp, where)).bind(**comp.get("args", {}))
+    except TypeError as e:
+        raise ValueError(f"{where}: component {comp['id']!r} ({comp['path']}): its args do not fit the "
+                         f"constructor: {e}") from None
+
+
+# ---- overrides ----------------------------------------------------------------------------------------------
+
+
+class _Touched:
+    """The components overrides changed, each set through :func:`check_argument`; at the end their full args
+    must bind (:func:`check_binds`)."""
+
+    def __init__(self) -> None:
+        self.components: dict[int, tuple[dict, str]] = {}
+
+    def set(self, comp: dict, arg: str, value: Any, where: str) -> None:
+        check_argument(comp, arg, value, where)
+        comp.setdefault("args", {})[arg] = value
+        self.components.setdefault(id(comp), (comp, where))
+
+    def check_binds(self) -> None:
+        for comp, where in self.components.values():
+            check_binds(comp, where)
+
+
+def override_args(config: dict, comp_id: str, args: dict, where: str, touched: _Touched) -> None:
+    """Set ``args`` of the component ``comp_id`` (exactly one in ``config``), each checked by :func:`check_argument`."""
     matches = [c for c in _components(config) if c["id"] == comp_id]
     if len(matches) != 1:
         ids = sorted({c["id"] for c in _components(config)})
         raise ValueError(f"{where}: component id {comp_id!r} found {len(matches)} times; ids in this config: {ids}")
-    comp = matches[0]
-    comp.setdefault("args", {})
+    if not isinstance(args, dict):
+        raise ValueError(f"{where}: the overrides of {comp_id!r} must be an object of argument: value, not {args!r}")
     for k, v in args.items():
-        if k not in comp["args"]:
-            raise ValueError(
-                f"{where}: component {comp_id!r} has no argument {k!r} in the job config "
-                f"(it has {sorted(comp['args'])}); add it to the job first if it is a real argument"
-            )
-        comp["args"][k] = v
+        touched.set(matches[0], k, v, where)
+
+
+def apply_meta(meta: dict, values: dict, where: str) -> None:
+    """Set meta.json keys (only those in :data:`META_KEYS`, each of its type)."""
+    for key, value in values.items():
+        if key not in META_KEYS:
+            raise ValueError(f"{where}: meta key {key!r} cannot be set; settable keys: {sorted(META_KEYS)}")
+        if _fits(value, META_KEYS[key]) is False:
+            raise ValueError(f"{where}: meta {key}={value!r} is {_json_kind(value)}, but FLARE reads "
+                             f"{inspect.formatannotation(META_KEYS[key])} ({JSON_HINT})")
+        meta[key] = value
 
 
 def load_profile(profile: str) -> dict:
+    """A profile by name (``app_config/profiles/<name>.json``) or as the path of a JSON file."""
     path = profile if os.path.isfile(profile) else os.path.join(PROFILES_DIR, f"{profile}.json")
     if not os.path.isfile(path):
         names = sorted(p[:-5] for p in os.listdir(PROFILES_DIR) if p.endswith(".json")) if os.path.isdir(PROFILES_DIR) else []
-        raise ValueError(f"profile {profile!r} not found (looked for {path}); available: {names}")
-    with open(path) as f:
-        return json.load(f)
+        raise ValueError(f"profile {profile!r} not found: no such file, nor {path}; available: {names}")
+    return _read_object(path)
 
 
 #: the part of a profile / ``--set`` that names the job's model shape once (``shape.image_size=64``): it applies
 #: to every component of the job, client and server, that takes the argument
 SHAPE = "shape"
+PARTS = ("meta", SHAPE, *CONFIG_FILES)
 
 
 def profile_overrides(profile: dict, job_name: str) -> dict:
+    """The profile's overrides of ``job_name``: its ``"*"`` entry, then its own; an unknown part (``clinet``) or
+    a part that is not an object of objects is an error."""
     jobs = profile.get("jobs", {})
     merged: dict = {}
     for key in ("*", job_name):
         for part, comps in jobs.get(key, {}).items():
+            if part not in PARTS or not isinstance(comps, dict):
+                raise ValueError(f"profile, job {key!r}: {part!r} must be one of {list(PARTS)} and hold an object")
             target = merged.setdefault(part, {})
             for comp_id, args in comps.items():
                 if part in ("meta", SHAPE):
                     target[comp_id] = args
+                elif not isinstance(args, dict):
+                    raise ValueError(f"profile, job {key!r}: {part}.{comp_id} must be an object of argument: value")
                 else:
                     target.setdefault(comp_id, {}).update(args)
     return merged
 
 
-def apply_shape(configs: dict[str, dict], shape: dict, where: str) -> None:
+def apply_shape(configs: dict[str, dict], shape: dict, where: str, touched: _Touched) -> None:
     """Set each ``shape`` argument in every component (of every config) that has it; an argument no component
     takes is an error (a typo must not pass silently)."""
     for arg, value in shape.items():
@@ -91,12 +295,13 @@ def apply_shape(configs: dict[str, dict], shape: dict, where: str) -> None:
             raise ValueError(f"{where}: shape argument {arg!r} is not an argument of any component of this job; "
                              "shape names model arguments shared by the server and the sites (e.g. image_size)")
         for comp in hits:
-            comp["args"][arg] = value
+            touched.set(comp, arg, value, where)
 
 
 def parse_set(expr: str) -> tuple[str, str, str, Any]:
     """``client.fcl_trainer.lr=0.1`` -> ("client", "fcl_trainer", "lr", 0.1); ``meta.min_clients=3`` and
-    ``shape.image_size=64`` (every component of the job that takes image_size) too."""
+    ``shape.image_size=64`` (every component of the job that takes image_size) too.  The value is JSON; text
+    that is not JSON stays a string (and fails the type check where the argument is not a string)."""
     if "=" not in expr:
         raise ValueError(f"--set {expr!r}: expected PART.ID.ARG=VALUE, e.g. client.fcl_trainer.lr=0.1")
     lhs, raw = expr.split("=", 1)
@@ -113,20 +318,7 @@ def parse_set(expr: str) -> tuple[str, str, str, Any]:
     return parts[0], parts[1], parts[2], value
 
 
-def build_job(job_dir: str, out_dir: str, profile: str | None = None, sets: list[str] = (), n_sites: int | None = None) -> str:
-    """Copy ``job_dir`` to ``out_dir`` with the profile and ``--set`` overrides applied; returns ``out_dir``.
-
-    ``n_sites`` sets ``min_clients`` in meta.json and of every workflow that has it, over the profile; a
-    ``--set`` value takes precedence over both (e.g. tolerate one failed site out of three).  Precedence, lowest
-    first: the job, the profile's ``shape``, the profile's component overrides, ``n_sites``, ``--set shape.*``,
-    the other ``--set`` overrides.
-    """
-    job_dir = os.path.abspath(job_dir)
-    job_name = os.path.basename(job_dir.rstrip("/"))
-    if not os.path.isfile(os.path.join(job_dir, "meta.json")):
-        raise ValueError(f"{job_dir} is not a job folder (no meta.json)")
-    # precedence, lowest first: the job, the profile, n_sites (min_clients), then each --set
-    from_profile = profile_overrides(load_profile(profile), job_name) if profile else {}
+def _sets_overrides(sets: list[str]) -> dict:
     from_sets: dict = {}
     for expr in sets:
         part, comp_id, arg, value = parse_set(expr)
@@ -134,40 +326,136 @@ def build_job(job_dir: str, out_dir: str, profile: str | None = None, sets: list
             from_sets.setdefault(part, {})[arg] = value
         else:
             from_sets.setdefault(part, {}).setdefault(comp_id, {})[arg] = value
-    if os.path.exists(out_dir):
-        shutil.rmtree(out_dir)
-    shutil.copytree(job_dir, out_dir)
-    with open(os.path.join(out_dir, "meta.json")) as f:
-        meta = json.load(f)
-    meta.update(from_profile.get("meta", {}))
+    return from_sets
+
+
+def _configured_meta(job_dir: str, job_name: str, from_profile: dict, from_sets: dict, n_sites: int | None) -> dict:
+    meta = _read_object(os.path.join(job_dir, "meta.json"))
+    where = f"{job_name}/meta.json"
+    apply_meta(meta, from_profile.get("meta", {}), f"{where} (profile)")
     if n_sites is not None:
         meta["min_clients"] = n_sites
-    meta.update(from_sets.get("meta", {}))
+    apply_meta(meta, from_sets.get("meta", {}), f"{where} (--set)")
+    if "min_clients" in meta:
+        require_int(where, "min_clients", meta["min_clients"], 1, "use the number of sites a run needs, >= 1")
     meta["name"] = job_name
-    with open(os.path.join(out_dir, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=2)
-    for app in [d for d in os.listdir(out_dir) if os.path.isdir(os.path.join(out_dir, d, "config"))]:
-        paths = {part: os.path.join(out_dir, app, "config", fname) for part, fname in CONFIG_FILES.items()
-                 if os.path.isfile(os.path.join(out_dir, app, "config", fname))}
-        configs = {}
-        for part, path in paths.items():
-            with open(path) as f:
-                configs[part] = json.load(f)
-        where = f"{job_name}/{app}"
-        apply_shape(configs, from_profile.get(SHAPE, {}), f"{where} (profile)")
-        for part, config in configs.items():
-            for comp_id, args in from_profile.get(part, {}).items():
-                override_args(config, comp_id, args, f"{where}/{CONFIG_FILES[part]}")
-            if n_sites is not None:
-                for comp in _components(config):
-                    if "min_clients" in comp.get("args", {}):
-                        comp["args"]["min_clients"] = n_sites
-        apply_shape(configs, from_sets.get(SHAPE, {}), f"{where} (--set)")
-        for part, config in configs.items():
-            for comp_id, args in from_sets.get(part, {}).items():
-                override_args(config, comp_id, args, f"{where}/{CONFIG_FILES[part]}")
-            with open(paths[part], "w") as f:
-                json.dump(config, f, indent=2)
+    return meta
+
+
+def _configured_app(job_dir: str, app: str, job_name: str, from_profile: dict, from_sets: dict,
+                    n_sites: int | None) -> dict[str, dict]:
+    """{path relative to the job: config} of one app with every override applied and checked."""
+    rels = {part: os.path.join(app, "config", fname) for part, fname in CONFIG_FILES.items()
+            if os.path.isfile(os.path.join(job_dir, app, "config", fname))}
+    configs = {part: _read_object(os.path.join(job_dir, rel)) for part, rel in rels.items()}
+    where = f"{job_name}/{app}"
+    touched = _Touched()
+    apply_shape(configs, from_profile.get(SHAPE, {}), f"{where} (profile)", touched)
+    for part, config in configs.items():
+        for comp_id, args in from_profile.get(part, {}).items():
+            override_args(config, comp_id, args, f"{where}/{CONFIG_FILES[part]} (profile)", touched)
+        if n_sites is not None:
+            for comp in _components(config):
+                if "min_clients" in comp.get("args", {}):
+                    touched.set(comp, "min_clients", n_sites, f"{where}/{CONFIG_FILES[part]} (--sites)")
+    apply_shape(configs, from_sets.get(SHAPE, {}), f"{where} (--set)", touched)
+    for part, config in configs.items():
+        for comp_id, args in from_sets.get(part, {}).items():
+            override_args(config, comp_id, args, f"{where}/{CONFIG_FILES[part]} (--set)", touched)
+    touched.check_binds()
+    return {rels[part]: config for part, config in configs.items()}
+
+
+# ---- writing the folder -------------------------------------------------------------------------------------
+
+
+def _check_destination(job_dir: str, out_dir: str) -> None:
+    """Refuse a destination whose replacement would destroy something that is not a built job: the job folder
+    itself (or a folder inside it or around it), a file or link, a non-empty folder without meta.json."""
+    real_job, real_out = os.path.realpath(job_dir), os.path.realpath(out_dir)
+    if os.path.commonpath([real_job, real_out]) in (real_job, real_out):
+        raise ValueError(f"{out_dir}: the output folder must not be the job folder {job_dir}, lie inside it or "
+                         "contain it; choose a folder elsewhere")
+    if os.path.islink(out_dir) or (os.path.lexists(out_dir) and not os.path.isdir(out_dir)):
+        raise ValueError(f"{out_dir}: exists and is not a folder; remove it or choose another output folder")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not os.path.isfile(os.path.join(out_dir, "meta.json")):
+        raise ValueError(f"{out_dir}: exists and is not a job folder (no meta.json), so it is not replaced; choose "
+                         "a new or empty folder, or one a previous build wrote")
+
+
+def _move_into_place(new: str, out_dir: str) -> None:
+    """Rename ``new`` to ``out_dir``; a folder already there is renamed aside first, put back if the rename
+    fails, and removed only once the new one is in place."""
+    if not os.path.isdir(out_dir):
+        os.rename(new, out_dir)
+        return
+    parent, name = os.path.split(out_dir)
+    old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
+    os.rename(out_dir, old)  # onto the empty placeholder
+    try:
+        os.rename(new, out_dir)
+    except OSError:
+        os.rename(old, out_dir)
+        raise
+    shutil.rmtree(old)
+
+
+def _write_folder(job_dir: str, out_dir: str, files: dict[str, dict]) -> None:
+    """Copy ``job_dir`` with ``files`` (path relative to the folder -> JSON content) rewritten into a new folder
+    beside ``out_dir``, then move it to ``out_dir``; on any failure the new folder is removed and ``out_dir`` is
+    as it was."""
+    parent, name = os.path.split(out_dir)
+    if os.path.lexists(parent) and not os.path.isdir(parent):  # makedirs would say only "File exists"
+        raise NotADirectoryError(errno.ENOTDIR, "is not a folder, so the output cannot go inside it", parent)
+    os.makedirs(parent, exist_ok=True)
+    new = tempfile.mkdtemp(prefix=f".{name}.new-", dir=parent)
+    try:
+        shutil.copytree(job_dir, new, dirs_exist_ok=True)  # also copies the job folder's mode over mkdtemp's 0700
+        for rel, content in files.items():
+            with open(os.path.join(new, rel), "w") as f:
+                json.dump(content, f, indent=2)
+        _move_into_place(new, out_dir)
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+
+
+def _source(job_dir: str) -> tuple[str, str]:
+    src = os.path.abspath(job_dir)
+    if not os.path.isfile(os.path.join(src, "meta.json")):
+        raise ValueError(f"{src} is not a job folder (no meta.json)")
+    return src, os.path.basename(src)
+
+
+def configured_job(job_dir: str, profile: str | None = None, sets: list[str] = (),
+                   n_sites: int | None = None) -> dict[str, dict]:
+    """{path relative to the job folder: content} of meta.json and every config with the overrides applied and
+    checked (see the module docstring), nothing written: ``fedssl simulate`` / ``deploy-local`` / ``submit``
+    call it before they create anything, :func:`build_job` before it writes.
+
+    Precedence, lowest first: the job, the profile's ``shape``, the profile's component overrides, ``n_sites``
+    (``min_clients`` in meta.json and in every workflow that has it), ``--set shape.*``, the other ``--set``
+    overrides (e.g. ``min_clients=2`` to tolerate one failed site out of three).
+    """
+    src, job_name = _source(job_dir)
+    if n_sites is not None:
+        require_int("build_job", "n_sites", n_sites, 1, "use the number of sites, >= 1 (--sites)")
+    from_profile = profile_overrides(load_profile(profile), job_name) if profile else {}
+    from_sets = _sets_overrides(list(sets))
+    files = {"meta.json": _configured_meta(src, job_name, from_profile, from_sets, n_sites)}
+    for app in sorted(d for d in os.listdir(src) if os.path.isdir(os.path.join(src, d, "config"))):
+        files.update(_configured_app(src, app, job_name, from_profile, from_sets, n_sites))
+    return files
+
+
+def build_job(job_dir: str, out_dir: str, profile: str | None = None, sets: list[str] = (), n_sites: int | None = None) -> str:
+    """Copy ``job_dir`` to ``out_dir`` with the profile and ``--set`` overrides applied (:func:`configured_job`);
+    returns ``out_dir``.  Everything is checked before anything is written; ``out_dir`` is replaced only by a
+    complete folder, and only if it is new, empty or a job folder (a previous build)."""
+    src, _ = _source(job_dir)
+    dst = os.path.abspath(out_dir)
+    _check_destination(src, dst)
+    _write_folder(src, dst, configured_job(src, profile, sets, n_sites))
     return out_dir
 
 
@@ -179,8 +467,7 @@ def job_configs(job_dir: str) -> Iterator[tuple[str, dict]]:
             for fname in sorted(os.listdir(cdir)):
                 if fname.endswith(".json"):
                     path = os.path.join(cdir, fname)
-                    with open(path) as f:
-                        yield path, json.load(f)
+                    yield path, read_json(path)
 
 
 def component_specs(config: dict) -> list[dict]:

@@ -1,6 +1,7 @@
 """``fedssl <family> <verb>``, the generic top-level verbs, and the deprecated flat aliases (same arguments)."""
 
 import argparse
+import os
 import subprocess
 import sys
 
@@ -8,6 +9,7 @@ import pytest
 
 import fedssl.cli
 from fedssl.cli import COMMAND_MODULES, main
+from fedssl.ops.jobs import REPO_ROOT
 
 #: every pre-family flat name and the command it now stands for
 ALIASES = {
@@ -98,3 +100,77 @@ def test_command_modules_hook_adds_subcommands(monkeypatch, capsys):
 def test_python_dash_m():
     r = subprocess.run([sys.executable, "-m", "fedssl.cli", "surgical", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "central" in r.stdout
+
+
+FCL_JOB = os.path.join(REPO_ROOT, "jobs", "fcl_acdc")
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["job", FCL_JOB, "OUT", "--sites", "-3"], "--sites"),
+    (["job", FCL_JOB, "OUT", "--sites", "0"], "--sites"),
+    (["job", FCL_JOB, "OUT", "--sites", "3.5"], "--sites"),
+    (["simulate", FCL_JOB, "-w", "OUT", "--data-root", "d", "--sites", "-3"], "--sites"),
+    (["deploy-local", FCL_JOB, "-w", "OUT", "--data-root", "d", "--sites", "2", "--timeout", "0"], "--timeout"),
+    (["fcl", "demo", "--out", "OUT", "--rounds", "0"], "--rounds"),
+    (["table7", "--out", "OUT", "--sites", "0"], "--sites"),  # a deprecated alias: the same checks
+    (["sslfl", "partition", "retina", "src", "OUT", "--alpha", "0"], "--alpha"),
+    (["sslfl", "demo", "--out", "OUT", "--ft-lr", "nan"], "--ft-lr"),
+    (["surgical", "demo", "--out", "OUT", "--patients", "-1"], "--patients"),
+])
+def test_numeric_flags_out_of_range_stop_at_the_command_line(tmp_path, capsys, argv, flag):
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"error: argument {flag}: " in err and ("out of range" in err or "is not a whole number" in err)
+    assert os.listdir(tmp_path) == []
+
+
+def test_every_numeric_flag_has_a_range():
+    """No bare ``type=int`` / ``type=float`` left: every numeric flag states its range (fedssl.cli.Number)."""
+    _, top = _parser()
+    parsers = list(top.values())
+    bare = []
+    while parsers:
+        parser = parsers.pop()
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers += action.choices.values()
+            elif action.type in (int, float):
+                bare.append(f"{parser.prog} {action.option_strings or action.dest}")
+    assert bare == []
+
+
+def test_bad_override_value_is_one_error_before_the_simulator_or_a_workspace(tmp_path, capsys, monkeypatch):
+    import fedssl.ops.simulate
+
+    ran = []
+    monkeypatch.setattr(fedssl.ops.simulate, "run_simulation", lambda *a, **k: ran.append(a))
+    ws = tmp_path / "ws"
+    rc = main(["simulate", FCL_JOB, "-w", str(ws), "--data-root", "d", "--sites", "2",
+               "--set", "server.scatter_and_gather.num_rounds=five"])
+    err = capsys.readouterr().err
+    assert rc == 2 and ran == [] and os.listdir(tmp_path) == []
+    assert err.count("\n") == 1 and "component 'scatter_and_gather'" in err and "num_rounds='five'" in err
+
+
+def test_os_errors_are_one_line_naming_the_path(tmp_path, capsys, monkeypatch):
+    (tmp_path / "file").write_text("")
+    assert main(["job", FCL_JOB, str(tmp_path / "file" / "job")]) == 1
+    assert capsys.readouterr().err == f"fedssl job: error: {tmp_path / 'file'}: is not a folder, so the output " \
+                                      "cannot go inside it\n"
+    assert main(["fcl", "synth", "acdc", str(tmp_path / "file" / "data"), "--patients", "1", "--sites", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(tmp_path / "file") in err and "Traceback" not in err
+
+    import tempfile
+
+    def denied(prefix, dir):
+        raise PermissionError(13, "Permission denied", dir)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", denied)  # an output folder this user may not write
+    assert main(["job", FCL_JOB, str(tmp_path / "ro" / "job")]) == 1
+    assert capsys.readouterr().err == f"fedssl job: error: {tmp_path / 'ro'}: Permission denied\n"
+    assert main(["job", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"fedssl job: error: {tmp_path / 'missing'} is not a job folder (no meta.json)\n"

@@ -5,9 +5,10 @@ SSL-FL uses the DALL-E dVAE tokenizer, which cannot be downloaded here.  Two rep
 * :class:`PatchTokenizer`: a codebook of K centroids of per-patch-normalised pixel vectors
   (``p x p x 3`` values, see :mod:`fedssl.core.patches`); a patch's token is its nearest centroid.  The
   codebook is learnt inside the federation by federated k-means before pre-training: each site computes
-  its E-step statistics (:func:`kmeans_stats`, per-cluster sums and counts: no image or patch leaves the
-  site), the server runs the M-step (:func:`kmeans_update`).  One federated round equals one Lloyd step
-  on the union of the sites' patches.
+  its E-step statistics (:func:`site_kmeans_stats`: per-cluster sums and counts, every cluster of fewer than
+  ``min_count`` vectors suppressed, because the "sum" of a one-member cluster is a raw patch), the server runs
+  the M-step (:func:`kmeans_update`).  One federated round equals one Lloyd step on the union of the sites'
+  patches, less the suppressed clusters' few vectors.
 * a TorchScript module from a local path (how a user brings the real DALL-E encoder, wrapped to take the
   same normalised images): :class:`ScriptedTokenizer`.
 
@@ -16,6 +17,7 @@ SSL-FL uses the DALL-E dVAE tokenizer, which cannot be downloaded here.  Two rep
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 import zipfile
@@ -23,6 +25,7 @@ import zipfile
 import torch
 
 from fedssl.core.patches import normalize_patches, patchify
+from fedssl.core.safe_load import load_export_program, safe_load
 
 _CHUNK = 4096  # rows per distance block: 4096 x K floats at a time
 
@@ -54,24 +57,63 @@ def nearest_centroid(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def kmeans_stats(patch_features: torch.Tensor, codebook: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One site's E-step: assign each vector of ``patch_features [N, D]`` to its nearest centroid of
-    ``codebook [K, D]``; return per-cluster sums ``[K, D]`` (float64) and counts ``[K]`` (int64)."""
-    x = patch_features.reshape(-1, codebook.shape[-1]) if patch_features.dim() != 2 else patch_features
+def _assign_and_sum(x: torch.Tensor, codebook: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Nearest centroid of each row of ``x [N, D]`` -> (assignment [N], per-cluster sums [K, D] float64,
+    counts [K] int64)."""
     k = codebook.shape[0]
     assign = nearest_centroid(x.float(), codebook.float())
     sums = torch.zeros(k, codebook.shape[1], dtype=torch.float64, device=x.device)
     sums.index_add_(0, assign, x.to(torch.float64))
-    counts = torch.bincount(assign, minlength=k).to(torch.int64)
+    return assign, sums, torch.bincount(assign, minlength=k).to(torch.int64)
+
+
+def kmeans_stats(patch_features: torch.Tensor, codebook: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The E-step: assign each vector of ``patch_features [N, D]`` to its nearest centroid of ``codebook [K, D]``;
+    return per-cluster sums ``[K, D]`` (float64) and counts ``[K]`` (int64).  For use on the site only: the sum
+    of a one-vector cluster is that vector; what leaves a site is :func:`site_kmeans_stats`."""
+    x = patch_features.reshape(-1, codebook.shape[-1]) if patch_features.dim() != 2 else patch_features
+    _, sums, counts = _assign_and_sum(x, codebook)
     return sums.cpu(), counts.cpu()
 
 
-def sum_squared_distance(x: torch.Tensor, codebook: torch.Tensor, sums: torch.Tensor, counts: torch.Tensor) -> float:
-    """k-means cost sum_i ||x_i - c_a(i)||^2 from the E-step statistics, without an [N, K] distance matrix:
-    sum_i ||x_i||^2 - 2 sum_k c_k . S_k + sum_k n_k ||c_k||^2."""
-    c = codebook.to(torch.float64)
-    x_sq = (x.to(torch.float64) ** 2).sum()
-    return float(x_sq - 2 * (c * sums).sum() + (counts.to(torch.float64) * (c ** 2).sum(1)).sum())
+def suppress_small_clusters(sums: torch.Tensor, counts: torch.Tensor,
+                            min_count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of ``sums [K, D]`` and ``counts [K]`` with every cluster of fewer than ``min_count`` members set to a
+    zero sum and a zero count (the M-step then treats it as empty at this site).  The mean of n vectors is the
+    vector itself for n = 1 and, for small n, gives the vectors away to anyone who knows the others;
+    ``min_count >= 1`` (1 suppresses nothing)."""
+    if isinstance(min_count, bool) or not isinstance(min_count, int) or min_count < 1:
+        raise ValueError(f"suppress_small_clusters: min_count={min_count!r}; use an integer >= 1")
+    small = counts < min_count
+    sums, counts = sums.clone(), counts.clone()
+    sums[small] = 0
+    counts[small] = 0
+    return sums, counts
+
+
+def site_kmeans_stats(patch_features: torch.Tensor, codebook: torch.Tensor,
+                      min_count: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One site's E-step as it may leave the site: :func:`kmeans_stats` with every cluster of fewer than
+    ``min_count`` vectors suppressed (:func:`suppress_small_clusters`), and the k-means cost
+    ``sum ||x_i - c_a(i)||^2`` of the vectors still reported -> (sums [K, D] float64, counts [K] int64, cost).
+    The cost is summed per cluster, ``Q_k - 2 c_k . S_k + n_k ||c_k||^2`` with ``Q_k = sum ||x_i||^2``, so no
+    ``[N, K]`` matrix nor a second ``[N, D]`` one is built."""
+    x = patch_features.reshape(-1, codebook.shape[-1]) if patch_features.dim() != 2 else patch_features
+    assign, sums, counts = _assign_and_sum(x, codebook)
+    sq = torch.zeros(codebook.shape[0], dtype=torch.float64, device=x.device)
+    sq.index_add_(0, assign, (x.to(torch.float64) ** 2).sum(dim=1))
+    c = codebook.to(device=x.device, dtype=torch.float64)
+    cost = (sq - 2 * (c * sums).sum(dim=1) + counts.to(torch.float64) * (c ** 2).sum(dim=1)).cpu()
+    sums, counts = suppress_small_clusters(sums.cpu(), counts.cpu(), min_count)
+    return sums, counts, max(float(cost[counts > 0].sum()), 0.0)
+
+
+def patch_norm_bound(dim: int) -> float:
+    """``sqrt(D - 1)``: every patch vector (:func:`patch_vectors`, per-patch normalised with the unbiased
+    variance) has ``||v||^2 = (D - 1) var / (var + eps) < D - 1``, so does every mean of patch vectors (every
+    centroid), and a cluster sum of n vectors has ``||S|| < n sqrt(D - 1)``: the server's bound on what a site
+    sends."""
+    return math.sqrt(max(int(dim) - 1, 1))
 
 
 def kmeans_update(
@@ -244,7 +286,7 @@ def load_tokenizer(path: str) -> PatchTokenizer | ScriptedTokenizer:
             names = [name.split("/", 1)[-1] for name in zf.namelist()]
     if "archive_format" in names:
         try:
-            module = torch.export.load(path).module()
+            module = load_export_program(path).module()
         except Exception as e:  # noqa: BLE001 - report the file and the reason
             raise ValueError(f"tokenizer {path} looks like a torch.export program but does not load: {e}") from None
         return ScriptedTokenizer(module, path, kind="torch.export")
@@ -257,7 +299,7 @@ def load_tokenizer(path: str) -> PatchTokenizer | ScriptedTokenizer:
             raise ValueError(f"tokenizer {path} looks like TorchScript but does not load: {e}") from None
         return ScriptedTokenizer(module, path)
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        data = safe_load(path)
     except Exception as e:  # noqa: BLE001
         raise ValueError(
             f"tokenizer {path} is neither a codebook file {{'codebook', 'patch_size'}} nor TorchScript: {e}"
@@ -286,7 +328,7 @@ def save_codebook(path: str, codebook: torch.Tensor, patch_size: int, descriptio
 def codebook_description(path: str) -> str:
     """The description saved with a codebook by :func:`save_codebook` ("" for other tokenizer files)."""
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        data = safe_load(path)
     except Exception:  # noqa: BLE001 - TorchScript or foreign files carry no description
         return ""
     return str(data.get("description", "")) if isinstance(data, dict) else ""

@@ -5,11 +5,14 @@ back and listed in the meta ``excluded_keys`` keep this site's values) -> :class
 -> the weights with ``num_samples`` = |D_k| and the mean loss (Fed-BEiT: plus its tokenizer's description).
 
 Fed-BEiT tokenizer: ``tokenizer_path`` names a local codebook / TorchScript dVAE encoder; "" means the codebook
-learnt by the FederatedKMeans workflow before pre-training: the site answers ``kmeans_init`` (local k-means
-centroids of its patch vectors, or only its patch size for a random start; never images or patches),
-``kmeans_step`` (E-step statistics against the broadcast codebook) and ``set_tokenizer`` (stores the final
-codebook in its run folder, so a restarted client finds it again).  A site with a local tokenizer answers
-``kmeans_init`` with its description ("local: <path>") and the server skips the federated k-means.
+learnt by the FederatedKMeans workflow before pre-training: the site answers ``kmeans_init`` (the means of its
+local k-means clusters, or only its patch size for a random start), ``kmeans_step`` (E-step sums and counts
+against the broadcast codebook) and ``set_tokenizer`` (stores the final codebook in its run folder, so a
+restarted client finds it again).  Never an image or a patch: every mean or sum it sends covers at least
+``min_cluster_size`` patch vectors (the larger of this site's setting and the server's; smaller clusters are
+sent as zero sum, zero count), and a server asking for fewer than 2 or for no local Lloyd step is refused.
+A site with a local tokenizer answers ``kmeans_init`` with its description ("local: <path>") and the server
+skips the federated k-means.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from fedssl.core.tokenizer import save_codebook
 from fedssl.core.trainer import RoundStats
 from fedssl.data.images import load_image_records
 from fedssl.flare.constants import (DESCRIPTION_KEY, IMAGES_KEY, INIT_KEY, ITER_KEY, K_KEY, KMEANS_INIT, KMEANS_STEP,
-                                    LOCAL_ITERS_KEY, LOCAL_TOKENIZER_KEY, SEED_KEY, SET_TOKENIZER, SITE_RECORD_META)
+                                    LOCAL_ITERS_KEY, LOCAL_TOKENIZER_KEY, MIN_CLUSTER_KEY, SEED_KEY, SET_TOKENIZER,
+                                    SITE_RECORD_META, VECTORS_KEY)
 from fedssl.flare.site_executor import pick_device
 from fedssl.flare.trainer_executor import TrainerExecutor
 from fedssl.train.mim import KMeansPatches, MIMLocalTrainer, check_mim_args, peak_lr, site_tokenizer
@@ -47,10 +51,13 @@ class MIMExecutor(TrainerExecutor):
                  norm_pix_loss: bool = True, vocab_size: int = 8192, mask_ratio: float = 0.6, lr: float = 1e-3,
                  lr_per_256: bool = True, weight_decay: float = 0.05, batch_size: int = 128, local_epochs: int = 1,
                  warmup_rounds: int = 5, max_steps_per_round: int = 0, clip_grad: float = 0.0, amp: bool = False,
-                 tokenizer_path: str = "", seed: int = 0, device: str = "auto"):
+                 tokenizer_path: str = "", min_cluster_size: int = 5, seed: int = 0, device: str = "auto"):
         """Args (defaults: Fed-MAE on Retina, SSL-FL sec. IV-A.3 and Table I): the settings of
         :class:`fedssl.train.mim.MIMLocalTrainer` (documented there), plus
             data_root: the site's folder; "" = site config / FEDSSL_DATA_ROOT; ``{site}`` is replaced;
+            min_cluster_size: Fed-BEiT federated k-means: the fewest patch vectors a mean or sum this site sends
+                may cover (>= 2; the server's FederatedKMeans min_cluster_size applies when larger), see
+                :class:`fedssl.train.mim.KMeansPatches`;
             device: "auto" (CUDA when available), "cpu", "cuda", "cuda:1" ...
         """
         args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
@@ -76,7 +83,7 @@ class MIMExecutor(TrainerExecutor):
 
     def build_trainer(self, fl_ctx: FLContext, num_rounds: int) -> MIMLocalTrainer:
         site, records = self.site_name(fl_ctx), self.site_records(fl_ctx)
-        settings = {k: v for k, v in self.settings.items() if k != "data_root"}
+        settings = {k: v for k, v in self.settings.items() if k not in ("data_root", "min_cluster_size")}
         trainer = MIMLocalTrainer(records, num_rounds=num_rounds, site=site, codebook_path=self.codebook_path(fl_ctx),
                                   **{**settings, "device": pick_device(self.device)})
         self.log_info(fl_ctx, f"{site}: {len(records)} unlabelled images, {self.method.upper()} on {trainer.device}"
@@ -105,6 +112,15 @@ class MIMExecutor(TrainerExecutor):
                              "vocab_size alike")
         return dxo
 
+    def min_cluster_size_for(self, dxo: DXO, site: str) -> int:
+        """The larger of this site's min_cluster_size and the server's (a server value below 2 is refused)."""
+        requested = dxo.get_meta_prop(MIN_CLUSTER_KEY)
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 2:
+            raise ValueError(f"{site}: the server asks for k-means statistics with {MIN_CLUSTER_KEY}={requested!r}; "
+                             "this site sends only means of >= 2 patch vectors: set FederatedKMeans "
+                             f"{MIN_CLUSTER_KEY} to an integer >= 2")
+        return max(requested, self.min_cluster_size)
+
     def kmeans_patches(self, fl_ctx: FLContext) -> KMeansPatches:
         if self.patches is None:
             self.patches = KMeansPatches(self.site_records(fl_ctx), dataset=self.dataset, image_size=self.image_size,
@@ -120,21 +136,25 @@ class MIMExecutor(TrainerExecutor):
         dxo = self.kmeans_task(shareable, fl_ctx)
         if dxo.get_meta_prop(INIT_KEY) == "random":  # data-free start: the server only needs the patch size
             return DXO(DataKind.COLLECTION, data={}, meta={"patch_size": self.patch_size}).to_shareable()
-        codebook, counts, n = self.kmeans_patches(fl_ctx).local_centroids(
+        m = self.min_cluster_size_for(dxo, site)
+        centroids, counts, n = self.kmeans_patches(fl_ctx).local_centroids(
             self.vocab_size, int(dxo.get_meta_prop(IMAGES_KEY)), int(dxo.get_meta_prop(SEED_KEY)),
-            int(dxo.get_meta_prop(LOCAL_ITERS_KEY)), should_stop=lambda: abort_signal.triggered)
-        self.log_info(fl_ctx, f"{site}: local k-means of {n} patch vectors -> {int((counts > 0).sum())} non-empty "
-                              f"of {self.vocab_size} centroids")
-        return DXO(DataKind.COLLECTION, data={"centroids": codebook.float().numpy(), "counts": counts.numpy()},
-                   meta={"n_vectors": n, "patch_size": self.patch_size}).to_shareable()
+            dxo.get_meta_prop(LOCAL_ITERS_KEY), m, should_stop=lambda: abort_signal.triggered)
+        self.log_info(fl_ctx, f"{site}: local k-means of {n} patch vectors -> {int((counts > 0).sum())} of "
+                              f"{self.vocab_size} centroids sent (means of >= {m} vectors; "
+                              f"{n - int(counts.sum())} vectors in smaller clusters withheld)")
+        return DXO(DataKind.COLLECTION, data={"centroids": centroids.numpy(), "counts": counts.numpy()},
+                   meta={VECTORS_KEY: n, "patch_size": self.patch_size, MIN_CLUSTER_KEY: m}).to_shareable()
 
     def kmeans_step(self, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
         dxo = self.kmeans_task(shareable, fl_ctx)
+        m = self.min_cluster_size_for(dxo, self.site_name(fl_ctx))
         codebook = torch.as_tensor(np.asarray(dxo.data["codebook"]), dtype=torch.float32)
         sums, counts, sse, n = self.kmeans_patches(fl_ctx).e_step(codebook, int(dxo.get_meta_prop(IMAGES_KEY)),
-                                              int(dxo.get_meta_prop(SEED_KEY)))
-        return DXO(DataKind.COLLECTION, data={"sums": sums.numpy(), "counts": counts.numpy()},
-                   meta={ITER_KEY: dxo.get_meta_prop(ITER_KEY), "n_vectors": n, "sse": sse}).to_shareable()
+                                                                  int(dxo.get_meta_prop(SEED_KEY)), m)
+        return DXO(DataKind.COLLECTION, data={"sums": sums.float().numpy(), "counts": counts.numpy()},
+                   meta={ITER_KEY: dxo.get_meta_prop(ITER_KEY), VECTORS_KEY: n, "sse": sse,
+                         MIN_CLUSTER_KEY: m}).to_shareable()
 
     def set_tokenizer(self, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
         dxo = self.kmeans_task(shareable, fl_ctx)
@@ -143,6 +163,8 @@ class MIMExecutor(TrainerExecutor):
         if codebook.shape != (self.vocab_size, 3 * self.patch_size ** 2) or patch_size != self.patch_size:
             raise ValueError(f"{site}: received a codebook of shape {tuple(codebook.shape)} for patch size "
                              f"{patch_size}; this site expects ({self.vocab_size}, {3 * self.patch_size ** 2})")
+        if not torch.isfinite(codebook).all():
+            raise ValueError(f"{site}: received a codebook with NaN/Inf values; not stored (see the server's log)")
         path = save_codebook(self.codebook_path(fl_ctx), codebook, patch_size, str(dxo.get_meta_prop(DESCRIPTION_KEY)))
         self.patches = None  # the sample is not needed any more
         self.log_info(fl_ctx, f"{site}: stored the federated codebook ({self.vocab_size} tokens) in {path}")

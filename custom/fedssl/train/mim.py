@@ -7,7 +7,8 @@ as a :class:`fedssl.core.trainer.LocalTrainer`, and the site's side of the feder
   average by local data size).  Knowledge split (FedMAE-KS): keys the server declared excluded keep this
   site's values; any other missing or unexpected key is an error.
 - :class:`KMeansPatches`: seeded samples of the site's patch vectors and its k-means answers (local
-  centroids, E-step statistics); no image or patch leaves the site.
+  centroids, E-step statistics), each a mean or sum of at least ``min_cluster_size`` patch vectors; no image
+  or patch leaves the site.
 - :func:`site_tokenizer`: Fed-BEiT's tokenizer, a local codebook / TorchScript dVAE encoder or the federated
   codebook the site stored.
 """
@@ -30,7 +31,8 @@ from fedssl.core.tokenizer import (
     kmeans_update,
     load_tokenizer,
     patch_vectors,
-    sum_squared_distance,
+    site_kmeans_stats,
+    suppress_small_clusters,
 )
 from fedssl.core.trainer import RoundStats, check_stop, detached, load_checked
 from fedssl.data.images import DATASETS, ImageDataset, ImageRecord, batches
@@ -80,6 +82,8 @@ def check_mim_args(name: str, a: Mapping[str, Any]) -> None:
             'use a path to a local tokenizer, or "" for the federated k-means codebook')
     require(a["method"] == "beit" or tok == "", name, "tokenizer_path", tok,
             'only Fed-BEiT uses a tokenizer; leave it "" for method "mae"')
+    require_int(name, "min_cluster_size", a["min_cluster_size"], 2,
+                "use an integer >= 2: a k-means statistic of one patch vector is that patch (default 5)")
     require_int(name, "seed", a["seed"], 0, "use a non-negative integer")
     device = a["device"]
     require(isinstance(device, str) and (device in ("auto", "cpu") or device.startswith("cuda")), name, "device",
@@ -231,7 +235,11 @@ class MIMLocalTrainer:
 
 class KMeansPatches:
     """The site's side of the federated k-means tokenizer (FederatedKMeans): patch vectors ``[N, 3 p^2]`` of a
-    seeded sample of the site's images (resize + centre crop, normalised), kept for the k-means rounds."""
+    seeded sample of the site's images (resize + centre crop, normalised), kept for the k-means rounds, and
+    the site's answers, in which every statistic is a mean (or sum) of at least ``min_cluster_size`` vectors:
+    a cluster with fewer members is suppressed (zero sum, zero count, see
+    :func:`fedssl.core.tokenizer.suppress_small_clusters`), because a one-member cluster's sum is a raw patch.
+    ``min_cluster_size`` (>= 2) is the larger of the site's own setting and the server's."""
 
     def __init__(self, records: Sequence[ImageRecord], *, dataset: str, image_size: int, patch_size: int,
                  site: str = "?", seed: int = 0):
@@ -252,10 +260,21 @@ class KMeansPatches:
             self._sample = (key, torch.cat(vectors).reshape(-1, 3 * p ** 2).float())
         return self._sample[1]
 
-    def local_centroids(self, k: int, n_images: int, seed: int, iters: int,
+    def _check_min_cluster_size(self, min_cluster_size: int) -> None:
+        if isinstance(min_cluster_size, bool) or not isinstance(min_cluster_size, int) or min_cluster_size < 2:
+            raise ValueError(f"{self.site}: min_cluster_size={min_cluster_size!r}; a statistic must cover at least 2 "
+                             "patch vectors (a cluster of one is a raw patch): use an integer >= 2")
+
+    def local_centroids(self, k: int, n_images: int, seed: int, iters: int, min_cluster_size: int,
                         should_stop: Callable[[], bool] | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """k-means++ start (generator ``seed + 1``) and ``iters`` Lloyd steps on the sample ->
-        (centroids [K, D], counts [K], number of vectors)."""
+        """The site's local k-means: k-means++ start (generator ``seed + 1``), then ``iters`` >= 1 Lloyd steps on
+        the sample -> (centroids [K, D], counts [K], number of vectors).  The centroids are the last Lloyd
+        step's cluster means (the k-means++ seeds, single patches, never leave); clusters of fewer than
+        ``min_cluster_size`` vectors are suppressed (zero centroid, zero count)."""
+        self._check_min_cluster_size(min_cluster_size)
+        if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+            raise ValueError(f"{self.site}: local_iters={iters!r}; use at least one local Lloyd step (with 0 the "
+                             "local centroids would be the k-means++ seeds, which are single patches)")
         x = self.vectors(n_images, seed)
         if x.shape[0] < k:
             raise ValueError(f"{self.site}: only {x.shape[0]} patch vectors for K={k} local centroids; raise the "
@@ -263,15 +282,20 @@ class KMeansPatches:
         codebook = init_codebook(x, k, generator=torch.Generator().manual_seed(seed + 1))
         for _ in range(iters):
             check_stop(should_stop)
-            codebook = kmeans_update(codebook, [kmeans_stats(x, codebook)])
-        _, counts = kmeans_stats(x, codebook)
-        return codebook, counts, int(x.shape[0])
+            sums, counts = kmeans_stats(x, codebook)
+            codebook = kmeans_update(codebook, [(sums, counts)])
+        sums, counts = suppress_small_clusters(sums, counts, min_cluster_size)
+        means = sums / counts.clamp(min=1).to(torch.float64)[:, None]  # suppressed rows: 0 / 1 = 0
+        return means.float(), counts, int(x.shape[0])
 
-    def e_step(self, codebook: torch.Tensor, n_images: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, float, int]:
-        """E-step statistics of the sample against ``codebook`` -> (sums [K, D], counts [K], cost, vectors)."""
+    def e_step(self, codebook: torch.Tensor, n_images: int, seed: int,
+               min_cluster_size: int) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+        """E-step statistics of the sample against ``codebook``, clusters of fewer than ``min_cluster_size``
+        vectors suppressed -> (sums [K, D], counts [K], cost of the reported vectors, vectors in the sample)."""
+        self._check_min_cluster_size(min_cluster_size)
         x = self.vectors(n_images, seed)
         if codebook.shape[1] != x.shape[1]:
             raise ValueError(f"{self.site}: codebook vectors have {codebook.shape[1]} values but this site's patches "
                              f"{x.shape[1]} (patch_size={self.patch_size}); use one patch_size everywhere")
-        sums, counts = kmeans_stats(x, codebook)
-        return sums, counts, sum_squared_distance(x, codebook, sums, counts), int(x.shape[0])
+        sums, counts, cost = site_kmeans_stats(x, codebook, min_cluster_size)
+        return sums, counts, cost, int(x.shape[0])

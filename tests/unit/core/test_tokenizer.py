@@ -12,8 +12,10 @@ from fedssl.core.tokenizer import (
     kmeans_update,
     lloyd_step,
     load_tokenizer,
+    patch_norm_bound,
     patch_vectors,
-    sum_squared_distance,
+    site_kmeans_stats,
+    suppress_small_clusters,
 )
 
 
@@ -159,13 +161,40 @@ def test_data_free_random_codebook_is_normalised_and_seeded():
         random_codebook(1, 2)
 
 
-def test_sum_squared_distance_matches_the_direct_cost():
+def test_site_stats_cost_matches_the_direct_cost():
     g = torch.Generator().manual_seed(0)
     x, c = torch.randn(50, 6, generator=g), torch.randn(4, 6, generator=g)
-    sums, counts = kmeans_stats(x, c)
+    sums, counts, cost = site_kmeans_stats(x, c, 1)  # 1 suppresses nothing: the plain E-step
+    ref_sums, ref_counts = kmeans_stats(x, c)
+    assert torch.equal(sums, ref_sums) and torch.equal(counts, ref_counts)
     direct = float(torch.cdist(x.double(), c.double()).min(dim=1).values.pow(2).sum())
-    assert sum_squared_distance(x, c, sums, counts) == pytest.approx(direct, rel=1e-9)
+    assert cost == pytest.approx(direct, rel=1e-9)
     # hand-computed: x = 0, 2 on a line with one centroid at 1 -> cost 1 + 1
-    one = torch.tensor([[1.0]])
-    pts = torch.tensor([[0.0], [2.0]])
-    assert sum_squared_distance(pts, one, *kmeans_stats(pts, one)) == pytest.approx(2.0)
+    assert site_kmeans_stats(torch.tensor([[0.0], [2.0]]), torch.tensor([[1.0]]), 2)[2] == pytest.approx(2.0)
+
+
+def test_clusters_below_the_minimum_leave_the_site_as_zero_sum_and_count():
+    """Centroids at 0 and 10 on a line: {0, 1, -1} go to the first (3 members), {10} alone to the second."""
+    x = torch.tensor([[0.0], [1.0], [-1.0], [10.0]])
+    codebook = torch.tensor([[0.0], [10.0]])
+    sums, counts, cost = site_kmeans_stats(x, codebook, 2)
+    assert counts.tolist() == [3, 0] and sums.flatten().tolist() == [0.0, 0.0]  # 0 + 1 - 1; the lone 10 withheld
+    assert cost == pytest.approx(2.0)  # 0 + 1 + 1: the withheld vector adds nothing
+    assert site_kmeans_stats(x, codebook, 4)[1].tolist() == [0, 0]  # nothing of 3 or fewer leaves
+    # the M-step then keeps the suppressed centroid, as for an empty cluster
+    assert kmeans_update(codebook, [(sums, counts)]).flatten().tolist() == [0.0, 10.0]
+    kept_sums, kept_counts = suppress_small_clusters(*kmeans_stats(x, codebook), 1)
+    assert kept_counts.tolist() == [3, 1] and kept_sums.flatten().tolist() == [0.0, 10.0]  # 1: a raw vector
+    for bad in (0, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="min_count"):
+            suppress_small_clusters(sums, counts, bad)
+
+
+def test_patch_vectors_and_their_means_lie_within_the_norm_bound():
+    g = torch.Generator().manual_seed(0)
+    imgs = torch.randn(2, 3, 8, 8, generator=g) * 5
+    imgs[0, :, :4, :4] = 0.3  # a flat patch: the zero vector
+    v = patch_vectors(imgs, 4).reshape(-1, 48)
+    assert patch_norm_bound(48) == pytest.approx(47 ** 0.5)
+    assert (v.norm(dim=1) < patch_norm_bound(48)).all() and v.norm(dim=1).max() > 0.99 * patch_norm_bound(48)
+    assert v.mean(dim=0).norm() < patch_norm_bound(48)

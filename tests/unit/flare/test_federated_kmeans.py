@@ -1,5 +1,8 @@
 """FederatedKMeans workflow with FLARE's broadcast faked: federated Lloyd == centralised Lloyd on the union
-of the sites' patch vectors; bad contributions are left out; the codebook is written once and sent once."""
+of the sites' patch vectors; the codebook is written once and sent once; and every contribution a site could
+forge (overflowing float64, inflated counts or sample, sums beyond the patch-vector norm, clusters below
+min_cluster_size, wrong types, shapes, iterations, names) is left out, with the site named, while the others
+finish the run: the codebook is then bit for bit the one the honest sites alone give."""
 
 import numpy as np
 import pytest
@@ -11,34 +14,69 @@ from nvflare.apis.fl_constant import ReturnCode
 from nvflare.apis.shareable import make_reply
 from nvflare.apis.signal import Signal
 
+from fedssl.core.patches import normalize_patches
 from fedssl.core.tokenizer import (PatchTokenizer, codebook_description, init_codebook, kmeans_stats, kmeans_update,
-                                   lloyd_step, load_tokenizer, random_codebook)
+                                   lloyd_step, load_tokenizer, random_codebook, site_kmeans_stats,
+                                   suppress_small_clusters)
 from fedssl.flare.constants import ITER_KEY, K_KEY, KMEANS_INIT, KMEANS_STEP, LOCAL_TOKENIZER_KEY, SET_TOKENIZER
 from fedssl.flare.federated_kmeans import FederatedKMeans, KMeansError
 from fedssl.flare.run_summary import SUMMARY_RECORD_EVENT
 from tests.unit.flare.fakes import FakeEngine, context
 
+torch.set_num_threads(1)
 K, D, P = 6, 12, 2  # 6 tokens of 2x2x3 patch vectors
+M = 3  # min_cluster_size of these runs
+#: image_size = patch_size: one patch per image, so a site's n vectors are n images (cap: images_per_site = 100)
+SHAPE = dict(image_size=P, patch_size=P, images_per_site=100)
 
 
 def site_vectors(seed, n=60):
+    """Patch vectors (per-vector normalised, as fedssl.core.tokenizer.patch_vectors) around 4 centres."""
     g = torch.Generator().manual_seed(seed)
     centres = torch.randn(4, D, generator=g) * 3
-    return centres[torch.randint(4, (n,), generator=g)] + 0.3 * torch.randn(n, D, generator=g)
+    return normalize_patches(centres[torch.randint(4, (n,), generator=g)] + 0.3 * torch.randn(n, D, generator=g))
 
 
 SITES = {"site-1": site_vectors(1), "site-2": site_vectors(2), "site-3": site_vectors(3, n=90)}
 
 
-def local_centroids(x, seed=0):
+class Engine(FakeEngine):
+    """The run's clients as FLARE's server engine lists them (Client objects)."""
+
+    def __init__(self, root, names):
+        super().__init__(root)
+        self.names = names
+
+    def get_clients(self):
+        return [Client(name, None) for name in self.names]
+
+
+def local_means(x, m=M, seed=0):
+    """What a site sends in kmeans_init (KMeansPatches.local_centroids, one Lloyd step): cluster means, < m withheld."""
     c = init_codebook(x, K, generator=torch.Generator().manual_seed(seed))
-    c = lloyd_step(x, c)
-    return c, kmeans_stats(x, c)[1]
+    sums, counts = suppress_small_clusters(*kmeans_stats(x, c), m)
+    return (sums / counts.clamp(min=1)[:, None]).float(), counts
 
 
-def controller(tmp_path, sites=SITES, break_site=None, local_sites=(), **kw):
-    """A FederatedKMeans whose broadcast runs the sites' k-means maths in-process (as MIMExecutor does)."""
-    args = dict(vocab_size=K, n_iters=3, images_per_site=10, local_iters=1, min_clients=2, seed=5)
+def honest_reply(task_name, dxo, x):
+    if task_name == KMEANS_INIT and dxo.get_meta_prop("init") == "random":
+        return DXO(DataKind.COLLECTION, data={}, meta={"patch_size": P})
+    if task_name == KMEANS_INIT:
+        c, n = local_means(x, dxo.get_meta_prop("min_cluster_size"))
+        return DXO(DataKind.COLLECTION, data={"centroids": c.numpy(), "counts": n.numpy()},
+                   meta={"patch_size": P, "n_vectors": x.shape[0]})
+    if task_name == KMEANS_STEP:
+        m = dxo.get_meta_prop("min_cluster_size")
+        sums, counts, sse = site_kmeans_stats(x, torch.as_tensor(dxo.data["codebook"]), m)
+        return DXO(DataKind.COLLECTION, data={"sums": sums.float().numpy(), "counts": counts.numpy()},
+                   meta={ITER_KEY: dxo.get_meta_prop(ITER_KEY), "sse": sse, "n_vectors": x.shape[0]})
+    return DXO(DataKind.METRICS, data={"stored": 1})
+
+
+def controller(tmp_path, sites=SITES, tamper=None, local_sites=(), intruder=None, **kw):
+    """A FederatedKMeans whose broadcast runs the sites' k-means maths in-process (as MIMExecutor does).
+    ``tamper(site, task_name, dxo)`` may replace a site's reply (a DXO or a Shareable) or return None."""
+    args = dict(vocab_size=K, n_iters=3, local_iters=1, min_clients=2, seed=5, min_cluster_size=M, **SHAPE)
     args.update(kw)
     ctrl = FederatedKMeans(**args)
     sent, events = [], []
@@ -47,28 +85,16 @@ def controller(tmp_path, sites=SITES, break_site=None, local_sites=(), **kw):
         sent.append(task)
         dxo = from_shareable(task.data)
         assert dxo.get_meta_prop(K_KEY) == ctrl.vocab_size
-        for site, x in sites.items():
+        answering = {**sites, **({intruder: next(iter(sites.values()))} if intruder else {})}
+        for site, x in answering.items():
             ct = ClientTask(Client(site, None), task)
             if task.name == KMEANS_INIT and site in local_sites:
                 result = DXO(DataKind.COLLECTION, data={}, meta={LOCAL_TOKENIZER_KEY: "local: /tok.pt"})
-            elif task.name == KMEANS_INIT and dxo.get_meta_prop("init") == "random":
-                result = DXO(DataKind.COLLECTION, data={}, meta={"patch_size": P})
-            elif task.name == KMEANS_INIT:
-                c, n = local_centroids(x)
-                result = DXO(DataKind.COLLECTION, data={"centroids": c.numpy(), "counts": n.numpy()},
-                             meta={"patch_size": P})
-            elif task.name == KMEANS_STEP:
-                sums, counts = kmeans_stats(x, torch.as_tensor(dxo.data["codebook"]))
-                result = DXO(DataKind.COLLECTION, data={"sums": sums.numpy(), "counts": counts.numpy()},
-                             meta={ITER_KEY: dxo.get_meta_prop(ITER_KEY), "sse": 1.0})
             else:
-                result = DXO(DataKind.METRICS, data={"stored": 1})
-            ct.result = result.to_shareable()
-            if site == break_site and task.name == KMEANS_STEP:
-                ct.result = DXO(DataKind.COLLECTION, data={"sums": np.full((K, D), np.nan), "counts": np.ones(K)},
-                                meta={ITER_KEY: dxo.get_meta_prop(ITER_KEY)}).to_shareable()
-            if site == break_site and task.name == KMEANS_INIT:
-                ct.result = make_reply(ReturnCode.EXECUTION_EXCEPTION)
+                result = honest_reply(task.name, dxo, x)
+            forged = tamper(site, task.name, result) if tamper else None
+            result = result if forged is None else forged
+            ct.result = result.to_shareable() if isinstance(result, DXO) else result
             task.client_tasks.append(ct)
 
     ctrl.broadcast_and_wait = fake_broadcast
@@ -76,18 +102,23 @@ def controller(tmp_path, sites=SITES, break_site=None, local_sites=(), **kw):
     return ctrl, sent, events
 
 
-def run(ctrl, tmp_path):
-    ctx = context(engine=FakeEngine(tmp_path), site="server")
+def run(ctrl, tmp_path, clients=tuple(SITES)):
+    ctx = context(engine=Engine(tmp_path, list(clients)), site="server")
     ctrl.start_controller(ctx)
     ctrl.control_flow(Signal(), ctx)
     return ctx
 
 
+def codebook(tmp_path):
+    return load_tokenizer(str(tmp_path / "tokenizer_codebook.pt")).codebook
+
+
 def test_federated_lloyd_equals_centralised_lloyd_on_the_union(tmp_path):
     ctrl, sent, events = controller(tmp_path)
     run(ctrl, tmp_path)
-    # expected: k-means++ over the pooled local centroids, then n_iters Lloyd steps on all vectors together
-    pooled = torch.cat([local_centroids(x)[0][local_centroids(x)[1] > 0] for x in SITES.values()])
+    assert all(h["withheld_vectors"] == 0 for h in ctrl.history)  # no cluster below M here: plain Lloyd
+    # expected: k-means++ over the pooled local means, then n_iters Lloyd steps on all vectors together
+    pooled = torch.cat([c[n > 0] for c, n in (local_means(x) for x in SITES.values())])
     expected = init_codebook(pooled, K, generator=torch.Generator().manual_seed(5))
     union = torch.cat(list(SITES.values()))
     for _ in range(3):
@@ -97,7 +128,8 @@ def test_federated_lloyd_equals_centralised_lloyd_on_the_union(tmp_path):
     torch.testing.assert_close(tok.codebook, expected.float(), rtol=1e-5, atol=1e-5)
     # the exchanges: one init, n_iters steps, the codebook sent once; never an image, only codebooks go down
     assert [t.name for t in sent] == [KMEANS_INIT, KMEANS_STEP, KMEANS_STEP, KMEANS_STEP, SET_TOKENIZER]
-    assert from_shareable(sent[0].data).data == {}
+    first = from_shareable(sent[0].data)
+    assert first.data == {} and first.get_meta_prop("min_cluster_size") == M
     final = from_shareable(sent[-1].data)
     np.testing.assert_allclose(final.data["codebook"], expected.numpy(), rtol=1e-5, atol=1e-5)
     assert final.get_meta_prop("patch_size") == P
@@ -105,10 +137,22 @@ def test_federated_lloyd_equals_centralised_lloyd_on_the_union(tmp_path):
     (event, record), = events
     assert event == SUMMARY_RECORD_EVENT and record["tokenizer"] == f"federated k-means K={K}, iters=3"
     details = record["tokenizer_details"]
-    assert details["sites"] == sorted(SITES) and len(details["iterations"]) == 3
+    assert details["sites"] == sorted(SITES) and len(details["iterations"]) == 3 and details["min_cluster_size"] == M
     assert codebook_description(str(tmp_path / "tokenizer_codebook.pt")) == record["tokenizer"]
     # Lloyd never increases the cost: the centroid shift shrinks to ~0 on this well-separated data
     assert details["iterations"][-1]["mean_centroid_shift"] <= details["iterations"][0]["mean_centroid_shift"] + 1e-9
+
+
+def test_small_clusters_are_withheld_and_counted(tmp_path):
+    """With m = 12 some of the sites' clusters (about 10-20 vectors each) stay home: the server logs how many
+    vectors were withheld, and every statistic it received covers >= 12 vectors."""
+    seen = []
+    ctrl, _, _ = controller(tmp_path, min_cluster_size=12, init="random",
+                            tamper=lambda site, name, dxo: seen.append(dxo.data.get("counts")))
+    run(ctrl, tmp_path)
+    counts = np.concatenate([c for c in seen if c is not None])
+    assert counts.size == 3 * 3 * K and counts.max() >= 12 and set(np.unique(counts[counts < 12])) == {0}
+    assert all(h["withheld_vectors"] > 0 for h in ctrl.history)
 
 
 def test_random_init_is_data_free_and_still_centralised_lloyd(tmp_path):
@@ -118,29 +162,23 @@ def test_random_init_is_data_free_and_still_centralised_lloyd(tmp_path):
     union = torch.cat(list(SITES.values()))
     for _ in range(3):
         expected = lloyd_step(union, expected)
-    torch.testing.assert_close(load_tokenizer(str(tmp_path / "tokenizer_codebook.pt")).codebook, expected.float(),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(codebook(tmp_path), expected.float(), rtol=1e-5, atol=1e-5)
     assert from_shareable(sent[0].data).get_meta_prop("init") == "random"
 
 
-def test_a_bad_site_is_left_out_and_the_others_go_on(tmp_path, caplog):
-    ctrl, _, _ = controller(tmp_path, break_site="site-2")
-    run(ctrl, tmp_path)
-    assert all(h["sites"] == 2 for h in ctrl.history)
-    assert "REJECTED k-means contribution: site-2 sent 'sums'" in caplog.text
-    assert "site-2 returned EXECUTION_EXCEPTION for kmeans_init" in caplog.text
-
-
 def test_too_few_sites_stops_the_job_with_a_clear_error(tmp_path):
-    ctrl, _, _ = controller(tmp_path, break_site="site-2", min_clients=3)
+    def failed(site, name, dxo):
+        return make_reply(ReturnCode.EXECUTION_EXCEPTION) if site == "site-2" else None
+
+    ctrl, _, _ = controller(tmp_path, tamper=failed, min_clients=3)
     with pytest.raises(KMeansError, match=r"kmeans_init: only 2 of the required 3 sites"):
         run(ctrl, tmp_path)
 
 
 def test_more_tokens_than_pooled_centroids_is_an_error(tmp_path):
-    ctrl, _, _ = controller(tmp_path, sites={"site-1": SITES["site-1"]}, min_clients=1, vocab_size=K)
-    ctrl.vocab_size = 7  # the site answers with 6 centroids (K of its own computation above)
-    with pytest.raises(KMeansError, match="fewer than vocab_size K=7"):
+    """One site of 60 vectors in 6 local clusters: fewer than 6 of them hold >= 15 vectors."""
+    ctrl, _, _ = controller(tmp_path, sites={"site-1": SITES["site-1"]}, min_clients=1, min_cluster_size=15)
+    with pytest.raises(KMeansError, match=r"gave [0-5] centroids of >= 15 vectors in all, fewer than vocab_size K=6"):
         run(ctrl, tmp_path)
 
 
@@ -167,9 +205,14 @@ def test_a_mix_of_local_and_federated_tokenizers_is_an_error(tmp_path):
     ({"min_clients": "5"}, "min_clients='5'"),
     ({"codebook_file": "../x.pt"}, "codebook_file='../x.pt'"),
     ({"init": "zeros"}, "init='zeros'"),
+    ({"local_iters": 0}, "local_iters=0 is invalid; use at least one local Lloyd step"),
+    ({"min_cluster_size": 1}, "min_cluster_size=1 is invalid; use an integer >= 2"),
+    ({"min_cluster_size": 2.5}, "min_cluster_size=2.5"),
+    ({"image_size": 30, "patch_size": 4}, "image_size=30"),
+    ({"patch_size": 0}, "patch_size=0"),
 ])
 def test_bad_args_name_the_argument(kw, needle):
-    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(ValueError, match="FederatedKMeans: argument " + needle.replace("(", r"\(").replace(".", r"\.")):
         FederatedKMeans(**kw)
 
 
@@ -178,3 +221,145 @@ def test_update_math_is_the_core_m_step():
     c = torch.randn(K, D)
     per_site = kmeans_update(c, [kmeans_stats(x, c) for x in SITES.values()])
     torch.testing.assert_close(per_site, lloyd_step(torch.cat(list(SITES.values())), c))
+
+
+# ---------------------------------------------------------------------------------------------- a malicious site
+def _vector_key(data):
+    return "centroids" if "centroids" in data else "sums"
+
+
+def _edit(fn, tasks=(KMEANS_INIT, KMEANS_STEP)):
+    """A forgery of site-2's k-means statistics in ``tasks``: ``fn(data, meta)`` edits copies in place."""
+    def tamper(site, name, dxo):
+        if site != "site-2" or name not in tasks:
+            return None
+        data = {k: np.array(v, copy=True) for k, v in dxo.data.items()}
+        meta = dict(dxo.meta)
+        fn(data, meta)
+        return DXO(DataKind.COLLECTION, data=data, meta=meta)
+    return tamper
+
+
+def _overflow(data, meta):
+    key = _vector_key(data)
+    data[key] = data[key].astype(np.float64)
+    data[key][int(np.argmax(data["counts"])), 0] = 1e300  # finite in float64, inf in the codebook's float32
+
+
+def _inflate_counts(data, meta):  # consistent sums, but more vectors than the site has
+    data["counts"] = data["counts"] * 10 ** 6
+    if "sums" in data:
+        data["sums"] = data["sums"] * 10 ** 6
+
+
+def _inflate_sample(data, meta):  # declares a sample far beyond images_per_site to take the average
+    _inflate_counts(data, meta)
+    meta["n_vectors"] = meta["n_vectors"] * 10 ** 6
+
+
+def _beyond_norm(data, meta):
+    key = _vector_key(data)
+    data[key] = data[key] * 1e3
+
+
+def _singleton(data, meta):  # a cluster of one: a raw patch vector
+    data["counts"][int(np.argmin(data["counts"]))] = 1
+
+
+def _set(where, key, value):
+    def fn(data, meta):
+        (data if where == "data" else meta)[key] = value(data, meta) if callable(value) else value
+    return fn
+
+
+def _complex(data, meta):
+    key = _vector_key(data)
+    data[key] = data[key] * 1j
+
+
+ATTACKS = {
+    "float64 1e300": (_overflow, "non-finite values"),
+    "counts x 1e6": (_inflate_counts, "add up to"),
+    "n_vectors x 1e6": (_inflate_sample, "n_vectors in kmeans_init=60000000; it must lie in [1, 100]"),
+    "sums beyond the norm bound": (_beyond_norm, "patch vectors have norm < sqrt(D - 1)"),
+    "a cluster of 1": (_singleton, "a cluster of 1 patch vectors in kmeans_init, fewer than min_cluster_size=3"),
+    "float counts": (_set("data", "counts", lambda d, m: d["counts"] + 0.5), "expected integers"),
+    "bool counts": (_set("data", "counts", lambda d, m: d["counts"] > 0), "expected integers"),
+    "complex vectors": (_complex, "expected real numbers"),
+    "no counts": (_set("data", "counts", None), "expected integers"),
+    "wrong shape": (_set("data", "counts", lambda d, m: d["counts"][:-1]), "shape (5,), expected (6,)"),
+    "string n_vectors": (_set("meta", "n_vectors", "60"), "n_vectors in kmeans_init='60'; a real number"),
+    "fractional n_vectors": (_set("meta", "n_vectors", 60.5), "a whole number is required"),
+}
+INIT_ONLY = {  # meta that only kmeans_init replies carry
+    "array patch_size": (_set("meta", "patch_size", np.arange(3)), "reports patch_size=array"),
+    "array local_tokenizer": (_set("meta", LOCAL_TOKENIZER_KEY, np.arange(3)), "a description string is required"),
+}
+
+
+def _reference(tmp_path, tamper):
+    """The same run with site-2 absent from exactly the exchanges ``tamper`` forges (a failed site)."""
+    def absent(site, name, dxo):
+        return make_reply(ReturnCode.EXECUTION_EXCEPTION) if tamper(site, name, dxo) is not None else None
+    ctrl, _, _ = controller(tmp_path, tamper=absent)
+    run(ctrl, tmp_path)
+    return codebook(tmp_path), ctrl.history
+
+
+@pytest.mark.parametrize("attack", list(ATTACKS) + list(INIT_ONLY))
+def test_a_forged_contribution_is_refused_naming_the_site_and_the_honest_sites_finish(attack, tmp_path, caplog):
+    fn, needle = ATTACKS.get(attack) or INIT_ONLY[attack]
+    tamper = _edit(fn) if attack in ATTACKS else _edit(fn, tasks=(KMEANS_INIT,))
+    ctrl, _, _ = controller(tmp_path / "attacked", tamper=tamper)
+    run(ctrl, tmp_path / "attacked")
+    rejected = [r.getMessage() for r in caplog.records if "REJECTED k-means contribution: site-2" in r.getMessage()]
+    assert rejected and needle in rejected[0], (needle, rejected)
+    assert not any("REJECTED" in r.getMessage() and "site-2" not in r.getMessage() for r in caplog.records)
+    attacked = codebook(tmp_path / "attacked")
+    expected, history = _reference(tmp_path / "honest", tamper)
+    assert torch.isfinite(attacked).all() and torch.equal(attacked, expected)  # bit for bit the honest sites' result
+    assert [h["sites"] for h in ctrl.history] == [h["sites"] for h in history]
+
+
+@pytest.mark.parametrize("meta, needle", [
+    ({ITER_KEY: 7}, "site-2 answered k-means iteration 7 during 0"),
+    ({ITER_KEY: "0"}, "site-2 answered k-means iteration '0' during 0"),
+    ({"sse": "low"}, "site-2 sent sse in kmeans_step 0='low'; a real number is required"),
+    ({"sse": 1e30}, "a finite number of magnitude <="),
+    ({"sse": -1.0}, "site-2 sent sse=-1.0 in kmeans_step 0; a cost is >= 0"),
+    ({"n_vectors": 59}, "site-2 sent n_vectors=59 in kmeans_step 0 after declaring 60"),
+])
+def test_a_forged_step_meta_value_is_refused(meta, needle, tmp_path, caplog):
+    def tamper(site, name, dxo):
+        if site == "site-2" and name == KMEANS_STEP:
+            return DXO(DataKind.COLLECTION, data=dxo.data, meta={**dxo.meta, **meta})
+        return None
+    ctrl, _, _ = controller(tmp_path / "attacked", tamper=tamper)
+    run(ctrl, tmp_path / "attacked")
+    assert needle in caplog.text
+    expected, _ = _reference(tmp_path / "honest", tamper)
+    assert torch.equal(codebook(tmp_path / "attacked"), expected)
+    assert [h["sites"] for h in ctrl.history] == [2, 2, 2]
+
+
+@pytest.mark.parametrize("reply, needle", [
+    (lambda: DXO(DataKind.APP_DEFINED, data=[1, 2]), "site-2 sent kmeans_step data of type list, not a dict"),
+    (lambda: make_reply(np.arange(2)), "site-2 returned array([0, 1]) for kmeans_step; left out"),
+])
+def test_a_malformed_reply_is_left_out_without_ending_the_run(reply, needle, tmp_path, caplog):
+    def tamper(site, name, dxo):
+        return reply() if site == "site-2" and name == KMEANS_STEP else None
+
+    ctrl, _, _ = controller(tmp_path, tamper=tamper)
+    run(ctrl, tmp_path)
+    assert needle in caplog.text and [h["sites"] for h in ctrl.history] == [2, 2, 2]
+
+
+def test_a_contribution_from_a_name_that_is_not_a_client_of_the_run_is_refused(tmp_path, caplog):
+    ctrl, _, _ = controller(tmp_path / "a", intruder="site-9")
+    run(ctrl, tmp_path / "a")
+    assert "REJECTED k-means contribution: 'site-9' is not a client of this run" in caplog.text
+    assert all(h["sites"] == 3 for h in ctrl.history)
+    honest, _, _ = controller(tmp_path / "b")
+    run(honest, tmp_path / "b")
+    assert torch.equal(codebook(tmp_path / "a"), codebook(tmp_path / "b"))

@@ -72,6 +72,7 @@ def metrics(run_dir):
     ({"tokenizer_path": "/t.pt"}, "tokenizer_path='/t.pt'"),  # MAE has no tokenizer
     ({"device": "tpu"}, "device='tpu'"),
     ({"vocab_size": 1}, "vocab_size=1"),
+    ({"min_cluster_size": 1}, "min_cluster_size=1"),
 ])
 def test_bad_args_name_the_argument(kw, needle):
     with pytest.raises(ValueError, match="MIMExecutor: argument " + needle.replace("(", r"\(").replace(".", r"\.")):
@@ -167,7 +168,7 @@ def test_beit_with_a_local_tokenizer_reports_it(data, tmp_path):
 
 
 def kmeans_task(meta, data=None):
-    base = {"vocab_size": VOCAB, "images_per_site": 6, "local_iters": 1, "seed": 0}
+    base = {"vocab_size": VOCAB, "images_per_site": 6, "local_iters": 1, "seed": 0, "min_cluster_size": 2}
     return DXO(DataKind.COLLECTION, data=data or {}, meta={**base, **meta}).to_shareable()
 
 
@@ -181,14 +182,20 @@ def test_beit_federated_tokenizer_tasks_then_training(data, tmp_path, caplog):
     ex = MIMExecutor(method="beit", data_root=data, mask_ratio=0.4, **ARGS)
     init = from_shareable(run(ex, tmp_path, kmeans_task({}), KMEANS_INIT))
     c, n = init.data["centroids"], init.data["counts"]
-    assert c.shape == (VOCAB, 48) and n.sum() == 6 * 64  # 6 images x 8x8 patches, only centroids go up
+    assert c.shape == (VOCAB, 48) and n.sum() <= 6 * 64  # 6 images x 8x8 patches, only cluster means go up
+    assert init.get_meta_prop("n_vectors") == 6 * 64 and set(np.unique(n)) & {1} == set()  # site's m = 5 > 2
+    assert init.get_meta_prop("min_cluster_size") == 5 and n[n > 0].min() >= 5
     assert init.get_meta_prop("patch_size") == 4
     random_start = from_shareable(run(ex, tmp_path, kmeans_task({"init": "random"}), KMEANS_INIT))
     assert random_start.data == {} and random_start.get_meta_prop("patch_size") == 4  # data-free: nothing but p
     step = from_shareable(run(ex, tmp_path, kmeans_task({"kmeans_iter": 0}, {"codebook": c}), KMEANS_STEP))
-    assert step.data["sums"].shape == (VOCAB, 48) and step.data["counts"].sum() == 6 * 64
+    assert step.data["sums"].shape == (VOCAB, 48) and 0 < step.data["counts"].sum() <= 6 * 64
     assert step.get_meta_prop("kmeans_iter") == 0 and step.get_meta_prop("sse") >= 0
     desc = "federated k-means K=16, iters=1"
+    inf = np.where(np.arange(c.size).reshape(c.shape) == 0, np.inf, c)  # never stored, never tokenised with
+    reply = run(ex, tmp_path, kmeans_task({"patch_size": 4, "tokenizer": desc}, {"codebook": inf}), SET_TOKENIZER)
+    assert reply.get_return_code() == ReturnCode.EXECUTION_EXCEPTION and "codebook with NaN/Inf" in caplog.text
+    assert not os.path.exists(tmp_path / "tokenizer_codebook.pt")
     reply = run(ex, tmp_path, kmeans_task({"patch_size": 4, "tokenizer": desc}, {"codebook": c}), SET_TOKENIZER)
     assert reply.get_return_code() in (None, ReturnCode.OK)
     tok = load_tokenizer(str(tmp_path / "tokenizer_codebook.pt"))
@@ -210,6 +217,12 @@ def test_kmeans_tasks_are_refused_by_mismatched_sites(data, tmp_path, caplog):
     beit400 = MIMExecutor(method="beit", data_root=data, **{**ARGS, "vocab_size": 400})
     assert run(beit400, tmp_path, too_many, KMEANS_INIT).get_return_code() == ReturnCode.EXECUTION_EXCEPTION
     assert "only 128 patch vectors for K=400" in caplog.text
+    # a server asking for statistics of single patches, or for no local Lloyd step (the seeds), is refused
+    for meta, needle in [({"min_cluster_size": 1}, "min_cluster_size=1; this site sends only means of >= 2"),
+                         ({"local_iters": 0}, "local_iters=0; use at least one local Lloyd step")]:
+        ok = MIMExecutor(method="beit", data_root=data, **ARGS)
+        assert run(ok, tmp_path, kmeans_task(meta), KMEANS_INIT).get_return_code() == ReturnCode.EXECUTION_EXCEPTION
+        assert needle in caplog.text
 
 
 def test_an_abort_during_the_round_stops_within_one_step(data, tmp_path):

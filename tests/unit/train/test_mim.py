@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedssl.core.tokenizer import PatchTokenizer, kmeans_stats
+from fedssl.core.tokenizer import PatchTokenizer, init_codebook, kmeans_stats, kmeans_update
 from fedssl.core.trainer import StopRequested
 from fedssl.data.image_synthetic import write_synthetic_images
 from fedssl.data.images import load_image_records
@@ -126,14 +126,43 @@ def test_kmeans_patches_sample_centroids_and_e_step(records):
     x = p.vectors(6, 0)
     assert x.shape == (6 * 64, 48) and p.vectors(6, 0) is x  # cached per (images, seed)
     assert not torch.equal(p.vectors(6, 1), x)
-    codebook, counts, n = p.local_centroids(VOCAB, 6, 0, iters=1)
-    assert codebook.shape == (VOCAB, 48) and int(counts.sum()) == n == 6 * 64
-    sums, counts, sse, n = p.e_step(codebook, 6, 0)
-    direct = float(torch.cdist(x.double(), codebook.double()).min(dim=1).values.pow(2).sum())
-    assert sse == pytest.approx(direct, rel=1e-6) and torch.equal(counts, kmeans_stats(x, codebook)[1])
+    centroids, counts, n = p.local_centroids(VOCAB, 6, 0, iters=1, min_cluster_size=2)
+    assert centroids.shape == (VOCAB, 48) and n == 6 * 64 and int(counts.sum()) <= n
+    sums, counts, sse, n = p.e_step(centroids, 6, 0, min_cluster_size=2)
+    ref_sums, ref_counts = kmeans_stats(x, centroids)
+    kept = ref_counts >= 2
+    assert torch.equal(counts, torch.where(kept, ref_counts, 0)) and torch.equal(sums[kept], ref_sums[kept])
+    d2 = torch.cdist(x.double(), centroids.double()).pow(2)
+    direct = float(d2.min(dim=1).values[kept[d2.argmin(dim=1)]].sum())  # cost of the vectors still reported
+    assert sse == pytest.approx(direct, rel=1e-6)
     with pytest.raises(StopRequested):
-        p.local_centroids(VOCAB, 6, 0, iters=3, should_stop=stop_after(1))
+        p.local_centroids(VOCAB, 6, 0, iters=3, min_cluster_size=2, should_stop=stop_after(1))
     with pytest.raises(ValueError, match="only 128 patch vectors for K=400"):
-        p.local_centroids(400, 2, 0, iters=1)
+        p.local_centroids(400, 2, 0, iters=1, min_cluster_size=2)
     with pytest.raises(ValueError, match="codebook vectors have 12 values"):
-        p.e_step(torch.zeros(VOCAB, 12), 6, 0)
+        p.e_step(torch.zeros(VOCAB, 12), 6, 0, min_cluster_size=2)
+
+
+def test_kmeans_answers_are_means_of_at_least_m_vectors_never_seeds(records):
+    """The local centroids are the last Lloyd step's cluster means, clusters of < m vectors withheld; the
+    k-means++ seeds (single patches) never leave; m < 2 and local_iters < 1 are refused."""
+    p = KMeansPatches(records, dataset="retina", image_size=32, patch_size=4, site="site-1")
+    x = p.vectors(6, 0)
+    seeds = init_codebook(x, VOCAB, generator=torch.Generator().manual_seed(1))
+    after_one = kmeans_update(seeds, [kmeans_stats(x, seeds)])
+    sums, full_counts = kmeans_stats(x, seeds)  # the assignment the one Lloyd step averaged
+    for m in (2, 40):
+        centroids, counts, _ = p.local_centroids(VOCAB, 6, 0, iters=1, min_cluster_size=m)
+        kept = full_counts >= m
+        assert 0 < int(kept.sum()) < VOCAB  # this sample has clusters on both sides of m = 40
+        assert torch.equal(counts, torch.where(kept, full_counts, 0))
+        torch.testing.assert_close(centroids[kept], after_one[kept].float())
+        assert (centroids[~kept] == 0).all()
+        assert not any(torch.equal(c, s) for c in centroids for s in seeds if s.abs().max() > 0)
+    for bad in (1, 0, 2.0):
+        with pytest.raises(ValueError, match=f"min_cluster_size={bad!r}"):
+            p.local_centroids(VOCAB, 6, 0, iters=1, min_cluster_size=bad)
+        with pytest.raises(ValueError, match=f"min_cluster_size={bad!r}"):
+            p.e_step(seeds, 6, 0, min_cluster_size=bad)
+    with pytest.raises(ValueError, match="local_iters=0; use at least one local Lloyd step"):
+        p.local_centroids(VOCAB, 6, 0, iters=0, min_cluster_size=2)

@@ -2,15 +2,17 @@
 
 Everything a hospital deployment does, with mTLS and separate server / client processes, but all on
 127.0.0.1 and a free port: ``nvflare provision`` makes the startup kits from ``provisioning/project.yml``
-(with the requested number of sites), each site gets its local configuration (class allow-list, data
-root, privacy scopes), the server and the sites are started as the kits' ``sub_start.sh`` starts them,
-an admin drives the jobs through the FLARE API, and everything is stopped on exit, on error and on
-Ctrl-C (each participant runs in its own process group, killed as a group).
+(with the requested number of sites), each site gets its local configuration (class allow-list, no-BYOC
+authorisation policy, data root, privacy scopes) and the server the same policy, the server and the sites
+are started as the kits' ``sub_start.sh`` starts them, an admin drives the jobs through the FLARE API, and
+everything is stopped on exit, on error and on Ctrl-C (each participant runs in its own process group,
+killed as a group).  A job a participant refuses to build is reported by the class it refused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
@@ -26,10 +28,13 @@ import yaml
 from fedssl.data.site_config import SITE_CONFIG_FILE
 from fedssl.ops.jobs import REPO_ROOT, build_job
 from fedssl.ops.policy import write_site_local
+from fedssl.ops.simulate import FailureLog
 
 PROJECT_YML = os.path.join(REPO_ROOT, "provisioning", "project.yml")
 PRIVACY_JSON = os.path.join(REPO_ROOT, "app_config", "privacy.json")
 ADMIN = "admin@fedssl.org"
+#: the server participant's name on loopback (its kit's folder and its certificate's name)
+SERVER = "localhost"
 
 
 class DeploymentError(RuntimeError):
@@ -49,7 +54,7 @@ def write_project(out_path: str, n_sites: int, port: int, base: str = PROJECT_YM
     others = [p for p in project["participants"] if p["type"] != "client"]
     for p in others:
         if p["type"] == "server":
-            p["name"], p["fed_learn_port"] = "localhost", port
+            p["name"], p["fed_learn_port"] = SERVER, port
     sites = [{"name": f"site-{i}", "type": "client", "org": f"hospital_{i}"} for i in range(1, n_sites + 1)]
     project["participants"] = others[:1] + sites + others[1:]
     with open(out_path, "w") as f:
@@ -58,7 +63,8 @@ def write_project(out_path: str, n_sites: int, port: int, base: str = PROJECT_YM
 
 
 def configure_site(kit: str, site: str, data_root: str) -> None:
-    """What a site admin does once: allow the bundle's classes, point to the data, set privacy scopes."""
+    """What a site admin does once: allow exactly the bundle's classes and no BYOC (``local/resources.json``
+    and ``local/authorization.json``, see fedssl.ops.policy), point to the data, set privacy scopes."""
     local = os.path.join(kit, "local")
     write_site_local(local)
     with open(os.path.join(local, SITE_CONFIG_FILE), "w") as f:
@@ -78,6 +84,12 @@ def isolate_server_storage(resources_json: str, root: str) -> None:
             comp["args"]["uri_root"] = os.path.join(root, "jobs-storage")
     with open(resources_json, "w") as f:
         json.dump(resources, f, indent=2)
+
+
+def configure_server(kit: str, storage_root: str) -> None:
+    """The server's policy is the sites' (exact-class allow-list, BYOC off for every role: the server checks
+    BYOC when a job is submitted, each site again when it is deployed), and its stores live in ``storage_root``."""
+    isolate_server_storage(write_site_local(os.path.join(kit, "local")), storage_root)
 
 
 @dataclass
@@ -142,8 +154,7 @@ class LoopbackDeployment:
             self.orgs[p["name"]] = p["org"]
         for i in range(1, self.n_sites + 1):
             configure_site(self.kits[f"site-{i}"], f"site-{i}", self.data_root)
-        server_resources = write_site_local(os.path.join(self.kits["localhost"], "local"))
-        isolate_server_storage(server_resources, os.path.join(self.workspace, "server_storage"))
+        configure_server(self.kits[SERVER], os.path.join(self.workspace, "server_storage"))
 
     def _launch(self, name: str, module: str, extra: list[str]) -> None:
         kit = self.kits[name]
@@ -158,7 +169,7 @@ class LoopbackDeployment:
 
     def start(self) -> None:
         """Start the server, then each site, exactly as the kits' sub_start.sh do (without their restart loop)."""
-        self._launch("localhost", "nvflare.private.fed.app.server.server_train", ["fed_server.json"])
+        self._launch(SERVER, "nvflare.private.fed.app.server.server_train", ["fed_server.json"])
         for i in range(1, self.n_sites + 1):
             self._launch(f"site-{i}", "nvflare.private.fed.app.client.client_train", ["fed_client.json", f"uid=site-{i}"])
 
@@ -192,15 +203,42 @@ class LoopbackDeployment:
             raise DeploymentError(f"processes exited early: {dead}; see console.log in their kits")
 
     def run_job(self, job_dir: str, timeout_s: float = 600.0, download_to: str | None = None, echo: bool = False) -> dict:
-        """Submit, monitor, download through the FLARE API: {"job_id", "status", "result_dir", "job_s"}."""
+        """Submit, monitor, download through the FLARE API: {"job_id", "status", "result_dir", "job_s"}, and for
+        a job that did not complete "refused": the components a participant refused to build (see refusals)."""
         from fedssl.ops.admin import run_job_in_session
 
         sess = self.session()
         try:
-            return run_job_in_session(sess, job_dir, timeout_s=timeout_s, echo=echo,
-                                      download_to=download_to or os.path.join(self.workspace, "results"))
+            r = run_job_in_session(sess, job_dir, timeout_s=timeout_s, echo=echo,
+                                   download_to=download_to or os.path.join(self.workspace, "results"))
         finally:
             sess.close()
+        if r["status"] != "FINISHED:COMPLETED":
+            r["refused"] = self.refusals(r["job_id"], r["result_dir"])
+        return r
+
+    def refusals(self, job_id: str, result_dir: str | None = None) -> list[str]:
+        """"site refused the job: class X is not allowed (at site-1)", one line per refusal, from the job's logs:
+        each site's ``<kit>/<job_id>/``, the server's, which FLARE removes from its kit when the job ends and
+        hands over in the downloaded result (``<result_dir>/workspace/``), and the lines of each participant's
+        own ``log.txt`` that name the job (a BYOC job is refused there, before any job log exists)."""
+        log = FailureLog()
+        sources = [(name, os.path.join(kit, job_id)) for name, kit in self.kits.items()]
+        sources += [(SERVER, os.path.join(result_dir, "workspace"))] if result_dir else []
+        for name, folder in sources:
+            for path in sorted(glob.glob(os.path.join(folder, "*log*.txt"))):
+                self._read_log(log, path, name)
+        for name, kit in self.kits.items():
+            self._read_log(log, os.path.join(kit, "log.txt"), name, only=job_id)
+        return log.refusals()
+
+    @staticmethod
+    def _read_log(log: FailureLog, path: str, site: str, only: str | None = None) -> None:
+        if os.path.isfile(path):
+            with open(path, errors="replace") as f:
+                for line in f:
+                    if only is None or only in line:
+                        log.read(line, site=site)
 
     def _processes_of(self, name: str | None = None) -> list:
         """The participant's process, its descendants, and any process started from its kit folder
@@ -285,7 +323,8 @@ def deploy_and_run(workspace: str, jobs: list[str], *, n_sites: int, data_root: 
             r = d.run_job(job, timeout_s=timeout_s)
             say(f"{os.path.basename(job)}: job {r['job_id']} {r['status']} in {r['job_s']} s; result in {r['result_dir']}")
             if r["status"] != "FINISHED:COMPLETED":
-                raise RuntimeError(f"job {r['job_id']} ended {r['status']}; see {r['result_dir']}")
+                cause = "".join(f"; {line}" for line in r.get("refused", []))
+                raise RuntimeError(f"job {r['job_id']} ended {r['status']}{cause}; see {r['result_dir']}")
         if hold:
             say("holding the system up; Ctrl-C stops everything")
             while True:

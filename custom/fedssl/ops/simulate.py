@@ -2,7 +2,9 @@
 
 ``nvflare simulator`` can exit 0 when clients failed to build their components, so success here means:
 the server wrote its summary and the global model, every round aggregated at least one site, and no
-client logged a task failure.
+client logged a task failure.  Before it starts, the job is checked against the allow-list the sites get
+(:func:`fedssl.ops.policy.refusals`): a job naming a class a site would refuse is not run at all, and a
+refusal FLARE logs during a run is reported by class name, not only as a missing global model.
 """
 
 from __future__ import annotations
@@ -15,12 +17,17 @@ import subprocess
 import time
 
 from fedssl.ops.jobs import build_job
-from fedssl.ops.policy import write_site_local
+from fedssl.ops.policy import REFUSED, refusals, write_allow_list
 
 RUN_NAME = "simulate_job"
 PROGRESS = re.compile(r"(round \d+/\d+: .*|aggregated \d+/\d+ sites.*|REJECTED.*|task \w+ failed: .*|summary written.*)")
 DUPLICATE = re.compile(r"(\S+) already contributed to round (\d+); duplicate discarded")
 REJECTED = re.compile(r"Contribution from (\S+) REJECTED by the aggregator at round (\d+)")
+#: FLARE's ComponentPathAuthorizer refusing a component, and the config file it was in (<site>/<run>/app_*/config/)
+NOT_ALLOWED = re.compile(r"Component '([^']+)' at config path '[^']*' is not in allow_list")
+#: FLARE's authorisation refusing a job with custom code (the role has no ``byoc`` right)
+NO_BYOC = re.compile(r"BYOC not permitted")
+CONFIG_OF_SITE = re.compile(r"/([^/'\s]+)/[^/'\s]+/app_[^/'\s]*/config/config_fed_\w+\.json")
 
 
 class FailureLog:
@@ -32,8 +39,19 @@ class FailureLog:
         self.failures: list[str] = []
         self._duplicates: set[tuple[str, str]] = set()
         self.duplicates = 0
+        self._refused: dict[str, set[str]] = {}
 
-    def read(self, line: str) -> None:
+    def read(self, line: str, site: str | None = None) -> None:
+        """One log line; ``site`` names whose log it is, where the line itself does not say."""
+        refused = NOT_ALLOWED.search(line)
+        if refused or NO_BYOC.search(line):
+            what = (f"class {refused.group(1)} is not allowed" if refused
+                    else "it carries custom code (BYOC not permitted)")
+            where = CONFIG_OF_SITE.search(line)
+            names = self._refused.setdefault(what, set())
+            if where or site:
+                names.add(where.group(1) if where else site)
+            return
         dup = DUPLICATE.search(line)
         if dup:
             self._duplicates.add(dup.groups())
@@ -46,6 +64,12 @@ class FailureLog:
         m = PROGRESS.search(line)
         if m and ("failed:" in line or "REJECTED" in line):
             self.failures.append(m.group(1))
+
+    def refusals(self) -> list[str]:
+        """One line per class a site refused to build (or per refused BYOC job), with the sites (FLARE logs each
+        refusal several times)."""
+        return [f"{REFUSED}: {what}" + (f" (at {', '.join(sorted(sites))})" if sites else "")
+                for what, sites in sorted(self._refused.items())]
 
 
 class SimulationError(RuntimeError):
@@ -75,7 +99,9 @@ def run_simulation(
 ) -> dict:
     """Build the job with the profile, run ``nvflare simulator -n N -t N`` and return the server summary.
 
-    A site that fails a task (bad data, rejected contribution) makes this raise SimulationError, unless
+    A job that names a class the sites' allow-list does not hold (or carries custom code) is refused before
+    anything runs: SimulationError "site refused the job: class X is not allowed".  A site that fails a task
+    (bad data, rejected contribution, a refused component) makes this raise SimulationError, unless
     ``tolerate_site_failures``: then the run must still complete, and the failures are listed in the
     summary under ``site_failures``.
     """
@@ -84,7 +110,10 @@ def run_simulation(
     # the simulator owns the workspace folder (it clears it), so the built job and the log live beside it
     job = build_job(job_dir, os.path.join(workspace + "_job", os.path.basename(os.path.abspath(job_dir))),
                     profile=profile, sets=list(sets), n_sites=n_sites)
-    write_site_local(os.path.join(workspace, "local"))
+    # the simulator runs without an authorisation policy (no secure mode), so a site here is its allow-list
+    refused = refusals(job, write_allow_list(os.path.join(workspace, "local")))
+    if refused:
+        raise SimulationError(f"{os.path.basename(job)}: " + "; ".join(refused) + "; nothing was run")
     for stale in ("server", *[f"site-{i}" for i in range(1, n_sites + 1)]):
         path = os.path.join(workspace, stale)
         if os.path.isdir(path):
@@ -112,16 +141,19 @@ def run_simulation(
             proc.kill()
             raise SimulationError(f"simulator exceeded {timeout_s}s; see {log_path}")
     summary_path = os.path.join(server_run_dir(workspace), "summary.json")
-    failures = failure_log.failures
+    refused = failure_log.refusals()
+    failures = failure_log.failures + refused
     problems = []
     if rc != 0:
         problems.append(f"nvflare simulator exited with {rc}")
-    if failures and not tolerate_site_failures:
-        problems.append("site failures: " + "; ".join(failures[:5]))
+    if failure_log.failures and not tolerate_site_failures:
+        problems.append("site failures: " + "; ".join(failure_log.failures[:5]))
     if not os.path.isfile(summary_path):
         problems.append(f"no run summary at {summary_path}")
     if not os.path.isfile(global_model_path(workspace)):
         problems.append(f"no global model at {global_model_path(workspace)}")
+    if refused and (problems or not tolerate_site_failures):
+        problems = refused + problems  # the cause first, then what it left missing
     if problems:
         raise SimulationError(f"{os.path.basename(job)}: " + "; ".join(problems) + f" (full log: {log_path})")
     with open(summary_path) as f:

@@ -1,5 +1,15 @@
-"""The simulator log reader: real failures count, a duplicate result FLARE re-sent does not."""
+"""The simulator log reader: real failures count, a duplicate result FLARE re-sent does not, a component a site
+refused is named by class; a job naming a class the sites do not allow is refused before the simulator starts."""
 
+import io
+import json
+import os
+import shutil
+
+import pytest
+
+from fedssl.ops import simulate
+from fedssl.ops.jobs import REPO_ROOT
 from fedssl.ops.simulate import FailureLog
 
 LOG = """\
@@ -20,3 +30,90 @@ def test_duplicates_are_not_failures_but_rejections_and_task_errors_are():
     assert log.failures == ["REJECTED by the aggregator at round 0.",
                             "task train failed: site-2: no Info.cfg in /data/patient001",
                             "REJECTED by the aggregator at round 1."]  # site-3's round 1: no duplicate announced
+
+
+# ---- a site that refuses a component: named by class, before the run or from FLARE's log --------------------
+
+#: what FLARE 2.9's simulator logs when site-1 refuses a component (lines from a real run, args shortened)
+REFUSAL_LOG = """\
+nvflare.fuel.common.excepts.ComponentNotAuthorized: component not authorized: Component 'fedssl.ops.jobs.build_job' \
+at config path 'components.#1' is not in allow_list
+Error processing config ['/tmp/ws/site-1/simulate_job/app_site-1/config/config_fed_client.json']: \
+ComponentNotAuthorized: Error processing ['/tmp/ws/site-1/simulate_job/app_site-1/config/config_fed_client.json'] in \
+JSON element {'id': 'evil', 'path': 'fedssl.ops.jobs.build_job', 'args': {}}: path: components.#1, exception: \
+ComponentNotAuthorized: component not authorized: Component 'fedssl.ops.jobs.build_job' at config path \
+'components.#1' is not in allow_list
+2026-11-23 15:01:10,412 - ERROR - do_one_task execute exception: ComponentNotAuthorized: Error processing \
+['/tmp/ws/site-1/simulate_job/app_site-1/config/config_fed_client.json'] in JSON element {'id': 'evil'}: \
+path: components.#1, exception: ComponentNotAuthorized: component not authorized: Component \
+'fedssl.ops.jobs.build_job' at config path 'components.#1' is not in allow_list
+2026-11-23 15:01:11,070 - INFO - summary written to /tmp/ws/server/simulate_job/summary.json; bytes per site per \
+round: up 0, down 0
+"""
+NAMED = "site refused the job: class fedssl.ops.jobs.build_job is not allowed (at site-1)"
+
+
+def test_a_refused_component_is_read_by_class_and_site_once():
+    log = FailureLog()
+    for line in REFUSAL_LOG.splitlines():
+        log.read(line)
+    assert log.refusals() == [NAMED] and log.failures == []
+
+
+def test_the_site_of_a_log_names_a_refusal_whose_line_does_not():
+    log = FailureLog()
+    log.read(REFUSAL_LOG.splitlines()[0], site="site-2")
+    assert log.refusals() == ["site refused the job: class fedssl.ops.jobs.build_job is not allowed (at site-2)"]
+
+
+def _evil_job(tmp_path, part="server") -> str:
+    job = str(tmp_path / "fcl_acdc")
+    shutil.copytree(os.path.join(REPO_ROOT, "jobs", "fcl_acdc"), job)
+    path = os.path.join(job, "app", "config", f"config_fed_{part}.json")
+    with open(path) as f:
+        config = json.load(f)
+    config.setdefault("components", []).insert(0, {"id": "evil", "path": "fedssl.ops.jobs.build_job",
+                                                   "args": {"job_dir": job, "out_dir": str(tmp_path / "victim")}})
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return job
+
+
+class _NoSimulator:
+    def __init__(self, *args, **kwargs):
+        raise AssertionError("the simulator must not start")
+
+
+def test_simulate_refuses_the_job_before_anything_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(simulate.subprocess, "Popen", _NoSimulator)
+    ws = tmp_path / "ws"
+    (ws / "server").mkdir(parents=True)  # a previous run's results
+    with pytest.raises(simulate.SimulationError) as e:
+        simulate.run_simulation(_evil_job(tmp_path), str(ws), n_sites=1, data_root=str(tmp_path), echo=False)
+    assert ("site refused the job: class fedssl.ops.jobs.build_job is not allowed "
+            "(app/config/config_fed_server.json, components, id 'evil')") in str(e.value)
+    assert (ws / "server").is_dir() and not (tmp_path / "victim").exists()
+
+
+class _FakeSimulator:
+    """``nvflare simulator`` that prints REFUSAL_LOG and exits 0 (as FLARE does when a site refused)."""
+
+    def __init__(self, *args, **kwargs):
+        self.stdout = io.StringIO(REFUSAL_LOG)
+
+    def wait(self, timeout=None):
+        return 0
+
+    def kill(self):
+        pass
+
+
+@pytest.mark.parametrize("tolerate", [False, True])
+def test_a_refusal_during_the_run_is_named_not_only_the_missing_model(tmp_path, monkeypatch, tolerate):
+    """A site with a narrower list than ours refuses during the run: the report names the class first."""
+    monkeypatch.setattr(simulate.subprocess, "Popen", _FakeSimulator)
+    with pytest.raises(simulate.SimulationError) as e:
+        simulate.run_simulation(os.path.join(REPO_ROOT, "jobs", "fcl_acdc"), str(tmp_path / "ws"), n_sites=1,
+                                data_root=str(tmp_path), echo=False, tolerate_site_failures=tolerate)
+    assert str(e.value).startswith(f"fcl_acdc: {NAMED}; ")
+    assert "no global model" in str(e.value)

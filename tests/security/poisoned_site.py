@@ -1,0 +1,33 @@
+"""Test-only FCL executors for the simulator run with a misbehaving site (never on a site's allow-list).
+
+``RecordingFCLExecutor`` is an honest site that also writes what it uploads (``upload_round<r>.npz``: the
+tensors and ``num_samples``) into its run folder, so the test can recompute the honest average bit for bit;
+``PoisonedFCLExecutor`` trains like an honest site and then sends its weights as float64 times 1e300 (which
+overflows float32: the global model would become inf if accepted).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from nvflare.apis.dxo import DXO, from_shareable
+
+from fedssl.flare.fcl_executor import FCLExecutor
+
+
+class RecordingFCLExecutor(FCLExecutor):
+    def train(self, shareable, fl_ctx, abort_signal):
+        reply = super().train(shareable, fl_ctx, abort_signal)
+        dxo = from_shareable(reply)
+        round_idx = int(shareable.get_header("current_round", 0) or 0)
+        np.savez(os.path.join(self.run_dir(fl_ctx), f"upload_round{round_idx}.npz"),
+                 __num_samples__=np.array(dxo.get_meta_prop("num_samples")), **dxo.data)
+        return reply
+
+
+class PoisonedFCLExecutor(FCLExecutor):
+    def train(self, shareable, fl_ctx, abort_signal):
+        dxo = from_shareable(super().train(shareable, fl_ctx, abort_signal))
+        poisoned = {k: np.asarray(v, np.float64) * 1e300 + 1e300 for k, v in dxo.data.items()}
+        return DXO(data_kind=dxo.data_kind, data=poisoned, meta=dxo.get_meta_props()).to_shareable()

@@ -58,6 +58,8 @@ COMPONENT_CLASSES = (
     # aggregators, collectors, persistors, shareable generators, widgets (server)
     "fedssl.flare.fedavg_aggregator.FedAvgAggregator",
     "fedssl.flare.surgical_aggregator.SurgicalAggregator",
+    # FLARE's PTFileModelPersistor with weights_only loading a job cannot switch off (FLARE's class is not listed)
+    "fedssl.flare.weights_only_persistor.WeightsOnlyPersistor",
     "fedssl.flare.feature_bank_collector.FeatureBankCollector",
     "fedssl.flare.surgical_persistor.SurgicalModelPersistor",
     "fedssl.flare.merging_shareable_generator.MergingShareableGenerator",
@@ -80,7 +82,6 @@ COMPONENT_CLASSES = (
     # should a FLARE release drop them there)
     "nvflare.app_common.workflows.scatter_and_gather.ScatterAndGather",
     "nvflare.app_common.widgets.intime_model_selector.IntimeModelSelector",
-    "nvflare.app_opt.pt.file_model_persistor.PTFileModelPersistor",
     "nvflare.app_opt.tracking.tb.tb_writer.TBWriter",
     "nvflare.app_common.widgets.convert_to_fed_event.ConvertToFedEvent",
     "nvflare.app_opt.tracking.tb.tb_receiver.TBAnalyticsReceiver",

@@ -124,7 +124,7 @@ def _job_with(tmp_path, server_config: dict) -> str:
 
 def test_refusals_name_the_class_file_and_component(tmp_path, site):
     evil = {"id": "evil", "path": "fedssl.ops.jobs.build_job", "args": {"job_dir": "/x", "out_dir": "/y"}}
-    nested = {"id": "persistor", "path": "nvflare.app_opt.pt.file_model_persistor.PTFileModelPersistor",
+    nested = {"id": "persistor", "path": "fedssl.flare.weights_only_persistor.WeightsOnlyPersistor",
               "args": {"model": {"path": "fedssl.cli.main", "args": {}}}}
     job = _job_with(tmp_path, {"format_version": 2, "components": [evil, nested]})
     assert refusals(job, site.resources_json) == [
@@ -137,7 +137,7 @@ def test_refusals_name_the_class_file_and_component(tmp_path, site):
 
 def test_refusals_follow_flare_on_plain_dicts_but_not_in_the_components_list(tmp_path, site):
     """``"config_type": "dict"`` makes FLARE pass a nested dict on unbuilt, but not an entry of ``components``."""
-    plain = {"id": "x", "path": "nvflare.app_opt.pt.file_model_persistor.PTFileModelPersistor",
+    plain = {"id": "x", "path": "fedssl.flare.weights_only_persistor.WeightsOnlyPersistor",
              "args": {"meta": {"path": "not.a.Class", "config_type": "dict"}}}
     hidden = {"id": "evil", "path": "fedssl.ops.jobs.build_job", "config_type": "dict"}
     assert refusals(_job_with(tmp_path / "a", {"components": [plain]}), site.resources_json) == []

@@ -21,6 +21,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from fedssl.core.untrusted import ContributionError, as_finite_float
+
 ONLINE, TARGET = "online.", "target."
 
 
@@ -104,16 +106,24 @@ def proxy_distance(theta: Mapping[str, np.ndarray], xi: Mapping[str, np.ndarray]
     return mean_l1(theta, xi, pairs)
 
 
-def valid_distances(d_pcs: Mapping[str, object]) -> tuple[dict[str, float], dict[str, object]]:
-    """Split reported proxy distances into usable (finite, >= 0) and rejected ones."""
+def valid_distances(d_pcs: Mapping[str, object], max_ratio: float = 10.0) -> tuple[dict[str, float], dict[str, object]]:
+    """Split reported proxy distances into usable and rejected ones.
+
+    Usable: a real number (not a bool or a string), finite, >= 0, and, when at least 3 sites reported, at most
+    ``max_ratio`` times their median, so that one site cannot drive the predicted distance d~ (a mean) alone.
+    """
     good, bad = {}, {}
     for site, v in d_pcs.items():
         try:
-            f = float(v)
-        except (TypeError, ValueError):
+            f = as_finite_float(v, "d_pc", site)
+        except ContributionError:
             bad[site] = v
             continue
-        (good if math.isfinite(f) and f >= 0 else bad)[site] = f if math.isfinite(f) else v
+        (good if f >= 0 else bad)[site] = f
+    if len(good) >= 3:
+        median = float(np.median(list(good.values())))
+        for site in [s for s, f in good.items() if median > 0 and f > max_ratio * median]:
+            bad[site] = good.pop(site)
     return good, bad
 
 

@@ -66,3 +66,13 @@ def test_non_finite_or_missing_distances_are_set_aside():
     good, bad = valid_distances({"site-1": 0.3, "site-2": float("nan"), "site-3": None, "site-4": -1.0})
     assert good == {"site-1": 0.3} and set(bad) == {"site-2", "site-3", "site-4"}
     assert math.isclose(predicted_distance(0.9, list(good.values())), 0.27)
+
+
+def test_a_forged_distance_cannot_drive_the_prediction():
+    """A bool, a string, or a value far above the others' median (>= 3 reports) is set aside."""
+    honest = {"site-1": 0.02, "site-2": 0.03, "site-3": 0.025}
+    for forged in (1e300, 0.5, True, "0.02"):
+        good, bad = valid_distances({**honest, "site-4": forged})
+        assert good == honest and set(bad) == {"site-4"}, forged
+    good, _ = valid_distances({**honest, "site-4": 0.2})  # 8 x the median: an unusual but possible site
+    assert set(good) == {"site-1", "site-2", "site-3", "site-4"}

@@ -86,3 +86,42 @@ def cast_array(value: object, dtype: np.dtype, what: str, site: str, shape: tupl
     if dtype.kind == "f" and not np.all(np.isfinite(out)):
         raise ContributionError(f"{site} sent non-finite values in {what} (NaN/Inf, or overflow when cast to {dtype})")
     return out
+
+
+def bounded_json(value: object, what: str, site: str, max_items: int = 4096, max_depth: int = 4,
+                 max_str: int = 256) -> object:
+    """A JSON-safe copy of a small report a site sends (e.g. its test metrics), or ContributionError.
+
+    Allowed: dicts with string keys, lists, strings of at most ``max_str`` characters, bools, None and real
+    numbers (numpy scalars too; NaN becomes None, as JSON has no NaN; other non-finite values and magnitudes
+    above 1e12 are refused), nested at most ``max_depth`` deep, ``max_items`` values in all.
+    """
+    count = 0
+
+    def copy(v: object, depth: int) -> object:
+        nonlocal count
+        count += 1
+        if count > max_items or depth > max_depth:
+            raise ContributionError(f"{site} sent {what} larger than {max_items} values or deeper than {max_depth}")
+        if v is None or isinstance(v, (bool, np.bool_)):
+            return None if v is None else bool(v)
+        if isinstance(v, str):
+            if len(v) > max_str:
+                raise ContributionError(f"{site} sent {what} with a string of {len(v)} characters (at most {max_str})")
+            return v
+        if isinstance(v, numbers.Real) or (isinstance(v, np.ndarray) and v.shape == () and v.dtype.kind in "fiu"):
+            x = float(v)
+            if math.isnan(x):
+                return None
+            if isinstance(v, (int, np.integer)) and abs(x) <= 1e12:
+                return int(v)
+            return as_finite_float(x, what, site)
+        if isinstance(v, dict):
+            if not all(isinstance(k, str) and len(k) <= max_str for k in v):
+                raise ContributionError(f"{site} sent {what} with a key that is not a short string")
+            return {k: copy(x, depth + 1) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [copy(x, depth + 1) for x in v]
+        raise ContributionError(f"{site} sent {what} holding a {type(v).__name__}; only JSON values are accepted")
+
+    return copy(value, 0)

@@ -34,6 +34,7 @@ from nvflare.app_common.app_constant import AppConstants, DefaultCheckpointFileN
 from nvflare.app_common.app_event_type import AppEventType
 
 from fedssl.core.checks import require, require_choice, require_int
+from fedssl.core.untrusted import ContributionError, bounded_json
 from fedssl.flare.run_summary import record_in_summary
 
 REPORT_JSON = "test_metrics.json"
@@ -211,7 +212,11 @@ class FinalEvaluation(Controller):
                 failed.append(name)
                 self.log_warning(fl_ctx, f"{name} sent {dxo.data_kind}, expected a {DataKind.METRICS} dict; left out")
                 continue
-            sites[name] = dxo.data
+            try:  # a site's report is small JSON: numbers, short strings, shallow lists and dicts
+                sites[name] = bounded_json(dxo.data, "its test metrics", name)
+            except ContributionError as e:
+                failed.append(name)
+                self.log_warning(fl_ctx, f"{e}; left out of the test report")
         sites = dict(sorted(sites.items()))
         report = {
             "title": self.title,

@@ -122,3 +122,28 @@ def test_site_means_and_table_helpers():
     assert site_means(sites) == {"x": 2.0, "y": 2.0}
     report = {"title": "T", "model_source": "m", "sites": sites, "mean": site_means(sites), "failed_sites": []}
     assert "| a | 1.0000 | n/a |" in markdown_table(report, ["x", "y"])
+
+
+@pytest.mark.parametrize("bad", [
+    {"accuracy": "x" * 10_000},  # a huge string
+    {"accuracy": float("inf")},
+    {"accuracy": 1e300},
+    {"accuracy": object()},
+    {"per_class": {str(i): float(i) for i in range(5000)}},  # too many values
+    {1: 0.5},  # a key that is not a string
+    {"a": {"b": {"c": {"d": {"e": 1.0}}}}},  # too deep
+])
+def test_a_sites_forged_report_is_left_out_and_the_others_reported(bad, tmp_path):
+    forged = DXO(DataKind.METRICS, data=bad).to_shareable() if 1 not in bad else None
+    if forged is None:  # FLARE's DXO refuses nothing: build the shareable by hand
+        forged = DXO(DataKind.METRICS, data={"x": 1}).to_shareable()
+        forged["DXO"]["data"] = bad
+    _, report = run_controller(tmp_path, False, {"site-1": metrics(0.5, 0.5), "site-3": forged})
+    assert list(report["sites"]) == ["site-1"] and report["failed_sites"] == ["site-3"]
+    assert report["mean"]["accuracy"] == 0.5
+
+
+def test_nan_metrics_become_null_and_numpy_scalars_plain_numbers(tmp_path):
+    reply = DXO(DataKind.METRICS, data={"accuracy": np.float32(0.5), "auc": float("nan"), "n": np.int64(4)}).to_shareable()
+    _, report = run_controller(tmp_path, False, {"site-1": reply})
+    assert report["sites"]["site-1"] == {"accuracy": 0.5, "auc": None, "n": 4}

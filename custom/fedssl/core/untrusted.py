@@ -88,13 +88,13 @@ def cast_array(value: object, dtype: np.dtype, what: str, site: str, shape: tupl
     return out
 
 
-def bounded_json(value: object, what: str, site: str, max_items: int = 4096, max_depth: int = 4,
+def bounded_json(value: object, what: str, site: str, max_items: int = 4096, max_depth: int = 6,
                  max_str: int = 256) -> object:
     """A JSON-safe copy of a small report a site sends (e.g. its test metrics), or ContributionError.
 
     Allowed: dicts with string keys, lists, strings of at most ``max_str`` characters, bools, None and real
     numbers (numpy scalars too; NaN becomes None, as JSON has no NaN; other non-finite values and magnitudes
-    above 1e12 are refused), nested at most ``max_depth`` deep, ``max_items`` values in all.
+    above 1e12 are refused), nested at most ``max_depth`` deep (a surgical test reply is 5), ``max_items`` values in all.
     """
     count = 0
 

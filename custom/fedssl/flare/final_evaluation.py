@@ -212,7 +212,7 @@ class FinalEvaluation(Controller):
                 failed.append(name)
                 self.log_warning(fl_ctx, f"{name} sent {dxo.data_kind}, expected a {DataKind.METRICS} dict; left out")
                 continue
-            try:  # a site's report is small JSON: numbers, short strings, shallow lists and dicts
+            try:  # a site's report is small JSON (the surgical per-class table with CIs is 5 deep)
                 sites[name] = bounded_json(dxo.data, "its test metrics", name)
             except ContributionError as e:
                 failed.append(name)

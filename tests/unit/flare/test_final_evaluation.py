@@ -131,7 +131,7 @@ def test_site_means_and_table_helpers():
     {"accuracy": object()},
     {"per_class": {str(i): float(i) for i in range(5000)}},  # too many values
     {1: 0.5},  # a key that is not a string
-    {"a": {"b": {"c": {"d": {"e": 1.0}}}}},  # too deep
+    {"a": {"b": {"c": {"d": {"e": {"f": {"g": 1.0}}}}}}},  # too deep
 ])
 def test_a_sites_forged_report_is_left_out_and_the_others_reported(bad, tmp_path):
     forged = DXO(DataKind.METRICS, data=bad).to_shareable() if 1 not in bad else None
@@ -147,3 +147,16 @@ def test_nan_metrics_become_null_and_numpy_scalars_plain_numbers(tmp_path):
     reply = DXO(DataKind.METRICS, data={"accuracy": np.float32(0.5), "auc": float("nan"), "n": np.int64(4)}).to_shareable()
     _, report = run_controller(tmp_path, False, {"site-1": reply})
     assert report["sites"]["site-1"] == {"accuracy": 0.5, "auc": None, "n": 4}
+
+
+def test_the_surgical_test_reply_passes_whole():
+    """The multi-label test reply (per-class AUROC with bootstrap CIs, internal and external) is 5 levels deep."""
+    from fedssl.core.untrusted import bounded_json
+    from fedssl.eval.surgical_report import auroc_table
+
+    rng = np.random.default_rng(0)
+    probs, targets = rng.random((40, 14)), (rng.random((40, 14)) > 0.5).astype(float)
+    table = auroc_table(probs, targets, [f"c{i}" for i in range(14)], n_bootstrap=20, seed=0)
+    reply = {"model": "global model", "n_test": 40, "test": table, "mean_auroc": table["mean_auroc"],
+             "external": {**table, "n_images": 40, "not_annotated": []}, "external_mean_auroc": table["mean_auroc"]}
+    assert bounded_json(reply, "its test metrics", "site-1") == json.loads(json.dumps(reply))

@@ -33,11 +33,15 @@ CONFIG_OF_SITE = re.compile(r"/([^/'\s]+)/[^/'\s]+/app_[^/'\s]*/config/config_fe
 class FailureLog:
     """The site failures in a simulator log, line by line.  FLARE re-sends a task to a site that asks again before
     the server has finished with its result (seen on a loaded machine); the aggregator then discards the second,
-    identical-round contribution as a duplicate.  That rejection is not a failure: the site's round counted."""
+    identical-round contribution as a duplicate.  That rejection is not a failure: the site's round counted.
+    Under heavy load FLARE's simulator has also delivered such a re-sent result under another site's task (the
+    aggregator: "site-1 already contributed to round 1", FLARE: "Contribution from site-2 REJECTED ... round 1"),
+    so the REJECTED line that follows a duplicate warning of the same round is paired with it, whatever the name;
+    the summary's ``duplicate_results_discarded`` counts both kinds."""
 
     def __init__(self):
         self.failures: list[str] = []
-        self._duplicates: set[tuple[str, str]] = set()
+        self._duplicates: list[str] = []  # rounds of duplicate warnings not yet paired with FLARE's REJECTED line
         self.duplicates = 0
         self._refused: dict[str, set[str]] = {}
 
@@ -54,11 +58,11 @@ class FailureLog:
             return
         dup = DUPLICATE.search(line)
         if dup:
-            self._duplicates.add(dup.groups())
+            self._duplicates.append(dup.group(2))
             return
         rej = REJECTED.search(line)
-        if rej and rej.groups() in self._duplicates:
-            self._duplicates.discard(rej.groups())
+        if rej and rej.group(2) in self._duplicates:
+            self._duplicates.remove(rej.group(2))
             self.duplicates += 1
             return
         m = PROGRESS.search(line)

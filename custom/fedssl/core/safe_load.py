@@ -3,14 +3,14 @@
 - :func:`safe_load`: a torch file through ``torch.load(..., weights_only=True)`` (tensors, numbers, strings,
   containers, and numpy arrays, which FLARE model files hold; nothing else), or a ``.safetensors`` file.
 - :func:`load_export_program`: a ``torch.export`` program (``.pt2``, a Fed-BEiT tokenizer), after checking that
-  loading it can run nothing: ``torch.export.load`` itself unpickles with ``weights_only=False``, resolves graph
+  loading it can run nothing: ``torch.export.load`` itself unpickles without the weights-only restriction, resolves graph
   targets by attribute lookup on ``torch`` (``torch.os.system`` is one) and parses symbolic shapes with
   ``sympy.sympify`` (``eval``), so an archive is refused unless it holds only tensor payloads, ``torch.ops`` /
   arithmetic operators and shape expressions over shape symbols.
 
 Every failure is one :class:`UnreadableFile` (a ValueError) naming the file and what is wrong with it: missing,
 empty, truncated / not a weight file, or holding a Python object (a pickle payload is refused before anything in
-it runs).  Never re-load a refused file with ``weights_only=False``: convert it where it was written instead.
+it runs).  Never re-load a refused file with the weights-only restriction off: convert it where it was written.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 
 #: a torch unpickling error about a Python object (rather than about damaged bytes)
 _FOREIGN_OBJECT = re.compile(r"GLOBAL|Can only build|Unsupported class|unsupported global", re.IGNORECASE)
-#: the lines of torch's weights-only message that advise ``weights_only=False`` or an issue report
+#: the lines of torch's weights-only message that advise turning the restriction off, or an issue report
 _TORCH_ADVICE = ("Weights only load failed", "weights_only", "Please file an issue", "Check the documentation")
 
 
@@ -49,7 +49,7 @@ def _numpy_globals() -> list:
 
 
 def _reason(error: BaseException) -> str:
-    """``Type: message`` of a loader's exception, without torch's advice to load with ``weights_only=False``."""
+    """``Type: message`` of a loader's exception, without torch's advice to turn the weights-only restriction off."""
     lines = [line.strip() for line in str(error).splitlines()]
     kept = [line for line in lines if line and not any(advice in line for advice in _TORCH_ADVICE)]
     text = " ".join(kept)

@@ -204,3 +204,24 @@ def test_shape_override_reaches_server_and_sites_and_typos_fail(tmp_path):
     assert model["args"]["features"] == trainer["args"]["features"] == [8, 16, 32, 64, 128, 8]  # the profile's shape
     with pytest.raises(ValueError, match="shape argument 'proj_dimm'"):
         build_job(os.path.join(JOBS_DIR, "fcl_acdc"), str(tmp_path / "k"), sets=["shape.proj_dimm=16"])
+
+
+#: settings the jobs carry that no paper has: protections added by this bundle, pinned here with the reason (JSON
+#: job configs cannot hold comments); (job, part, component id, arg) -> (value, why)
+NOT_FROM_THE_PAPERS = {
+    ("sslfl_beit_retina", "server", "federated_kmeans", "min_cluster_size"):
+        (5, "no raw patch leaves a site: a k-means cluster of fewer than 5 patches is sent as zero sum and count"),
+    ("sslfl_beit_retina", "client", "mim_trainer", "min_cluster_size"):
+        (5, "the site's own floor for the same suppression"),
+    ("fcl_acdc", "server", "bank_shuttle", "bank_size"):
+        (4096, "the remote bank has exactly K rows (paper K = 4096), hiding the number of sites"),
+    ("fcl_acdc", "server", "bank_collector", "bank_size"):
+        (4096, "an uploaded bank holds at most K rows"),
+}
+
+
+@pytest.mark.parametrize("key", sorted(NOT_FROM_THE_PAPERS))
+def test_settings_the_papers_do_not_have_are_the_documented_protections(key):
+    job, part, comp_id, arg = key
+    comp = [c for c in _job_components(job)[part] if c["id"] == comp_id]
+    assert len(comp) == 1 and comp[0]["args"][arg] == NOT_FROM_THE_PAPERS[key][0], key

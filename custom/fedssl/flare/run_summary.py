@@ -49,6 +49,7 @@ from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.app_event_type import AppEventType
 
 from fedssl.core.checks import require
+from fedssl.core.untrusted import ContributionError, bounded_json
 from fedssl.eval.run_report import MAX_TERMS_PER_ROUND, loss_term_means, loss_term_ok, read_jsonl, write_run_report
 from fedssl.flare.communication_meter import COMM_FILE
 from fedssl.flare.constants import AGGREGATED_SITES, REFUSAL_PROP, ROUND_STATS_PROP, SITE_RECORD_META
@@ -168,8 +169,12 @@ class RunSummary(FLComponent):
             return
         site = result.get_peer_prop(ReservedKey.IDENTITY_NAME, "?")
         record = dxo.get_meta_prop(SITE_RECORD_META)
-        if isinstance(record, dict) and record:
-            self._site_records.setdefault(site, {}).update({str(k): v for k, v in record.items()})
+        if fl_ctx.get_prop(AppConstants.AGGREGATION_ACCEPTED) and isinstance(record, dict) and record:
+            try:  # a site's record is small JSON, kept only with an accepted contribution
+                kept = bounded_json(record, "its summary record", site, max_items=64)
+                self._site_records.setdefault(site, {}).update(kept)
+            except ContributionError as e:
+                self.log_warning(fl_ctx, f"{e}; record ignored")
         global_model = fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)
         if fl_ctx.get_prop(AppConstants.AGGREGATION_ACCEPTED) and global_model and dxo.data_kind == DataKind.WEIGHTS:
             lacking = sorted(set(global_model[ModelLearnableKey.WEIGHTS]) - set(dxo.data or {}))

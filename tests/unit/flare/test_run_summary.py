@@ -171,3 +171,18 @@ def test_refused_contributions_are_listed_per_round(tmp_path):
     rounds = json.load(open(tmp_path / "summary.json"))["rounds"]
     assert rounds[0]["refused_contributions"] == [{"site": "site-3", "reason": "site-3 sent non-finite values"}]
     assert "refused_contributions" not in rounds[1]
+
+
+def test_a_sites_summary_record_is_bounded_and_kept_only_when_its_contribution_is(tmp_path):
+    rs = RunSummary(title="t")
+    ctx = context(engine=FakeEngine(tmp_path), site="server")
+    rs.handle_event(EventType.START_RUN, ctx)
+    accept(rs, ctx, "site-1", GLOBAL, {SITE_RECORD_META: {"tokenizer": "x", "n": np.int64(3)}}, 0)
+    accept(rs, ctx, "site-2", GLOBAL, {SITE_RECORD_META: {"blob": "y" * 100_000}}, 0)  # too large: ignored
+    ctx.set_prop(AppConstants.TRAINING_RESULT, contribution("site-3", GLOBAL, {SITE_RECORD_META: {"a": 1}}, 0),
+                 private=True, sticky=False)
+    ctx.set_prop(AppConstants.AGGREGATION_ACCEPTED, False, private=True, sticky=False)  # a refused contribution
+    rs.handle_event(AppEventType.AFTER_CONTRIBUTION_ACCEPT, ctx)
+    aggregate(rs, ctx, 0, {"site-1": 1.0})
+    rs.handle_event(EventType.END_RUN, ctx)
+    assert json.load(open(tmp_path / "summary.json"))["site_records"] == {"site-1": {"tokenizer": "x", "n": 3}}

@@ -66,3 +66,7 @@ AGGREGATED_SITES = "aggregated_sites"
 COLLECTED = "collected"
 #: FL-context property an aggregator sets when it refuses a contribution: ``{"site": name, "reason": text}``
 REFUSAL_PROP = "fedssl.refusal"
+#: sticky FL-context property the server's persistor sets when it builds the initial global model: which initial
+#: weights the run starts from, ``{"init": "imagenet" | "random" | "checkpoint", "path": str, "sha256": str}``
+#: (path and digest empty for random init); RunSummary writes it to summary.json as ``init``
+INIT_PROP = "fedssl.init"

@@ -19,6 +19,7 @@ from typing import Callable, Mapping
 import torch
 
 from fedssl.core.classification import ClassifierTrainer, classification_metrics, predict, require_trained_head
+from fedssl.core.seeds import site_seed
 from fedssl.data.images import ImageDataset, batches, class_names, load_image_records, select_labelled, train_val_split
 from fedssl.models.vit import TINY_VIT, read_state_dict
 from fedssl.models.vit_classifier import FineTuneViT, init_name, load_into, read_checkpoint
@@ -62,25 +63,28 @@ def _model_for(settings: Mapping, n_classes: int, pretrained_path: str, imagenet
 
 def finetune_site(site: str, root: str, test_root: str, dataset: str, settings: Mapping, pretrained_path: str = "",
                   imagenet_path: str = "", progress: Callable[[str], None] | None = None) -> dict:
-    """Fine-tune one site alone; the epoch is chosen on the site's validation split; returns test metrics of it."""
+    """Fine-tune one site alone; the epoch is chosen on the site's validation split; returns test metrics of it.
+    The site's split, labelled subset, augmentation and batches use ``site_seed(seed, site)`` (each site draws its
+    own, as in the federated jobs); the initial weights use ``seed``."""
     classes = class_names(dataset)
     s = settings
+    data_seed = site_seed(s["seed"], site)
     records = load_image_records(root, dataset, site=site)
-    train, val = train_val_split(records, s["val_fraction"], seed=s["seed"])
+    train, val = train_val_split(records, s["val_fraction"], seed=data_seed)
     if not val:
         raise ValueError(f"{site}: no validation image with val_fraction={s['val_fraction']}")
-    labelled = select_labelled(train, s["label_fraction"], seed=s["seed"])
-    train_set = ImageDataset(labelled, s["image_size"], "finetune", dataset, site=site, seed=s["seed"])
+    labelled = select_labelled(train, s["label_fraction"], seed=data_seed)
+    train_set = ImageDataset(labelled, s["image_size"], "finetune", dataset, site=site, seed=data_seed)
     val_set = ImageDataset(val, s["image_size"], "eval", dataset, site=site)
     test_set = ImageDataset(load_image_records(test_root, dataset, site="test"), s["image_size"], "eval", dataset, site="test")
     model = _model_for(s, len(classes), pretrained_path, imagenet_path)
     device = torch.device(s["device"])
     trainer = ClassifierTrainer(model, lr=s["lr"], total_rounds=s["epochs"], warmup_rounds=min(s["warmup"], s["epochs"]),
-                                min_lr=s["min_lr"], weight_decay=s["weight_decay"], layer_decay=s["layer_decay"], device=device, seed=s["seed"])
+                                min_lr=s["min_lr"], weight_decay=s["weight_decay"], layer_decay=s["layer_decay"], device=device, seed=data_seed)
     n_steps = math.ceil(len(train_set) / s["batch_size"])
     best, best_state, best_epoch = -math.inf, None, -1
     for epoch in range(s["epochs"]):
-        loss = trainer.train_round(batches(train_set, s["batch_size"], seed=s["seed"], epoch=epoch), epoch, n_steps)
+        loss = trainer.train_round(batches(train_set, s["batch_size"], seed=data_seed, epoch=epoch), epoch, n_steps)
         probs, labels = predict(model, batches(val_set, s["eval_batch_size"], seed=0, epoch=0), device)
         val_metrics = classification_metrics(probs, labels, classes)
         score = val_metrics[s["select_metric"]]

@@ -6,8 +6,13 @@
   (SSL-FL (Yan et al., IEEE TMI 2023) eq. 4).
 * :class:`BEiTViT` - BEiT (Bao et al. 2022): the embeddings of masked patches are replaced by a learnable
   mask embedding, the encoder sees all tokens, a linear head predicts the visual-token id of each masked
-  patch (SSL-FL (Yan et al., IEEE TMI 2023) eq. 3).  Absolute position embeddings (BEiT's shared relative position bias is not used,
-  so the encoder is a plain timm ViT that loads into :class:`ViTClassifier`).
+  patch (SSL-FL (Yan et al., IEEE TMI 2023) eq. 3).  Learned absolute position embeddings instead of BEiT's
+  shared relative position bias (SSL-FL's BEiT scripts: ``--rel_pos_bias``, no ``--abs_pos_emb``), on purpose
+  (issue 13 item 12): every pre-training here (Fed-BEiT, Fed-MAE, FedMAE-KS) and the ImageNet / scratch baselines
+  then share one encoder, a plain timm ViT that loads 1:1 into one :class:`ViTClassifier`, so the fine-tuning
+  comparisons of SSL-FL's tables differ only in the pre-training (the encoder of a Fed-BEiT run also
+  fine-tunes with the same classifier, layer_scale 0.1).  This is a documented departure from the reference
+  code, like the federated k-means codebook that stands in for the unavailable DALL-E tokenizer.
 * :class:`ViTClassifier` - the fine-tuning network: the same encoder, average-pooled patch tokens ->
   ``fc_norm`` -> linear ``head`` (SSL-FL (Yan et al., IEEE TMI 2023) section III-D).
 

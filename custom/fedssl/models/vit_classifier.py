@@ -4,6 +4,15 @@
   linear head, SSL-FL sec. III-D) with a ``head_steps`` buffer counting optimiser steps on the head, built from a
   pre-trained MIM global model (``pretrained_path``), local ImageNet weights (``imagenet_path``) or from scratch.
   It is the server's model component of the fine-tuning jobs and the clients' model.
+
+ImageNet initialisation (SSL-FL sec. IV-B "ViT ImageNet" baseline, Table VIII "Init. w/ ImageNet weights"; issue 13
+item 2): ``imagenet_path`` is a local timm ViT state dict, e.g. ``vit_base_patch16_224`` saved on a machine with
+internet access by ``torch.save(timm.create_model("vit_base_patch16_224", pretrained=True).state_dict(), path)``
+(timm key names; a ``.safetensors`` file works too).  The server's model component loads it; the sites get the
+same weights in the round-0 broadcast, which carries the whole initial model.  The model records what it was
+initialised from in ``initial_weights`` (``{"init": "imagenet" | "random" | "checkpoint", "path", "sha256"}``), which
+the server's WeightsOnlyPersistor publishes for the run summary; a random start names the argument to set
+(``init_fix``).
 - :func:`read_checkpoint` / :func:`load_into`: a FLARE model file or state dict into the model, shapes checked.
 - :func:`export_encoder`: the ``encoder.*`` tensors of a pre-training ``FL_global_model.pt`` (the decoder / BEiT
   head are dropped after pre-training) as a small state-dict file.
@@ -23,9 +32,15 @@ import torch
 from fedssl.core.safe_load import safe_load
 from fedssl.core.checks import require, require_int
 from fedssl.core.classification import HEAD_STEPS
+from fedssl.core.digest import file_sha256
 from fedssl.models.vit import ViTClassifier, encoder_state, load_imagenet_weights, load_pretrained_encoder
 
 logger = logging.getLogger(__name__)
+
+#: what to set for SSL-FL's "ViT ImageNet" rows; the server's log line of a random start names it
+IMAGENET_FIX = ('set "imagenet_path" in the args of the server\'s "model" component to a local timm '
+                "vit_base_patch16_224 state dict (torch.save(model.state_dict()) of timm's pretrained model) for the "
+                'ImageNet-init rows, or "pretrained_path" to a Fed-MAE / Fed-BEiT global model')
 
 
 def check_vit_args(component: str, image_size, patch_size, embed_dim, depth, num_heads, drop_path_rate,
@@ -58,8 +73,9 @@ class FineTuneViT(ViTClassifier):
             layer_scale: null for a Fed-MAE encoder, 0.1 for a Fed-BEiT encoder (BEiTViT's layer scale).
             pretrained_path: a pre-training global model (``FL_global_model.pt`` of jobs/sslfl_mae_retina,
                 jobs/sslfl_beit_retina, jobs/fedmae_derm), or an exported encoder; "" = no MIM pre-training.
-            imagenet_path: a local timm ViT checkpoint (ImageNet weights, optional; loaded first, so a
-                ``pretrained_path`` encoder replaces it); "" = none.  Both "" = ViT from scratch.
+            imagenet_path: a local timm ViT state dict (ImageNet weights, e.g. ``vit_base_patch16_224``; optional,
+                loaded first, so a ``pretrained_path`` encoder replaces it); "" = none.  Both "" = ViT from
+                scratch (random init; the server's persistor logs it and names this argument).
             seed: initial weights (the head is always freshly initialised).
         """
         name = type(self).__name__
@@ -85,15 +101,25 @@ class FineTuneViT(ViTClassifier):
         self.imagenet_path = imagenet_path
         self.seed = seed
         self.init_report: dict = {"init": "scratch"}
+        #: what the run starts from, for the server persistor's INIT_PROP (issue 13 item 2)
+        self.initial_weights: dict = {"init": "random", "path": "", "sha256": ""}
         if imagenet_path:
             self.init_report = {"init": "imagenet", "path": imagenet_path, **load_imagenet_weights(self, imagenet_path)}
         if pretrained_path:
             self.init_report = {"init": "pretrained", "path": pretrained_path,
                                 **load_pretrained_encoder(self, pretrained_path)}
         if self.init_report["init"] != "scratch":
+            kind = "imagenet" if self.init_report["init"] == "imagenet" else "checkpoint"
+            self.initial_weights = {"init": kind, "path": self.init_report["path"],
+                                    "sha256": file_sha256(self.init_report["path"])}
             logger.info(f"FineTuneViT: encoder initialised from {self.init_report['init']} weights {self.init_report['path']}: "
                         f"{self.init_report['loaded']} encoder tensors loaded, {len(self.init_report['ignored'])} ignored "
                         f"(decoder / MIM head), head freshly initialised")
+
+    @property
+    def init_fix(self) -> str:
+        """What to set for ImageNet weights when the model starts from random weights ("" otherwise)."""
+        return IMAGENET_FIX if self.initial_weights["init"] == "random" else ""
 
 
 def init_name(pretrained_path: str = "", imagenet_path: str = "") -> str:

@@ -7,6 +7,10 @@ fine-tuned for ``local_epochs`` epochs per round (AdamW, warm-up + cosine by rou
 optional FedProx against the received weights); ``samples`` = labelled images |D_l^k| (SSL-FL weights
 fine-tuning aggregation by labelled images).  ``evaluate("val" | "test")`` = classification metrics of the
 current model; a model whose head was never trained is refused.
+
+Data-side randomness (validation split, labelled subset, augmentation, batch order) uses the site's seed
+``fedssl.core.seeds.site_seed(seed, site)``, so sites draw independently; the model's initial weights use the job
+seed (every site builds the same model, and the server's broadcast replaces it anyway).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from fedssl.core.checks import require, require_choice, require_int
 from fedssl.core.classification import ClassifierTrainer, classification_metrics, predict, require_trained_head
+from fedssl.core.seeds import site_seed
 from fedssl.core.trainer import RoundStats, check_optimizer_state, check_stop, detached, load_checked
 from fedssl.data.images import (
     DATASETS,
@@ -91,7 +96,8 @@ class ClassifierLocalTrainer:
         layer_decay: layer-wise lr decay (SSL-FL's fine-tuning scripts: 0.65; 1.0 = one lr for all layers).
         max_steps_per_epoch: cap on optimiser steps per local epoch (0 = full epoch).
         eval_batch_size: batch size of validation and test passes.
-        seed: initial weights, data split, labelled subset, batches and augmentation.
+        seed: the job seed: initial weights; the site's data seed ``site_seed(seed, site)`` draws the data split,
+            labelled subset, batches and augmentation.
         device: a torch device.
     """
 
@@ -104,15 +110,16 @@ class ClassifierLocalTrainer:
                  max_steps_per_epoch: int = 0, eval_batch_size: int = 256, seed: int = 0,
                  device: str | torch.device = "cpu"):
         self.site, self.dataset, self.image_size, self.seed = site, dataset, image_size, seed
+        self.data_seed = data_seed = site_seed(seed, site)
         self.batch_size, self.local_epochs, self.eval_batch_size = batch_size, local_epochs, eval_batch_size
         self.max_steps_per_epoch = max_steps_per_epoch
         self.classes = class_names(dataset)
-        train, val = train_val_split(records, val_fraction, seed=seed)
+        train, val = train_val_split(records, val_fraction, seed=data_seed)
         if not val:
             raise ValueError(f"{site}: val_fraction={val_fraction} of {len(records)} images leaves no validation "
                              "image; raise val_fraction or add images")
-        labelled = select_labelled(train, label_fraction, seed=seed)
-        self.train_set = ImageDataset(labelled, image_size, "finetune", dataset, site=site, seed=seed)
+        labelled = select_labelled(train, label_fraction, seed=data_seed)
+        self.train_set = ImageDataset(labelled, image_size, "finetune", dataset, site=site, seed=data_seed)
         self.val_set = ImageDataset(val, image_size, "eval", dataset, site=site)
         self.test_set: ImageDataset | None = None
         model = FineTuneViT(num_classes=len(self.classes), image_size=image_size, patch_size=patch_size,
@@ -121,7 +128,7 @@ class ClassifierLocalTrainer:
         self.trainer = ClassifierTrainer(
             model, lr=lr, total_rounds=num_rounds, warmup_rounds=min(warmup_rounds, num_rounds), min_lr=min_lr,
             weight_decay=weight_decay, fedprox_mu=fedprox_mu, label_smoothing=label_smoothing,
-            layer_decay=layer_decay, device=device, seed=seed)
+            layer_decay=layer_decay, device=device, seed=data_seed)
         #: one line for the site's log
         self.summary = (f"{len(records)} images -> {len(train)} training pool, {len(val)} validation; "
                         f"{len(labelled)} labelled ({label_fraction:g}) per class "
@@ -154,7 +161,7 @@ class ClassifierLocalTrainer:
 
         for epoch in range(self.local_epochs):
             progress = round_idx + epoch / self.local_epochs
-            data = batches(self.train_set, self.batch_size, seed=self.seed, epoch=round_idx * self.local_epochs + epoch)
+            data = batches(self.train_set, self.batch_size, seed=self.data_seed, epoch=round_idx * self.local_epochs + epoch)
             losses.append(trainer.train_round(data, progress, n_steps=n_steps * self.local_epochs,
                                               max_steps=self.max_steps_per_epoch or None, abort=stop))
             curve += [{"loss": x} for x in trainer.last_losses]
@@ -175,7 +182,7 @@ class ClassifierLocalTrainer:
             raise ValueError(f"{self.site}: no test data was given to this trainer (set_test_records)")
         require_trained_head(self.model, source or f"the {split} model of {self.site}")
         device = next(self.model.parameters()).device
-        probs, labels = predict(self.model, batches(dataset, self.eval_batch_size, seed=self.seed, epoch=0), device)
+        probs, labels = predict(self.model, batches(dataset, self.eval_batch_size, seed=self.data_seed, epoch=0), device)
         return classification_metrics(probs, labels, self.classes)
 
     def state_dict(self) -> dict:

@@ -3,8 +3,10 @@ as a :class:`fedssl.core.trainer.LocalTrainer`, and the site's side of the feder
 
 - :class:`MIMLocalTrainer`: the site's unlabelled images (:class:`fedssl.data.images.ImageDataset`, mode
   ``pretrain``) -> :class:`fedssl.core.mim.MIMTrainer` for ``local_epochs`` epochs per round (learning rate:
-  warm-up then cosine, indexed by round); ``samples`` = |D_k|, every image of the site (SSL-FL weights the
-  average by local data size).  Knowledge split (FedMAE-KS): keys the server declared excluded keep this
+  warm-up then cosine to ``min_lr``, indexed by round); ``samples`` = |D_k|, every image of the site (SSL-FL
+  weights the average by local data size).  Data-side randomness (augmentation, batch order, masks, the k-means
+  image sample) uses the site's seed ``fedssl.core.seeds.site_seed(seed, site)``; the model's initial weights
+  use the job seed, so every site builds the same initial model.  Knowledge split (FedMAE-KS): keys the server declared excluded keep this
   site's values; any other missing or unexpected key is an error.
 - :class:`KMeansPatches`: seeded samples of the site's patch vectors and its k-means answers (local
   centroids, E-step statistics), each a mean or sum of at least ``min_cluster_size`` patch vectors; no image
@@ -24,6 +26,7 @@ import torch
 
 from fedssl.core.checks import require, require_choice, require_int
 from fedssl.core.mim import METHODS, MIMTrainer
+from fedssl.core.seeds import site_seed
 from fedssl.core.tokenizer import (
     codebook_description,
     init_codebook,
@@ -64,11 +67,15 @@ def check_mim_args(name: str, a: Mapping[str, Any]) -> None:
     require(isinstance(mask_ratio, (int, float)) and not isinstance(mask_ratio, bool) and 0 < mask_ratio < 1,
             name, "mask_ratio", mask_ratio, "use a fraction in (0, 1): MAE 0.6 (SSL-FL) / 0.75 (FedMAE), BEiT 0.4")
     require(_positive_number(a["lr"]), name, "lr", a["lr"], "use a positive learning rate (Table I, e.g. 1e-3)")
-    require(isinstance(a["lr_per_256"], bool), name, "lr_per_256", a["lr_per_256"], "use true or false")
+    require(isinstance(a["lr_per_256"], bool), name, "lr_per_256", a["lr_per_256"],
+            "use false (lr is the absolute rate, SSL-FL Table I) or true (lr is MAE's base rate per 256 images)")
     wd = a["weight_decay"]
     require(isinstance(wd, (int, float)) and not isinstance(wd, bool) and wd >= 0,
             name, "weight_decay", wd, "use a non-negative weight decay (paper: 0.05)")
     require_int(name, "batch_size", a["batch_size"], 1, "use a positive batch size (Table I, e.g. 128)")
+    min_lr, peak = a["min_lr"], peak_lr(a["lr"], a["batch_size"], a["lr_per_256"])
+    require(isinstance(min_lr, (int, float)) and not isinstance(min_lr, bool) and 0 <= min_lr <= peak, name,
+            "min_lr", min_lr, f"use 0 <= min_lr <= the peak lr {peak:g} (SSL-FL's scripts: Fed-BEiT 1e-5, Fed-MAE 0)")
     require_int(name, "local_epochs", a["local_epochs"], 1, "use at least one local epoch per round")
     require_int(name, "warmup_rounds", a["warmup_rounds"], 0, "use 0 or more warm-up rounds (MAE 5, BEiT 10)")
     require_int(name, "max_steps_per_round", a["max_steps_per_round"], 0,
@@ -91,7 +98,9 @@ def check_mim_args(name: str, a: Mapping[str, Any]) -> None:
 
 
 def peak_lr(lr: float, batch_size: int, lr_per_256: bool) -> float:
-    """The peak learning rate: ``lr x batch_size / 256`` (SSL-FL's / MAE's code) with ``lr_per_256``, else ``lr``."""
+    """The peak learning rate: ``lr`` itself (the default: SSL-FL's Table I eta is the absolute rate, e.g. Retina
+    Fed-MAE 1e-3 at batch 128, which its script reaches as blr 2e-3 x 128 / 256), or with ``lr_per_256``
+    ``lr x batch_size / 256`` (``lr`` is then MAE's base rate per 256 images, as MAE's and FedMAE's papers quote)."""
     return lr * batch_size / 256 if lr_per_256 else lr
 
 
@@ -144,18 +153,22 @@ class MIMLocalTrainer:
         vocab_size: BEiT's number of visual tokens (= codebook size K; DALL-E 8192).
         mask_ratio: MAE: fraction of patches masked (SSL-FL 0.6, FedMAE 0.75); BEiT: the maximum
             fraction of the block-wise mask (0.4).
-        lr: base learning rate eta of Table I; with ``lr_per_256`` the peak rate is
-            lr x batch_size / 256 (SSL-FL's / MAE's code), else lr itself.
+        lr: the peak learning rate, absolute: SSL-FL Table I's eta (Retina Fed-MAE 1e-3 at batch 128, Fed-BEiT
+            1.5e-3 at 256; Derm 7.5e-4 / 3e-3 at 128; COVID-FL 3.75e-4 / 1.5e-3 at 64).
+        lr_per_256: false (default): ``lr`` is the absolute peak rate; true: ``lr`` is MAE's base rate per 256
+            images and the peak is lr x batch_size / 256 (for papers that quote MAE's blr).
+        min_lr: the rate the cosine decays to at the last round (SSL-FL's scripts: Fed-BEiT 1e-5, Fed-MAE 0).
         weight_decay: AdamW (betas 0.9, 0.999) weight decay, 0.05.
         batch_size: images per mini-batch (Table I).
         local_epochs: E, epochs over the site's images per round (SSL-FL 1; FedMAE 10).
-        warmup_rounds: linear warm-up, in rounds (MAE 5, BEiT 10); then cosine decay to 0 at the last round.
+        warmup_rounds: linear warm-up, in rounds (MAE 5, BEiT 10); then cosine decay to ``min_lr`` at the last round.
         max_steps_per_round: 0 = full epochs; > 0 caps the optimiser steps per round (quick CPU profile).
         clip_grad: gradient-norm clipping (0 = off; SSL-FL's BEiT code clips at 3.0).
         amp: bfloat16 autocast (GPU throughput; the paper trains in mixed precision).
         tokenizer_path: BEiT only: a local tokenizer (codebook .pt or TorchScript dVAE encoder);
             "" = the federated k-means codebook stored at ``codebook_path``.
-        seed: model initialisation (all sites alike: they start from the same weights), masks, batches.
+        seed: the job seed: model initialisation (all sites alike: they start from the same weights); the
+            site's data seed ``site_seed(seed, site)`` draws augmentations, batches and masks.
         device: a torch device.
     """
 
@@ -163,14 +176,14 @@ class MIMLocalTrainer:
                  method: str = "mae", dataset: str = "retina", image_size: int = 224, patch_size: int = 16,
                  embed_dim: int = 768, depth: int = 12, num_heads: int = 12, decoder_embed_dim: int = 512,
                  decoder_depth: int = 8, decoder_num_heads: int = 16, norm_pix_loss: bool = True,
-                 vocab_size: int = 8192, mask_ratio: float = 0.6, lr: float = 1e-3, lr_per_256: bool = True,
-                 weight_decay: float = 0.05, batch_size: int = 128, local_epochs: int = 1, warmup_rounds: int = 5,
+                 vocab_size: int = 8192, mask_ratio: float = 0.6, lr: float = 1e-3, lr_per_256: bool = False,
+                 min_lr: float = 0.0, weight_decay: float = 0.05, batch_size: int = 128, local_epochs: int = 1, warmup_rounds: int = 5,
                  max_steps_per_round: int = 0, clip_grad: float = 0.0, amp: bool = False, tokenizer_path: str = "",
                  seed: int = 0, device: str | torch.device = "cpu"):
-        self.site, self.method, self.seed = site, method, seed
+        self.site, self.method, self.seed, self.data_seed = site, method, seed, site_seed(seed, site)
         self.batch_size, self.local_epochs, self.max_steps_per_round = batch_size, local_epochs, max_steps_per_round
         self.peak_lr = peak_lr(lr, batch_size, lr_per_256)
-        self.dataset = ImageDataset(records, image_size, "pretrain", dataset, site=site, seed=seed)
+        self.dataset = ImageDataset(records, image_size, "pretrain", dataset, site=site, seed=self.data_seed)
         tokenizer, self.tokenizer_description = None, ""
         if method == "beit":
             tokenizer, self.tokenizer_description = site_tokenizer(site, tokenizer_path, codebook_path, vocab_size)
@@ -178,7 +191,8 @@ class MIMLocalTrainer:
                                 decoder_depth, decoder_num_heads, norm_pix_loss, vocab_size, seed)
         self.trainer = MIMTrainer(model, method, lr=self.peak_lr, weight_decay=weight_decay,
                                   warmup_rounds=warmup_rounds, total_rounds=num_rounds, mask_ratio=mask_ratio,
-                                  tokenizer=tokenizer, device=device, seed=seed, clip_grad=clip_grad or None, amp=amp)
+                                  tokenizer=tokenizer, device=device, seed=self.data_seed, min_lr=min_lr,
+                                  clip_grad=clip_grad or None, amp=amp)
         self.kept_local: list[str] = []  # the keys the last broadcast held back (FedMAE-KS)
 
     @property
@@ -199,7 +213,7 @@ class MIMLocalTrainer:
         def round_batches():
             done = 0
             for e in range(self.local_epochs):
-                for imgs, _ in batches(self.dataset, self.batch_size, seed=self.seed,
+                for imgs, _ in batches(self.dataset, self.batch_size, seed=self.data_seed,
                                        epoch=round_idx * self.local_epochs + e):
                     check_stop(should_stop)
                     if done >= steps:
@@ -239,7 +253,9 @@ class KMeansPatches:
     the site's answers, in which every statistic is a mean (or sum) of at least ``min_cluster_size`` vectors:
     a cluster with fewer members is suppressed (zero sum, zero count, see
     :func:`fedssl.core.tokenizer.suppress_small_clusters`), because a one-member cluster's sum is a raw patch.
-    ``min_cluster_size`` (>= 2) is the larger of the site's own setting and the server's."""
+    ``min_cluster_size`` (>= 2) is the larger of the site's own setting and the server's.  The server's k-means
+    ``seed`` is a job seed: the image sample and the local k-means++ start use ``site_seed(seed, site)``, so the
+    sites draw independent samples."""
 
     def __init__(self, records: Sequence[ImageRecord], *, dataset: str, image_size: int, patch_size: int,
                  site: str = "?", seed: int = 0):
@@ -248,10 +264,11 @@ class KMeansPatches:
         self._sample: tuple[tuple, torch.Tensor] | None = None  # (sample key, patch vectors)
 
     def vectors(self, n_images: int, seed: int) -> torch.Tensor:
-        """Patch vectors of ``n_images`` images drawn with ``seed`` (0 = every image), cached per sample."""
+        """Patch vectors of ``n_images`` images drawn with the site's seed of the job seed ``seed`` (0 = every
+        image), cached per sample."""
         key = (int(n_images), int(seed))
         if self._sample is None or self._sample[0] != key:
-            order = np.random.default_rng([key[1], 7]).permutation(len(self.records))
+            order = np.random.default_rng([site_seed(key[1], self.site), 7]).permutation(len(self.records))
             chosen = [self.records[i] for i in sorted(order[: key[0]] if key[0] else order)]
             ds = ImageDataset(chosen, self.image_size, "eval", self.dataset, site=self.site, seed=self.seed)
             p = self.patch_size
@@ -267,7 +284,7 @@ class KMeansPatches:
 
     def local_centroids(self, k: int, n_images: int, seed: int, iters: int, min_cluster_size: int,
                         should_stop: Callable[[], bool] | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The site's local k-means: k-means++ start (generator ``seed + 1``), then ``iters`` >= 1 Lloyd steps on
+        """The site's local k-means: k-means++ start (generator ``site_seed(seed, site) + 1``), then ``iters`` >= 1 Lloyd steps on
         the sample -> (centroids [K, D], counts [K], number of vectors).  The centroids are the last Lloyd
         step's cluster means (the k-means++ seeds, single patches, never leave); clusters of fewer than
         ``min_cluster_size`` vectors are suppressed (zero centroid, zero count)."""
@@ -279,7 +296,7 @@ class KMeansPatches:
         if x.shape[0] < k:
             raise ValueError(f"{self.site}: only {x.shape[0]} patch vectors for K={k} local centroids; raise the "
                              "server's images_per_site or lower vocab_size")
-        codebook = init_codebook(x, k, generator=torch.Generator().manual_seed(seed + 1))
+        codebook = init_codebook(x, k, generator=torch.Generator().manual_seed(site_seed(int(seed), self.site) + 1))
         for _ in range(iters):
             check_stop(should_stop)
             sums, counts = kmeans_stats(x, codebook)

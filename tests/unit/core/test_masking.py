@@ -1,7 +1,7 @@
-from collections import deque
-
 import pytest
 import torch
+
+torch.set_num_threads(1)
 
 from fedssl.core.masking import (
     block_mask_target,
@@ -11,28 +11,6 @@ from fedssl.core.masking import (
     num_masked,
     random_masking,
 )
-
-
-def components(mask: torch.Tensor, h: int, w: int) -> list[int]:
-    """Sizes of the 4-connected masked regions of a flat [h*w] mask."""
-    grid = mask.reshape(h, w).tolist()
-    seen = [[False] * w for _ in range(h)]
-    sizes = []
-    for i in range(h):
-        for j in range(w):
-            if grid[i][j] and not seen[i][j]:
-                seen[i][j] = True
-                queue, size = deque([(i, j)]), 0
-                while queue:
-                    a, b = queue.popleft()
-                    size += 1
-                    for da, db in ((1, 0), (-1, 0), (0, 1), (0, -1)):
-                        x, y = a + da, b + db
-                        if 0 <= x < h and 0 <= y < w and grid[x][y] and not seen[x][y]:
-                            seen[x][y] = True
-                            queue.append((x, y))
-                sizes.append(size)
-    return sizes
 
 
 @pytest.mark.parametrize("ratio,expected", [(0.6, 118), (0.75, 147), (0.3, 59), (0.5, 98)])
@@ -70,27 +48,27 @@ def test_random_masking_rejects_bad_ratios():
             random_masking(2, 64, bad)
 
 
-def test_block_masking_budget_and_defaults():
-    assert block_mask_target(196, 0.4) == 78 and block_mask_target(64, 0.4) == 25
+def test_block_masking_budget_is_the_reference_budget():
+    """SSL-FL code/util/datasets.py: num_mask_patches = round(ratio * 196 / 5) * 5, scaled here by grid area:
+    0.4 -> round(15.68) * 5 = 80 of 196; 80 * 64 / 196 = 26.1 -> 26; 0.5 -> round(19.6) * 5 = 100;
+    80 * 4 / 196 = 1.6 -> 2 on a 2 x 2 grid."""
+    assert block_mask_target(196, 0.4) == 80 and block_mask_target(64, 0.4) == 26
+    assert block_mask_target(196, 0.5) == 100 and block_mask_target(4, 0.4) == 2
     assert default_min_block(196) == 16 and default_min_block(64) == 5 and default_min_block(4) == 1
+
+
+def test_block_masks_mask_40_percent_on_average_as_the_reference():
+    """SSL-FL sec. IV-A.3 masks "at most 40%" with BEiT's generator; over 2000 masks a port of the reference
+    generator masks 0.406 of the 14 x 14 grid on average (the old budget floor(0.4 L) = 78 with blocks under
+    16 patches redrawn gave 0.385)."""
     g = torch.Generator().manual_seed(0)
     for h, w in ((14, 14), (8, 8)):
-        masks = block_masks(200, h, w, 0.4, generator=g)
+        masks = block_masks(1000, h, w, 0.4, generator=g)
         counts = masks.sum(dim=1).float()
-        target = block_mask_target(h * w, 0.4)
-        assert masks.shape == (200, h * w) and masks.dtype == torch.bool
-        assert counts.max() <= target  # never above 40 %
-        assert counts.mean() >= 0.9 * target  # BEiT's generator fills the budget nearly always
-        assert len({tuple(m.tolist()) for m in masks}) >= 190  # one independent mask per sample
-
-
-def test_block_masks_are_blocks_of_at_least_min_block_patches():
-    g = torch.Generator().manual_seed(4)
-    for (h, w), min_block in (((14, 14), 16), ((8, 8), 5), ((14, 14), 9)):
-        for _ in range(60):
-            m = block_masking(h, w, 0.4, min_block, generator=g)
-            sizes = components(m, h, w)
-            assert sizes and min(sizes) >= min_block
+        assert masks.shape == (1000, h * w) and masks.dtype == torch.bool
+        assert counts.max() <= block_mask_target(h * w, 0.4)  # never above the budget
+        assert 0.398 <= counts.mean().item() / (h * w) <= 0.414
+        assert len({tuple(m.tolist()) for m in masks[:200]}) == 200  # one independent mask per sample
 
 
 def test_block_masking_is_seeded():

@@ -1,5 +1,5 @@
-"""FederatedKMeans workflow with FLARE's broadcast faked: federated Lloyd == centralised Lloyd on the union
-of the sites' patch vectors; the codebook is written once and sent once; and every contribution a site could
+"""FederatedKMeans workflow with FLARE's broadcast faked: on tiny points the codebook is the hand-computed
+count-weighted cluster means; the codebook is written once and sent once; and every contribution a site could
 forge (overflowing float64, inflated counts or sample, sums beyond the patch-vector norm, clusters below
 min_cluster_size, wrong types, shapes, iterations, names) is left out, with the site named, while the others
 finish the run: the codebook is then bit for bit the one the honest sites alone give."""
@@ -16,8 +16,7 @@ from nvflare.apis.signal import Signal
 
 from fedssl.core.patches import normalize_patches
 from fedssl.core.tokenizer import (PatchTokenizer, codebook_description, init_codebook, kmeans_stats, kmeans_update,
-                                   lloyd_step, load_tokenizer, random_codebook, site_kmeans_stats,
-                                   suppress_small_clusters)
+                                   load_tokenizer, site_kmeans_stats, suppress_small_clusters)
 from fedssl.flare.constants import ITER_KEY, K_KEY, KMEANS_INIT, KMEANS_STEP, LOCAL_TOKENIZER_KEY, SET_TOKENIZER
 from fedssl.flare.federated_kmeans import FederatedKMeans, KMeansError
 from fedssl.flare.run_summary import SUMMARY_RECORD_EVENT
@@ -73,9 +72,10 @@ def honest_reply(task_name, dxo, x):
     return DXO(DataKind.METRICS, data={"stored": 1})
 
 
-def controller(tmp_path, sites=SITES, tamper=None, local_sites=(), intruder=None, **kw):
-    """A FederatedKMeans whose broadcast runs the sites' k-means maths in-process (as MIMExecutor does).
-    ``tamper(site, task_name, dxo)`` may replace a site's reply (a DXO or a Shareable) or return None."""
+def controller(tmp_path, sites=SITES, tamper=None, local_sites=(), intruder=None, reply=honest_reply, **kw):
+    """A FederatedKMeans whose broadcast runs the sites' k-means maths in-process (``reply``, by default as
+    MIMExecutor does).  ``tamper(site, task_name, dxo)`` may replace a site's reply (a DXO or a Shareable) or
+    return None."""
     args = dict(vocab_size=K, n_iters=3, local_iters=1, min_clients=2, seed=5, min_cluster_size=M, **SHAPE)
     args.update(kw)
     ctrl = FederatedKMeans(**args)
@@ -91,7 +91,7 @@ def controller(tmp_path, sites=SITES, tamper=None, local_sites=(), intruder=None
             if task.name == KMEANS_INIT and site in local_sites:
                 result = DXO(DataKind.COLLECTION, data={}, meta={LOCAL_TOKENIZER_KEY: "local: /tok.pt"})
             else:
-                result = honest_reply(task.name, dxo, x)
+                result = reply(task.name, dxo, x)
             forged = tamper(site, task.name, result) if tamper else None
             result = result if forged is None else forged
             ct.result = result.to_shareable() if isinstance(result, DXO) else result
@@ -113,34 +113,84 @@ def codebook(tmp_path):
     return load_tokenizer(str(tmp_path / "tokenizer_codebook.pt")).codebook
 
 
-def test_federated_lloyd_equals_centralised_lloyd_on_the_union(tmp_path):
-    ctrl, sent, events = controller(tmp_path)
-    run(ctrl, tmp_path)
-    assert all(h["withheld_vectors"] == 0 for h in ctrl.history)  # no cluster below M here: plain Lloyd
-    # expected: k-means++ over the pooled local means, then n_iters Lloyd steps on all vectors together
-    pooled = torch.cat([c[n > 0] for c, n in (local_means(x) for x in SITES.values())])
-    expected = init_codebook(pooled, K, generator=torch.Generator().manual_seed(5))
-    union = torch.cat(list(SITES.values()))
-    for _ in range(3):
-        expected = lloyd_step(union, expected)
+def point(a, b):
+    """A patch vector of D = 12 values that are 0 but the first two: hand-computable centroids."""
+    return [a, b] + [0.0] * (D - 2)
+
+
+#: two groups (x > 0, x < 0) split unevenly between two sites, so the count weighting matters:
+#: union of the x > 0 points: (1,0) (2,0) (2,2) (3,1) (3,0) -> sum (11, 3) / 5 = (2.2, 0.6)
+#: union of the x < 0 points: (-1,0) (-2,0) (-1,-1) (-3,-1) -> sum (-7, -2) / 4 = (-1.75, -0.5)
+#: (the mean of the two sites' x > 0 means, (1.5, 0) and (8/3, 1), unweighted, would be (2.083, 0.5))
+HAND_SITES = {
+    "site-a": torch.tensor([point(1, 0), point(2, 0), point(-1, 0), point(-2, 0)]),
+    "site-b": torch.tensor([point(2, 2), point(3, 1), point(3, 0), point(-1, -1), point(-3, -1)]),
+}
+#: what each site's local k-means sends in kmeans_init, written by hand: its two group means and their sizes
+HAND_LOCAL_MEANS = {
+    "site-a": ([point(1.5, 0), point(-1.5, 0)], [2, 2]),
+    "site-b": ([point(8 / 3, 1), point(-2, -1)], [3, 2]),
+}
+
+
+def oracle_e_step(x, codebook, m):
+    """The E-step by explicit loops (not fedssl's code): nearest centroid, per-cluster sums and counts,
+    clusters of fewer than m vectors sent as zero, and the cost of the vectors still reported."""
+    k = codebook.shape[0]
+    sums, counts, cost = np.zeros((k, D)), np.zeros(k, dtype=np.int64), np.zeros(k)
+    for v in x.double().numpy():
+        d2 = [float(((v - c) ** 2).sum()) for c in codebook.double().numpy()]
+        j = d2.index(min(d2))
+        sums[j] += v
+        counts[j] += 1
+        cost[j] += d2[j]
+    small = counts < m
+    sums[small], counts[small], cost[small] = 0, 0, 0
+    return sums, counts, float(cost.sum())
+
+
+def hand_reply(task_name, dxo, x):
+    site = next(name for name, v in HAND_SITES.items() if v is x)
+    if task_name == KMEANS_INIT:
+        means, counts = HAND_LOCAL_MEANS[site]
+        return DXO(DataKind.COLLECTION, data={"centroids": np.array(means, np.float32), "counts": np.array(counts)},
+                   meta={"patch_size": P, "n_vectors": x.shape[0]})
+    if task_name == KMEANS_STEP:
+        sums, counts, sse = oracle_e_step(x, torch.as_tensor(dxo.data["codebook"]), dxo.get_meta_prop("min_cluster_size"))
+        return DXO(DataKind.COLLECTION, data={"sums": sums.astype(np.float32), "counts": counts},
+                   meta={ITER_KEY: dxo.get_meta_prop(ITER_KEY), "sse": sse, "n_vectors": x.shape[0]})
+    return DXO(DataKind.METRICS, data={"stored": 1})
+
+
+def test_federated_lloyd_gives_the_hand_computed_count_weighted_means(tmp_path):
+    """Seed 5's k-means++ over the four local means picks (-2, -1) then (1.5, 0): one seed per group, so the first
+    step assigns every point to its group and gives the group means (-1.75, -0.5) and (2.2, 0.6), which the second
+    step keeps.  Its cost: 1.8 + 0.4 + 2.0 + 0.8 + 1.0 (x > 0) + 0.8125 + 0.3125 + 0.8125 + 1.8125 (x < 0) = 9.75
+    over 9 vectors."""
+    ctrl, sent, events = controller(tmp_path, sites=HAND_SITES, reply=hand_reply, vocab_size=2, n_iters=2,
+                                    min_cluster_size=2)
+    run(ctrl, tmp_path, clients=tuple(HAND_SITES))
+    expected = torch.tensor([point(-1.75, -0.5), point(2.2, 0.6)])
     tok = load_tokenizer(str(tmp_path / "tokenizer_codebook.pt"))
     assert isinstance(tok, PatchTokenizer) and tok.patch_size == P
-    torch.testing.assert_close(tok.codebook, expected.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tok.codebook, expected, rtol=0, atol=1e-6)
+    first_step = from_shareable(sent[1].data).data["codebook"]  # the k-means++ seeds, broadcast in step 0
+    np.testing.assert_allclose(first_step, np.array([point(-2, -1), point(1.5, 0)]), rtol=0, atol=1e-6)
+    assert ctrl.history[1]["mean_sq_distance"] == pytest.approx(9.75 / 9)
+    assert [h["vectors"] for h in ctrl.history] == [9, 9] and ctrl.history[1]["mean_centroid_shift"] == 0.0
     # the exchanges: one init, n_iters steps, the codebook sent once; never an image, only codebooks go down
-    assert [t.name for t in sent] == [KMEANS_INIT, KMEANS_STEP, KMEANS_STEP, KMEANS_STEP, SET_TOKENIZER]
+    assert [t.name for t in sent] == [KMEANS_INIT, KMEANS_STEP, KMEANS_STEP, SET_TOKENIZER]
     first = from_shareable(sent[0].data)
-    assert first.data == {} and first.get_meta_prop("min_cluster_size") == M
+    assert first.data == {} and first.get_meta_prop("min_cluster_size") == 2
     final = from_shareable(sent[-1].data)
-    np.testing.assert_allclose(final.data["codebook"], expected.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(final.data["codebook"], expected.numpy(), rtol=0, atol=1e-6)
     assert final.get_meta_prop("patch_size") == P
     # the run summary learns which tokenizer was used
     (event, record), = events
-    assert event == SUMMARY_RECORD_EVENT and record["tokenizer"] == f"federated k-means K={K}, iters=3"
+    assert event == SUMMARY_RECORD_EVENT and record["tokenizer"] == "federated k-means K=2, iters=2"
     details = record["tokenizer_details"]
-    assert details["sites"] == sorted(SITES) and len(details["iterations"]) == 3 and details["min_cluster_size"] == M
+    assert details["sites"] == sorted(HAND_SITES) and len(details["iterations"]) == 2 and details["min_cluster_size"] == 2
     assert codebook_description(str(tmp_path / "tokenizer_codebook.pt")) == record["tokenizer"]
-    # Lloyd never increases the cost: the centroid shift shrinks to ~0 on this well-separated data
-    assert details["iterations"][-1]["mean_centroid_shift"] <= details["iterations"][0]["mean_centroid_shift"] + 1e-9
 
 
 def test_small_clusters_are_withheld_and_counted(tmp_path):
@@ -155,15 +205,23 @@ def test_small_clusters_are_withheld_and_counted(tmp_path):
     assert all(h["withheld_vectors"] > 0 for h in ctrl.history)
 
 
-def test_random_init_is_data_free_and_still_centralised_lloyd(tmp_path):
-    ctrl, sent, _ = controller(tmp_path, init="random")
+def test_random_init_is_data_free_and_each_step_is_the_count_weighted_mean_of_the_replies(tmp_path):
+    """init="random": the sites send only their patch size; every later codebook is, row by row, the sum of the
+    sites' sums over the sum of their counts (computed here by explicit loops), a row no site reports unchanged."""
+    replies = []
+    ctrl, sent, _ = controller(tmp_path, init="random",
+                               tamper=lambda site, name, dxo: replies.append((name, dxo.data)) and None)
     run(ctrl, tmp_path)
-    expected = random_codebook(K, P, torch.Generator().manual_seed(5))
-    union = torch.cat(list(SITES.values()))
-    for _ in range(3):
-        expected = lloyd_step(union, expected)
-    torch.testing.assert_close(codebook(tmp_path), expected.float(), rtol=1e-5, atol=1e-5)
     assert from_shareable(sent[0].data).get_meta_prop("init") == "random"
+    assert [data for name, data in replies if name == KMEANS_INIT] == [{}] * 3  # data-free: no centroid leaves
+    steps = [data for name, data in replies if name == KMEANS_STEP]
+    codebooks = [from_shareable(t.data).data["codebook"] for t in sent[1:]]  # steps 0..2, then the final one
+    for it in range(3):
+        old, new = codebooks[it], codebooks[it + 1]
+        for k in range(K):
+            total = sum(float(r["counts"][k]) for r in steps[3 * it: 3 * it + 3])
+            expected = old[k] if total == 0 else sum(r["sums"][k].astype(np.float64) for r in steps[3 * it: 3 * it + 3]) / total
+            np.testing.assert_allclose(new[k], expected, rtol=1e-5, atol=1e-6)
 
 
 def test_too_few_sites_stops_the_job_with_a_clear_error(tmp_path):
@@ -216,11 +274,15 @@ def test_bad_args_name_the_argument(kw, needle):
         FederatedKMeans(**kw)
 
 
-def test_update_math_is_the_core_m_step():
-    """The controller's M-step is kmeans_update over the sites' statistics: equal to pooling the vectors."""
-    c = torch.randn(K, D)
-    per_site = kmeans_update(c, [kmeans_stats(x, c) for x in SITES.values()])
-    torch.testing.assert_close(per_site, lloyd_step(torch.cat(list(SITES.values())), c))
+def test_m_step_weights_each_site_by_its_counts_by_hand():
+    """Centroid 0: site 1 sends sum (2, 4) of 2 vectors, site 2 sum (4, 4) of 1 -> (6, 8) / 3; centroid 1 has no
+    vector anywhere and keeps (5, 5); centroid 2: (8, 0) / 4 = (2, 0).  (Averaging the sites' means instead would
+    give (2.5, 3) for centroid 0.)"""
+    codebook = torch.tensor([[0.0, 0.0], [5.0, 5.0], [9.0, 9.0]])
+    site_1 = (torch.tensor([[2.0, 4.0], [0.0, 0.0], [0.0, 0.0]]), torch.tensor([2, 0, 0]))
+    site_2 = (torch.tensor([[4.0, 4.0], [0.0, 0.0], [8.0, 0.0]]), torch.tensor([1, 0, 4]))
+    new = kmeans_update(codebook, [site_1, site_2])
+    torch.testing.assert_close(new, torch.tensor([[2.0, 8 / 3], [5.0, 5.0], [2.0, 0.0]]), rtol=0, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------- a malicious site

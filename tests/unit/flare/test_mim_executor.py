@@ -64,6 +64,8 @@ def metrics(run_dir):
     ({"mask_ratio": 1.0}, "mask_ratio=1.0"),
     ({"lr": 0}, "lr=0"),
     ({"lr_per_256": 1}, "lr_per_256=1"),
+    ({"min_lr": -1e-5}, "min_lr=-1e-05"),
+    ({"min_lr": 2e-3, "lr": 1e-3}, "min_lr=0.002 is invalid; use 0 <= min_lr <= the peak lr 0.001"),
     ({"batch_size": 0}, "batch_size=0"),
     ({"local_epochs": 0}, "local_epochs=0"),
     ({"warmup_rounds": -1}, "warmup_rounds=-1"),
@@ -79,10 +81,13 @@ def test_bad_args_name_the_argument(kw, needle):
         MIMExecutor(**kw)
 
 
-def test_args_are_stored_verbatim_and_lr_scales_per_256():
+def test_lr_is_the_absolute_rate_of_table_i_unless_per_256_is_asked():
+    """SSL-FL Table I: Retina Fed-MAE eta = 1e-3 at B = 128 is the absolute rate (the reference script passes
+    blr 2e-3 and computes 2e-3 x 128 / 256 = 1e-3); the old default scaled it again to 5e-4."""
     ex = MIMExecutor(lr=1e-3, batch_size=128)
-    assert ex.lr == 1e-3 and ex.batch_size == 128 and ex.peak_lr == pytest.approx(5e-4)  # SSL-FL MAE code
-    assert MIMExecutor(lr=1.5e-3, batch_size=256, lr_per_256=False).peak_lr == 1.5e-3  # BEiT code: no scaling
+    assert ex.lr == 1e-3 and ex.batch_size == 128 and ex.lr_per_256 is False and ex.peak_lr == 1e-3
+    assert MIMExecutor(lr=2e-3, batch_size=128, lr_per_256=True).peak_lr == pytest.approx(1e-3)  # MAE's blr
+    assert MIMExecutor(lr=1.5e-3, batch_size=256, min_lr=1e-5).min_lr == 1e-5  # Fed-BEiT Retina, BEiT's min lr
 
 
 def test_mae_train_task_returns_weights_image_count_and_loss(data, tmp_path):

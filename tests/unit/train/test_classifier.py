@@ -8,10 +8,13 @@ import numpy as np
 import pytest
 import torch
 
+torch.set_num_threads(1)
+
 from fedssl.core.classification import UntrainedHeadError
+from fedssl.core.seeds import site_seed
 from fedssl.core.trainer import StopRequested
 from fedssl.data.image_synthetic import write_synthetic_images
-from fedssl.data.images import load_image_records
+from fedssl.data.images import load_image_records, select_labelled, train_val_split
 from fedssl.models.vit_classifier import FineTuneViT
 from fedssl.train.classifier import ClassifierLocalTrainer
 
@@ -28,8 +31,8 @@ def data(tmp_path_factory):
             load_image_records(str(root / "test"), "retina", site="site-1"))
 
 
-def trainer(records, **kw):
-    return ClassifierLocalTrainer(records, num_rounds=3, site="site-1", **{**ARGS, **kw})
+def trainer(records, site="site-1", **kw):
+    return ClassifierLocalTrainer(records, num_rounds=3, site=site, **{**ARGS, **kw})
 
 
 def round_half_up(x):
@@ -125,3 +128,16 @@ def test_checked_loading_of_the_global_model(data):
         t.load_global({k: v.numpy() for k, v in FineTuneViT(num_classes=3, **TINY).state_dict().items()})
     with pytest.raises(ValueError, match="decoder.pred.weight"):
         t.load_global({**partial, "head.weight": own_head, "decoder.pred.weight": np.zeros((2, 2), np.float32)})
+
+
+def test_sites_split_and_label_with_their_own_seed_but_build_the_same_model(data):
+    """Issue 13 item 9: with one job seed (0), site-1's validation split and 30 % labelled subset are the ones
+    site_seed(0, "site-1") draws, site-2's differ; both sites build the same initial weights (job seed)."""
+    records, _ = data
+    a, b = trainer(records, label_fraction=0.3), trainer(records, site="site-2", label_fraction=0.3)
+    for t, site in ((a, "site-1"), (b, "site-2")):
+        train, val = train_val_split(records, 0.2, seed=site_seed(0, site))
+        assert [r.path for r in t.val_set.records] == [r.path for r in val]
+        assert [r.path for r in t.train_set.records] == [r.path for r in select_labelled(train, 0.3, seed=site_seed(0, site))]
+    assert [r.path for r in a.val_set.records] != [r.path for r in b.val_set.records]
+    assert all(torch.equal(v, b.model.state_dict()[k]) for k, v in a.model.state_dict().items())

@@ -6,10 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from fedssl.core.tokenizer import PatchTokenizer, init_codebook, kmeans_stats, kmeans_update
+torch.set_num_threads(1)
+
+from fedssl.core.seeds import site_seed
+from fedssl.core.tokenizer import PatchTokenizer, init_codebook, kmeans_stats, kmeans_update, patch_vectors
 from fedssl.core.trainer import StopRequested
 from fedssl.data.image_synthetic import write_synthetic_images
-from fedssl.data.images import load_image_records
+from fedssl.data.images import ImageDataset, load_image_records
 from fedssl.models.vit import TINY_DECODER, TINY_VIT, MAEViT
 from fedssl.train.mim import KMeansPatches, MIMLocalTrainer, peak_lr
 
@@ -27,8 +30,8 @@ def records(tmp_path_factory):
     return load_image_records(str(root), "retina", site="site-1")
 
 
-def mae(records, **kw):
-    return MIMLocalTrainer(records, num_rounds=3, site="site-1", **{**TINY, "max_steps_per_round": 2, **kw})
+def mae(records, site="site-1", **kw):
+    return MIMLocalTrainer(records, num_rounds=3, site=site, **{**TINY, "max_steps_per_round": 2, **kw})
 
 
 def global_weights():
@@ -46,8 +49,30 @@ def stop_after(n):
     return should_stop
 
 
-def test_peak_lr_scales_per_256_only_when_asked():
-    assert peak_lr(1e-3, 128, True) == pytest.approx(5e-4) and peak_lr(1.5e-3, 256, False) == 1.5e-3
+def test_peak_lr_is_absolute_unless_per_256_is_asked(records):
+    """SSL-FL Table I eta is absolute (Retina Fed-MAE 1e-3 at B = 128 = the script's blr 2e-3 x 128 / 256)."""
+    assert peak_lr(1e-3, 128, False) == 1e-3 and peak_lr(2e-3, 128, True) == pytest.approx(1e-3)
+    default = MIMLocalTrainer(records, num_rounds=3, site="site-1",
+                              **{k: v for k, v in TINY.items() if k not in ("lr_per_256", "batch_size")})
+    assert default.peak_lr == 1e-3  # the trainer's default: lr is not rescaled by batch_size / 256
+
+
+def test_min_lr_is_where_the_cosine_ends(records):
+    """BEiT's min lr 1e-5 (SSL-FL run_beit_pretrain_FedAvg.py): 3 rounds, 1 warm-up round, peak 1e-3:
+    progress 2 is half-way down the cosine, 1e-5 + (1e-3 - 1e-5) / 2 = 5.05e-4; the last round ends at 1e-5."""
+    t = mae(records, min_lr=1e-5)
+    assert t.trainer.lr_at(1.0) == pytest.approx(1e-3) and t.trainer.lr_at(2.0) == pytest.approx(5.05e-4)
+    assert t.trainer.lr_at(3.0) == pytest.approx(1e-5)
+
+
+def test_sites_draw_their_own_data_from_one_job_seed_and_start_from_the_same_model(records):
+    """Issue 13 item 9: two sites with the same images and job seed 0 build identical initial weights but draw
+    their own augmentations, batches and masks (site_seed(0, site)); a run outside FLARE (site "") keeps seed 0."""
+    a, b = mae(records, site="site-1"), mae(records, site="site-2")
+    assert (a.data_seed, b.data_seed) == (site_seed(0, "site-1"), site_seed(0, "site-2"))
+    assert a.data_seed != b.data_seed and mae(records, site="").data_seed == 0
+    assert all(torch.equal(v, b.model.state_dict()[k]) for k, v in a.model.state_dict().items())
+    assert a.train_round(0).loss != b.train_round(0).loss  # same weights, same images: only the draws differ
 
 
 def test_round_is_capped_and_reports_image_count_and_lr(records):
@@ -124,7 +149,7 @@ def test_beit_with_a_local_codebook_and_a_missing_federated_one(records, tmp_pat
 def test_kmeans_patches_sample_centroids_and_e_step(records):
     p = KMeansPatches(records, dataset="retina", image_size=32, patch_size=4, site="site-1")
     x = p.vectors(6, 0)
-    assert x.shape == (6 * 64, 48) and p.vectors(6, 0) is x  # cached per (images, seed)
+    assert x.shape == (6 * 64, 48) and torch.equal(p.vectors(6, 0), x)
     assert not torch.equal(p.vectors(6, 1), x)
     centroids, counts, n = p.local_centroids(VOCAB, 6, 0, iters=1, min_cluster_size=2)
     assert centroids.shape == (VOCAB, 48) and n == 6 * 64 and int(counts.sum()) <= n
@@ -148,13 +173,13 @@ def test_kmeans_answers_are_means_of_at_least_m_vectors_never_seeds(records):
     k-means++ seeds (single patches) never leave; m < 2 and local_iters < 1 are refused."""
     p = KMeansPatches(records, dataset="retina", image_size=32, patch_size=4, site="site-1")
     x = p.vectors(6, 0)
-    seeds = init_codebook(x, VOCAB, generator=torch.Generator().manual_seed(1))
+    seeds = init_codebook(x, VOCAB, generator=torch.Generator().manual_seed(site_seed(0, "site-1") + 1))
     after_one = kmeans_update(seeds, [kmeans_stats(x, seeds)])
     sums, full_counts = kmeans_stats(x, seeds)  # the assignment the one Lloyd step averaged
-    for m in (2, 40):
+    for m in (5, 40):
         centroids, counts, _ = p.local_centroids(VOCAB, 6, 0, iters=1, min_cluster_size=m)
         kept = full_counts >= m
-        assert 0 < int(kept.sum()) < VOCAB  # this sample has clusters on both sides of m = 40
+        assert 0 < int(kept.sum()) < VOCAB  # this sample has clusters on both sides of m = 5 and of m = 40
         assert torch.equal(counts, torch.where(kept, full_counts, 0))
         torch.testing.assert_close(centroids[kept], after_one[kept].float())
         assert (centroids[~kept] == 0).all()
@@ -166,3 +191,19 @@ def test_kmeans_answers_are_means_of_at_least_m_vectors_never_seeds(records):
             p.e_step(seeds, 6, 0, min_cluster_size=bad)
     with pytest.raises(ValueError, match="local_iters=0; use at least one local Lloyd step"):
         p.local_centroids(VOCAB, 6, 0, iters=0, min_cluster_size=2)
+
+
+def test_each_site_samples_its_own_images_for_k_means(records):
+    """Issue 13 item 9: the server's k-means seed is a job seed; site-1 draws the 6 images that
+    default_rng([site_seed(0, "site-1"), 7]) picks, site-2 others; a site named "" keeps the job seed."""
+    def sample(site):
+        return KMeansPatches(records, dataset="retina", image_size=32, patch_size=4, site=site).vectors(6, 0)
+
+    def images_of(seed):
+        order = np.random.default_rng([seed, 7]).permutation(N_IMAGES)[:6]
+        ds = ImageDataset([records[i] for i in sorted(order)], 32, "eval", "retina", site="x")
+        return patch_vectors(torch.stack([ds[i][0] for i in range(6)]), 4).reshape(-1, 48)
+
+    assert torch.equal(sample("site-1"), images_of(site_seed(0, "site-1")))
+    assert torch.equal(sample("site-2"), images_of(site_seed(0, "site-2")))
+    assert torch.equal(sample(""), images_of(0)) and not torch.equal(sample("site-1"), sample("site-2"))

@@ -1,5 +1,6 @@
-"""``fedssl sslfl <verb>``: SSL-FL (SSL-FL (Yan et al., IEEE TMI 2023)) image data sets and ViT fine-tuning: synthetic retina / derm / covidfl
-data and its site folders, the demo, local fine-tuning, encoder export, evaluation, training throughput."""
+"""``fedssl sslfl <verb>``: SSL-FL (Yan et al., IEEE TMI 2023) and FedMAE-KS image data sets and ViT fine-tuning:
+synthetic retina / derm / covidfl / derm_mel data and its site folders, the demo, local fine-tuning, encoder
+export, evaluation, training throughput."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def _synth_args(s) -> None:
     s.add_argument("--size", type=COUNT, default=64, help="image height in pixels")
     s.add_argument("--seed", type=SEED, default=0)
     s.add_argument("--sources", type=COUNT, default=None,
-                   help="acquisition sources (retina/derm default 4; covidfl real sites, 1-8, default 8)")
+                   help="acquisition sources (retina/derm default 4; derm_mel 3; covidfl real sites, 1-8, default 8)")
 
 
 def _synth(a) -> None:
@@ -31,27 +32,74 @@ def _synth(a) -> None:
           f"in {time.perf_counter() - t:.1f} s")
     print(f"classes: {counts}")
     print(f"sources: {', '.join(f'{k} {v}' for k, v in info['sources'].items())}")
+    if "clients" in info:
+        print(f"clients (split_real): {', '.join(f'{k} {v}' for k, v in info['clients'].items())}")
+
+
+#: the partition verb's built-in defaults (a job's ``meta.json`` "partition" object overrides them; flags win)
+PARTITION_DEFAULTS = {"sites": None, "alpha": 0.5, "split": "dirichlet", "release_split": None, "seed": 0,
+                      "test_fraction": 0.2, "min_per_site": 10}
 
 
 def _partition_args(s) -> None:
     s.add_argument("dataset", choices=list(DATASETS))
-    s.add_argument("src", help="the full data set in its real layout")
+    s.add_argument("src", help="the full data set in its real layout (covidfl / derm_mel: SSL-FL's release)")
     s.add_argument("out")
-    s.add_argument("--sites", type=COUNT, default=None,
-                   help="retina/derm: Dirichlet sites (default 5); covidfl: default one per real site")
-    s.add_argument("--alpha", type=POSITIVE, default=0.5, help="Dirichlet alpha: 100 / 1.0 / 0.5 = Split-1 / 2 / 3")
-    s.add_argument("--seed", type=SEED, default=0)
-    s.add_argument("--test-fraction", type=FRACTION, default=0.2)
-    s.add_argument("--min-per-site", type=NON_NEGATIVE, default=10, help="minimum training images per site (SSL-FL: 10)")
+    s.add_argument("--job", default=None, metavar="NAME|PATH",
+                   help="take the defaults from the job's meta.json \"partition\" object "
+                        "(e.g. fedmae_derm: IID, 10 sites)")
+    s.add_argument("--split", choices=["dirichlet", "iid"], default=None,
+                   help="dirichlet (SSL-FL, default) or iid (FedMAE-KS: random near-equal shards)")
+    s.add_argument("--sites", type=COUNT, default=None, help="number of split sites (default 5)")
+    s.add_argument("--alpha", type=POSITIVE, default=None,
+                   help="Dirichlet alpha: 100 / 1.0 / 0.5 = Split-1 / 2 / 3 (default 0.5)")
+    s.add_argument("--release-split", default=None,
+                   help="covidfl / derm_mel: the release's client lists <N>_clients/NAME (covidfl default split_real; "
+                        "'' = split anew with --split)")
+    s.add_argument("--seed", type=SEED, default=None)
+    s.add_argument("--test-fraction", type=FRACTION, default=None, help="retina/derm held-out share (default 0.2)")
+    s.add_argument("--min-per-site", type=NON_NEGATIVE, default=None,
+                   help="minimum training images per Dirichlet site (SSL-FL: 10)")
+
+
+def job_partition_defaults(job: str) -> dict:
+    """The "partition" object of a job's meta.json (``job`` = a job name under the repository's jobs/ or a folder),
+    checked against :data:`PARTITION_DEFAULTS`'s keys; {} when the job has none."""
+    from fedssl.ops.jobs import REPO_ROOT
+
+    folder = job if os.path.isdir(job) else os.path.join(REPO_ROOT, "jobs", job)
+    path = os.path.join(folder, "meta.json")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--job {job}: cannot read {path} ({e}); name a job folder with a meta.json") from e
+    part = meta.get("partition", {})
+    unknown = sorted(set(part) - set(PARTITION_DEFAULTS) - {"dataset"})
+    if not isinstance(part, dict) or unknown:
+        raise ValueError(f"{path}: \"partition\" must be an object with keys from {sorted(PARTITION_DEFAULTS)} "
+                         f"and dataset; unknown: {unknown}")
+    return part
+
+
+def partition_settings(a) -> dict:
+    """The partition arguments: a flag given on the command line, else the job's meta.json, else the default."""
+    job = job_partition_defaults(a.job) if a.job else {}
+    if job.get("dataset", a.dataset) != a.dataset:
+        raise ValueError(f"--job {a.job} partitions {job['dataset']} data, not {a.dataset}")
+    return {k: getattr(a, k) if getattr(a, k) is not None else job.get(k, d) for k, d in PARTITION_DEFAULTS.items()}
 
 
 def _partition(a) -> None:
     from fedssl.data.image_sites import format_partition_table, write_site_folders
 
-    part = write_site_folders(a.src, a.dataset, a.out, n_sites=a.sites, alpha=a.alpha, seed=a.seed,
-                              test_fraction=a.test_fraction, min_per_site=a.min_per_site)
-    how = "real sites" if a.dataset == "covidfl" else f"Dirichlet alpha={a.alpha}"
-    print(f"{part['n_sites']} site folders + test/ under {os.path.abspath(a.out)} ({how}, seed {a.seed}, "
+    o = partition_settings(a)
+    part = write_site_folders(a.src, a.dataset, a.out, n_sites=o["sites"], alpha=o["alpha"], seed=o["seed"],
+                              test_fraction=o["test_fraction"], min_per_site=o["min_per_site"], split=o["split"],
+                              release_split=o["release_split"])
+    how = (f"release clients {part['release_split']}" if part.get("release_split")
+           else "IID shards" if part["split"] == "iid" else f"Dirichlet alpha={part['alpha']}")
+    print(f"{part['n_sites']} site folders + test/ under {os.path.abspath(a.out)} ({how}, seed {part['seed']}, "
           f"images as {part['files']}s); counts in partition.json:")
     print(format_partition_table(part))
 
@@ -82,7 +130,7 @@ def _demo(a) -> None:
 
 
 def _vit_opts(s) -> None:
-    s.add_argument("--dataset", default="retina", choices=["retina", "derm", "covidfl"])
+    s.add_argument("--dataset", default="retina", choices=list(DATASETS))
     s.add_argument("--tiny", action="store_true", help="tiny ViT (32 px, patch 4, width 48, depth 2) on CPU")
     s.add_argument("--layer-scale", type=POSITIVE, default=None, help="0.1 for a Fed-BEiT encoder")
     s.add_argument("--device", default=None)
@@ -177,9 +225,9 @@ def _bench(a) -> None:
 
 
 VERBS = (
-    Verb("synth", "write a synthetic retina / derm / covidfl data set in its real layout", _synth_args, _synth,
+    Verb("synth", "write a synthetic retina / derm / covidfl / derm_mel data set in its real layout", _synth_args, _synth,
          alias="synth-images"),
-    Verb("partition", "held-out test set + Dirichlet (or COVID-FL real-site) site folders", _partition_args,
+    Verb("partition", "held-out test set + Dirichlet / IID (or the release's COVID-FL clients) site folders", _partition_args,
          _partition, alias="partition"),
     Verb("demo", "synthetic retina -> Split-3 -> Fed-MAE (or Fed-BEiT; FedMAE-KS on derm) -> federated fine-tuning "
                  "vs scratch (quick)", _demo_args, _demo, alias="demo-sslfl"),

@@ -1,4 +1,5 @@
-"""Seeded label-skew partitioners for image classification (SSL-FL, SSL-FL (Yan et al., IEEE TMI 2023)): Dirichlet and real-site.
+"""Seeded partitioners for image classification: Dirichlet label skew and real-site (SSL-FL (Yan et al., IEEE TMI
+2023)), and IID random shards (FedMAE-KS (Wu et al.), section V-B).
 
 :func:`dirichlet_split` has the semantics of SSL-FL's public splitter (``data/data_split.py``,
 ``non_iid_split_dirichlet``, itself the NIID-Bench "distribution-based label imbalance" splitter):
@@ -19,17 +20,22 @@ is returned sorted (the original shuffles it; order carries no information); if,
 non-capped site's share underflows to exactly 0, the class goes to the non-capped sites in equal shares
 (the original divides 0 by 0 and crashes).
 
-:func:`real_site_split` groups records by their real source site (COVID-FL), optionally cutting the
-largest sources into disjoint random sub-sites, as SSL-FL does (8 real sites -> 12 clients).
+:func:`real_site_split` groups records by their real source site (COVID-FL) and cuts the sources named in
+``sub_sites`` into disjoint random sub-clients, as SSL-FL's released split does (``12_clients/split_real``:
+RSNA cut into ``rsna-0`` .. ``rsna-4``, the other 7 sources whole: 8 real sites -> 12 clients).
+
+:func:`iid_split` is FedMAE-KS's split: "We randomly split the training set into 10 partitions and each of
+the 10 clients is assigned one partition" (section V-B): a seeded random permutation cut into near-equal
+shards (sizes differ by at most one), independent of the labels.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["dirichlet_split", "real_site_split", "class_counts", "MAX_REDRAWS"]
+__all__ = ["dirichlet_split", "iid_split", "real_site_split", "class_counts", "MAX_REDRAWS", "SSLFL_COVIDFL_SUB_SITES"]
 
 #: default bound on the number of full redraws before :func:`dirichlet_split` gives up
 MAX_REDRAWS = 1000
@@ -116,52 +122,76 @@ def dirichlet_split(
     )
 
 
+def iid_split(n_items: int, n_sites: int, seed: int) -> list[list[int]]:
+    """Split the indices ``0..n_items-1`` into ``n_sites`` random, disjoint, near-equal shards (FedMAE-KS, V-B).
+
+    The shards take ``np.random.default_rng(seed).permutation(n_items)`` in consecutive chunks whose sizes differ
+    by at most one (the first ``n_items % n_sites`` shards hold one more); labels play no part, so every shard's
+    class mix is the global one up to sampling noise.
+
+    Returns:
+        ``n_sites`` sorted index lists; every index appears in exactly one of them.
+
+    Raises:
+        ValueError: ``n_sites`` not a positive integer, or fewer items than sites (a shard would be empty).
+    """
+    if isinstance(n_sites, bool) or not isinstance(n_sites, (int, np.integer)) or n_sites < 1:
+        raise ValueError(f"n_sites={n_sites!r}: must be a positive integer (FedMAE-KS uses 10)")
+    if isinstance(n_items, bool) or not isinstance(n_items, (int, np.integer)) or n_items < n_sites:
+        raise ValueError(f"iid_split: n_items={n_items!r} cannot fill n_sites={n_sites} non-empty shards; "
+                         "use fewer sites or more images")
+    order = np.random.default_rng(seed).permutation(int(n_items))
+    return [sorted(int(i) for i in chunk) for chunk in np.array_split(order, int(n_sites))]
+
+
+#: SSL-FL's COVID-FL clients (``data/README.md`` of rui-yan/SSL-FL, ``12_clients/split_real``): RSNA in 5 parts
+SSLFL_COVIDFL_SUB_SITES = {"rsna": 5}
+
+
 def real_site_split(
-    sources: Sequence[str], n_sites: int | None = None, seed: int = 0
+    sources: Sequence[str], sub_sites: Mapping[str, int] | None = None, seed: int = 0
 ) -> list[tuple[str, list[int]]]:
     """Group record indices by their real source site (COVID-FL), in sorted source-name order.
 
-    With ``n_sites`` larger than the number K of distinct sources, the currently largest (sub-)site is
-    repeatedly cut into one more disjoint random part (equal sizes within a source), as SSL-FL splits its
-    8 COVID-FL sources into 12 clients; the parts are named ``<source>.1``, ``<source>.2``, ...
+    A source ``s`` named in ``sub_sites`` is cut into ``sub_sites[s]`` disjoint random parts of near-equal
+    size, named ``s-0``, ``s-1``, ... as in SSL-FL's split files (``rsna-0`` .. ``rsna-4``); the other
+    sources stay whole, under their own name.
 
     Returns:
-        ``[(name, sorted indices), ...]`` of length ``n_sites`` (K when ``None``).
+        ``[(name, sorted indices), ...]``.
 
     Raises:
-        ValueError: empty source name, ``n_sites < K``, or a split that would leave a sub-site empty.
+        ValueError: an empty source name, a ``sub_sites`` entry naming no source or not a positive integer,
+            or a cut that would leave a sub-site empty.
     """
     src = [str(s) for s in sources]
     if any(not s for s in src):
         raise ValueError("real_site_split: every record needs a non-empty source site name")
     names = sorted(set(src))
-    k = len(names)
-    if k == 0:
+    if not names:
         raise ValueError("real_site_split: no records")
-    if n_sites is None:
-        n_sites = k
-    if isinstance(n_sites, bool) or not isinstance(n_sites, (int, np.integer)) or n_sites < k:
-        raise ValueError(
-            f"n_sites={n_sites!r}: the data has {k} real sites ({', '.join(names)}); use n_sites >= {k} "
-            "(sites beyond that are cut out of the largest real sites) or None for one site per real site"
-        )
+    cuts = dict(sub_sites or {})
+    for s, k in cuts.items():
+        if s not in names:
+            raise ValueError(f"real_site_split: sub_sites names {s!r}, which is not a source here "
+                             f"({', '.join(names)}); "
+                             "remove it or fix the name")
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(f"real_site_split: sub_sites[{s!r}]={k!r} must be a positive integer (SSL-FL: rsna 5)")
     groups = {s: [i for i, x in enumerate(src) if x == s] for s in names}
-    parts = {s: 1 for s in names}
-    for _ in range(int(n_sites) - k):
-        s = max(names, key=lambda t: (len(groups[t]) / parts[t], t))
-        if len(groups[s]) < parts[s] + 1:
-            raise ValueError(f"real_site_split: cannot cut {n_sites} non-empty sites out of {len(src)} records")
-        parts[s] += 1
     rng = np.random.default_rng(seed)
     out: list[tuple[str, list[int]]] = []
     for s in names:
-        idx = np.array(groups[s])
-        if parts[s] == 1:
-            out.append((s, sorted(int(i) for i in idx)))
+        k = int(cuts.get(s, 1))
+        if k == 1:
+            out.append((s, groups[s]))
             continue
-        idx = idx[rng.permutation(len(idx))]
-        for j, chunk in enumerate(np.array_split(idx, parts[s]), start=1):
-            out.append((f"{s}.{j}", sorted(int(i) for i in chunk)))
+        if len(groups[s]) < k:
+            raise ValueError(f"real_site_split: cannot cut source {s!r} ({len(groups[s])} records) into {k} "
+                             "non-empty sub-sites; lower sub_sites or add records")
+        idx = np.array(groups[s])[rng.permutation(len(groups[s]))]
+        for j, chunk in enumerate(np.array_split(idx, k)):
+            out.append((f"{s}-{j}", sorted(int(i) for i in chunk)))
     return out
 
 

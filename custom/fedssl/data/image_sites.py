@@ -1,21 +1,22 @@
-"""Federated site folders for the SSL-FL image data sets (held-out test set + Dirichlet or real-site split).
+"""Federated site folders for the SSL-FL / FedMAE-KS image data sets (held-out test set + site split).
 
 :func:`write_site_folders` turns a full data set in its real layout (as written by the public release
 or by :func:`fedssl.data.image_synthetic.write_synthetic_images`) into::
 
-    out/test/            held-out test set, same layout (stratified, ``test_fraction`` of every class)
-    out/site-1/ ...      one folder per FLARE site, same layout (CSV subset + symlinked images)
-    out/partition.json   dataset, alpha, seed, per-site per-class counts, real-site mapping (COVID-FL)
+    out/test/            held-out test set, in the site-folder layout
+    out/site-1/ ...      one folder per FLARE site (retina/derm: CSV subset + images; covidfl/derm_mel: <class>/)
+    out/partition.json   dataset, split and its arguments, per-site per-class counts, client names (release)
 
 * retina / derm: the test set is drawn first (stratified, seeded by ``seed`` only, so Split-1/2/3 made
-  with the same seed share it), then the rest is split over ``n_sites`` sites by
-  :func:`fedssl.core.dirichlet.dirichlet_split` (SSL-FL's splitter; ``min_per_site`` images at least).
-  CSV rows are copied verbatim (retina keeps its 0-4 level, derm its one-hot row).
-* covidfl: every real site holds out ``test_fraction`` of each of its classes ("each data site has the
-  same proportion of train and test sets"); the test images of all real sites are pooled in
-  ``out/test/<class>/<real_site>__<image>``; the training images of real site j go to ``site-k``
-  (mapping in partition.json). With ``n_sites`` above the number of real sites, the largest real sites
-  are cut into disjoint random sub-sites (:func:`fedssl.core.dirichlet.real_site_split`).
+  with the same seed share it), then the rest is split over ``n_sites`` sites by ``split``:
+  "dirichlet" = :func:`fedssl.core.dirichlet.dirichlet_split` (SSL-FL's splitter; ``min_per_site`` images
+  at least) or "iid" = :func:`fedssl.core.dirichlet.iid_split` (FedMAE-KS: "We randomly split the training
+  set into 10 partitions", section V-B). CSV rows are copied verbatim (retina keeps its 0-4 level, derm its
+  one-hot row).
+* covidfl / derm_mel: SSL-FL's release (:mod:`fedssl.data.sslfl_release`) holds the test set (COVID-FL: 20 %
+  of every real site, pooled) and, for COVID-FL, the client lists ``12_clients/split_real`` (8 real sites,
+  RSNA cut into 5: 12 clients), which become ``site-1 .. site-12`` in client-name order (``site_map`` in
+  partition.json). Derm's training images are split by ``split`` over ``n_sites`` (SSL-FL: Dirichlet, 5).
 
 Images are symlinked (absolute targets); where the file system refuses symlinks they are copied.
 """
@@ -29,9 +30,8 @@ import shutil
 from pathlib import Path
 from typing import Optional, Union
 
-from fedssl.core.dirichlet import dirichlet_split, real_site_split
+from fedssl.core.dirichlet import dirichlet_split, iid_split
 from fedssl.data.images import (
-    COVIDFL_CLASSES,
     DATASETS,
     ImageDataError,
     ImageRecord,
@@ -39,17 +39,24 @@ from fedssl.data.images import (
     class_histogram,
     class_names,
     layout_paths,
-    list_covidfl_sites,
     load_image_records,
     train_val_split,
 )
+from fedssl.data.sslfl_release import RELEASE_DATASETS, read_client_lists, read_release
 
-__all__ = ["write_site_folders", "format_partition_table", "DEFAULT_MIN_PER_SITE"]
+__all__ = ["write_site_folders", "format_partition_table", "DEFAULT_MIN_PER_SITE", "DEFAULT_SITES", "SPLITS",
+           "RELEASE_DEFAULT_SPLIT"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 #: SSL-FL's ``min_require_size``
 DEFAULT_MIN_PER_SITE = 10
+#: SSL-FL's N = 5 simulated clients (section IV-B1)
+DEFAULT_SITES = 5
+#: site splitters: SSL-FL's Dirichlet label skew; FedMAE-KS's random IID shards (section V-B)
+SPLITS = ("dirichlet", "iid")
+#: the release's client lists used when none is named: COVID-FL's 12 real (sub-)sites; Derm has none
+RELEASE_DEFAULT_SPLIT = {"covidfl": "split_real", "derm_mel": ""}
 
 
 def _link(src: str, dst: str) -> str:
@@ -101,80 +108,112 @@ def _check_out(out: Path, params: dict) -> Optional[dict]:
                          "Fix: remove it, re-run with the arguments in its partition.json, or choose another out")
 
 
+def _split_train(labels: list[int], split: str, n: int, alpha: float, seed: int, min_per_site: int) -> list[list[int]]:
+    """Index lists of ``n`` sites: SSL-FL's Dirichlet splitter or FedMAE-KS's IID random shards."""
+    if split == "iid":
+        return iid_split(len(labels), n, seed)
+    return dirichlet_split(labels, n, alpha, seed, min_per_site=min_per_site)
+
+
+def _params(src: Path, dataset: str, n_sites: Optional[int], alpha: float, seed: int, test_fraction: float,
+            min_per_site: int, split: str, release_split: str) -> dict:
+    """The arguments that define a partition (recorded in partition.json; a re-run must match them)."""
+    params = {"dataset": dataset, "source": str(src), "seed": seed}
+    if dataset in RELEASE_DATASETS:
+        params["release_split"] = release_split
+    else:
+        params["test_fraction"] = test_fraction
+    if not release_split:
+        params.update({"split": split, "n_sites": DEFAULT_SITES if n_sites is None else n_sites})
+        if split == "dirichlet":
+            params.update({"alpha": alpha, "min_per_site": min_per_site})
+    return params
+
+
+def _write_class_folders(dataset: str, folder: Path, records: list[ImageRecord]) -> set[str]:
+    classes = class_names(dataset)
+    modes = set()
+    for r in records:
+        d = folder / classes[r.label]
+        d.mkdir(parents=True, exist_ok=True)
+        modes.add(_link(r.path, str(d / os.path.basename(r.path))))
+    return modes
+
+
 def write_site_folders(src_root: PathLike, dataset: str, out: PathLike, n_sites: Optional[int] = None,
                        alpha: float = 0.5, seed: int = 0, test_fraction: float = 0.2,
-                       min_per_site: int = DEFAULT_MIN_PER_SITE) -> dict:
+                       min_per_site: int = DEFAULT_MIN_PER_SITE, split: str = "dirichlet",
+                       release_split: Optional[str] = None) -> dict:
     """Write ``out/test``, ``out/site-1..site-N`` and ``out/partition.json`` (see the module docstring).
 
     Args:
-        src_root: the full data set in its real layout (covidfl: ``<real_site>/<class>/...``).
-        dataset: "retina", "derm" or "covidfl".
+        src_root: the full data set in its real layout (covidfl / derm_mel: SSL-FL's release layout).
+        dataset: "retina", "derm", "covidfl" or "derm_mel".
         out: output folder (created; re-running with identical arguments is a no-op).
-        n_sites: retina/derm: number of Dirichlet sites (None = 5, SSL-FL); covidfl: None = one site per
-            real site, more = largest real sites cut into sub-sites, fewer is an error.
-        alpha: Dirichlet concentration (100 / 1.0 / 0.5 = Split-1 / 2 / 3); ignored for covidfl.
-        seed: seeds the test split, the Dirichlet draw and any sub-site cut.
-        test_fraction: held-out share of every class (SSL-FL: 0.2 for COVID-FL; the Retina/Derm releases
-            hold out 3000/9000+3000 and ~2500/10000).
+        n_sites: number of split sites (None = 5, SSL-FL); FedMAE-KS uses 10 (IID). Not used with a release split.
+        alpha: Dirichlet concentration (100 / 1.0 / 0.5 = Split-1 / 2 / 3).
+        seed: seeds the test split and the site split.
+        test_fraction: retina/derm: held-out share of every class (the release of covidfl / derm_mel holds its
+            own test set: 80/20 per COVID-FL site, ~7,500 / ~2,500 for Derm).
         min_per_site: every Dirichlet site gets at least this many training images (SSL-FL: 10).
+        split: "dirichlet" (SSL-FL) or "iid" (FedMAE-KS: random near-equal shards).
+        release_split: covidfl / derm_mel: the release's client lists to use (``<N>_clients/<name>/``); None =
+            the data set's default ("split_real" for covidfl: 12 clients; none for derm_mel), "" = split the
+            release's training images with ``split`` over ``n_sites`` sites.
 
     Returns:
         The partition.json content.
     """
     if dataset not in DATASETS:
         raise ValueError(f"dataset={dataset!r}: use one of {list(DATASETS)}")
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}: use one of {list(SPLITS)} (dirichlet: SSL-FL; iid: FedMAE-KS)")
     if not (isinstance(test_fraction, (int, float)) and 0.0 < test_fraction < 1.0):
         raise ValueError(f"test_fraction={test_fraction!r}: must be in (0, 1), e.g. 0.2")
+    if dataset in RELEASE_DATASETS:
+        release_split = RELEASE_DEFAULT_SPLIT[dataset] if release_split is None else release_split
+        if release_split and n_sites is not None:
+            raise ValueError(f"n_sites={n_sites}: the sites of {dataset} come from the release's split "
+                             f"{release_split!r}; leave n_sites out, or pass release_split='' to split anew")
+    elif release_split:
+        raise ValueError(f"release_split={release_split!r}: {dataset} has no SSL-FL release layout; leave it out")
     src = Path(src_root).resolve()
     out_p = Path(out)
-    classes = class_names(dataset)
-    params = {"dataset": dataset, "source": str(src), "seed": seed, "test_fraction": test_fraction}
-    if dataset == "covidfl":
-        params["n_sites_requested"] = n_sites
-    else:
-        params.update({"alpha": alpha, "n_sites": 5 if n_sites is None else n_sites, "min_per_site": min_per_site})
+    params = _params(src, dataset, n_sites, alpha, seed, test_fraction, min_per_site, split, release_split or "")
     existing = _check_out(out_p, params)
     if existing is not None:
         return existing
 
+    n = DEFAULT_SITES if n_sites is None else n_sites
     modes: set[str] = set()
-    site_records: list[tuple[str, list[ImageRecord]]] = []
     site_map: dict[str, str] = {}
-    if dataset == "covidfl":
-        train_all: list[ImageRecord] = []
-        test: list[ImageRecord] = []
-        for real in list_covidfl_sites(src, site="partition"):
-            recs = load_image_records(src / real, dataset, site=real)
-            tr, te = train_val_split(recs, test_fraction, seed)
-            train_all += tr
-            test += te
-        parts = real_site_split([r.source for r in train_all], n_sites, seed=seed)
-        for k, (name, idx) in enumerate(parts, start=1):
-            site_records.append((f"site-{k}", [train_all[i] for i in idx]))
-            site_map[f"site-{k}"] = name
+    if dataset in RELEASE_DATASETS:
+        release = read_release(src, dataset)
+        test = release.test
+        if release_split:
+            clients = read_client_lists(src, release_split, release.train)
+            site_records = [(f"site-{k}", recs) for k, (_, recs) in enumerate(clients, start=1)]
+            site_map = {f"site-{k}": name for k, (name, _) in enumerate(clients, start=1)}
+        else:
+            train = release.train
+            groups = _split_train([r.label for r in train], split, n, alpha, seed, min_per_site)
+            site_records = [(f"site-{k}", [train[i] for i in g]) for k, g in enumerate(groups, start=1)]
         out_p.mkdir(parents=True, exist_ok=True)
-        for site, recs in site_records:
-            for r in recs:
-                d = out_p / site / COVIDFL_CLASSES[r.label]
-                d.mkdir(parents=True, exist_ok=True)
-                modes.add(_link(r.path, str(d / os.path.basename(r.path))))
-        for r in test:
-            d = out_p / "test" / COVIDFL_CLASSES[r.label]
-            d.mkdir(parents=True, exist_ok=True)
-            modes.add(_link(r.path, str(d / f"{r.source}__{os.path.basename(r.path)}")))
+        for site, recs in site_records + [("test", test)]:
+            modes |= _write_class_folders(dataset, out_p / site, recs)
     else:
         records = load_image_records(src, dataset, site="partition")
         csv_name, _, ext = layout_paths(dataset)
         header, rows = _read_csv(str(src / csv_name), dataset, "partition")
         by_image = {r[0].strip(): r for r in rows}
         train, test = train_val_split(records, test_fraction, seed)
-        n = 5 if n_sites is None else n_sites
-        groups = dirichlet_split([r.label for r in train], n, alpha, seed, min_per_site=min_per_site)
+        groups = _split_train([r.label for r in train], split, n, alpha, seed, min_per_site)
         site_records = [(f"site-{k}", [train[i] for i in g]) for k, g in enumerate(groups, start=1)]
         out_p.mkdir(parents=True, exist_ok=True)
         for site, recs in site_records + [("test", test)]:
             modes |= _write_csv_layout(dataset, out_p / site, recs, by_image, header)
 
+    classes = class_names(dataset)
     part = dict(params)
     part.update({
         "classes": classes,
@@ -183,7 +222,7 @@ def write_site_folders(src_root: PathLike, dataset: str, out: PathLike, n_sites:
         "sites": {s: {"n_images": len(r), "class_counts": _counts(r, classes)} for s, r in site_records},
         "test": {"n_images": len(test), "class_counts": _counts(test, classes)},
     })
-    if dataset == "covidfl":
+    if site_map:
         part["site_map"] = site_map
     (out_p / "partition.json").write_text(json.dumps(part, indent=2) + "\n")
     return part

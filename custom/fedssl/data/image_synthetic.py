@@ -1,7 +1,9 @@
-"""Synthetic stand-ins for Kaggle DR (retina), ISIC 2019 (derm) and COVID-FL, written in their real layouts.
+"""Synthetic stand-ins for Kaggle DR (retina), ISIC 2019 (derm), COVID-FL and SSL-FL's Derm (derm_mel),
+written in their real layouts.
 
-:func:`write_synthetic_images` writes a FULL data set that :func:`fedssl.data.images.load_image_records`
-reads unchanged (retina/derm: the root is one folder; covidfl: ``root/<real_site>/<class>/<image>.png``).
+:func:`write_synthetic_images` writes a FULL data set in the layout the real one comes in: retina/derm a
+folder that :func:`fedssl.data.images.load_image_records` reads; covidfl/derm_mel SSL-FL's release layout
+(:mod:`fedssl.data.sslfl_release`), which ``fedssl sslfl partition`` cuts into site folders.
 The class is visible in the pixels, with realistic nuisance, and every image comes from a source
 (camera / clinic / hospital) whose acquisition shifts its appearance:
 
@@ -18,8 +20,13 @@ The class is visible in the pixels, with realistic nuisance, and every image com
   some sources, the black dermoscope vignette. Class mix as ISIC 2019 (NV 51 %, MEL 18 %, ...).
 * covidfl (grey PNG): a chest radiograph (body, lungs, heart, spine, ribs); pneumonia = one dense lobar
   consolidation in one lung, covid = several hazy peripheral ground-glass opacities in both lungs,
-  normal = clear lungs. Eight real sites named after SSL-FL's sources with different class mixes (e.g.
-  ``bimcv`` only covid, ``guangzhou`` paediatric pneumonia/normal) and sizes.
+  normal = clear lungs. Eight real sites named as in SSL-FL's split files with different class mixes (e.g.
+  ``bimcv`` only covid, ``gz`` paediatric pneumonia/normal) and sizes (RSNA the largest); every site holds
+  out 20 % of each of its classes as test images (section IV-A: "Each data site has the same proportion of
+  train and test sets"), and ``12_clients/split_real`` cuts RSNA into ``rsna-0`` .. ``rsna-4`` as SSL-FL's
+  release does (8 real sites -> 12 clients).
+* derm_mel (SSL-FL's Derm, section IV-A): half melanoma, half benign (the other ISIC 2019 classes in their
+  ISIC proportions), rendered as for derm; 75 % training, 25 % test (~7,500 / ~2,500 in the paper).
 
 Per-source appearance: brightness, colour cast (RGB gains), contrast / gamma, noise level and blur.
 Per image: random position, size, rotation, pigmentation, noise. Everything is seeded by ``seed``.
@@ -31,22 +38,28 @@ import csv
 import math
 import os
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from fedssl.core.dirichlet import SSLFL_COVIDFL_SUB_SITES, real_site_split
 from fedssl.data.images import (
     COVIDFL_CLASSES,
     DATASETS,
     DERM_CLASSES,
     DERM_CSV,
     DERM_DIR,
+    DERM_MEL_CLASSES,
     ISIC_COLUMNS,
     RETINA_CSV,
     RETINA_DIR,
+    ImageRecord,
+    train_val_split,
 )
+from fedssl.data.sslfl_release import write_release
 
-__all__ = ["write_synthetic_images", "RETINA_LEVEL_MIX", "DERM_CLASS_MIX", "COVIDFL_SITES", "render"]
+__all__ = ["write_synthetic_images", "RETINA_LEVEL_MIX", "DERM_CLASS_MIX", "COVIDFL_SITES", "COVIDFL_TEST_FRACTION",
+           "DERM_MEL_TEST_FRACTION", "render"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -54,18 +67,23 @@ PathLike = Union[str, "os.PathLike[str]"]
 RETINA_LEVEL_MIX = (0.735, 0.070, 0.150, 0.025, 0.020)
 #: ISIC 2019 training set class fractions (MEL 4522, NV 12875, BCC 3323, AK 867, BKL 2624, DF 239, VASC 253, SCC 628)
 DERM_CLASS_MIX = (0.1785, 0.5083, 0.1312, 0.0342, 0.1036, 0.0094, 0.0100, 0.0248)
-#: (real site, class mix over covid/pneumonia/normal, relative size) - after SSL-FL's eight COVID-FL sources
+#: (real site, class mix over covid/pneumonia/normal, relative size) - SSL-FL's eight COVID-FL sources, named as
+#: in its split files; RSNA the largest (SSL-FL cuts only it into sub-clients), Guangzhou paediatric next
 COVIDFL_SITES: tuple[tuple[str, tuple[float, float, float], float], ...] = (
-    ("rsna", (0.0, 0.45, 0.55), 3.0),
+    ("rsna", (0.0, 0.45, 0.55), 9.0),
+    ("gz", (0.0, 0.73, 0.27), 5.0),
     ("bimcv", (1.0, 0.0, 0.0), 2.5),
-    ("guangzhou", (0.0, 0.70, 0.30), 2.5),
+    ("ricord_c", (1.0, 0.0, 0.0), 1.0),
     ("cohen", (0.70, 0.20, 0.10), 0.8),
-    ("sirm", (1.0, 0.0, 0.0), 0.5),
-    ("ricord", (1.0, 0.0, 0.0), 0.6),
-    ("ml_workgroup", (1.0, 0.0, 0.0), 0.4),
-    ("eurorad", (0.6, 0.4, 0.0), 0.3),
+    ("sirm", (1.0, 0.0, 0.0), 0.6),
+    ("ml-workgroup", (1.0, 0.0, 0.0), 0.6),
+    ("eurorad", (0.6, 0.4, 0.0), 0.5),
 )
-_DEFAULT_SOURCES = {"retina": 4, "derm": 4, "covidfl": len(COVIDFL_SITES)}
+#: held-out share of every class of every COVID-FL site (SSL-FL section IV-A: 80 %-20 % train-test)
+COVIDFL_TEST_FRACTION = 0.2
+#: SSL-FL's Derm: ~7,500 training and ~2,500 test images
+DERM_MEL_TEST_FRACTION = 0.25
+_DEFAULT_SOURCES = {"retina": 4, "derm": 4, "covidfl": len(COVIDFL_SITES), "derm_mel": 3}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -380,10 +398,10 @@ def _render_covidfl(cls: str, p: dict, rng: np.random.Generator, size: int) -> n
 def render(dataset: str, cls: Union[int, str], source: dict, rng: np.random.Generator, size: int,
            eye: str = "left") -> np.ndarray:
     """One synthetic image as float ``[H, W, 3]`` in [0, 1]: retina ``cls`` = DR level 0-4, derm an ISIC
-    class name, covidfl a COVID-FL class name; ``source`` from the per-source appearance table."""
+    class name (derm_mel too), covidfl a COVID-FL class name; ``source`` from the per-source appearance table."""
     if dataset == "retina":
         return _render_retina(int(cls), eye, source, rng, size)
-    if dataset == "derm":
+    if dataset in ("derm", "derm_mel"):
         return _render_derm(str(cls), source, rng, size)
     if dataset == "covidfl":
         return _render_covidfl(str(cls), source, rng, size)
@@ -422,21 +440,95 @@ def _save(img: np.ndarray, path: str, grey: bool = False) -> None:
         Image.fromarray(a, mode="RGB").save(path, quality=92)
 
 
+def _release_root(out: Path) -> None:
+    for name in ("labels.csv", "train", "test"):
+        if (out / name).exists():
+            raise ValueError(f"{out / name} already exists; write into an empty folder")
+    (out / "train").mkdir()
+    (out / "test").mkdir()
+
+
+def _held_out(labels: Sequence[int], fraction: float, seed: int) -> set[int]:
+    """Indices of the test images: ``round(fraction * n_c)`` of every class (>= 1 training image kept)."""
+    recs = [ImageRecord(f"{i:08d}", int(c)) for i, c in enumerate(labels)]
+    _, test = train_val_split(recs, fraction, seed)
+    return {int(r.path) for r in test}
+
+
+def _write_covidfl(out: Path, n_images: int, params: list[dict], rng: np.random.Generator, seed: int,
+                   image_size: int, images: dict[str, str]) -> dict:
+    """COVID-FL in SSL-FL's release layout: per-site 80/20 split, ``12_clients/split_real`` client lists."""
+    _release_root(out)
+    sites = COVIDFL_SITES[: len(params)]
+    site_n = _allocate(n_images, [wt for _, _, wt in sites], minimum=2 * len(COVIDFL_CLASSES))
+    labels: dict[str, str] = {}
+    phases: dict[str, list[str]] = {"train": [], "test": []}
+    train_src: list[str] = []
+    i = 0
+    for s, ((name, mix, _), n_site) in enumerate(zip(sites, site_n)):
+        site_labels = rng.permutation(np.repeat(np.arange(3), _allocate(n_site, mix, minimum=2)))
+        test = _held_out(site_labels, COVIDFL_TEST_FRACTION, seed + s)
+        for j, c in enumerate(site_labels):
+            image, phase = f"{name}_{j:05d}.png", "test" if j in test else "train"
+            g = np.random.default_rng([seed, i, 3])
+            _save(render("covidfl", COVIDFL_CLASSES[c], params[s], g, image_size), str(out / phase / image), grey=True)
+            labels[image] = COVIDFL_CLASSES[c]
+            phases[phase].append(image)
+            images[f"{phase}/{image}"] = name
+            train_src += [name] if phase == "train" else []
+            i += 1
+    cuts = {k: v for k, v in SSLFL_COVIDFL_SUB_SITES.items() if k in train_src}
+    clients = {client: [phases["train"][k] for k in idx]
+               for client, idx in real_site_split(train_src, cuts, seed=seed)}
+    write_release(out, "covidfl", labels, phases, {"split_real": clients})
+    return {"classes": list(COVIDFL_CLASSES), "test_fraction": COVIDFL_TEST_FRACTION,
+            "class_counts": {c: sum(v == c for v in labels.values()) for c in COVIDFL_CLASSES},
+            "clients": {k: len(v) for k, v in clients.items()}}
+
+
+def _write_derm_mel(out: Path, n_images: int, params: list[dict], rng: np.random.Generator, seed: int,
+                    image_size: int, images: dict[str, str]) -> dict:
+    """SSL-FL's Derm in its release layout: half melanoma, half benign ISIC classes, 75/25 train/test."""
+    _release_root(out)
+    n_mel = n_images // 2
+    benign_mix = [0.0 if c == "MEL" else m for c, m in zip(DERM_CLASSES, DERM_CLASS_MIX)]
+    isic = np.concatenate([np.zeros(n_mel, int), np.repeat(np.arange(len(DERM_CLASSES)),
+                                                            _allocate(n_images - n_mel, benign_mix))])
+    isic = rng.permutation(isic)
+    mel = isic == DERM_CLASSES.index("MEL")
+    test = _held_out(mel.astype(int), DERM_MEL_TEST_FRACTION, seed)
+    src = rng.integers(0, len(params), size=n_images)
+    labels: dict[str, str] = {}
+    phases: dict[str, list[str]] = {"train": [], "test": []}
+    for i, (c, s) in enumerate(zip(isic, src)):
+        image, phase = f"ISIC_{i:07d}.jpg", "test" if i in test else "train"
+        g = np.random.default_rng([seed, i, 4])
+        _save(render("derm_mel", DERM_CLASSES[c], params[s], g, image_size), str(out / phase / image))
+        labels[image] = DERM_MEL_CLASSES[int(mel[i])]
+        phases[phase].append(image)
+        images[f"{phase}/{image}"] = f"clinic-{s + 1}"
+    write_release(out, "derm_mel", labels, phases, {})
+    return {"classes": list(DERM_MEL_CLASSES), "test_fraction": DERM_MEL_TEST_FRACTION,
+            "class_counts": {c: sum(v == c for v in labels.values()) for c in DERM_MEL_CLASSES}}
+
+
 def write_synthetic_images(root: PathLike, dataset: str, n_images: int, seed: int = 0, image_size: int = 64,
                            n_sources: Optional[int] = None) -> dict:
     """Write a full synthetic ``dataset`` of ``n_images`` images under ``root`` in its real layout.
 
     Args:
-        root: output folder (created; must not already hold the dataset's CSV / site folders).
-        dataset: "retina", "derm" or "covidfl".
+        root: output folder (created; must not already hold the dataset's CSV / image folders).
+        dataset: "retina", "derm", "covidfl" or "derm_mel".
         n_images: total number of images.
         seed: everything (classes, sources, pixels) is a function of the seed.
-        image_size: image height in pixels (retina width 1.25x, derm 4/3x, covidfl square).
-        n_sources: acquisition sources (retina/derm cameras, default 4; covidfl real sites, 1-8, default 8).
+        image_size: image height in pixels (retina width 1.25x, derm/derm_mel 4/3x, covidfl square).
+        n_sources: acquisition sources (retina/derm cameras, default 4; derm_mel 3 (ISIC 2017/2019/2020);
+            covidfl real sites, 1-8, default 8).
 
     Returns:
         ``{"dataset", "root", "n_images", "classes", "class_counts", "sources": {source: n}, "images":
-        {image path relative to root: source}}`` (retina ``class_counts`` are per DR level 0-4).
+        {image path relative to root: source}}`` (retina ``class_counts`` are per DR level 0-4); covidfl and
+        derm_mel add ``test_fraction``, covidfl ``clients`` (client -> training images of split_real).
     """
     if dataset not in DATASETS:
         raise ValueError(f"dataset={dataset!r}: use one of {list(DATASETS)}")
@@ -446,7 +538,7 @@ def write_synthetic_images(root: PathLike, dataset: str, n_images: int, seed: in
     max_sources = len(COVIDFL_SITES) if dataset == "covidfl" else 64
     if isinstance(n_sources, bool) or not isinstance(n_sources, int) or not 1 <= n_sources <= max_sources:
         raise ValueError(f"n_sources={n_sources!r}: must be an integer in [1, {max_sources}]")
-    n_classes = {"retina": 2, "derm": len(DERM_CLASSES), "covidfl": 3}[dataset]
+    n_classes = {"retina": 2, "derm": len(DERM_CLASSES), "covidfl": 3, "derm_mel": 2}[dataset]
     if isinstance(n_images, bool) or not isinstance(n_images, int) or n_images < 2 * n_classes * (
             n_sources if dataset == "covidfl" else 1):
         raise ValueError(f"n_images={n_images!r}: need at least 2 images per class"
@@ -507,29 +599,10 @@ def write_synthetic_images(root: PathLike, dataset: str, n_images: int, seed: in
             wr.writerows(rows)
         info["classes"] = list(DERM_CLASSES)
         info["class_counts"] = {DERM_CLASSES[k]: int(c) for k, c in enumerate(counts)}
+    elif dataset == "covidfl":
+        info.update(_write_covidfl(out, n_images, params, rng, seed, image_size, images))
     else:
-        sites = COVIDFL_SITES[:n_sources]
-        for name, _, _ in sites:
-            if (out / name).exists():
-                raise ValueError(f"{out / name} already exists; write into an empty folder")
-        site_n = _allocate(n_images, [wt for _, _, wt in sites], minimum=2 * n_classes)
-        total = [0, 0, 0]
-        i = 0
-        for s, ((name, mix, _), n_site) in enumerate(zip(sites, site_n)):
-            counts = _allocate(n_site, mix, minimum=2)
-            labels = rng.permutation(np.repeat(np.arange(3), counts))
-            for c in range(3):
-                if counts[c]:
-                    (out / name / COVIDFL_CLASSES[c]).mkdir(parents=True, exist_ok=True)
-            for j, c in enumerate(labels):
-                rel = f"{name}/{COVIDFL_CLASSES[c]}/{name}_{j:05d}.png"
-                g = np.random.default_rng([seed, i, 3])
-                _save(render("covidfl", COVIDFL_CLASSES[c], params[s], g, image_size), str(out / rel), grey=True)
-                images[rel] = name
-                total[c] += 1
-                i += 1
-        info["classes"] = list(COVIDFL_CLASSES)
-        info["class_counts"] = {COVIDFL_CLASSES[k]: int(c) for k, c in enumerate(total)}
+        info.update(_write_derm_mel(out, n_images, params, rng, seed, image_size, images))
     srcs: dict[str, int] = {}
     for s in images.values():
         srcs[s] = srcs.get(s, 0) + 1

@@ -18,10 +18,12 @@ Layouts read (one folder per FLARE site, the same layout as the public data set)
   categories" and SSL-FL's Skin-FL uses the same eight; UNK has no training image in ISIC 2019, so a row
   whose 1 is in UNK is refused. SSL-FL's "Derm" task (melanoma vs benign) is :func:`melanoma_vs_benign`
   applied to these records. A row with no 1 or several 1s is an error naming file, row and site.
-* ``covidfl`` (COVID-FL): ``root/<class>/<image>.(png|jpg|jpeg)`` with class folders ``covid``,
-  ``pneumonia``, ``normal`` (case-insensitive; ``covid-19``/``covid19`` accepted for covid). The full
-  data set is ``<real_site>/<class>/...``; one site folder is read at a time and the record's ``source``
-  is that folder's name. Sites may miss classes (SSL-FL: BIMCV holds only COVID-19 images).
+* ``covidfl`` (COVID-FL) site folder: ``root/<class>/<image>.(png|jpg|jpeg)`` with class folders ``covid``,
+  ``pneumonia``, ``normal`` (case-insensitive; ``covid-19``/``covid19`` accepted for covid). Sites may miss
+  classes (SSL-FL: BIMCV holds only COVID-19 images). The full data set is SSL-FL's release
+  (:mod:`fedssl.data.sslfl_release`), cut into such site folders by ``fedssl sslfl partition``.
+* ``derm_mel`` (SSL-FL's "Derm": melanoma vs benign, ISIC 2017/2019/2020) site folder: ``root/<class>/<image>``
+  with class folders ``benign``, ``melanoma``; the full data set is SSL-FL's release, as for COVID-FL.
 
 Every data problem raises :class:`ImageDataError` naming the site and the path (missing CSV, missing
 image, undecodable image, unknown level/class, malformed row).
@@ -58,13 +60,13 @@ __all__ = [
     "RETINA_CLASSES",
     "DERM_CLASSES",
     "COVIDFL_CLASSES",
+    "DERM_MEL_CLASSES",
     "ISIC_COLUMNS",
     "ImageDataError",
     "ImageRecord",
     "class_names",
     "layout_paths",
     "load_image_records",
-    "list_covidfl_sites",
     "melanoma_vs_benign",
     "train_val_split",
     "select_labelled",
@@ -77,14 +79,20 @@ __all__ = [
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-DATASETS: tuple[str, ...] = ("retina", "derm", "covidfl")
+DATASETS: tuple[str, ...] = ("retina", "derm", "covidfl", "derm_mel")
 RETINA_CLASSES: list[str] = ["no_dr", "dr"]
 #: the ISIC 2019 ground-truth columns, in file order
 ISIC_COLUMNS: tuple[str, ...] = ("MEL", "NV", "BCC", "AK", "BKL", "DF", "VASC", "SCC", "UNK")
 #: the classes used (UNK has no ISIC 2019 training image)
 DERM_CLASSES: list[str] = list(ISIC_COLUMNS[:8])
 COVIDFL_CLASSES: list[str] = ["covid", "pneumonia", "normal"]
-_COVIDFL_ALIASES = {"covid": 0, "covid-19": 0, "covid19": 0, "covid_19": 0, "pneumonia": 1, "normal": 2}
+#: SSL-FL's Derm task: label 1 = melanoma (malignant), 0 = benign
+DERM_MEL_CLASSES: list[str] = ["benign", "melanoma"]
+#: class-folder names (lower case) -> label, per data set read from ``<class>/<image>`` site folders
+_FOLDER_CLASSES = {
+    "covidfl": {"covid": 0, "covid-19": 0, "covid19": 0, "covid_19": 0, "pneumonia": 1, "normal": 2},
+    "derm_mel": {"benign": 0, "melanoma": 1},
+}
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 
 RETINA_CSV = "trainLabels.csv"
@@ -97,8 +105,8 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 #: eval resize: shorter side = ceil(image_size / CROP_PCT), then centre crop image_size
 CROP_PCT = 0.875
-PRETRAIN_SCALE = {"retina": (0.2, 1.0), "derm": (0.2, 1.0), "covidfl": (0.4, 1.0)}
-FINETUNE_SCALE = {"retina": (0.6, 1.0), "derm": (0.6, 1.0), "covidfl": (0.8, 1.2)}
+PRETRAIN_SCALE = {"retina": (0.2, 1.0), "derm": (0.2, 1.0), "covidfl": (0.4, 1.0), "derm_mel": (0.2, 1.0)}
+FINETUNE_SCALE = {"retina": (0.6, 1.0), "derm": (0.6, 1.0), "covidfl": (0.8, 1.2), "derm_mel": (0.6, 1.0)}
 CROP_RATIO = (3.0 / 4.0, 4.0 / 3.0)
 COLOR_JITTER = 0.4
 FINETUNE_ROTATION_DEG = 10.0
@@ -136,14 +144,17 @@ def _check_dataset(dataset: str) -> str:
 
 def class_names(dataset: str) -> list[str]:
     """Class names in label order: retina ``["no_dr", "dr"]``; derm the 8 ISIC 2019 diagnostic classes
-    ``MEL, NV, BCC, AK, BKL, DF, VASC, SCC``; covidfl ``["covid", "pneumonia", "normal"]``."""
-    return list({"retina": RETINA_CLASSES, "derm": DERM_CLASSES, "covidfl": COVIDFL_CLASSES}[_check_dataset(dataset)])
+    ``MEL, NV, BCC, AK, BKL, DF, VASC, SCC``; covidfl ``["covid", "pneumonia", "normal"]``; derm_mel
+    ``["benign", "melanoma"]``."""
+    return list({"retina": RETINA_CLASSES, "derm": DERM_CLASSES, "covidfl": COVIDFL_CLASSES,
+                 "derm_mel": DERM_MEL_CLASSES}[_check_dataset(dataset)])
 
 
 def layout_paths(dataset: str) -> tuple[Optional[str], Optional[str], str]:
-    """``(csv name, image folder, image extension)`` of a dataset's layout; covidfl has no CSV."""
+    """``(csv name, image folder, image extension)`` of a dataset's layout; covidfl / derm_mel site folders
+    are class folders (no CSV)."""
     return {"retina": (RETINA_CSV, RETINA_DIR, ".jpeg"), "derm": (DERM_CSV, DERM_DIR, ".jpg"),
-            "covidfl": (None, None, ".png")}[_check_dataset(dataset)]
+            "covidfl": (None, None, ".png"), "derm_mel": (None, None, ".jpg")}[_check_dataset(dataset)]
 
 
 def _check_root(root: PathLike, dataset: str, site: str) -> str:
@@ -238,26 +249,28 @@ def _load_derm(root: str, site: str) -> list[ImageRecord]:
     return out
 
 
-def _load_covidfl(root: str, site: str) -> list[ImageRecord]:
+def _load_class_folders(root: str, site: str, dataset: str) -> list[ImageRecord]:
+    """Records of a ``<class>/<image>`` site folder (covidfl, derm_mel); ``source`` = the folder's name."""
     source = os.path.basename(root.rstrip(os.sep))
+    aliases, classes = _FOLDER_CLASSES[dataset], class_names(dataset)
     out = []
     entries = sorted(os.listdir(root))
     dirs = [e for e in entries if os.path.isdir(os.path.join(root, e)) and not e.startswith(".")]
     if not dirs:
-        raise _err(site, root, "no class folder in COVID-FL site folder",
-                   f"the site folder must hold class folders {COVIDFL_CLASSES} with the images")
+        raise _err(site, root, f"no class folder in the {dataset} site folder",
+                   f"the site folder must hold class folders {classes} with the images")
     for d in dirs:
-        label = _COVIDFL_ALIASES.get(d.lower())
+        label = aliases.get(d.lower())
         if label is None:
-            raise _err(site, os.path.join(root, d), f"unknown COVID-FL class folder {d!r}",
-                       f"class folders are {COVIDFL_CLASSES}; move the images or remove the folder")
+            raise _err(site, os.path.join(root, d), f"unknown {dataset} class folder {d!r}",
+                       f"class folders are {classes}; move the images or remove the folder")
         for f in sorted(os.listdir(os.path.join(root, d))):
             p = os.path.join(root, d, f)
             if f.startswith(".") or not os.path.isfile(p):
                 continue
             if os.path.splitext(f)[1].lower() not in IMAGE_EXTENSIONS:
                 raise _err(site, p, "file with an unknown image extension in a class folder",
-                           f"COVID-FL images are {'/'.join(IMAGE_EXTENSIONS)}; remove the file")
+                           f"{dataset} images are {'/'.join(IMAGE_EXTENSIONS)}; remove the file")
             out.append(ImageRecord(p, label, source))
     return out
 
@@ -273,24 +286,13 @@ def load_image_records(root: PathLike, dataset: str, site: str = "?") -> list[Im
     """
     _check_dataset(dataset)
     r = _check_root(root, dataset, site)
-    recs = {"retina": _load_retina, "derm": _load_derm, "covidfl": _load_covidfl}[dataset](r, site)
+    if dataset in _FOLDER_CLASSES:
+        recs = _load_class_folders(r, site, dataset)
+    else:
+        recs = {"retina": _load_retina, "derm": _load_derm}[dataset](r, site)
     if not recs:
         raise _err(site, r, f"no {dataset} image found", "the site folder needs at least one labelled image")
     return recs
-
-
-def list_covidfl_sites(root: PathLike, site: str = "?") -> list[str]:
-    """Sorted real-site folder names of a full COVID-FL data set (``<real_site>/<class>/...``)."""
-    r = _check_root(root, "covidfl", site)
-    names = sorted(e for e in os.listdir(r) if os.path.isdir(os.path.join(r, e)) and not e.startswith("."))
-    if not names:
-        raise _err(site, r, "no real-site folder in the COVID-FL root",
-                   "the full COVID-FL data set is <real_site>/<class>/<image> folders")
-    bad = [n for n in names if n.lower() in _COVIDFL_ALIASES]
-    if bad:
-        raise _err(site, r, f"found class folder(s) {bad} where real-site folders were expected",
-                   "pass the folder holding <real_site>/<class>/ (or load one site with load_image_records)")
-    return names
 
 
 def melanoma_vs_benign(records: Sequence[ImageRecord]) -> list[ImageRecord]:

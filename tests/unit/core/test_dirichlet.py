@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedssl.core.dirichlet import class_counts, dirichlet_split, real_site_split
+from fedssl.core.dirichlet import class_counts, dirichlet_split, iid_split, real_site_split
 
 # a Retina-like label vector: 2 classes, 73 % class 0, 1000 images
 LABELS = np.array([0] * 730 + [1] * 270)
@@ -91,15 +91,34 @@ def test_bad_arguments(kwargs, match):
         dirichlet_split([0, -1, 1], 2, 1.0, 0, min_per_site=0)
 
 
-def test_real_site_split_groups_and_cuts_the_largest():
-    src = ["b"] * 40 + ["a"] * 10 + ["c"] * 20
+def test_real_site_split_cuts_the_named_sources_as_sslfl():
+    """SSL-FL's 12_clients/split_real: rsna -> rsna-0..rsna-4, other sources whole, in name order."""
+    src = ["rsna"] * 11 + ["a"] * 3 + ["gz"] * 4
     parts = real_site_split(src, None, seed=0)
-    assert [n for n, _ in parts] == ["a", "b", "c"]
-    assert parts[1][1] == list(range(40))
-    cut = real_site_split(src, 5, seed=0)
-    names = [n for n, _ in cut]
-    assert names == ["a", "b.1", "b.2", "b.3", "c"] or names == ["a", "b.1", "b.2", "c.1", "c.2"]
-    assert sorted(i for _, p in cut for i in p) == list(range(70))
-    assert real_site_split(src, 5, seed=0) == cut
-    with pytest.raises(ValueError, match="3 real sites"):
-        real_site_split(src, 2)
+    assert parts == [("a", [11, 12, 13]), ("gz", [14, 15, 16, 17]), ("rsna", list(range(11)))]
+    cut = real_site_split(src, {"rsna": 5}, seed=0)
+    assert [n for n, _ in cut] == ["a", "gz", "rsna-0", "rsna-1", "rsna-2", "rsna-3", "rsna-4"]
+    assert [len(p) for _, p in cut] == [3, 4, 3, 2, 2, 2, 2]  # 11 = 3 + 2 + 2 + 2 + 2
+    assert sorted(i for _, p in cut[2:] for i in p) == list(range(11))
+    assert real_site_split(src, {"rsna": 5}, seed=0) == cut and real_site_split(src, {"rsna": 5}, seed=1) != cut
+    with pytest.raises(ValueError, match="'bimcv', which is not a source"):
+        real_site_split(src, {"bimcv": 2})
+    with pytest.raises(ValueError, match="cannot cut source 'a'"):
+        real_site_split(src, {"a": 4})
+
+
+def test_iid_split_near_equal_random_shards():
+    """FedMAE-KS (section V-B): random partitions of near-equal size; sizes by hand: 23 = 5 + 5 + 5 + 4 + 4."""
+    parts = iid_split(23, 5, seed=0)
+    assert [len(p) for p in parts] == [5, 5, 5, 4, 4]
+    assert sorted(i for p in parts for i in p) == list(range(23))
+    order = np.random.default_rng(0).permutation(23)
+    assert parts[0] == sorted(order[:5].tolist()) and parts[4] == sorted(order[19:].tolist())
+    assert iid_split(23, 5, seed=0) == parts and iid_split(23, 5, seed=1) != parts
+    # no label skew: on the skewed DERM labels each of 10 shards stays close to the global mix (Dirichlet 0.5 does not)
+    dirichlet_tv = _mean_tv(DERM, dirichlet_split(DERM, 10, 0.5, seed=0))
+    assert _mean_tv(DERM, iid_split(len(DERM), 10, seed=0)) < 0.1 < dirichlet_tv
+    with pytest.raises(ValueError, match="n_items=3 cannot fill n_sites=5"):
+        iid_split(3, 5, seed=0)
+    with pytest.raises(ValueError, match="n_sites=0"):
+        iid_split(3, 0, seed=0)

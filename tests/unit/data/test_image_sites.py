@@ -11,13 +11,13 @@ import pytest
 from fedssl.cli import main
 from fedssl.data.image_sites import format_partition_table, write_site_folders
 from fedssl.data.image_synthetic import write_synthetic_images
-from fedssl.data.images import ImageDataError, class_histogram, list_covidfl_sites, load_image_records
+from fedssl.data.images import ImageDataError, class_histogram, load_image_records
 
 
 @pytest.fixture(scope="module")
 def src(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {}
-    for ds, n in (("retina", 150), ("derm", 150), ("covidfl", 90)):
+    for ds, n in (("retina", 150), ("derm", 150), ("covidfl", 90), ("derm_mel", 40)):
         root = tmp_path_factory.mktemp(f"{ds}_full")
         write_synthetic_images(root, ds, n, seed=2, image_size=16, n_sources=3 if ds == "covidfl" else 2)
         out[ds] = root
@@ -71,25 +71,59 @@ def test_test_set_shared_across_alphas_and_csv_rows_verbatim(src, tmp_path):
         assert levels[image] == level  # the 0-4 level is kept, not the binary label
 
 
-def test_covidfl_real_sites_and_pooled_test(src, tmp_path):
+def test_covidfl_release_clients_and_pooled_test(src, tmp_path):
+    """SSL-FL's 12_clients/split_real: RSNA in rsna-0..rsna-4 (3 sources here: 7 clients), sites in client-name
+    order; the test set is the release's, pooled over the real sites (section IV-A)."""
     out = tmp_path / "c"
-    part = write_site_folders(src["covidfl"], "covidfl", out, seed=0, test_fraction=0.2)
-    real = list_covidfl_sites(src["covidfl"])
-    assert part["site_map"] == {f"site-{k}": s for k, s in enumerate(real, start=1)}
+    part = write_site_folders(src["covidfl"], "covidfl", out, seed=0)
+    names = ["bimcv", "gz", "rsna-0", "rsna-1", "rsna-2", "rsna-3", "rsna-4"]
+    assert part["site_map"] == {f"site-{k}": n for k, n in enumerate(names, start=1)}
+    assert part["release_split"] == "split_real" and part["n_sites"] == 7
     seen: list[str] = []
     for site, name in part["site_map"].items():
         recs = load_image_records(out / site, "covidfl", site=site)
-        assert {Path(os.path.realpath(r.path)).parent.parent.name for r in recs} == {name}
+        listed = (src["covidfl"] / "7_clients" / "split_real" / f"{name}.csv").read_text().split()
+        assert sorted(os.path.basename(r.path) for r in recs) == sorted(listed)
         assert part["sites"][site]["n_images"] == len(recs)
         seen += _real(r.path for r in recs)
+    sizes = [part["sites"][f"site-{k}"]["n_images"] for k in range(3, 8)]
+    assert max(sizes) - min(sizes) <= 1  # RSNA's training images in 5 near-equal random parts
     test = load_image_records(out / "test", "covidfl", site="test")
-    assert {Path(r.path).name.split("__")[0] for r in test} == set(real)  # every real site holds some out
+    assert {os.path.basename(r.path).split("_")[0] for r in test} == {"bimcv", "gz", "rsna"}
     assert not set(seen) & set(_real(r.path for r in test)) and len(seen) == len(set(seen))
-    # more sites than real sites: the largest real site is cut into sub-sites
-    more = write_site_folders(src["covidfl"], "covidfl", tmp_path / "c5", n_sites=5, seed=0)
-    assert more["n_sites"] == 5 and sum(v.count(".") for v in more["site_map"].values()) >= 2
-    with pytest.raises(ValueError, match="3 real sites"):
-        write_site_folders(src["covidfl"], "covidfl", tmp_path / "c2", n_sites=2, seed=0)
+    with pytest.raises(ValueError, match="split_real"):
+        write_site_folders(src["covidfl"], "covidfl", tmp_path / "c5", n_sites=5, seed=0)
+    anew = write_site_folders(src["covidfl"], "covidfl", tmp_path / "c3", n_sites=3, seed=0, release_split="",
+                              split="iid")
+    assert anew["n_sites"] == 3 and "site_map" not in anew
+
+
+def test_iid_split_near_equal_shards_same_manifest(src, tmp_path):
+    """FedMAE-KS (section V-B): the training set randomly cut into 10 partitions; sizes differ by at most 1 and
+    each site's class mix follows the global one (no label skew), unlike Dirichlet alpha 0.5."""
+    part = write_site_folders(src["derm"], "derm", tmp_path / "iid", n_sites=10, split="iid", seed=0)
+    assert part["split"] == "iid" and "alpha" not in part and part["n_sites"] == 10
+    sizes = [v["n_images"] for v in part["sites"].values()]
+    assert sum(sizes) + part["test"]["n_images"] == 150 and max(sizes) - min(sizes) <= 1
+    n_train = 150 - part["test"]["n_images"]  # 121: per-class rounding holds out 29
+    assert sizes == [n_train // 10 + (k < n_train % 10) for k in range(10)]  # np.array_split: the first get one more
+    for k in range(1, 11):
+        recs = load_image_records(tmp_path / "iid" / f"site-{k}", "derm", site=f"site-{k}")
+        assert class_histogram(recs, 8) == list(part["sites"][f"site-{k}"]["class_counts"].values())
+    # the same 120 images at every seed, but different shards
+    other = write_site_folders(src["derm"], "derm", tmp_path / "iid2", n_sites=10, split="iid", seed=1)
+    assert other["test"] != part["test"] or other["sites"] != part["sites"]
+    with pytest.raises(ValueError, match="split='lda'"):
+        write_site_folders(src["derm"], "derm", tmp_path / "x", split="lda")
+
+
+def test_derm_mel_release_dirichlet_sites(src, tmp_path):
+    """SSL-FL's Derm: the release's test set (25 %), the training images split by Dirichlet over the sites."""
+    part = write_site_folders(src["derm_mel"], "derm_mel", tmp_path / "m", n_sites=2, alpha=100.0, seed=0,
+                              min_per_site=5)
+    assert part["classes"] == ["benign", "melanoma"] and part["test"]["n_images"] == 10
+    assert sum(v["n_images"] for v in part["sites"].values()) == 30
+    assert part["test"]["class_counts"] == {"benign": 5, "melanoma": 5}
 
 
 def test_impossible_min_per_site(src, tmp_path):
@@ -108,6 +142,21 @@ def test_cli_synth_and_partition(tmp_path, capsys):
     assert out.count("site-") == 3 and "NV" in out and "test" in out
     assert main(["sslfl", "partition", "derm", str(tmp_path / "d"), str(tmp_path / "q"), "--min-per-site", "50"]) == 2
     assert "min_per_site=50" in capsys.readouterr().err
+
+
+def test_cli_partition_takes_the_job_defaults(tmp_path, capsys):
+    """`--job fedmae_derm` gives IID over 10 sites (FedMAE-KS, the job's meta.json); a flag still wins."""
+    assert main(["sslfl", "synth", "derm", str(tmp_path / "d"), "--images", "60", "--size", "16"]) == 0
+    assert main(["sslfl", "partition", "derm", str(tmp_path / "d"), str(tmp_path / "p"), "--job", "fedmae_derm"]) == 0
+    part = json.loads((tmp_path / "p" / "partition.json").read_text())
+    assert (part["split"], part["n_sites"], part["test_fraction"]) == ("iid", 10, 0.2)
+    assert "IID shards" in capsys.readouterr().out
+    assert main(["sslfl", "partition", "derm", str(tmp_path / "d"), str(tmp_path / "q"), "--job", "fedmae_derm",
+                 "--split", "dirichlet", "--sites", "3", "--min-per-site", "3"]) == 0
+    part = json.loads((tmp_path / "q" / "partition.json").read_text())
+    assert (part["split"], part["n_sites"], part["alpha"]) == ("dirichlet", 3, 0.5)
+    assert main(["sslfl", "partition", "retina", str(tmp_path / "d"), str(tmp_path / "r"), "--job", "fedmae_derm"]) == 2
+    assert "partitions derm data, not retina" in capsys.readouterr().err
 
 
 def test_copies_where_symlinks_fail(src, tmp_path, monkeypatch):

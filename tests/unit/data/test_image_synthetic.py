@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from fedssl.data.image_synthetic import _source_params, render, write_synthetic_images
 from fedssl.data.images import class_names, load_image_records
+from fedssl.data.sslfl_release import read_release
 
 
 def _mean(dataset, cls, source, n=12, size=32, **kw):
@@ -59,12 +61,27 @@ def test_derm_and_covidfl_layouts(tmp_path):
     info = write_synthetic_images(tmp_path / "d", "derm", 100, seed=0, image_size=16)
     assert min(info["class_counts"].values()) >= 2 and max(info["class_counts"], key=info["class_counts"].get) == "NV"
     assert len(load_image_records(tmp_path / "d", "derm")) == 100
-    info = write_synthetic_images(tmp_path / "c", "covidfl", 60, seed=0, image_size=16, n_sources=4)
-    assert sorted(info["sources"]) == ["bimcv", "cohen", "guangzhou", "rsna"]
-    mixes = {s: {class_names("covidfl")[r.label] for r in load_image_records(tmp_path / "c" / s, "covidfl")}
-             for s in info["sources"]}
+    info = write_synthetic_images(tmp_path / "c", "covidfl", 200, seed=0, image_size=16)
+    assert sorted(info["sources"]) == ["bimcv", "cohen", "eurorad", "gz", "ml-workgroup", "ricord_c", "rsna", "sirm"]
+    # SSL-FL's 12_clients/split_real: RSNA cut into 5, the other 7 real sites whole (section IV-B1: 12 clients)
+    assert sorted(info["clients"]) == ["bimcv", "cohen", "eurorad", "gz", "ml-workgroup", "ricord_c",
+                                       "rsna-0", "rsna-1", "rsna-2", "rsna-3", "rsna-4", "sirm"]
+    release = read_release(tmp_path / "c", "covidfl")
+    mixes: dict = {}
+    for r in release.train + release.test:
+        mixes.setdefault(Path(r.path).name.split("_")[0], set()).add(class_names("covidfl")[r.label])
     assert mixes["bimcv"] == {"covid"} and mixes["rsna"] == {"pneumonia", "normal"}
     assert mixes["cohen"] == {"covid", "pneumonia", "normal"}
+    # every real site holds out 20 % of each of its classes (section IV-A: 80/20 within each site)
+    for site in info["sources"]:
+        for c in range(3):
+            n_tr = sum(Path(r.path).name.startswith(site + "_") and r.label == c for r in release.train)
+            n_te = sum(Path(r.path).name.startswith(site + "_") and r.label == c for r in release.test)
+            assert n_te == (0 if n_tr + n_te < 2 else min(n_tr + n_te - 1, int((n_tr + n_te) * 0.2 + 0.5)))
+    mel = write_synthetic_images(tmp_path / "m", "derm_mel", 40, seed=0, image_size=16)
+    assert mel["class_counts"] == {"benign": 20, "melanoma": 20}
+    derm = read_release(tmp_path / "m", "derm_mel")
+    assert (len(derm.train), len(derm.test)) == (30, 10)  # ~7,500 / ~2,500 in the paper
     with pytest.raises(ValueError, match="n_sources"):
         write_synthetic_images(tmp_path / "x", "covidfl", 60, n_sources=9)
     with pytest.raises(ValueError, match="n_images"):

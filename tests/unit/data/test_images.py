@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import shutil
 from collections import Counter
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from fedssl.data.image_sites import write_site_folders
 from fedssl.data.image_synthetic import write_synthetic_images
 from fedssl.data.images import (
     IMAGENET_MEAN,
@@ -22,7 +24,6 @@ from fedssl.data.images import (
     batches,
     class_histogram,
     class_names,
-    list_covidfl_sites,
     load_image_records,
     melanoma_vs_benign,
     select_labelled,
@@ -35,10 +36,14 @@ SIZE = 32
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict]]:
     out = {}
-    for ds, n in (("retina", 60), ("derm", 48), ("covidfl", 60)):
+    for ds, n in (("retina", 60), ("derm", 48)):
         root = tmp_path_factory.mktemp(ds)
-        out[ds] = (root, write_synthetic_images(root, ds, n, seed=1, image_size=SIZE,
-                                                n_sources=3 if ds == "covidfl" else 2))
+        out[ds] = (root, write_synthetic_images(root, ds, n, seed=1, image_size=SIZE, n_sources=2))
+    for ds, n in (("covidfl", 60), ("derm_mel", 24)):  # SSL-FL's release layout -> <class>/ site folders
+        root = tmp_path_factory.mktemp(ds)
+        info = write_synthetic_images(root / "full", ds, n, seed=1, image_size=SIZE, n_sources=3)
+        write_site_folders(root / "full", ds, root / "parts", n_sites=None if ds == "covidfl" else 2, min_per_site=1)
+        out[ds] = (root / "parts", info)
     return out
 
 
@@ -78,20 +83,26 @@ def test_derm_one_hot_parsing(data):
     assert [b.label for b in binary] == [int(r.label == 0) for r in recs]
 
 
-def test_covidfl_real_sites(data):
+def test_class_folder_sites_covidfl_and_derm_mel(data, tmp_path):
+    """COVID-FL and SSL-FL's Derm sites are <class>/<image> folders; the record's label is its folder's class."""
     root, info = data["covidfl"]
-    sites = list_covidfl_sites(root)
-    assert sites == sorted(info["sources"])
+    part = json.loads((root / "partition.json").read_text())
+    assert part["site_map"]["site-1"] == "bimcv"  # clients in name order: bimcv, gz, rsna-0 .. rsna-4
     total = Counter()
-    for s in sites:
-        recs = load_image_records(root / s, "covidfl", site=s)
-        assert {r.source for r in recs} == {s}
+    for site in list(part["sites"]) + ["test"]:
+        recs = load_image_records(root / site, "covidfl", site=site)
+        assert all(Path(r.path).parent.name == class_names("covidfl")[r.label] for r in recs)
         total.update(class_names("covidfl")[r.label] for r in recs)
     assert dict(total) == {k: v for k, v in info["class_counts"].items() if v}
-    bimcv = load_image_records(root / "bimcv", "covidfl")
-    assert {r.label for r in bimcv} == {0}  # like BIMCV: COVID-19 only
-    with pytest.raises(ImageDataError, match="class folder"):
-        list_covidfl_sites(root / "bimcv")
+    assert {r.label for r in load_image_records(root / "site-1", "covidfl")} == {0}  # like BIMCV: COVID-19 only
+    mel_root, mel_info = data["derm_mel"]
+    recs = [r for s in ("site-1", "site-2", "test") for r in load_image_records(mel_root / s, "derm_mel", site=s)]
+    assert class_names("derm_mel") == ["benign", "melanoma"]
+    assert Counter(class_names("derm_mel")[r.label] for r in recs) == Counter(mel_info["class_counts"])
+    bad = _copy(mel_root / "site-1", tmp_path / "bad")
+    (bad / "MEL").mkdir()
+    with pytest.raises(ImageDataError, match=r"\[site site-9\] unknown derm_mel class folder 'MEL'"):
+        load_image_records(bad, "derm_mel", site="site-9")
 
 
 def _rewrite_csv(path: Path, edit) -> None:
@@ -154,9 +165,9 @@ def test_error_bad_one_hot_row(data, tmp_path, values, match):
 
 
 def test_error_unknown_covidfl_class(data, tmp_path):
-    root = _copy(data["covidfl"][0] / "rsna", tmp_path / "rsna")
+    root = _copy(data["covidfl"][0] / "site-3", tmp_path / "rsna")
     (root / "tuberculosis").mkdir()
-    with pytest.raises(ImageDataError, match=r"\[site site-2\] unknown COVID-FL class folder 'tuberculosis'"):
+    with pytest.raises(ImageDataError, match=r"\[site site-2\] unknown covidfl class folder 'tuberculosis'"):
         load_image_records(root, "covidfl", site="site-2")
 
 
@@ -211,7 +222,7 @@ def test_select_labelled_keeps_every_class_and_nests_nothing_wrong():
 @pytest.mark.parametrize("mode", ["pretrain", "finetune", "eval"])
 def test_dataset_shapes_and_normalisation(data, ds, mode):
     root, _ = data[ds]
-    recs = load_image_records(root / "rsna" if ds == "covidfl" else root, ds, site="s")[:6]
+    recs = load_image_records(root / "site-3" if ds == "covidfl" else root, ds, site="s")[:6]
     d = ImageDataset(recs, 16, mode, ds, site="s", seed=3)
     x, y = d[1]
     assert x.shape == (3, 16, 16) and x.dtype == torch.float32
@@ -249,7 +260,7 @@ def test_eval_is_resize_and_centre_crop(data):
 
 
 def test_finetune_crop_scales_covidfl_zooms_out(data):
-    recs = load_image_records(data["covidfl"][0] / "rsna", "covidfl")[:1]
+    recs = load_image_records(data["covidfl"][0] / "site-3", "covidfl")[:1]
     g = np.random.default_rng(0)
     cov = ImageDataset(recs, 16, "finetune", "covidfl")
     areas = [cov._crop_box(40, 40, (0.8, 1.2), g) for _ in range(400)]

@@ -1,8 +1,13 @@
 """One client's BYOL local training for FedBYOL / FCLOpt (FCL (Wu et al., MedIA 2022) section 4.3), free of FLARE types.
 
-Online network (encoder + projector) + predictor q, target network xi updated by EMA (m = 0.99) after
-every step; loss 2 - 2 cos(q(f_theta(t)), f_xi(t')) symmetrised over the two views (Grill et al.).
-No negatives, so no features cross the wire.
+Online network (encoder + projector) + predictor q, target network xi updated by EMA (eq. 7, m = 0.99) after
+every step.  The loss is FCLOpt's eq. 6, one direction: L = 2 - 2 cos(q(f_theta(t)), f_xi(t')), t fed to the
+online network and t' to the target network.  BYOL's own paper (Grill et al. 2020, eq. 2) adds the swapped term
+L(t', t); that sum doubles the loss and its gradient, which at FCLOpt's lr 0.5 is a different optimisation, so it
+is a switch (``symmetric``, default off) and not the default.  No negatives, so no features cross the wire.
+
+Learning rates (FCL section 5, "Training details"): 0.5 for FCLOpt, FCLOpt-PTNU and FCLOpt-PTNU-DP (the
+default here); 0.05, the paper's general rate, for the baselines, FedBYOL included (:data:`FEDBYOL_LR`).
 """
 
 from __future__ import annotations
@@ -17,22 +22,47 @@ from fedssl.core.fcl import cosine_lr
 from fedssl.core.state_dict import ema_update
 
 
+#: FCL section 5, "Training details": lr 0.5 for FCLOpt and its PTNU / DP variants
+FCLOPT_LR = 0.5
+#: the same passage's general rate (0.05), which the baselines use: FedBYOL's lr
+FEDBYOL_LR = 0.05
+
+
 def byol_loss(p: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """mean over the batch of 2 - 2 cos(p, z); ``z`` is treated as a constant."""
+    """mean over the batch of 2 - 2 cos(p, z) (FCL eq. 6); ``z`` is treated as a constant."""
     return (2 - 2 * F.cosine_similarity(p, z.detach(), dim=1)).mean()
+
+
+def view_loss(model: torch.nn.Module, t: torch.Tensor, t2: torch.Tensor, symmetric: bool) -> torch.Tensor:
+    """FCL eq. 6 on the views ``t`` (online network) and ``t2`` (target network); with ``symmetric`` plus the
+    swapped term L(t2, t) (Grill et al. eq. 2).  ``model`` has ``online``, ``predictor`` and ``target``."""
+    with torch.no_grad():
+        z2 = model.target(t2)
+    loss = byol_loss(model.predictor(model.online(t)), z2)
+    if symmetric:
+        with torch.no_grad():
+            z1 = model.target(t)
+        loss = loss + byol_loss(model.predictor(model.online(t2)), z1)
+    return loss
 
 
 @dataclass
 class BYOLConfig:
-    lr: float = 0.5  # paper: 0.5, cosine decay (section 5, "Training details")
-    momentum: float = 0.99  # m of the target EMA
+    """Paper settings (FCL section 5, "Training details"): SGD momentum 0.9, weight decay 1e-4, cosine decay,
+    m 0.99, 200 rounds; lr :data:`FCLOPT_LR` (FedBYOL: :data:`FEDBYOL_LR`); eq. 6 one-directional."""
+
+    lr: float = FCLOPT_LR
+    momentum: float = 0.99  # m of the target EMA (eq. 7)
     sgd_momentum: float = 0.9
     weight_decay: float = 1e-4
     num_rounds: int = 200
+    symmetric: bool = False  # True: Grill et al.'s L(t, t') + L(t', t) instead of eq. 6
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
-            raise ValueError(f"lr={self.lr!r} must be > 0 (paper: 0.5)")
+            raise ValueError(f"lr={self.lr!r} must be > 0 (paper: 0.5 for FCLOpt, 0.05 for FedBYOL)")
+        if not isinstance(self.symmetric, bool):
+            raise ValueError(f"symmetric={self.symmetric!r} must be true or false (paper, eq. 6: false)")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum={self.momentum!r} must be in [0, 1) (paper: 0.99)")
         if not self.num_rounds > 0:
@@ -42,6 +72,8 @@ class BYOLConfig:
 class BYOLTrainer:
     def __init__(self, model: torch.nn.Module, cfg: BYOLConfig,  # model: a fedssl.models.unet.BYOLUNetEncoder
                  augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor], device="cpu", seed: int = 0):
+        """``seed`` drives the augmentations only (data-side randomness: a site passes its site seed); the
+        model arrives initialised."""
         self.model = model.to(device)
         self.cfg = cfg
         self.augment = augment
@@ -65,10 +97,7 @@ class BYOLTrainer:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
             v1, v2 = self.augment(x, self.generator), self.augment(x, self.generator)
-            p1, p2 = m.predictor(m.online(v1)), m.predictor(m.online(v2))
-            with torch.no_grad():
-                z1, z2 = m.target(v1), m.target(v2)
-            loss = byol_loss(p1, z2) + byol_loss(p2, z1)
+            loss = view_loss(m, v1, v2, self.cfg.symmetric)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"BYOL loss became {loss.item()} at round {round_idx} step {step}; lower lr")
             self.optimizer.zero_grad(set_to_none=True)

@@ -10,7 +10,7 @@ import torch
 from fedssl.core.safe_load import safe_load
 from fedssl.data.acdc import load_site
 from fedssl.data.volume import Volume
-from fedssl.train.protocol import centralised_finetune, evaluate_per_site, local_finetune
+from fedssl.train.protocol import LABELLED_FROM, centralised_finetune, evaluate_per_site, local_finetune
 from fedssl.train.segmentation import init_unet
 from fedssl.models.unet import UNet2D, encoder_state_from_global, load_encoder_into_unet
 from fedssl.ops.jobs import load_profile
@@ -86,14 +86,17 @@ def run_protocols(
     folds: Sequence[int],
     settings: dict,
     progress=None,
+    labelled_from: str = LABELLED_FROM[0],
 ) -> list[dict]:
+    """The protocols of ``modes`` ("local", "centralised") for every init; ``labelled_from``: where the
+    centralised protocol draws its N annotated patients (default "pooled": N in total, FCL Table 3)."""
     rows: list[dict] = []
     kw = dict(n_labelled=list(n_labelled), folds=list(folds), features=settings["features"], epochs=settings["epochs"],
               lr=settings["lr"], device=settings["device"], progress=progress)
     if "local" in modes:
         rows += local_finetune(site_volumes, inits, **kw)
     if "centralised" in modes:
-        rows += centralised_finetune(site_volumes, inits, **kw)
+        rows += centralised_finetune(site_volumes, inits, labelled_from=labelled_from, **kw)
     return rows
 
 
@@ -104,10 +107,14 @@ def evaluate_federated(global_model: str, site_volumes, *, method: str, n_labell
 
 def run_finetune(data_root: str, init_paths: dict[str, str], out: str, *, modes: Sequence[str] = ("local",),
                  n_labelled: Sequence[int] = (1, 2, 4, 8), folds: Sequence[int] = (0, 1, 2, 3, 4),
-                 profile: str | None = None, epochs: int | None = None, progress=None) -> list[dict]:
+                 profile: str | None = None, epochs: int | None = None, progress=None,
+                 labelled_from: str = LABELLED_FROM[0]) -> list[dict]:
     """``fedssl fcl finetune``: the fine-tuning protocol of every init ``name -> FL_global_model.pt or "random"`` on
-    the ``site-*`` folders of ``data_root`` (settings of ``profile``, ``epochs`` overriding its epochs); writes
-    the report to ``out`` and returns its rows."""
+    the ``site-*`` folders of ``data_root`` (settings of ``profile``, ``epochs`` overriding its epochs;
+    ``labelled_from`` of the centralised protocol, see :func:`fedssl.train.protocol.centralised_finetune`);
+    writes the report to ``out`` and returns its rows."""
+    if labelled_from not in LABELLED_FROM:  # refused before any file is read
+        raise ValueError(f"labelled_from={labelled_from!r}: use one of {list(LABELLED_FROM)} (paper, Table 3: 'pooled')")
     from fedssl.eval.report import write_report
 
     settings = protocol_settings(profile)
@@ -117,6 +124,6 @@ def run_finetune(data_root: str, init_paths: dict[str, str], out: str, *, modes:
     inits = {name: "random" if path == "random" else encoder_init(path) for name, path in init_paths.items()}
     sites = load_labelled_sites(data_root, settings)
     rows = run_protocols(sites, inits, modes=modes, n_labelled=n_labelled, folds=folds, settings=settings,
-                         progress=progress)
-    write_report(rows, out, title="ACDC fine-tuning", extra={"settings": settings})
+                         progress=progress, labelled_from=labelled_from)
+    write_report(rows, out, title="ACDC fine-tuning", extra={"settings": settings, "labelled_from": labelled_from})
     return rows

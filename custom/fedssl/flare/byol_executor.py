@@ -16,7 +16,7 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 from nvflare.apis.signal import Signal
 
-from fedssl.core.byol import BYOLConfig
+from fedssl.core.byol import FCLOPT_LR, BYOLConfig
 from fedssl.core.checks import require, require_choice, require_int
 from fedssl.core.ptnu import uploads_target
 from fedssl.core.trainer import RoundStats
@@ -29,7 +29,7 @@ from fedssl.train.byol import BYOLLocalTrainer
 
 #: the executor arguments that go to the trainer as they are
 TRAINER_ARGS = ("n_partitions", "features", "proj_dim", "pred_hidden", "batch_size", "lr", "momentum", "m_d",
-                "max_ptnu_iterations", "max_steps_per_round", "seed")
+                "symmetric", "max_ptnu_iterations", "max_steps_per_round", "seed")
 
 
 class BYOLExecutor(TrainerExecutor):
@@ -48,16 +48,20 @@ class BYOLExecutor(TrainerExecutor):
         proj_dim: int = 128,
         pred_hidden: int = 512,
         batch_size: int = 32,
-        lr: float = 0.5,
+        lr: float = FCLOPT_LR,
         momentum: float = 0.99,
         m_d: float = 0.995,
+        symmetric: bool = False,
         max_ptnu_iterations: int = 100_000,
         max_steps_per_round: int = 0,
         seed: int = 0,
         device: str = "auto",
     ):
-        """Paper settings as defaults (FCL (Wu et al., MedIA 2022) section 5): lr 0.5 cosine, m 0.99, m_d 0.995, batch 32 images
-        (slices sampled one per partition of each volume, as in FCL)."""
+        """Paper settings as defaults (FCL (Wu et al., MedIA 2022) section 5, "Training details"): lr 0.5 cosine
+        (FCLOpt and its PTNU / DP variants; FedBYOL: 0.05, the paper's general rate), m 0.99, m_d 0.995, batch 32
+        images (slices sampled one per partition of each volume, as in FCL); the loss is eq. 6, one direction
+        (``symmetric=True``: Grill et al.'s sum over both directions).  ``seed`` is the job seed: the model starts
+        from it, the site's data-side draws from ``fedssl.core.seeds.site_seed(seed, site name)``."""
         super().__init__()
         name = type(self).__name__
         require_unet_args(name, features, image_size)
@@ -67,10 +71,12 @@ class BYOLExecutor(TrainerExecutor):
         require(0 < m_d < 1, name, "m_d", m_d, "use a value in (0, 1) (paper: 0.995)")
         require_int(name, "max_ptnu_iterations", max_ptnu_iterations, 1, "use a positive bound")
         require_int(name, "max_steps_per_round", max_steps_per_round, 0, "use 0 (full epoch) or a positive step count")
+        require(isinstance(symmetric, bool), name, "symmetric", symmetric, "use false (paper, eq. 6) or true")
+        require_int(name, "seed", seed, 0, "use the job's non-negative integer seed")
         BYOLConfig(lr=lr, momentum=momentum)  # range checks with clear messages
         self.data_root, self.image_size, self.target_spacing, self.frames = data_root, image_size, target_spacing, frames
         self.n_partitions, self.features, self.proj_dim, self.pred_hidden = n_partitions, list(features), proj_dim, pred_hidden
-        self.batch_size, self.lr, self.momentum, self.m_d = batch_size, lr, momentum, m_d
+        self.batch_size, self.lr, self.momentum, self.m_d, self.symmetric = batch_size, lr, momentum, m_d, symmetric
         self.max_ptnu_iterations, self.max_steps_per_round = max_ptnu_iterations, max_steps_per_round
         self.seed, self.device = seed, device
         self.global_online: dict | None = None  # DP: kept from report_distance for this round's train
@@ -81,9 +87,10 @@ class BYOLExecutor(TrainerExecutor):
         site = self.site_name(fl_ctx)
         volumes = load_site(self.resolve_root(self.data_root, fl_ctx), with_labels=False,
                             target_spacing=self.target_spacing, image_size=self.image_size, frames=self.frames, site=site)
-        trainer = BYOLLocalTrainer(volumes, num_rounds=num_rounds, device=pick_device(self.device),
+        trainer = BYOLLocalTrainer(volumes, num_rounds=num_rounds, site=site, device=pick_device(self.device),
                                    **{k: getattr(self, k) for k in TRAINER_ARGS})
-        self.log_info(fl_ctx, f"{site}: {len(volumes)} unlabelled volumes, device {trainer.device}")
+        self.log_info(fl_ctx, f"{site}: {len(volumes)} unlabelled volumes, data seed {trainer.data_seed}, "
+                              f"device {trainer.device}")
         return trainer
 
     # ------------------------------------------------------------------ tasks

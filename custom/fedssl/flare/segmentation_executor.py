@@ -6,22 +6,27 @@ patients of the fold (Dice over LV, MYO, RV; reported in the result meta, never 
 then train ``local_epochs`` epochs on the site's N labelled patients
 (:class:`fedssl.train.segmentation.SegmentationLocalTrainer`) and upload the weights with the number of
 labelled slices.
+
+Which patients: :func:`fedssl.train.protocol.site_split`, the split of the local protocol, seeded by
+``site_seed(split_seed, site name)`` (reproducible from fold, N, split_seed and the site name).  Batch order
+and augmentations: ``site_seed(seed, site name)``; the initial U-Net: ``seed`` (the server's broadcast
+replaces it before the first step).
 """
 
 from __future__ import annotations
 
-import torch
 from nvflare.apis.dxo import DXO
 from nvflare.apis.fl_context import FLContext
 
 from fedssl.core.checks import require, require_int
+from fedssl.core.seeds import site_seed
 from fedssl.core.trainer import RoundStats
 from fedssl.data.acdc import load_site
 from fedssl.flare.site_executor import pick_device
 from fedssl.flare.trainer_executor import TrainerExecutor
-from fedssl.models.unet import build_unet, require_unet_args
+from fedssl.models.unet import require_unet_args
 from fedssl.train.protocol import site_split
-from fedssl.train.segmentation import SegmentationLocalTrainer
+from fedssl.train.segmentation import SegmentationLocalTrainer, init_unet
 
 
 class SegmentationExecutor(TrainerExecutor):
@@ -42,13 +47,16 @@ class SegmentationExecutor(TrainerExecutor):
         local_epochs: int = 1,
         max_steps_per_epoch: int = 0,
         seed: int = 0,
+        split_seed: int = 0,
         device: str = "auto",
     ):
         """
         Args (paper settings as defaults): n_labelled = N annotated patients of the site (1, 2, 4, 8);
         fold of the 5-fold split (8 train / 2 validation patients per site); Adam lr 5e-4, batch 10,
         cosine over all rounds; local_epochs per round (paper: 1); max_steps_per_epoch caps each local
-        epoch (0 = no cap).
+        epoch (0 = no cap); seed: the job seed (initial U-Net; the site's batches and augmentations use
+        site_seed(seed, site)); split_seed: the seed of the patient split, per site site_seed(split_seed, site),
+        the same as the local protocol's (``fedssl fcl finetune``) so both fine-tune on the same patients.
         """
         super().__init__()
         name = type(self).__name__
@@ -60,6 +68,8 @@ class SegmentationExecutor(TrainerExecutor):
         require(isinstance(batch_size, int) and batch_size >= 1, name, "batch_size", batch_size, "paper: 10")
         require(isinstance(local_epochs, int) and local_epochs >= 1, name, "local_epochs", local_epochs, "paper: 1")
         require_int(name, "max_steps_per_epoch", max_steps_per_epoch, 0, "use 0 (full epoch) or a positive step count")
+        require_int(name, "seed", seed, 0, "use the job's non-negative integer seed")
+        require_int(name, "split_seed", split_seed, 0, "use a non-negative integer (the local protocol's: 0)")
         require_unet_args(name, features, image_size)
         self.data_root = data_root
         self.image_size = image_size
@@ -73,6 +83,7 @@ class SegmentationExecutor(TrainerExecutor):
         self.local_epochs = local_epochs
         self.max_steps_per_epoch = max_steps_per_epoch
         self.seed = seed
+        self.split_seed = split_seed
         self.device = device
         self._val = float("nan")  # Dice of the last received global model
 
@@ -80,14 +91,16 @@ class SegmentationExecutor(TrainerExecutor):
         site = self.site_name(fl_ctx)
         volumes = load_site(self.resolve_root(self.data_root, fl_ctx), with_labels=True,
                             target_spacing=self.target_spacing, image_size=self.image_size, site=site)
-        split = site_split({site: volumes}, self.fold, self.n_labelled, n_folds=self.n_folds)[site]
-        torch.manual_seed(self.seed)
-        trainer = SegmentationLocalTrainer(build_unet(self.features), split["train_volumes"], split["val_volumes"],
+        split = site_split({site: volumes}, self.fold, self.n_labelled, n_folds=self.n_folds,
+                           split_seed=self.split_seed)[site]
+        unet = init_unet("random", features=self.features, seed=self.seed)
+        trainer = SegmentationLocalTrainer(unet, split["train_volumes"], split["val_volumes"],
                                            num_rounds=num_rounds, lr=self.lr, batch_size=self.batch_size,
                                            local_epochs=self.local_epochs, max_steps_per_epoch=self.max_steps_per_epoch,
-                                           seed=self.seed, device=pick_device(self.device))
-        self.log_info(fl_ctx, f"{site}: fold {self.fold}, {self.n_labelled} labelled patients "
-                              f"({len(split['train_volumes'])} volumes), {len(split['val_volumes'])} validation volumes")
+                                           seed=site_seed(self.seed, site), device=pick_device(self.device))
+        self.log_info(fl_ctx, f"{site}: fold {self.fold}, labelled patients {split['train_patients']} "
+                              f"({len(split['train_volumes'])} volumes, split seed site_seed({self.split_seed}, {site})), "
+                              f"validation patients {split['val_patients']} ({len(split['val_volumes'])} volumes)")
         return trainer
 
     def receive(self, dxo: DXO, fl_ctx: FLContext, round_idx: int) -> dict:

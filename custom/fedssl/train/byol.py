@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedssl.core.byol import BYOLConfig, BYOLTrainer
+from fedssl.core.byol import FCLOPT_LR, BYOLConfig, BYOLTrainer
 from fedssl.core.ptnu import ONLINE, TARGET, predict_target, proxy_distance
+from fedssl.core.seeds import site_seed
 from fedssl.core.trainer import RoundStats, check_stop, detached, load_checked
 from fedssl.data.acdc import PartitionSampleDataset
 from fedssl.data.transforms import augment_views
@@ -40,24 +41,28 @@ def _numpy(state: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
 
 
 class BYOLLocalTrainer:
-    """One site's BYOL pre-training (a ``LocalTrainer``); paper settings as defaults (FCL (Wu et al., MedIA 2022) section 5: lr 0.5
-    cosine, m 0.99, m_d 0.995, batch 32 images).
+    """One site's BYOL pre-training (a ``LocalTrainer``); paper settings as defaults (FCL (Wu et al., MedIA 2022)
+    section 5: lr 0.5 cosine (FCLOpt; FedBYOL runs at 0.05), eq. 6 one-directional, m 0.99, m_d 0.995, batch 32
+    images).
 
-    Build order (it fixes every random draw): the partition dataset, ``torch.manual_seed(seed)``, the BYOL
-    encoder, the config, the BYOLTrainer.  ``state_dict`` = the BYOLTrainer's (model, optimiser, generator,
-    config); a trainer restored from one has a local target network (:attr:`has_local_target`).
+    Randomness: the model's initial weights come from the job ``seed`` (every site builds the same network);
+    everything drawn from the data (the slices sampled per partition, the batch order, the augmentations) from
+    :attr:`data_seed` = ``fedssl.core.seeds.site_seed(seed, site)``, so sites draw independently and a site's
+    run is reproducible from (seed, site name).  ``state_dict`` = the BYOLTrainer's (model, optimiser,
+    generator, config); a trainer restored from one has a local target network (:attr:`has_local_target`).
     """
 
     def __init__(self, volumes: Sequence[Volume], *, num_rounds: int, n_partitions: int = 4,
                  features: Sequence[int] = PAPER_FEATURES, proj_dim: int = 128, pred_hidden: int = 512,
-                 batch_size: int = 32, lr: float = 0.5, momentum: float = 0.99, m_d: float = 0.995,
-                 max_ptnu_iterations: int = 100_000, max_steps_per_round: int = 0, seed: int = 0,
-                 device: str | torch.device = "cpu"):
-        self.dataset = PartitionSampleDataset(list(volumes), n_partitions, seed=seed)
-        torch.manual_seed(seed)
-        model = BYOLUNetEncoder(features, proj_dim, pred_hidden)
-        cfg = BYOLConfig(lr=lr, momentum=momentum, num_rounds=num_rounds)
-        self.trainer = BYOLTrainer(model, cfg, augment_views, device=device, seed=seed)
+                 batch_size: int = 32, lr: float = FCLOPT_LR, momentum: float = 0.99, m_d: float = 0.995,
+                 symmetric: bool = False, max_ptnu_iterations: int = 100_000, max_steps_per_round: int = 0,
+                 seed: int = 0, site: str = "", device: str | torch.device = "cpu"):
+        #: the seed of every data-side draw at this site (partition sampling, batch order, augmentations)
+        self.data_seed = site_seed(seed, site)
+        self.dataset = PartitionSampleDataset(list(volumes), n_partitions, seed=self.data_seed)
+        model = BYOLUNetEncoder(features, proj_dim, pred_hidden, seed=seed)
+        cfg = BYOLConfig(lr=lr, momentum=momentum, num_rounds=num_rounds, symmetric=symmetric)
+        self.trainer = BYOLTrainer(model, cfg, augment_views, device=device, seed=self.data_seed)
         self.volumes_per_batch = max(1, batch_size // n_partitions)
         self.max_steps_per_round = int(max_steps_per_round)
         self.m_d, self.max_ptnu_iterations = float(m_d), int(max_ptnu_iterations)

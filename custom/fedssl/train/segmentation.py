@@ -257,7 +257,8 @@ class SegmentationLocalTrainer:
     ``max_steps_per_epoch`` batches; 0 = no cap) with one Adam optimiser and one cosine schedule over all
     ``num_rounds`` rounds; ``samples`` = labelled slices (the FedAvg weight).  ``evaluate("val")`` = Dice of
     the current model on ``val_volumes``.  The restart state is the optimiser / schedule / generator (the
-    weights come from the server every round).
+    weights come from the server every round).  ``seed`` drives the batch order and augmentations only (the
+    U-Net arrives initialised): a site passes ``fedssl.core.seeds.site_seed(job seed, site)``.
     """
 
     def __init__(self, unet: nn.Module, train_volumes: Sequence[Volume], val_volumes: Sequence[Volume], *,

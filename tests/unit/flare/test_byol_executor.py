@@ -10,6 +10,7 @@ from nvflare.apis.fl_constant import ReturnCode
 from nvflare.apis.signal import Signal
 
 from fedssl.data.acdc_synthetic import write_synthetic_acdc
+from fedssl.core.seeds import site_seed
 from fedssl.flare.byol_executor import BYOLExecutor
 from fedssl.flare.constants import DISTANCE_KEY, DISTANCE_TASK, MODE_KEY, MODES, PROXY_KEY, UPLOAD_TARGET_KEY
 from fedssl.models.unet import TINY_FEATURES, BYOLUNetEncoder
@@ -103,3 +104,17 @@ def test_abort_during_a_round_stops_within_one_step(data, tmp_path):
     assert reply.get_return_code() == ReturnCode.TASK_ABORTED
     assert len(steps) == 1 and signal.reads == 2
     assert not os.path.isfile(tmp_path / "byol_client_state.pt") and ex.last_round == -1
+
+
+def test_site_seed_and_loss_switch_reach_the_trainer(data, tmp_path):
+    """The FLARE client name picks the data seed (issue 13 item 9); ``symmetric`` reaches the loss (item 8)."""
+    ex = BYOLExecutor(data_root=data, symmetric=True, seed=5, **ARGS)
+    ex.ensure_trainer(task("fclopt"), context(site="site-1", engine=FakeEngine(tmp_path)))
+    assert ex.trainer.data_seed == site_seed(5, "site-1") and ex.trainer.trainer.cfg.symmetric is True
+    assert BYOLExecutor().symmetric is False  # FCL eq. 6
+
+
+@pytest.mark.parametrize("bad, needle", [({"symmetric": 1}, "symmetric=1"), ({"seed": -1}, "seed=-1")])
+def test_bad_arguments_are_named(bad, needle):
+    with pytest.raises(ValueError, match=needle):
+        BYOLExecutor(**bad)

@@ -9,9 +9,13 @@ from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
 from nvflare.apis.fl_constant import ReturnCode
 from nvflare.apis.signal import Signal
 
+from fedssl.core.seeds import site_seed
+from fedssl.data.acdc import load_site
 from fedssl.data.acdc_synthetic import write_synthetic_acdc
+from fedssl.eval.segmentation import dice_per_volume, mean_dice
 from fedssl.flare.segmentation_executor import SegmentationExecutor
 from fedssl.models.unet import TINY_FEATURES, build_unet
+from fedssl.train.protocol import site_split
 from tests.unit.flare.fakes import CountingSignal, FakeEngine, context
 
 torch.set_num_threads(1)
@@ -41,7 +45,11 @@ def test_train_task_reports_validation_dice_and_resumes(data, tmp_path):
     assert out.data_kind == DataKind.WEIGHTS
     n_slices = sum(v.n_slices for v in ex.trainer.train_volumes)
     assert out.get_meta_prop("num_samples") == n_slices and out.get_meta_prop(MetaKey.NUM_STEPS_CURRENT_ROUND) == 2
-    assert 0.0 <= out.get_meta_prop("val_dice") <= 1.0 and np.isfinite(out.get_meta_prop("loss"))
+    torch.manual_seed(0)  # the received global model, evaluated before local training
+    received = build_unet(TINY_FEATURES)
+    received.load_state_dict({k: torch.as_tensor(v) for k, v in from_shareable(task(0)).data.items()})
+    expected = mean_dice(dice_per_volume(received, ex.trainer.val_volumes))["mean"]
+    assert out.get_meta_prop("val_dice") == pytest.approx(expected) and np.isfinite(out.get_meta_prop("loss"))
     assert os.path.isfile(tmp_path / "seg_client_state.pt")
     ex2 = SegmentationExecutor(data_root=data, **ARGS)  # a restarted client continues the schedule
     ex2.execute("train", task(1), c, Signal())
@@ -63,3 +71,18 @@ def test_renamed_epoch_cap_is_checked():
         SegmentationExecutor(**dict(ARGS, max_steps_per_epoch=-1))
     with pytest.raises(TypeError):
         SegmentationExecutor(max_steps_per_round=2)
+
+
+@pytest.mark.parametrize("split_seed", [0, 3])
+def test_patients_from_the_site_split_and_batches_from_the_site_seed(data, tmp_path, split_seed):
+    """Issue 13 item 9: the labelled / validation patients are the local protocol's (site_split seeded by
+    site_seed(split_seed, site)); batches and augmentations use site_seed(seed, site)."""
+    ex = SegmentationExecutor(data_root=data, seed=2, split_seed=split_seed, **ARGS)
+    ex.ensure_trainer(task(0), context(site="site-1", engine=FakeEngine(tmp_path)))
+    volumes = load_site(data, with_labels=True, target_spacing=4.0, image_size=32, site="site-1")
+    split = site_split({"site-1": volumes}, 0, 1, n_folds=2, split_seed=split_seed)["site-1"]
+    assert sorted({v.patient_id for v in ex.trainer.train_volumes}) == split["train_patients"]
+    assert sorted({v.patient_id for v in ex.trainer.val_volumes}) == split["val_patients"]
+    assert ex.trainer.trainer.seed == ex.trainer.trainer.generator.initial_seed() == site_seed(2, "site-1")
+    with pytest.raises(ValueError, match="split_seed=-1"):
+        SegmentationExecutor(split_seed=-1)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fedssl.core.ptnu import ONLINE, TARGET, ptnu_steps
+from fedssl.core.seeds import site_seed
 from fedssl.core.trainer import LocalTrainer, StopRequested
 from fedssl.data.volume import Volume
 from fedssl.train.byol import BYOLLocalTrainer
@@ -57,6 +58,27 @@ def test_round_statistics_by_hand():
     assert [p["lr"] for p in stats.curve] == pytest.approx(lrs) and stats.metrics["lr"] == pytest.approx(lrs[-1])
     assert stats.loss == pytest.approx(np.mean([p["loss"] for p in stats.curve]))
     assert trainer(max_steps_per_round=2).train_round(0).steps == 2
+
+
+def test_data_randomness_from_the_site_seed_model_from_the_job_seed():
+    """Issue 13 item 9: two sites with the same job seed and the same images build the same initial network
+    but draw their own slices, batch order and augmentations (site_seed(seed, site)); the same site again
+    reproduces its round exactly."""
+    a, b, a2 = trainer(site="site-1"), trainer(site="site-2"), trainer(site="site-1")
+    assert (a.data_seed, b.data_seed) == (site_seed(0, "site-1"), site_seed(0, "site-2"))
+    assert (a.dataset.seed, a.trainer.generator.initial_seed()) == (a.data_seed, a.data_seed)
+    assert (b.dataset.seed, b.trainer.generator.initial_seed()) == (b.data_seed, b.data_seed)
+    assert trainer(site="").data_seed == 0  # outside FLARE: the job seed itself
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)  # model init: the job seed
+    assert not all(torch.equal(x, y) for x, y in zip(sa.values(), trainer(seed=1).model.state_dict().values()))
+    ra, rb, ra2 = a.train_round(0), b.train_round(0), a2.train_round(0)
+    assert ra.curve == ra2.curve and ra.curve != rb.curve
+
+
+def test_symmetric_switch_reaches_the_loss():
+    assert trainer().trainer.cfg.symmetric is False  # FCL eq. 6
+    assert trainer(symmetric=True).trainer.cfg.symmetric is True
 
 
 def test_first_round_local_target_is_the_global_online_network():

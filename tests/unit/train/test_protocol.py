@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from fedssl.core.seeds import site_seed
 from fedssl.data.volume import Volume
 from fedssl.train.protocol import (
     centralised_finetune,
@@ -66,28 +67,59 @@ def test_local_finetune_rows_pooled_validation_disjoint():
         assert not set(r["train_patients"]) & val
         site_ids = {v.patient_id for v in sv[r["site"]]}
         assert set(r["train_patients"]) <= site_ids
-        assert 0.0 <= r["dice"] <= 1.0
         assert r["dice"] == pytest.approx((r["RV"] + r["MYO"] + r["LV"]) / 3)
     # The same patients for every method.
     by = {(r["site"], r["method"]): r["train_patients"] for r in rows}
     assert all(by[(s, "random")] == by[(s, "fcl")] for s in sv)
 
 
-def test_centralised_finetune_per_site_and_pooled():
+def test_centralised_default_is_n_patients_in_total_from_the_pooled_sites():
+    """FCL Table 3 / section 5 ("all data are combined for sampling the annotated data"): N annotated patients
+    in total.  Before issue 13 item 4 the default drew N per site: 3 patients at N=1 with 3 sites."""
     sv = _site_volumes()
     local = local_finetune(sv, {"random": "random"}, **KW)
     rows = centralised_finetune(sv, _inits(), **KW)
     assert len(rows) == 2
-    expected_train = sorted(p for r in local for p in r["train_patients"])
     for r in rows:
         assert r["mode"] == "centralised" and r["site"] == "all"
-        assert sorted(r["train_patients"]) == expected_train  # N per site, same as local
-        assert r["n_train_volumes"] == 2 * N_SITES
+        assert r["train_patients"] == ["s2p2"] and r["n_train_volumes"] == 2  # 1 patient (ED + ES), not 3
         assert set(r["val_patients"]) == set(local[0]["val_patients"])
         assert not set(r["train_patients"]) & set(r["val_patients"])
-    pooled = centralised_finetune(sv, {"random": "random"}, labelled_from="pooled", **KW)
-    assert len(pooled) == 1 and len(pooled[0]["train_patients"]) == 1
-    assert not set(pooled[0]["train_patients"]) & set(pooled[0]["val_patients"])
+    per_site = centralised_finetune(sv, {"random": "random"}, labelled_from="per_site", **KW)
+    assert sorted(per_site[0]["train_patients"]) == sorted(p for r in local for p in r["train_patients"])
+    assert per_site[0]["n_train_volumes"] == 2 * N_SITES
+    with pytest.raises(ValueError, match=r"labelled_from='site'.*'pooled'"):
+        centralised_finetune(sv, {"random": "random"}, labelled_from="site", **KW)
+
+
+def test_each_site_draws_its_split_from_its_site_seed():
+    """Issue 13 item 9: kfold_split and select_labelled seeded by site_seed(split_seed, site).  With one shared
+    seed every site labelled its 4th and validated on its 3rd sorted patient; now the positions differ, and
+    the values below are reproducible from (fold 0, N, split_seed 0, site name)."""
+    split = {s: (d["train_patients"], d["val_patients"]) for s, d in site_split(_site_volumes(), 0, 1).items()}
+    assert split == {"site-1": (["s0p3"], ["s0p2"]), "site-2": (["s1p2"], ["s1p1"]), "site-3": (["s2p1"], ["s2p0"])}
+    two = site_split(_site_volumes(), 0, 2)
+    assert [two[s]["train_patients"] for s in sorted(two)] == [["s0p3", "s0p4"], ["s1p0", "s1p2"], ["s2p1", "s2p2"]]
+    other = site_split(_site_volumes(), 0, 1, split_seed=1)
+    assert [other[s]["val_patients"] for s in sorted(other)] == [["s0p1"], ["s1p3"], ["s2p0"]]
+    rows = local_finetune(_site_volumes(), {"random": "random"}, **KW)
+    assert {r["site"]: r["train_patients"] for r in rows} == {s: split[s][0] for s in split}  # = federated split
+
+
+def test_local_runs_train_on_the_site_seed_and_initialise_on_the_job_seed(monkeypatch):
+    """The U-Net starts from ``seed`` everywhere; a site's batches and augmentations use site_seed(seed, site),
+    the centralised run the job seed.  (Training replaced by a recorder: the seeds are what is checked.)"""
+    import fedssl.train.protocol as protocol
+
+    seen = []
+    monkeypatch.setattr(protocol, "init_unet", lambda init, features, seed: seen.append(("init", seed)) or
+                        init_unet("random", features=TINY_FEATURES, seed=0))
+    monkeypatch.setattr(protocol, "train_segmentation", lambda unet, vols, seed, **kw: seen.append(("data", seed)) or [0.5])
+    local_finetune(_site_volumes(), {"random": "random"}, **{**KW, "seed": 4})
+    assert seen == [x for s in ("site-1", "site-2", "site-3") for x in (("init", 4), ("data", site_seed(4, s)))]
+    seen.clear()
+    centralised_finetune(_site_volumes(), {"random": "random"}, **{**KW, "seed": 4})
+    assert seen == [("init", 4), ("data", 4)]
 
 
 def test_evaluate_per_site_uses_each_sites_validation():

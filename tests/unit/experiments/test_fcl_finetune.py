@@ -1,0 +1,49 @@
+"""``fedssl fcl finetune`` (fedssl.experiments.fcl_finetune): the centralised protocol's labelled set, from the
+command line to the report (FCL (Wu et al., MedIA 2022) Table 3, issue 13 item 4)."""
+
+import json
+
+import pytest
+import torch
+
+from fedssl.cli import main
+from fedssl.data.acdc_synthetic import write_synthetic_acdc
+from fedssl.experiments.fcl_finetune import run_finetune
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def acdc(tmp_path_factory):
+    """3 sites of 5 synthetic patients (4 training + 1 validation patient per site in every fold)."""
+    root = tmp_path_factory.mktemp("acdc_ft")
+    write_synthetic_acdc(root, n_patients=15, n_sites=3, seed=0, shape=(48, 48), n_frames=2, slices_range=(4, 5))
+    return str(root)
+
+
+def finetune(acdc, out, *extra):
+    argv = ["fcl", "finetune", "--data-root", acdc, "--init", "random=random", "--n", "1", "--folds", "0",
+            "--modes", "centralised", "--profile", "quick", "--epochs", "1", "--out", str(out), *extra]
+    assert main(argv) == 0
+    with open(out / "summary.json") as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("extra, labelled_from, n_patients", [((), "pooled", 1),
+                                                              (("--labelled-from", "per_site"), "per_site", 3)])
+def test_centralised_n1_trains_on_one_patient_by_default(acdc, tmp_path, capsys, extra, labelled_from, n_patients):
+    """Before issue 13 item 4 the centralised run at N=1 with 3 sites trained on 3 patients (1 per site); the
+    paper's protocol draws N in total from the pooled sites; per_site stays reachable."""
+    report = finetune(acdc, tmp_path, *extra)
+    (row,) = report["rows"]
+    assert (row["mode"], row["site"], report["extra"]["labelled_from"]) == ("centralised", "all", labelled_from)
+    assert len(row["train_patients"]) == n_patients and row["n_train_volumes"] == 2 * n_patients  # ED + ES
+    capsys.readouterr()
+
+
+def test_bad_labelled_from_is_refused_before_any_file_is_read(tmp_path, capsys):
+    with pytest.raises(ValueError, match=r"labelled_from='site'.*'pooled'"):
+        run_finetune(str(tmp_path / "missing"), {"random": "random"}, str(tmp_path / "out"), labelled_from="site")
+    with pytest.raises(SystemExit):
+        main(["fcl", "finetune", "--data-root", "x", "--init", "r=random", "--out", "o", "--labelled-from", "site"])
+    assert "invalid choice: 'site' (choose from 'pooled', 'per_site')" in capsys.readouterr().err

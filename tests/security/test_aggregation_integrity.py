@@ -4,6 +4,7 @@ Each attack is a contribution built the way an attacker would send it; in every 
 the honest sites, the global model equals their average bit for bit, and the log names the attacking site.
 """
 
+import json
 import logging
 
 import numpy as np
@@ -13,6 +14,7 @@ from nvflare.apis.fl_constant import ReservedKey
 from nvflare.app_common.abstract.model import make_model_learnable
 from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.app_event_type import AppEventType
+from nvflare.app_common.decomposers import common_decomposers
 
 from fedssl.core.state_dict import weighted_average
 from fedssl.flare.communication_meter import COMM_FILE, CommunicationMeter
@@ -179,6 +181,11 @@ def test_surgical_head_and_backbone_refuse_poison(attack, tmp_path, caplog):
 
 
 # ---------------------------------------------------------------- the communication meter sees everything first
+#: what the meter records for each payload: measured parts, or "unmeasured" with the serialisation error
+METER_RECORDS = {"int meta key": {"unmeasured": "RuntimeError"}, "object meta": {"unmeasured": "RuntimeError"},
+                 "not a dxo": {"total": None}, "bad round cookie": {"total": None, "weights": None}}
+
+
 @pytest.mark.parametrize("payload", ["int meta key", "object meta", "not a dxo", "bad round cookie"])
 def test_the_meter_never_crashes_on_a_payload(payload, tmp_path):
     if payload == "int meta key":
@@ -193,9 +200,20 @@ def test_the_meter_never_crashes_on_a_payload(payload, tmp_path):
         s = DXO(DataKind.WEIGHTS, data={"w": np.ones(2)}).to_shareable()
         s.add_cookie(AppConstants.CONTRIBUTION_ROUND, {"round": "x"})
     s.set_peer_props({ReservedKey.IDENTITY_NAME: ATTACKER})
+    common_decomposers.register()  # as FLARE does at start-up: numpy arrays serialise, whatever ran before
     meter = CommunicationMeter(direction="upload")
     assert meter.process(s, context(peer_site=ATTACKER, engine=FakeEngine(tmp_path))) is s
-    assert (tmp_path / COMM_FILE).exists() or payload == "object meta"
+    (record,) = [json.loads(line) for line in (tmp_path / COMM_FILE).read_text().splitlines()]
+    expected = METER_RECORDS[payload]
+    # one line per payload, the attacker named, no round (the cookie is not an int), only the parts that were measured
+    assert {k: record[k] for k in ("round", "site", "direction", "task")} == {
+        "round": None, "site": ATTACKER, "direction": "upload", "task": None}
+    assert set(record) - {"round", "site", "direction", "task"} == set(expected)
+    for key, prefix in expected.items():
+        if prefix is None:
+            assert isinstance(record[key], int) and record[key] > 0, key
+        else:
+            assert record[key].startswith(prefix + ": "), record[key]
 
 
 def test_num_steps_weighting_is_bounded_too(tmp_path):

@@ -94,6 +94,10 @@ def test_a_site_knowing_the_job_config_cannot_attribute_remote_rows(tmp_path):
     assert 0.3 < np.mean(rates) < 0.7 and max(rates) < 1.0
 
 
+#: filled rows the other sites (site-2 .. site-n; site i holds partition i mod S) offer site-1, by partition id
+OTHERS_FILLED = {(3, K): {1: 9, 2: 9}, (6, K): {1: 9, 2: 9, 3: 9, 0: 9}, (3, 5): {1: 5, 2: 5}, (6, 2): {1: 4, 2: 2, 3: 2, 0: 2}}
+
+
 @pytest.mark.parametrize("n_sites, filled", [(3, K), (6, K), (3, 5), (6, 2)])
 def test_remote_bank_size_reveals_neither_site_count_nor_fill_level(n_sites, filled, tmp_path):
     names = [f"site-{i}" for i in range(1, n_sites + 1)]
@@ -110,7 +114,10 @@ def test_remote_bank_size_reveals_neither_site_count_nor_fill_level(n_sites, fil
                                        {"num_samples": 1, BANK_FEATURES: f, BANK_PARTITIONS: p}), ctx)
     feats, parts = receive(FeatureBankShuttle(bank_size=K), agg.aggregate(ctx), names[0])
     assert feats.shape == (K, D) and parts.shape == (K,)
-    assert (parts >= 0).all()  # the others hold >= K filled rows between them: no padding to count
+    # the others hold >= K filled rows between them: K of those, no padding (-1) and none of site-1's own rows
+    counts = dict(zip(*np.unique(parts, return_counts=True)))
+    available = OTHERS_FILLED[n_sites, filled]
+    assert sum(counts.values()) == K and all(0 < n <= available.get(int(p), 0) for p, n in counts.items()), counts
 
 
 def test_perturbation_noise_cannot_be_subtracted_with_a_known_seed():

@@ -49,9 +49,11 @@ def test_an_image_at_an_unaligned_offset_and_in_a_list_is_found():
     flat = np.random.default_rng(0).normal(size=1000).astype(np.float32)
     flat[101:101 + 192] = images[1].flatten().numpy()
     hits = leaks(upload(w=flat), data)
-    assert "train:/DXO/meta/w holds a site row of width 192 at offset 101" in hits
+    assert hits == ["train:/DXO/meta/w holds a site row of width 192 at offset 101"]
     as_list = [["text", images[2].permute(1, 2, 0).flatten().tolist()]]  # HWC, nested in a list
-    assert any("row 0 (width 192)" in h for h in leaks(upload(nested=as_list), data))
+    assert leaks(upload(nested=as_list), data) == [
+        "train:/DXO/meta/nested[0][1] row 0 (width 192) equals a site row",
+        "train:/DXO/meta/nested[0][1] holds a site row of width 192 at offset 0"]
 
 
 def test_numeric_arrays_walks_data_meta_and_headers():

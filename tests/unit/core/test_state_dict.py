@@ -15,9 +15,9 @@ def test_weighted_average_by_hand():
 
 
 def test_weighted_average_rejects_bad_weights():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"weights \[0\.0\] must be finite, non-negative and not all zero"):
         weighted_average([{"w": np.zeros(1)}], [0])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="need one weight per state, got 1 states and 2 weights"):
         weighted_average([{"w": np.zeros(1)}], [1, 2])
 
 

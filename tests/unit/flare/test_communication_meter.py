@@ -12,16 +12,27 @@ from tests.unit.flare.fakes import FakeEngine, context
 common_decomposers.register()  # FLARE registers these at start-up; numpy arrays need them
 
 
-def test_counts_the_real_serialised_size(tmp_path):
-    s = DXO(DataKind.WEIGHTS, data={"w": np.zeros((100, 10), np.float32)},
-            meta={"bank_features": np.zeros((64, 8), np.float32), "num_samples": 3}).to_shareable()
+def payload(cols: int, bank_cols: int):
+    s = DXO(DataKind.WEIGHTS, data={"w": np.zeros((100, cols), np.float32)},
+            meta={"bank_features": np.zeros((64, bank_cols), np.float32), "num_samples": 3}).to_shareable()
     s.set_header("current_round", 4)
-    CommunicationMeter("upload").process(s, context(peer_site="site-2", engine=FakeEngine(tmp_path)))
-    rec = json.loads((tmp_path / COMM_FILE).read_text().splitlines()[0])
+    return s
+
+
+def test_counts_the_real_serialised_size(tmp_path):
+    meter, ctx = CommunicationMeter("upload"), context(peer_site="site-2", engine=FakeEngine(tmp_path))
+    s = payload(10, 8)
+    meter.process(s, ctx)
+    meter.process(payload(11, 9), ctx)
+    rec, wider = (json.loads(line) for line in (tmp_path / COMM_FILE).read_text().splitlines())
     assert rec["total"] == len(s.to_bytes())
     assert rec["site"] == "site-2" and rec["round"] == 4 and rec["direction"] == "upload"
     # 4000 bytes of weights and 2048 bytes of features, plus framing
-    assert 4000 <= rec["weights"] < 4400 and 2048 <= rec["features"] < 2400 and rec["scalars"] < 100
+    assert 4000 <= rec["weights"] < 4400 and 2048 <= rec["features"] < 2400
+    # one more float32 column: exactly 100 x 4 more weight bytes and 64 x 4 more feature bytes
+    assert wider["weights"] - rec["weights"] == 400 and wider["features"] - rec["features"] == 256
+    # {"num_samples": 3}: 10-byte FOBS frame + msgpack fixmap (1) + fixstr "num_samples" (1 + 11) + fixint (1)
+    assert rec["scalars"] == 24
     assert rec["weights"] + rec["features"] + rec["scalars"] <= rec["total"]
 
 

@@ -24,7 +24,9 @@ def test_upload_holds_back_matching_tensors_until_the_last_round():
     assert set(out.data) == {"encoder.pos_embed", "decoder.pred.weight"}
     assert out.get_meta_prop("excluded_keys") == ["encoder.cls_token"] and out.get_meta_prop("num_samples") == 3
     last = from_shareable(f.process(result(2, 3), context()))
-    assert "encoder.cls_token" in last.data  # averaged once, at the end of the last round
+    # averaged once, at the end of the last round: the site's own value, with the rest of the model
+    assert set(last.data) == set(WEIGHTS) and last.get_meta_props() == {"num_samples": 3}  # nothing excluded
+    np.testing.assert_array_equal(last.data["encoder.cls_token"], WEIGHTS["encoder.cls_token"])
 
 
 def test_unknown_round_and_fedbn_keep_tensors_local():

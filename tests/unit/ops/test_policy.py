@@ -141,7 +141,9 @@ def test_refusals_follow_flare_on_plain_dicts_but_not_in_the_components_list(tmp
              "args": {"meta": {"path": "not.a.Class", "config_type": "dict"}}}
     hidden = {"id": "evil", "path": "fedssl.ops.jobs.build_job", "config_type": "dict"}
     assert refusals(_job_with(tmp_path / "a", {"components": [plain]}), site.resources_json) == []
-    assert len(refusals(_job_with(tmp_path / "b", {"components": [hidden]}), site.resources_json)) == 1
+    assert refusals(_job_with(tmp_path / "b", {"components": [hidden]}), site.resources_json) == [
+        "site refused the job: class fedssl.ops.jobs.build_job is not allowed "
+        "(app/config/config_fed_server.json, components, id 'evil')"]
 
 
 def test_a_job_with_custom_code_is_refused(tmp_path, site):

@@ -1,0 +1,400 @@
+"""Every hyper-parameter a paper states, pinned to the job folder that runs it (the paper profile: jobs/ as is).
+
+One table per paper: (job, config file, component id, argument, paper value, where in the paper).  The job's
+JSON is read with ``json.load``; an argument the JSON leaves out counts with the component's constructor
+default (what FLARE would build).  Settings that are not job arguments (the optimisers' fixed constants) are
+pinned in ``CODE_PINS`` against the class that holds them.
+
+Papers (/work/shared/seeds): 004 FCL / FCLOpt (Wu et al., MedIA 2022), 000 SSL-FL (Yan et al., IEEE TMI 2023),
+001 FedMAE-KS (Wu et al., dermatology), 002 Surgical aggregation (Kulkarni et al., ML4H 2024).
+
+Not pinned, because the paper does not state them (the job's value is the bundle's choice or the reference code's):
+
+- FCL / FCLOpt: image size (192), projection size (128), BYOL predictor width (512), the U-Net widths after the
+  first level (only "initial number of channels 48" is stated), local epochs per round of *federated fine-tuning*
+  (1 is stated for pre-training only), the fold and N of this job within the stated sets.
+- SSL-FL: AdamW weight decay (0.05 in rui-yan/SSL-FL's scripts), local epochs E (Algorithm 1 leaves it symbolic;
+  scripts: E_epoch 1), MAE decoder size and norm_pix_loss (MAE defaults), BEiT vocabulary size (DALL-E: 8192),
+  gradient clipping, fine-tuning layer decay (0.65), drop path, min lr, fine-tuning warm-up (scripts: 5), the
+  validation split; "a cosine learning rate decay of 0.05" (sec. IV-B.3) is ambiguous and is not pinned.
+  Two settings are ambiguous in the paper and accept either reading (``OneOf``): COVID-FL's MAE mask ratio
+  (sec. IV-B.3 "60% for MAE" in the main experiment, Table IX / the reference script: 30% for COVID-FL) and
+  COVID-FL's fine-tuning lr (sec. IV-B.4 "base learning rate 3e-3" at batch 64: 3e-3 as an absolute rate, or
+  the code's blr x 64/256 = 7.5e-4).
+  The reference scripts differ from the paper in places (Retina MAE blr 2e-3 x 128/256 = 1e-3, BEiT lr 2e-3,
+  BEiT mask 0.5, MAE warm-up 40): the paper's values are pinned.
+- FedMAE-KS: pre-training rounds (sec. V-B gives none; FedCLF's 100 of sec. V-A may or may not carry over),
+  weight decay, warm-up and decoder ("we follow the training setup described in MAE [18]"),
+  fine-tuning warm-up / layer decay / min lr, the model-selection metric (only "selected on the validation set").
+- Surgical aggregation: the number of rounds T, the local epochs E before communication and the input size are
+  symbols whose values the text of the paper lost (reference code: 1000 epochs with early stopping, E = 1,
+  224 x 224); the head's hidden layer and dropout, augmentation magnitudes, FedAvg weighting of the backbone,
+  bootstrap count.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pytest
+
+JOBS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "jobs")
+FILES = {"client": "config_fed_client.json", "server": "config_fed_server.json"}
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """A paper value that is any of a stated set (e.g. N in {1, 2, 4, 8} annotated patients)."""
+
+    values: tuple
+
+    def __repr__(self) -> str:
+        return "one of " + "/".join(map(str, self.values))
+
+
+@dataclass(frozen=True)
+class Pin:
+    """One paper setting: ``job``'s ``part`` ("client", "server" or "meta") component ``comp``, argument ``arg``
+    (``arg[i]`` for a list element), or ``derive(args)`` for a value computed from several arguments."""
+
+    job: str
+    part: str
+    comp: str
+    arg: str
+    paper: Any
+    cite: str
+    derive: Callable[[dict], Any] | None = field(default=None, compare=False)
+
+    @property
+    def id(self) -> str:
+        return f"{self.job}:{self.comp or 'meta'}.{self.arg}={self.paper!r} [{self.cite}]"
+
+
+def load_config(job: str, part: str) -> dict:
+    """The job's meta.json or app/config/config_fed_{client,server}.json, as written."""
+    path = (os.path.join(JOBS_DIR, job, "meta.json") if part == "meta"
+            else os.path.join(JOBS_DIR, job, "app", "config", FILES[part]))
+    with open(path) as f:
+        return json.load(f)
+
+
+def components(config: dict) -> list[dict]:
+    """Every component spec of a FLARE config: components, executors, workflows and filters."""
+    specs = list(config.get("components", [])) + list(config.get("workflows", []))
+    specs += [e["executor"] for e in config.get("executors", [])]
+    for key in ("task_data_filters", "task_result_filters"):
+        specs += [f for chain in config.get(key, []) for f in chain.get("filters", [])]
+    return specs
+
+
+def find_component(config: dict, comp_id: str) -> dict:
+    """The single component with id ``comp_id``."""
+    found = [c for c in components(config) if c.get("id") == comp_id]
+    assert len(found) == 1, f"expected one component with id {comp_id!r}, found {len(found)}"
+    return found[0]
+
+
+def effective_args(spec: dict) -> dict:
+    """The component's JSON args over its constructor's defaults (the values FLARE builds it with)."""
+    module, _, name = spec["path"].rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    defaults = {k: p.default for k, p in inspect.signature(cls).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    return {**defaults, **spec.get("args", {})}
+
+
+def job_value(pin: Pin) -> Any:
+    """The value the job runs with for ``pin``."""
+    config = load_config(pin.job, pin.part)
+    args = config if pin.part == "meta" else effective_args(find_component(config, pin.comp))
+    if pin.derive is not None:
+        return pin.derive(args)
+    name, _, index = pin.arg.partition("[")
+    assert name in args, f"{pin.job}: {pin.comp} has no argument {name!r} (paper value {pin.paper!r}, {pin.cite})"
+    value = args[name]
+    return value[int(index.rstrip("]"))] if index else value
+
+
+def matches(value: Any, paper: Any) -> bool:
+    """Exact for strings, bools and lists; floats to 1e-9 relative (1.5e-4 vs 0.00015)."""
+    if isinstance(paper, OneOf):
+        return any(matches(value, v) for v in paper.values)
+    if isinstance(paper, bool) or isinstance(value, bool):
+        return value is paper
+    if isinstance(paper, float) or isinstance(value, float):
+        return isinstance(value, (int, float)) and math.isclose(value, paper, rel_tol=1e-9)
+    if isinstance(paper, (list, tuple)):
+        return isinstance(value, (list, tuple)) and list(value) == list(paper)
+    return value == paper
+
+
+def check(pin: Pin) -> None:
+    value = job_value(pin)
+    assert matches(value, pin.paper), f"{pin.job}: {pin.comp or 'meta'}.{pin.arg} = {value!r}, paper: {pin.paper!r} ({pin.cite})"
+
+
+def exists(job: str) -> bool:
+    return os.path.isfile(os.path.join(JOBS_DIR, job, "meta.json"))
+
+
+def mim_peak_lr(args: dict) -> float:
+    """MIMExecutor's peak rate: ``lr x batch_size / 256`` when ``lr_per_256``, else ``lr``."""
+    return args["lr"] * args["batch_size"] / 256 if args.get("lr_per_256") else args["lr"]
+
+
+def vit_b(job: str, part: str, comp: str, cite: str = "ViT-B [16]") -> list[Pin]:
+    """ViT-B/16 at 224 px: 768 wide, 12 blocks, 12 heads, 16 x 16 patches (Dosovitskiy et al.)."""
+    return [Pin(job, part, comp, "image_size", 224, cite + ", 224x224 input"),
+            Pin(job, part, comp, "patch_size", 16, cite + ", 16x16 patches"),
+            Pin(job, part, comp, "embed_dim", 768, cite),
+            Pin(job, part, comp, "depth", 12, cite),
+            Pin(job, part, comp, "num_heads", 12, cite)]
+
+
+# ---------------------------------------------------------------- FCL / FCLOpt (seed 004, MedIA 2022, sec. 5)
+TD = "FCL sec.5 Training details"
+FS = "FCL sec.5 Federated and training setting"
+DP = "FCL sec.5 Dataset and preprocessing"
+FCL_PINS = [
+    Pin("fcl_acdc", "client", "fcl_trainer", "tau", 0.1, TD + ": temperature 0.1"),
+    Pin("fcl_acdc", "client", "fcl_trainer", "momentum", 0.99, TD + ": momentum 0.99"),
+    Pin("fcl_acdc", "client", "fcl_trainer", "bank_size", 4096, TD + ": memory bank 4096"),
+    Pin("fcl_acdc", "client", "fcl_trainer", "batch_size", 32, TD + ": batch size 32"),
+    Pin("fcl_acdc", "client", "fcl_trainer", "lr", 0.05, TD + ": lr 0.05 cosine"),
+    Pin("fcl_acdc", "client", "fcl_trainer", "n_partitions", 4, TD + ": 4 partitions per volume"),
+    Pin("fcl_acdc", "client", "fcl_trainer", "max_steps_per_round", 0, TD + ": 1 local epoch per round (0 = full)"),
+    Pin("fcl_acdc", "client", "fcl_trainer", "target_spacing", 1.25, DP + ": 1.25x1.25 mm2"),
+    Pin("fcl_acdc", "client", "fcl_trainer", "frames", "all", DP + ": ~15 volumes per patient, pre-training unlabelled"),
+    Pin("fcl_acdc", "client", "fcl_trainer", "features[0]", 48, FS + ": U-Net initial channels 48"),
+    Pin("fcl_acdc", "client", "fcl_trainer", "feature_exchange", True, "FCL sec.3 eq.(1) FE"),
+    Pin("fcl_acdc", "client", "fcl_trainer", "negative_sampling", True, "FCL sec.3 eq.(2) NS"),
+    Pin("fcl_acdc", "client", "fcl_trainer", "structural_matching", True, "FCL sec.3 eqs.(4)-(5) GSM"),
+    Pin("fcl_acdc", "client", "fcl_trainer", "federated", True, "FCL sec.3: FedAvg aggregation"),
+    Pin("fcl_acdc", "client", "fcl_trainer", "plain_moco", False, "FCL sec.3.2: partition positives (not MoCo's)"),
+    Pin("fcl_acdc", "server", "bank_shuttle", "bank_size", 4096, TD + ": memory bank 4096"),
+    Pin("fcl_acdc", "server", "bank_collector", "bank_size", 4096, TD + ": memory bank 4096"),
+    Pin("fcl_acdc", "server", "bank_collector", "n_partitions", 4, TD + ": 4 partitions"),
+    Pin("fcl_acdc", "server", "model", "features[0]", 48, FS + ": U-Net initial channels 48"),
+    Pin("fcl_acdc", "server", "aggregator", "weighting", "num_samples", "FedAvg (McMahan 2017), n_c/n"),
+    Pin("fcl_acdc", "server", "scatter_and_gather", "num_rounds", 200, TD + ": 200 rounds"),
+    Pin("fcl_acdc", "server", "scatter_and_gather", "min_clients", 10, FS + ": 10 clients, active fraction 1.0"),
+    Pin("fcl_acdc", "meta", "", "min_clients", 10, FS + ": 10 clients"),
+    # FCLOpt / PTNU / DP (sec. 4, trained as in sec. 5)
+    Pin("fclopt_acdc", "client", "byol_trainer", "lr", 0.5, TD + ": FCLOpt lr 0.5 cosine"),
+    Pin("fclopt_acdc", "client", "byol_trainer", "momentum", 0.99, TD + ": target momentum m 0.99"),
+    Pin("fclopt_acdc", "client", "byol_trainer", "m_d", 0.995, TD + ": m_d for PTNU 0.995"),
+    Pin("fclopt_acdc", "client", "byol_trainer", "symmetric", False, "FCL sec.4 eq.(6): one direction"),
+    Pin("fclopt_acdc", "client", "byol_trainer", "batch_size", 32, TD + ": batch size 32"),
+    Pin("fclopt_acdc", "client", "byol_trainer", "n_partitions", 4, TD + ": 4 partitions per volume"),
+    Pin("fclopt_acdc", "client", "byol_trainer", "max_steps_per_round", 0, TD + ": 1 local epoch per round (0 = full)"),
+    Pin("fclopt_acdc", "client", "byol_trainer", "target_spacing", 1.25, DP + ": 1.25x1.25 mm2"),
+    Pin("fclopt_acdc", "client", "byol_trainer", "frames", "all", DP + ": ~15 volumes per patient, pre-training unlabelled"),
+    Pin("fclopt_acdc", "client", "byol_trainer", "features[0]", 48, FS + ": U-Net initial channels 48"),
+    Pin("fclopt_acdc", "server", "model", "features[0]", 48, FS + ": U-Net initial channels 48"),
+    Pin("fclopt_acdc", "server", "aggregator", "weighting", "num_samples", "FCL sec.4 eq.(8): n_c/n"),
+    Pin("fclopt_acdc", "server", "scatter_and_gather", "calibration_every", 10, TD + ": alpha adjusted every 10 rounds"),
+    Pin("fclopt_acdc", "server", "scatter_and_gather", "num_rounds", 200, TD + ": 200 rounds"),
+    Pin("fclopt_acdc", "server", "scatter_and_gather", "min_clients", 10, FS + ": 10 clients, active fraction 1.0"),
+    Pin("fclopt_acdc", "meta", "", "min_clients", 10, FS + ": 10 clients"),
+    # federated fine-tuning of the U-Net
+    Pin("fcl_acdc_finetune", "client", "seg_trainer", "lr", 0.0005, TD + ": fine-tuning Adam lr 0.0005 cosine"),
+    Pin("fcl_acdc_finetune", "client", "seg_trainer", "batch_size", 10, TD + ": fine-tuning batch size 10"),
+    Pin("fcl_acdc_finetune", "client", "seg_trainer", "n_folds", 5, "FCL sec.5 Evaluation: 5-fold cross-validation"),
+    Pin("fcl_acdc_finetune", "client", "seg_trainer", "n_labelled", OneOf((1, 2, 4, 8)),
+        "FCL sec.5 Evaluation: N in {1,2,4,8} annotated patients"),
+    Pin("fcl_acdc_finetune", "client", "seg_trainer", "target_spacing", 1.25, DP + ": 1.25x1.25 mm2"),
+    Pin("fcl_acdc_finetune", "client", "seg_trainer", "features[0]", 48, FS + ": U-Net initial channels 48"),
+    Pin("fcl_acdc_finetune", "server", "model", "features[0]", 48, FS + ": U-Net initial channels 48"),
+    Pin("fcl_acdc_finetune", "server", "model", "out_channels", 4, DP + ": LV, MYO, RV + background"),
+    Pin("fcl_acdc_finetune", "server", "scatter_and_gather", "num_rounds", 200, TD + ": 200 rounds federated fine-tuning"),
+    Pin("fcl_acdc_finetune", "server", "scatter_and_gather", "min_clients", 10, FS + ": 10 clients"),
+    Pin("fcl_acdc_finetune", "meta", "", "min_clients", 10, FS + ": 10 clients"),
+]
+
+# ---------------------------------------------------------------- SSL-FL (seed 000, IEEE TMI 2023, sec. IV-B)
+PT = "SSL-FL sec.IV-B.3"
+FT = "SSL-FL sec.IV-B.4"
+SPLIT = "SSL-FL sec.IV-B.1: N=5 clients"
+COVID = "SSL-FL sec.IV-B.1: COVID-FL 12 clients"
+SSLFL_PINS = [
+    Pin("sslfl_mae_retina", "client", "mim_trainer", "method", "mae", PT + ": Fed-MAE"),
+    Pin("sslfl_mae_retina", "client", "mim_trainer", "peak lr", 1e-3, "SSL-FL Table I: Retina Fed-MAE eta 1e-3 (absolute)",
+        mim_peak_lr),
+    Pin("sslfl_mae_retina", "client", "mim_trainer", "batch_size", 128, "SSL-FL Table I: Retina Fed-MAE B 128"),
+    Pin("sslfl_mae_retina", "client", "mim_trainer", "mask_ratio", 0.6, PT + ": mask 60% for MAE; Table IX"),
+    Pin("sslfl_mae_retina", "client", "mim_trainer", "warmup_rounds", 5, PT + ": Fed-MAE warm-up 5 epochs (1 epoch/round)"),
+    *vit_b("sslfl_mae_retina", "client", "mim_trainer", PT + ": ViT-B"),
+    *vit_b("sslfl_mae_retina", "server", "model", PT + ": ViT-B"),
+    Pin("sslfl_mae_retina", "server", "scatter_and_gather", "num_rounds", 1600, PT + ": Fed-MAE 1600 rounds"),
+    Pin("sslfl_mae_retina", "server", "scatter_and_gather", "min_clients", 5, SPLIT),
+    Pin("sslfl_beit_retina", "client", "mim_trainer", "method", "beit", PT + ": Fed-BEiT"),
+    Pin("sslfl_beit_retina", "client", "mim_trainer", "peak lr", 1.5e-3, "SSL-FL Table I: Retina Fed-BEiT eta 1.5e-3",
+        mim_peak_lr),
+    Pin("sslfl_beit_retina", "client", "mim_trainer", "batch_size", 256, "SSL-FL Table I: Retina Fed-BEiT B 256"),
+    Pin("sslfl_beit_retina", "client", "mim_trainer", "mask_ratio", 0.4, PT + ": at most 40% for BEiT; Table IX"),
+    Pin("sslfl_beit_retina", "client", "mim_trainer", "warmup_rounds", 10, PT + ": Fed-BEiT warm-up 10 epochs (1 epoch/round)"),
+    *vit_b("sslfl_beit_retina", "client", "mim_trainer", PT + ": ViT-B, 14x14 patch grid"),
+    *vit_b("sslfl_beit_retina", "server", "model", PT + ": ViT-B, 14x14 patch grid"),
+    Pin("sslfl_beit_retina", "server", "scatter_and_gather", "num_rounds", 1000, PT + ": Fed-BEiT 1000 rounds"),
+    Pin("sslfl_beit_retina", "server", "scatter_and_gather", "min_clients", 5, SPLIT),
+    Pin("sslfl_retina_finetune", "client", "cls_trainer", "lr", 3e-3, FT + ": lr 3e-3"),
+    Pin("sslfl_retina_finetune", "client", "cls_trainer", "batch_size", 256, FT + ": batch 256 (COVID-FL 64)"),
+    Pin("sslfl_retina_finetune", "client", "cls_trainer", "label_fraction", 1.0, "SSL-FL Table II: all labels (Fig.9 ablates)"),
+    Pin("sslfl_retina_finetune", "client", "cls_trainer", "fedprox_mu", 0.0, "SSL-FL sec.IV-C: FedAvg (FedProx only in Fig.10a)"),
+    *vit_b("sslfl_retina_finetune", "client", "cls_trainer", PT + ": ViT-B"),
+    *vit_b("sslfl_retina_finetune", "server", "model", PT + ": ViT-B"),
+    Pin("sslfl_retina_finetune", "server", "model", "num_classes", 2, "SSL-FL sec.IV-A: Retina Normal vs Diseased"),
+    Pin("sslfl_retina_finetune", "server", "scatter_and_gather", "num_rounds", 100, FT + ": 100 rounds"),
+    Pin("sslfl_retina_finetune", "server", "scatter_and_gather", "min_clients", 5, SPLIT),
+    # Derm (melanoma vs benign, sec. IV-A) and COVID-FL (12 clients, sec. IV-B.1)
+    Pin("sslfl_mae_derm", "client", "mim_trainer", "method", "mae", PT + ": Fed-MAE"),
+    Pin("sslfl_mae_derm", "client", "mim_trainer", "peak lr", 7.5e-4, "SSL-FL Table I: Derm Fed-MAE eta 7.5e-4", mim_peak_lr),
+    Pin("sslfl_mae_derm", "client", "mim_trainer", "batch_size", 128, "SSL-FL Table I: Derm Fed-MAE B 128"),
+    Pin("sslfl_mae_derm", "client", "mim_trainer", "mask_ratio", 0.6, PT + ": mask 60% for MAE; Table IX"),
+    Pin("sslfl_mae_derm", "client", "mim_trainer", "warmup_rounds", 5, PT + ": Fed-MAE warm-up 5 epochs (1 epoch/round)"),
+    *vit_b("sslfl_mae_derm", "client", "mim_trainer", PT + ": ViT-B"),
+    *vit_b("sslfl_mae_derm", "server", "model", PT + ": ViT-B"),
+    Pin("sslfl_mae_derm", "server", "scatter_and_gather", "num_rounds", 1600, PT + ": Fed-MAE 1600 rounds"),
+    Pin("sslfl_mae_derm", "server", "scatter_and_gather", "min_clients", 5, SPLIT),
+    Pin("sslfl_derm_finetune", "client", "cls_trainer", "lr", 3e-3, FT + ": lr 3e-3"),
+    Pin("sslfl_derm_finetune", "client", "cls_trainer", "batch_size", 256, FT + ": batch 256 (COVID-FL 64)"),
+    Pin("sslfl_derm_finetune", "client", "cls_trainer", "label_fraction", 1.0, "SSL-FL Table III: all labels"),
+    Pin("sslfl_derm_finetune", "client", "cls_trainer", "fedprox_mu", 0.0, "SSL-FL sec.IV-C: FedAvg"),
+    *vit_b("sslfl_derm_finetune", "client", "cls_trainer", PT + ": ViT-B"),
+    *vit_b("sslfl_derm_finetune", "server", "model", PT + ": ViT-B"),
+    Pin("sslfl_derm_finetune", "server", "model", "num_classes", 2, "SSL-FL sec.IV-A: Derm melanoma vs benign"),
+    Pin("sslfl_derm_finetune", "server", "scatter_and_gather", "num_rounds", 100, FT + ": 100 rounds"),
+    Pin("sslfl_derm_finetune", "server", "scatter_and_gather", "min_clients", 5, SPLIT),
+    Pin("sslfl_mae_covidfl", "client", "mim_trainer", "method", "mae", PT + ": Fed-MAE"),
+    Pin("sslfl_mae_covidfl", "client", "mim_trainer", "peak lr", 3.75e-4, "SSL-FL Table I: COVID-FL Fed-MAE eta 3.75e-4",
+        mim_peak_lr),
+    Pin("sslfl_mae_covidfl", "client", "mim_trainer", "batch_size", 64, "SSL-FL Table I: COVID-FL Fed-MAE B 64"),
+    Pin("sslfl_mae_covidfl", "client", "mim_trainer", "mask_ratio", OneOf((0.3, 0.6)),
+        PT + ": 60% main setting; Table IX: 30% best for COVID-FL MAE"),
+    Pin("sslfl_mae_covidfl", "client", "mim_trainer", "warmup_rounds", 5, PT + ": Fed-MAE warm-up 5 epochs (1 epoch/round)"),
+    *vit_b("sslfl_mae_covidfl", "client", "mim_trainer", PT + ": ViT-B"),
+    *vit_b("sslfl_mae_covidfl", "server", "model", PT + ": ViT-B"),
+    Pin("sslfl_mae_covidfl", "server", "scatter_and_gather", "num_rounds", 1600, PT + ": Fed-MAE 1600 rounds"),
+    Pin("sslfl_mae_covidfl", "server", "scatter_and_gather", "min_clients", 12, COVID),
+    Pin("sslfl_mae_covidfl", "meta", "", "min_clients", 12, COVID),
+    Pin("sslfl_covidfl_finetune", "client", "cls_trainer", "lr", OneOf((3e-3, 7.5e-4)),
+        FT + ": base lr 3e-3 (absolute, or x 64/256 as in the code)"),
+    Pin("sslfl_covidfl_finetune", "client", "cls_trainer", "batch_size", 64, FT + ": COVID-FL batch 64"),
+    Pin("sslfl_covidfl_finetune", "client", "cls_trainer", "label_fraction", 1.0, "SSL-FL Table IV: all labels"),
+    Pin("sslfl_covidfl_finetune", "client", "cls_trainer", "fedprox_mu", 0.0, "SSL-FL sec.IV-C: FedAvg"),
+    *vit_b("sslfl_covidfl_finetune", "client", "cls_trainer", PT + ": ViT-B"),
+    *vit_b("sslfl_covidfl_finetune", "server", "model", PT + ": ViT-B"),
+    Pin("sslfl_covidfl_finetune", "server", "model", "num_classes", 3, "SSL-FL sec.IV-A: COVID-19, pneumonia, normal"),
+    Pin("sslfl_covidfl_finetune", "server", "scatter_and_gather", "num_rounds", 100, FT + ": 100 rounds"),
+    Pin("sslfl_covidfl_finetune", "server", "scatter_and_gather", "min_clients", 12, COVID),
+]
+
+# ---------------------------------------------------------------- FedMAE-KS (seed 001, sec. IV-D and V-B)
+VB = "FedMAE-KS sec.V-B Training details"
+VBD = "FedMAE-KS sec.V-B Datasets and federated setting"
+FEDMAE_PINS = [
+    Pin("fedmae_derm", "client", "mim_trainer", "method", "mae", "FedMAE-KS sec.IV-C: MAE"),
+    Pin("fedmae_derm", "client", "mim_trainer", "mask_ratio", 0.75, VB + ": masking ratio 75%"),
+    Pin("fedmae_derm", "client", "mim_trainer", "local_epochs", 10, VB + ": 10 local epochs between aggregations"),
+    Pin("fedmae_derm", "client", "mim_trainer", "batch_size", 256, VB + ": AdamW batch 256"),
+    Pin("fedmae_derm", "client", "mim_trainer", "peak lr", 1.5e-4, VB + ": AdamW lr 1.5e-4 cosine", mim_peak_lr),
+    *vit_b("fedmae_derm", "client", "mim_trainer", VB + ": ViT-B; " + VBD + " 224x224"),
+    *vit_b("fedmae_derm", "server", "model", VB + ": ViT-B"),
+    Pin("fedmae_derm", "client", "exclude_upload", "patterns", ["encoder.cls_token"], "FedMAE-KS sec.IV-D: class token local"),
+    Pin("fedmae_derm", "client", "exclude_upload", "average_at_end", True, "FedMAE-KS sec.IV-D: averaged once at the end"),
+    Pin("fedmae_derm", "server", "exclude_download", "patterns", ["encoder.cls_token"], "FedMAE-KS sec.IV-D: class token local"),
+    Pin("fedmae_derm", "server", "aggregator", "exclude_patterns", ["encoder.cls_token"], "FedMAE-KS sec.IV-D"),
+    Pin("fedmae_derm", "server", "aggregator", "average_excluded_at_end", True, "FedMAE-KS sec.IV-D: aggregated after last round"),
+    Pin("fedmae_derm", "server", "scatter_and_gather", "min_clients", 10, VBD + ": 10 clients"),
+    Pin("fedmae_derm", "meta", "", "min_clients", 10, VBD + ": 10 clients"),
+    Pin("fedmae_derm_finetune", "client", "cls_trainer", "lr", 5e-4, VB + ": federated fine-tuning lr 5e-4"),
+    Pin("fedmae_derm_finetune", "client", "cls_trainer", "batch_size", 256, VB + ": federated fine-tuning batch 256"),
+    Pin("fedmae_derm_finetune", "client", "cls_trainer", "label_fraction", 0.8, "FedMAE-KS Table IV: 80% labelled per device"),
+    Pin("fedmae_derm_finetune", "client", "cls_trainer", "val_fraction", 0.25, VBD + ": 60/20/20 -> val = 20/80 of the non-test pool"),
+    *vit_b("fedmae_derm_finetune", "client", "cls_trainer", VB + ": ViT-B"),
+    *vit_b("fedmae_derm_finetune", "server", "model", VB + ": ViT-B"),
+    Pin("fedmae_derm_finetune", "server", "model", "num_classes", 8, VBD + ": ISIC 2019, 8 categories"),
+    Pin("fedmae_derm_finetune", "server", "scatter_and_gather", "num_rounds", 50, VB + ": 50 rounds federated fine-tuning"),
+    Pin("fedmae_derm_finetune", "server", "scatter_and_gather", "min_clients", 10, VBD + ": 10 clients"),
+]
+
+# ---------------------------------------------------------------- Surgical aggregation (seed 002, ML4H 2024, sec. 2.3)
+CS = "Surgical sec.2.3 Centralized setup (same hyper-parameters for all models)"
+FD = "Surgical sec.2.3 Federated setup"
+DS = "Surgical sec.2.2 Datasets"
+DENSENET121 = "DenseNet121 (Huang et al. 2017)"
+SURGICAL_PINS = [
+    Pin("surgical_cxr", "client", "cxr_trainer", "batch_size", 64, CS + ": batch 64"),
+    Pin("surgical_cxr", "client", "cxr_trainer", "warmup_epochs", 15, CS + ": head warm-up 15 epochs"),
+    Pin("surgical_cxr", "client", "cxr_trainer", "warmup_lr", 5e-3, CS + ": warm-up lr 5e-3"),
+    Pin("surgical_cxr", "client", "cxr_trainer", "lr", 5e-5, CS + ": all weights lr 5e-5"),
+    Pin("surgical_cxr", "client", "cxr_trainer", "split", [0.7, 0.1, 0.2], DS + ": 70/10/20 split"),
+    Pin("surgical_cxr", "client", "cxr_trainer", "flip", True, "Surgical sec.2.3: random rotation, flip, zoom, contrast"),
+    Pin("surgical_cxr", "client", "cxr_trainer", "growth_rate", 32, DENSENET121),
+    Pin("surgical_cxr", "client", "cxr_trainer", "block_config", [6, 12, 24, 16], DENSENET121),
+    Pin("surgical_cxr", "client", "cxr_trainer", "num_init_features", 64, DENSENET121),
+    Pin("surgical_cxr", "server", "model", "growth_rate", 32, DENSENET121),
+    Pin("surgical_cxr", "server", "model", "block_config", [6, 12, 24, 16], DENSENET121),
+    Pin("surgical_cxr", "server", "model", "num_init_features", 64, DENSENET121),
+    Pin("surgical_cxr", "server", "model", "len(classes)", 20, DS + ": NIH 14 + CheXpert 13, 7 shared = 20",
+        lambda a: len(a["classes"])),
+    Pin("surgical_cxr", "server", "class_registration", "method", "surgical", "Surgical sec.2.1.2"),
+    Pin("surgical_cxr", "server", "class_registration", "backbone", "fedbn_plus", "Surgical sec.3: FedBN+ for all FL approaches"),
+    Pin("surgical_cxr", "server", "model_selector", "key_metric", "val_loss", FD + ": convergence by mean local val BCE"),
+    Pin("surgical_cxr", "server", "model_selector", "negate_key_metric", True, FD + ": lower val BCE is better"),
+]
+
+# ---------------------------------------------------------------- constants the job JSON cannot set
+CODE_PINS = [
+    ("fedssl.core.fcl.FCLConfig", "sgd_momentum", 0.9, TD + ": SGD momentum 0.9"),
+    ("fedssl.core.fcl.FCLConfig", "weight_decay", 1e-4, TD + ": weight decay 0.0001"),
+    ("fedssl.core.byol.BYOLConfig", "sgd_momentum", 0.9, TD + ": SGD momentum 0.9 (FCLOpt trained alike)"),
+    ("fedssl.core.byol.BYOLConfig", "weight_decay", 1e-4, TD + ": weight decay 0.0001 (FCLOpt trained alike)"),
+    ("fedssl.core.mim.MIMTrainer", "betas", (0.9, 0.999), PT + ": AdamW beta1 0.9, beta2 0.999"),
+]
+
+
+def _ids(pins: list[Pin]) -> list[str]:
+    return [p.id for p in pins]
+
+
+@pytest.mark.parametrize("pin", FCL_PINS, ids=_ids(FCL_PINS))
+def test_fcl_paper_settings(pin):
+    check(pin)
+
+
+@pytest.mark.parametrize("pin", SSLFL_PINS, ids=_ids(SSLFL_PINS))
+def test_sslfl_paper_settings(pin):
+    check(pin)
+
+
+@pytest.mark.parametrize("pin", FEDMAE_PINS, ids=_ids(FEDMAE_PINS))
+def test_fedmae_ks_paper_settings(pin):
+    check(pin)
+
+
+@pytest.mark.parametrize("pin", SURGICAL_PINS, ids=_ids(SURGICAL_PINS))
+def test_surgical_paper_settings(pin):
+    check(pin)
+
+
+@pytest.mark.parametrize("path,attr,paper,cite", CODE_PINS, ids=[f"{p}.{a}={v!r} [{c}]" for p, a, v, c in CODE_PINS])
+def test_fixed_optimiser_constants(path, attr, paper, cite):
+    module, _, name = path.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    params = inspect.signature(cls).parameters
+    value = params[attr].default if attr in params else getattr(cls, attr)
+    assert matches(value, paper), f"{path}.{attr} = {value!r}, paper: {paper!r} ({cite})"
+
+
+def test_every_job_has_a_table():
+    """A new job folder must get its paper's pins here (or an explicit reason it has none)."""
+    pinned = {p.job for p in FCL_PINS + SSLFL_PINS + FEDMAE_PINS + SURGICAL_PINS}
+    jobs = {d for d in os.listdir(JOBS_DIR) if exists(d)}
+    assert jobs - pinned == set(), f"job folders without paper pins: {sorted(jobs - pinned)}"

@@ -14,6 +14,7 @@ import torch
 
 from fedssl.data.acdc_synthetic import write_synthetic_acdc
 from fedssl.experiments.fcl_finetune import encoder_init, evaluate_federated, export_unet_init, load_labelled_sites, protocol_settings, run_protocols
+from fedssl.models.unet import MoCoUNetEncoder, encoder_state_from_global
 from fedssl.ops.jobs import REPO_ROOT
 from fedssl.ops.simulate import run_simulation, server_run_dir
 
@@ -41,6 +42,11 @@ def test_fcl_pretraining_produces_model_summary_and_exchanges_features(pretraine
     rounds = pretrained["rounds"]
     assert [r["round"] for r in rounds] == [0, 1]
     assert all(r["aggregated_sites"] == SITES and math.isfinite(r["mean_loss"]) for r in rounds)
+    # every cine frame (10 patients x 6 frames = 60 volumes), 4 volumes per batch of 16, capped at 5 steps (quick):
+    # 5 x 16 = 80 of the K = 256 bank slots fill per round
+    means = [r["site_record_means"] for r in rounds]
+    assert [(m["volumes"], m["steps_per_round"], m["bank_filled"]) for m in means] == [(60, 5, 80), (60, 5, 160)]
+    assert means[1]["bank_fill"] == 160 / 256 and "model_uploaded" not in rounds[0]
     comm = pretrained["communication_per_round"]
     assert comm[0]["upload"]["features"] > 0 and comm[0]["upload"]["weights"] > 0
     assert "features" not in comm[0]["download"]  # nothing to exchange before the first aggregation
@@ -83,7 +89,9 @@ def test_local_and_federated_finetuning_from_fcl(pretrained, data, tmp_path):
     sites = load_labelled_sites(data, settings)
     rows = run_protocols(sites, {"FCL": encoder_init(pretrained["global_model"]), "random": "random"}, modes=["local"],
                          n_labelled=[1], folds=[0], settings=settings)
-    assert len(rows) == 2 * SITES and all(0.0 <= r["dice"] <= 1.0 for r in rows)
+    assert sorted((r["method"], r["site"], r["n_labelled"]) for r in rows) == sorted(
+        (m, f"site-{i}", 1) for m in ("FCL", "random") for i in range(1, SITES + 1))
+    assert all(math.isfinite(r["dice"]) for r in rows)
     init = export_unet_init(pretrained["global_model"], str(tmp_path / "init.pt"), settings["features"])
     ft = run_simulation(os.path.join(JOBS, "fcl_acdc_finetune"), str(tmp_path / "ws_ft"), n_sites=SITES,
                         data_root=os.path.join(data, "{site}"), profile="quick", echo=False,
@@ -122,3 +130,27 @@ def test_client_state_survives_restarts(data, tmp_path):
         state = torch.load(os.path.join(s["workspace"], f"site-{site}", "simulate_job", "fcl_client_state.pt"),
                            weights_only=True)
         assert state["round"] == 1 and state["trainer"]["bank"]["filled"] == 2 * 16  # 1 step per round x 16 images
+
+
+def test_local_cl_exchanges_nothing_and_each_site_keeps_its_own_encoder(data, tmp_path):
+    """Issue 13 item 6: Local CL (sites federated=false; aggregator exclude_patterns ["*"], collectors []) completes;
+    no weight and no feature goes up, the summary says so, the global model stays the initial one, and each site's
+    own encoder (its fcl_client_state.pt) exports to a U-Net init for fine-tuning."""
+    s = run_simulation(os.path.join(JOBS, "fcl_acdc"), str(tmp_path / "ws_local"), n_sites=SITES,
+                       data_root=os.path.join(data, "{site}"), profile="quick", echo=False,
+                       sets=["server.scatter_and_gather.num_rounds=2", "client.fcl_trainer.federated=false",
+                             'server.aggregator.exclude_patterns=["*"]', "server.aggregator.collectors=[]"])
+    assert [(r["aggregated_sites"], r["model_uploaded"]) for r in s["rounds"]] == [(SITES, False), (SITES, False)]
+    for r in s["communication_per_round"]:
+        assert "weights" not in r["upload"] and "features" not in r["upload"] and "features" not in r["download"]
+    settings = protocol_settings("quick")
+    encoders = []
+    for site in range(1, SITES + 1):
+        ckpt = os.path.join(s["workspace"], f"site-{site}", "simulate_job", "fcl_client_state.pt")
+        export_unet_init(ckpt, str(tmp_path / f"unet_site-{site}.pt"), settings["features"])
+        encoders.append(encoder_init(ckpt))
+    key = sorted(encoders[0])[0]
+    assert not torch.equal(encoders[0][key], encoders[1][key])  # each site trained its own encoder
+    global_encoder = encoder_init(s["global_model"])
+    initial = encoder_state_from_global(MoCoUNetEncoder(settings["features"], 32).state_dict())  # the quick shape
+    assert all(torch.equal(global_encoder[k], initial[k]) for k in initial)  # nothing was averaged in

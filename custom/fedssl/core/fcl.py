@@ -2,8 +2,10 @@
 
 MoCo with a main and a momentum encoder, a local FIFO bank of momentum features with partition ids,
 feature exchange (FE, eq. 1), negative sampling (NS, eq. 2) and global structural matching (GSM,
-eqs. 4-5), each a switch.  FedMoCo is FE off; the executor implements Local CL by not loading the
-global model.
+eqs. 4-5), each a switch.  ``plain_moco`` replaces FCL's cross-volume partition positives (sec. 3.2) by MoCo's
+own positive, the other augmented view of the same slice (He et al., 2020), and turns GSM off: with FE off
+that is FedMoCo, the "Without FE" row of Table 6 (its numbers equal FedMoCo's in Tables 1 and 7).  The
+executor implements Local CL (no exchange at all).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class FCLConfig:
     num_rounds: int = 200
     feature_exchange: bool = True  # FE, eq. (1)
     negative_sampling: bool = True  # NS, eq. (2)
-    structural_matching: bool = True  # GSM, eqs. (4)-(5)
+    structural_matching: bool = True  # GSM, eqs. (4)-(5); ignored with plain_moco
+    plain_moco: bool = False  # positive = the other view of the same slice; no partition positives, no GSM
 
     def __post_init__(self) -> None:
         checks = {
@@ -102,7 +105,7 @@ class FCLTrainer:
             q = self.model.main(view_q)  # [N, D]
             with torch.no_grad():
                 k = self.model.momentum(view_k)  # [N, D]
-            pos = paired_local_positives(k, v, s)  # [N, 2, D]
+            pos = k.unsqueeze(1) if cfg.plain_moco else paired_local_positives(k, v, s)  # [N, 1 or 2, D]
             neg, neg_part = sample_negatives(
                 self.bank.features.to(self.device),
                 self.bank.partitions.to(self.device),
@@ -112,7 +115,8 @@ class FCLTrainer:
                 self.generator,
                 sample=cfg.negative_sampling,
             )
-            loss_local, loss_remote = fcl_loss_terms(q, pos, part, neg, neg_part, cfg.tau, gsm=cfg.structural_matching)
+            gsm = cfg.structural_matching and not cfg.plain_moco
+            loss_local, loss_remote = fcl_loss_terms(q, pos, part, neg, neg_part, cfg.tau, gsm=gsm)
             loss = loss_local + loss_remote
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"FCL loss became {loss.item()} at round {round_idx} step {step}; lower lr")
@@ -129,7 +133,7 @@ class FCLTrainer:
             raise ValueError("no training batch in this round: the site has fewer volumes than one batch")
         n = len(losses)
         return {"loss": sum(losses) / n, "loss_local": sum(t[0] for t in terms) / n,
-                "loss_remote": sum(t[1] for t in terms) / n, "steps": n, "lr_end": lr}
+                "loss_remote": sum(t[1] for t in terms) / n, "steps": n, "lr_end": lr, "bank_filled": self.bank.filled}
 
     def state_dict(self) -> dict:
         return {

@@ -77,7 +77,8 @@ def run_demo(out: str, *, n_sites: int = 3, rounds: int = 10, ft_rounds: int = 1
         "settings": settings,
         "pretraining": {"rounds": rounds, "wall_time_s": pre["simulator_wall_time_s"],
                         "bytes_per_site_per_round": pre["bytes_per_site_per_round"],
-                        "final_mean_loss": pre["rounds"][-1]["mean_loss"] if pre["rounds"] else None},
+                        "final_mean_loss": pre["rounds"][-1]["mean_loss"] if pre["rounds"] else None,
+                        "site_record_means_last_round": pre["rounds"][-1].get("site_record_means") if pre["rounds"] else None},
         "federated_finetuning": fed_runs,
         "demo_wall_time_s": round(time.time() - t0, 1),
     }

@@ -4,6 +4,9 @@ Six pre-training runs in the FLARE simulator (FedMoCo, FCL, FedBYOL, FCLOpt, FCL
 the bytes each site really sent and received per round (FOBS payloads, up + down, mean over sites and
 rounds) normalised to FCL = 1.000, next to the ratio expected from the architecture (parameter and bank
 sizes, 4 bytes per float32), then local fine-tuning of each encoder at N annotated patients per site.
+
+FedMoCo is plain MoCo (He et al., 2020) with FedAvg (FCL sec. 5.1 "Baselines"): MoCo's own positive (the other
+view of the same slice, ``plain_moco``), no feature exchange, no partition positives, no structural matching.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 
 import numpy as np
 
+from fedssl.core.byol import FEDBYOL_LR
 from fedssl.data.acdc_synthetic import write_synthetic_acdc
 from fedssl.eval.report import summarise
 from fedssl.experiments.fcl_finetune import encoder_init, load_labelled_sites, protocol_settings, run_protocols
@@ -23,9 +27,11 @@ from fedssl.ops.simulate import run_simulation
 
 JOBS = os.path.join(REPO_ROOT, "jobs")
 ROWS = [  # name, job, overrides
-    ("FedMoCo", "fcl_acdc", ["client.fcl_trainer.feature_exchange=false", "server.aggregator.collectors=[]"]),
+    ("FedMoCo", "fcl_acdc", ["client.fcl_trainer.feature_exchange=false", "client.fcl_trainer.plain_moco=true",
+                             "server.aggregator.collectors=[]"]),
     ("FCL", "fcl_acdc", []),
-    ("FedBYOL", "fclopt_acdc", ["server.scatter_and_gather.mode=fedbyol"]),
+    # FedBYOL is a baseline: the paper's general lr 0.05, not FCLOpt's 0.5 (FCL section 5, "Training details")
+    ("FedBYOL", "fclopt_acdc", ["server.scatter_and_gather.mode=fedbyol", f"client.byol_trainer.lr={FEDBYOL_LR}"]),
     ("FCLOpt", "fclopt_acdc", ["server.scatter_and_gather.mode=fclopt"]),
     ("FCLOpt-PTNU", "fclopt_acdc", ["server.scatter_and_gather.mode=ptnu"]),
     ("FCLOpt-PTNU-DP", "fclopt_acdc", ["server.scatter_and_gather.mode=ptnu_dp"]),

@@ -13,12 +13,20 @@ Other components can add records to the summary (e.g. which tokenizer a BEiT run
   it lands under ``site_records`` per site, and a key on which every site agrees (and that no server
   record set) is also copied to the top level.
 
+Per round, the numeric values of the aggregated sites' summary records are averaged over those sites under
+``site_record_means`` (e.g. FCL's ``steps_per_round``, ``bank_filled`` and ``bank_fill``, the fraction of the
+bank holding real features): bounded numbers, no site name.
+
+The initial weights: when the server's persistor set the FL-context property ``INIT_PROP`` (ImageNet, random or a
+checkpoint, with path and digest), ``summary.json`` holds it under ``init``.
+
 A round in which the aggregator refused contributions lists them under ``refused_contributions`` (site and
 reason, at most 100 per round): the audit trail of a misbehaving site, without any of its data.
 
 A round in which accepted contributions lack keys of the global model (a knowledge split,
 PartialModelExclusion) lists them, as received by the server, under ``keys_not_uploaded`` (the keys that
-no aggregated site uploaded).
+no aggregated site uploaded); a round in which no aggregated site uploaded any weight (Local CL) says
+``"model_uploaded": false`` instead (the global model did not change in that round).
 
 Exchanges that belong to no round (e.g. the federated k-means tasks before round 0) are summed per task
 and direction under ``communication_outside_rounds``.
@@ -52,7 +60,7 @@ from fedssl.core.checks import require
 from fedssl.core.untrusted import ContributionError, bounded_json
 from fedssl.eval.run_report import MAX_TERMS_PER_ROUND, loss_term_means, loss_term_ok, read_jsonl, write_run_report
 from fedssl.flare.communication_meter import COMM_FILE
-from fedssl.flare.constants import AGGREGATED_SITES, REFUSAL_PROP, ROUND_STATS_PROP, SITE_RECORD_META
+from fedssl.flare.constants import AGGREGATED_SITES, INIT_PROP, REFUSAL_PROP, ROUND_STATS_PROP, SITE_RECORD_META
 
 #: event a server component fires (with the record under the same fl_ctx prop) to add keys to summary.json
 SUMMARY_RECORD_EVENT = "fedssl.summary_record"
@@ -62,7 +70,17 @@ ANALYTICS_EVENT = f"fed.{ANALYTIC_EVENT_TYPE}"
 LOSS_TERM_PREFIX = "loss_"
 #: summary keys this component writes itself (a record cannot overwrite them)
 _OWN_KEYS = ("title", "rounds", "communication_per_round", "bytes_per_site_per_round", "wall_time_s",
-             "site_records", "communication_outside_rounds")
+             "site_records", "communication_outside_rounds", "init")
+
+
+def numeric_means(records: list[dict]) -> dict[str, float]:
+    """Per key, the mean over ``records`` of its real-number values (bools, strings and nested values skipped)."""
+    values: dict[str, list[float]] = {}
+    for rec in records:
+        for k, v in rec.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                values.setdefault(k, []).append(float(v))
+    return {k: sum(v) / len(v) for k, v in sorted(values.items())}
 
 
 def record_in_summary(component: FLComponent, fl_ctx: FLContext, record: dict) -> None:
@@ -92,6 +110,9 @@ class RunSummary(FLComponent):
         self._records: dict = {}
         self._site_records: dict[str, dict] = {}
         self._not_uploaded: dict[str, list] = {}  # this round: site -> global keys its contribution lacked
+        self._uploaded: dict[str, bool] = {}  # this round: accepted site -> whether it uploaded any global key
+        self._round_records: dict[str, dict] = {}  # this round: site -> its accepted summary record (memory only)
+        self._init: dict | None = None  # the persistor's INIT_PROP record (bounded copy)
         self._contributors: dict[int, list] = {}  # round -> aggregated sites (memory only, never written)
         self._refused: list[dict] = []  # this round: contributions the aggregator refused (site, reason)
         self._terms: dict[int, dict[str, dict[str, float]]] = {}  # round -> term -> site -> value (memory only)
@@ -101,7 +122,8 @@ class RunSummary(FLComponent):
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
         if event_type == EventType.START_RUN:
             self._rounds, self._records, self._site_records, self._not_uploaded = [], {}, {}, {}
-            self._contributors, self._refused = {}, []
+            self._contributors, self._refused, self._uploaded, self._round_records = {}, [], {}, {}
+            self._init = None
             with self._terms_lock:
                 self._terms = {}
             self._t0 = time.time()
@@ -118,7 +140,9 @@ class RunSummary(FLComponent):
             self._take_site_record(fl_ctx)
         elif event_type == AppEventType.AFTER_AGGREGATION:
             self._take_round(fl_ctx)
+            self._take_init(fl_ctx)
         elif event_type == EventType.END_RUN:
+            self._take_init(fl_ctx)
             run_dir = fl_ctx.get_engine().get_workspace().get_run_dir(fl_ctx.get_job_id())
             comm = read_jsonl(os.path.join(run_dir, COMM_FILE))
             self._attach_loss_terms()
@@ -150,11 +174,17 @@ class RunSummary(FLComponent):
         if self._refused:  # who was left out and why: the audit trail of a round (no data of the site)
             self._rounds[-1]["refused_contributions"] = self._refused
             self._refused = []
-        if self._not_uploaded:  # keys no aggregated site uploaded (a knowledge split); no site names
-            lacking = sorted({k for s, v in self._not_uploaded.items() if s in self._contributors[rnd] for k in v})
+        contributors = self._contributors[rnd]
+        records = [self._round_records[s] for s in contributors if s in self._round_records]
+        if records:  # e.g. FCL's steps per round and bank fill, averaged over the aggregated sites
+            self._rounds[-1]["site_record_means"] = numeric_means(records)
+        if contributors and all(self._uploaded.get(s) is False for s in contributors):
+            self._rounds[-1]["model_uploaded"] = False  # Local CL: no weight reached the server
+        elif self._not_uploaded:  # keys no aggregated site uploaded (a knowledge split); no site names
+            lacking = sorted({k for s, v in self._not_uploaded.items() if s in contributors for k in v})
             if lacking:
                 self._rounds[-1]["keys_not_uploaded"] = lacking
-        self._not_uploaded = {}
+        self._not_uploaded, self._uploaded, self._round_records = {}, {}, {}
         if losses:
             self.log_info(fl_ctx, f"round {rnd}: mean loss {mean:.4f} over {len(losses)} sites")
 
@@ -173,13 +203,28 @@ class RunSummary(FLComponent):
             try:  # a site's record is small JSON, kept only with an accepted contribution
                 kept = bounded_json(record, "its summary record", site, max_items=64)
                 self._site_records.setdefault(site, {}).update(kept)
+                self._round_records[site] = kept
             except ContributionError as e:
                 self.log_warning(fl_ctx, f"{e}; record ignored")
         global_model = fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)
         if fl_ctx.get_prop(AppConstants.AGGREGATION_ACCEPTED) and global_model and dxo.data_kind == DataKind.WEIGHTS:
-            lacking = sorted(set(global_model[ModelLearnableKey.WEIGHTS]) - set(dxo.data or {}))
+            keys = set(global_model[ModelLearnableKey.WEIGHTS])
+            lacking = sorted(keys - set(dxo.data or {}))
             if lacking:
                 self._not_uploaded[site] = lacking
+            self._uploaded[site] = len(lacking) < len(keys)
+
+    def _take_init(self, fl_ctx: FLContext) -> None:
+        """The persistor's record of the initial weights (``INIT_PROP``, a sticky property) as bounded JSON; read
+        after each aggregation and at the end of the run; absent from the summary if no persistor set it."""
+        init = fl_ctx.get_prop(INIT_PROP)
+        if not isinstance(init, dict) or not init:
+            return
+        try:
+            self._init = bounded_json(init, "the initial-weights record", "the server's persistor", max_items=16,
+                                      max_str=1024)
+        except ContributionError as e:
+            self.log_warning(fl_ctx, f"{e}; init not written to the summary")
 
     def _take_loss_term(self, fl_ctx: FLContext) -> None:
         """A site's per-round ``loss_*`` scalar from the federated analytics event (step = round)."""
@@ -221,4 +266,6 @@ class RunSummary(FLComponent):
         if setup:
             extra["communication_outside_rounds"] = setup
         extra.update(self._records)
+        if self._init is not None:
+            extra["init"] = self._init
         return extra

@@ -7,8 +7,13 @@ the S partitions of every unlabelled volume).  One round = one local epoch of ba
 
 What crosses the wire besides the model: the remote bank (the other sites' features, in through
 :meth:`FCLLocalTrainer.set_remote`) and this site's bank (out through :meth:`FCLLocalTrainer.export_bank`).
-FedMoCo is ``feature_exchange=False`` (a remote bank is then ignored); Local CL is the executor not loading
-the global model after round 0.
+FedMoCo is ``feature_exchange=False`` with ``plain_moco=True`` (MoCo's own positives; a remote bank is then
+ignored); Local CL is the executor exchanging nothing.
+
+Randomness (issue 13 item 9): the initial weights are the same at every site (``MoCoUNetEncoder`` seeds its own
+construction, as the server's model component does); everything data-side (partition slices, batch order, augmentations, the initial bank, negative draws)
+uses :func:`fedssl.core.seeds.site_seed` of the job seed and the site name, so sites draw independently and
+each site is reproducible.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import numpy as np
 import torch
 
 from fedssl.core.fcl import FCLConfig, FCLTrainer
+from fedssl.core.seeds import site_seed
 from fedssl.core.trainer import RoundStats, check_stop, detached, load_checked
 from fedssl.data.acdc import PartitionSampleDataset
 from fedssl.data.transforms import augment_views
@@ -30,28 +36,30 @@ from fedssl.models.unet import PAPER_FEATURES, MoCoUNetEncoder
 class FCLLocalTrainer:
     """One site's FCL pre-training (a ``LocalTrainer``); paper settings as defaults (FCL (Wu et al., MedIA 2022) section 5).
 
-    Build order (it fixes every random draw): the partition dataset, the batch check, the config,
-    ``torch.manual_seed(seed)``, the MoCo encoder, the FCLTrainer.  ``state_dict`` = the FCLTrainer's (model,
-    optimiser, bank, generator, config): what a restarted client resumes from.
+    Build order (it fixes every random draw): the partition dataset (site seed), the batch check, the config,
+    ``torch.manual_seed(seed)`` (job seed), the MoCo encoder (its own fixed seed), the FCLTrainer (site seed: generator and initial
+    bank).  ``state_dict`` = the FCLTrainer's (model, optimiser, bank, generator, config): what a restarted
+    client resumes from.
     """
 
     def __init__(self, volumes: Sequence[Volume], *, num_rounds: int, n_partitions: int = 4,
                  features: Sequence[int] = PAPER_FEATURES, proj_dim: int = 128, batch_size: int = 32, lr: float = 0.05,
                  tau: float = 0.1, momentum: float = 0.99, bank_size: int = 4096, feature_exchange: bool = True,
-                 negative_sampling: bool = True, structural_matching: bool = True, max_steps_per_round: int = 0,
-                 seed: int = 0, device: str | torch.device = "cpu", site: str = ""):
+                 negative_sampling: bool = True, structural_matching: bool = True, plain_moco: bool = False,
+                 max_steps_per_round: int = 0, seed: int = 0, device: str | torch.device = "cpu", site: str = ""):
         volumes = list(volumes)
-        self.dataset = PartitionSampleDataset(volumes, n_partitions, seed=seed)
+        self.data_seed = site_seed(seed, site)
+        self.dataset = PartitionSampleDataset(volumes, n_partitions, seed=self.data_seed)
         self.volumes_per_batch = batch_size // n_partitions
         if len(volumes) < self.volumes_per_batch:
             raise ValueError(f"{site or 'this site'}: {len(volumes)} volumes cannot fill one batch of "
                              f"{self.volumes_per_batch} volumes; lower batch_size")
         cfg = FCLConfig(tau=tau, momentum=momentum, bank_size=bank_size, lr=lr, num_rounds=num_rounds,
                         feature_exchange=feature_exchange, negative_sampling=negative_sampling,
-                        structural_matching=structural_matching)
+                        structural_matching=structural_matching, plain_moco=plain_moco)
         torch.manual_seed(seed)
         model = MoCoUNetEncoder(features, proj_dim)
-        self.trainer = FCLTrainer(model, cfg, augment_views, device=device, seed=seed)
+        self.trainer = FCLTrainer(model, cfg, augment_views, device=device, seed=self.data_seed)
         self.max_steps_per_round = int(max_steps_per_round)
         #: the remote bank ``(features [M, D], partitions [M])`` of the last download, or None
         self.remote: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -102,7 +110,8 @@ class FCLLocalTrainer:
                                        progress)
         n_remote = 0 if remote is None else int(remote[0].shape[0])
         metrics = {"loss_local": out["loss_local"], "loss_remote": out["loss_remote"], "lr": out["lr_end"],
-                   "lr_end": out["lr_end"], "remote_features": n_remote}
+                   "lr_end": out["lr_end"], "remote_features": n_remote, "bank_filled": out["bank_filled"],
+                   "bank_fill": out["bank_filled"] / self.trainer.bank.capacity}
         return RoundStats(loss=out["loss"], steps=out["steps"], samples=len(self.dataset), metrics=metrics, curve=curve)
 
     def evaluate(self, split: str = "val") -> dict[str, Any]:

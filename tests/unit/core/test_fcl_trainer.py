@@ -1,8 +1,17 @@
+"""FCLTrainer (FCL (Wu et al., MedIA 2022) section 3, Fig. 2) on a tiny MoCo U-Net: bank, momentum update, positives,
+checkpoints; every expectation computed by hand from the pre-step networks."""
+
+import copy
+
 import pytest
 import torch
+import torch.nn.functional as F
 
+import fedssl.core.fcl as core_fcl
 from fedssl.core.fcl import FCLConfig, FCLTrainer, cosine_lr
 from fedssl.models.unet import TINY_FEATURES, MoCoUNetEncoder
+
+torch.set_num_threads(1)
 
 
 def identity_augment(x, g):
@@ -21,16 +30,89 @@ def make(**kw):
     return FCLTrainer(MoCoUNetEncoder(TINY_FEATURES, proj_dim=8), cfg, identity_augment, seed=0)
 
 
-def test_round_updates_bank_momentum_and_is_finite():
+def test_round_fills_the_bank_in_batch_order_with_partition_ids():
     tr = make()
-    before = {k: v.clone() for k, v in tr.model.momentum.state_dict().items()}
-    remote = (torch.nn.functional.normalize(torch.randn(8, 8), dim=1), torch.randint(0, 2, (8,)))
+    remote = (F.normalize(torch.randn(8, 8, generator=torch.Generator().manual_seed(1)), dim=1),
+              torch.tensor([0, 1] * 4))
     stats = tr.train_round(batches(3), steps_per_round=3, round_idx=0, remote=remote)
-    assert stats["steps"] == 3 and stats["loss"] > 0
-    assert tr.bank.filled == 12  # 3 steps x 2 volumes x 2 partitions
-    assert sorted(set(tr.bank.partitions[:12].tolist())) == [0, 1]
-    changed = any(not torch.equal(before[k], v) for k, v in tr.model.momentum.state_dict().items())
-    assert changed
+    assert (stats["steps"], stats["bank_filled"], tr.bank.filled, tr.bank.ptr) == (3, 12, 12, 12)  # 3 x 2 vol x 2 parts
+    assert tr.bank.partitions.tolist() == [0, 1] * 6 + [-1] * 4  # volume-major rows: partition 0, 1, 0, 1 ...
+    assert stats["loss"] == pytest.approx(stats["loss_local"] + stats["loss_remote"])
+
+
+def one_step(tr, x):
+    """One step on one batch ``x [V, S, 1, H, W]`` (identity augmentation: both views are ``x``)."""
+    v, s = x.shape[:2]
+    return tr.train_round(iter([(x, torch.arange(s).repeat(v, 1))]), steps_per_round=1, round_idx=0)
+
+
+def test_momentum_encoder_is_the_ema_of_the_main_encoder():
+    """xi' = m xi + (1 - m) theta' with m = 0.99 (section 5 "Training details"), theta' the main encoder after the
+    step; a plain copy (m = 0) would give xi' = theta'.  Buffers (BN statistics) are copied from the main encoder."""
+    tr = make()
+    with torch.no_grad():  # a momentum encoder that differs from the main one, as after a few rounds
+        for p in tr.model.momentum.parameters():
+            p.mul_(0.5)
+    xi = {k: v.clone() for k, v in tr.model.momentum.named_parameters()}
+    one_step(tr, next(batches(1))[0])
+    theta = dict(tr.model.main.named_parameters())
+    for k, p in tr.model.momentum.named_parameters():
+        expected = 0.99 * xi[k] + 0.01 * theta[k].detach()
+        torch.testing.assert_close(p, expected, rtol=0, atol=1e-6, msg=k)
+    main_buffers = dict(tr.model.main.named_buffers())
+    assert all(torch.equal(b, main_buffers[k]) for k, b in tr.model.momentum.named_buffers())
+
+
+def test_the_bank_stores_momentum_features_not_main_features():
+    """Section 3.2: the bank holds the momentum encoder's features of the step's images (key view)."""
+    tr = make()
+    with torch.no_grad():
+        for p in tr.model.momentum.parameters():
+            p.mul_(0.5)
+    x = next(batches(1))[0]
+    momentum_before, main_before = copy.deepcopy(tr.model.momentum), copy.deepcopy(tr.model.main)
+    with torch.no_grad():
+        expected = momentum_before.train()(x.reshape(4, 1, 32, 32))
+        main_features = main_before.train()(x.reshape(4, 1, 32, 32))
+    assert not torch.allclose(expected, main_features, atol=1e-3)  # the two encoders really differ
+    one_step(tr, x)
+    torch.testing.assert_close(tr.bank.features[:4], expected, rtol=0, atol=1e-6)
+
+
+def test_plain_moco_positive_is_the_other_view_of_the_same_slice():
+    """plain_moco (FedMoCo, Table 6 "Without FE"): l(q, {k+}, Q) with k+ the momentum feature of the same slice
+    (He et al., 2020), no partner-volume positive, no GSM term even with partition-labelled remote features.
+    First step, identity views, momentum = main: q = k, so q.k+ = 1 and the loss is the batch mean of
+    softplus(LSE_n(q.n / tau) - 1 / tau) over the initial bank n."""
+    tr = make(plain_moco=True, negative_sampling=False)
+    x = next(batches(1))[0]
+    bank0 = tr.bank.features.clone()
+    with torch.no_grad():
+        q = copy.deepcopy(tr.model.main).train()(x.reshape(4, 1, 32, 32))
+    remote = (q.clone(), torch.tensor([0, 1, 0, 1]))  # would be GSM positives of the same partitions
+    stats = tr.train_round(iter([(x, torch.arange(2).repeat(2, 1))]), 1, 0, remote=remote)
+    negatives = torch.cat([bank0, q])
+    expected = F.softplus(torch.logsumexp(q @ negatives.t() / 0.1, dim=1) - 1.0 / 0.1).mean()
+    assert stats["loss_local"] == pytest.approx(expected.item(), rel=1e-5)
+    assert stats["loss_remote"] == 0.0
+    fcl = make(negative_sampling=False)  # FCL's positives on the same step: the partner volume's slice as well
+    assert fcl.train_round(iter([(x, torch.arange(2).repeat(2, 1))]), 1, 0, remote=remote)["loss_local"] != \
+        pytest.approx(expected.item(), rel=1e-3)
+
+
+def test_plain_moco_hands_one_positive_per_query_to_the_loss(monkeypatch):
+    seen = {}
+    original = core_fcl.fcl_loss_terms
+
+    def spy(q, pos, *args, gsm):
+        seen.update(positives=pos.shape[1], gsm=gsm)
+        return original(q, pos, *args, gsm=gsm)
+
+    monkeypatch.setattr(core_fcl, "fcl_loss_terms", spy)
+    make(plain_moco=True).train_round(batches(1), 1, 0)
+    assert seen == {"positives": 1, "gsm": False}
+    make().train_round(batches(1), 1, 0)
+    assert seen == {"positives": 2, "gsm": True}
 
 
 def test_checkpoint_round_trip_resumes_identically():

@@ -1,5 +1,7 @@
 """FCLExecutor on tiny synthetic ACDC: one real train task, checkpoint resume, and bad data per site."""
 
+import fedssl.core.fcl as core_fcl
+
 import json
 import os
 
@@ -12,11 +14,13 @@ from nvflare.apis.signal import Signal
 
 from fedssl.core.trainer import RoundStats
 from fedssl.data.acdc_synthetic import write_synthetic_acdc
-from fedssl.flare.constants import REMOTE_FEATURES, REMOTE_PARTITIONS
+from fedssl.flare.constants import REMOTE_FEATURES, REMOTE_PARTITIONS, SITE_RECORD_META
+from fedssl.experiments.fcl_finetune import export_unet_init
 from fedssl.flare.fcl_executor import FCLExecutor
 from fedssl.models.unet import TINY_FEATURES, MoCoUNetEncoder
 from tests.unit.flare.fakes import CountingSignal, FakeEngine, context
 
+torch.set_num_threads(1)
 ARGS = dict(image_size=32, target_spacing=4.0, features=list(TINY_FEATURES), proj_dim=8, batch_size=8, bank_size=32,
             max_steps_per_round=2, device="cpu")
 
@@ -45,7 +49,7 @@ def run(executor, tmp_path, shareable, site="site-1"):
 def test_train_task_returns_weights_bank_and_count_then_resumes(data, tmp_path):
     ex = FCLExecutor(data_root=data, **ARGS)
     out = from_shareable(run(ex, tmp_path, task(0)))
-    assert out.data_kind == DataKind.WEIGHTS and out.get_meta_prop("num_samples") == 8  # 4 patients x (ED, ES)
+    assert out.data_kind == DataKind.WEIGHTS and out.get_meta_prop("num_samples") == 16  # 4 patients x 4 cine frames
     assert out.get_meta_prop("bank_features").shape == (32, 8) and np.isfinite(out.get_meta_prop("loss"))
     assert (out.get_meta_prop("bank_partitions") >= 0).sum() == 16  # 2 steps x 2 volumes x 4 partitions
     assert os.path.isfile(tmp_path / "fcl_client_state.pt")
@@ -77,7 +81,7 @@ def test_bad_data_fails_this_site_with_a_clear_message(data, tmp_path, breakage,
         os.remove(root / patient / "Info.cfg")
         culprit = str(root / patient / "Info.cfg")
     elif breakage == "corrupt_nifti":
-        culprit = str(root / patient / f"{patient}_frame01.nii.gz")
+        culprit = str(root / patient / f"{patient}_4d.nii.gz")  # pre-training reads the cine (frames="all")
         with open(culprit, "wb") as f:
             f.write(b"garbage")
     else:
@@ -96,7 +100,8 @@ def test_local_cl_never_loads_the_aggregate_after_round_0(data, tmp_path):
     dxo = from_shareable(poisoned)
     zeros = DXO(DataKind.WEIGHTS, data={k: np.zeros_like(v) for k, v in dxo.data.items()}).update_shareable(poisoned)
     ex.trainer.train_round = lambda round_idx, should_stop: RoundStats(
-        loss=1.0, steps=1, samples=8, metrics={"loss_local": 1.0, "loss_remote": 0.0, "remote_features": 0})
+        loss=1.0, steps=1, samples=8, metrics={"loss_local": 1.0, "loss_remote": 0.0, "remote_features": 0,
+                                               "bank_filled": 0, "bank_fill": 0.0})
     run(ex, tmp_path, zeros)
     assert all(torch.equal(mine[k], v) for k, v in ex.trainer.model.state_dict().items())
     # a restarted Local CL client knows from its checkpoint that it trained already: it does not load either
@@ -139,3 +144,71 @@ def test_a_global_model_that_does_not_fit_names_the_keys(data, tmp_path, caplog)
     assert reply.get_return_code() == ReturnCode.EXECUTION_EXCEPTION
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "site-1" in errors[0] and "lacks 1 keys" in errors[0] and missing in errors[0]
+
+
+def test_pretraining_reads_every_cine_frame_and_reports_bounded_counts(data, tmp_path):
+    """Issue 13 item 7: all frames of the 4D cine by default (FCL sec. 5.1), ED/ES as a switch; the summary record
+    carries the round's counts: volumes, steps, filled bank slots (2 steps x 2 volumes x 4 partitions = 16 of 32)."""
+    out = from_shareable(run(FCLExecutor(data_root=data, **ARGS), tmp_path, task(0)))
+    assert out.get_meta_prop(SITE_RECORD_META) == {"volumes": 16, "steps_per_round": 2, "bank_filled": 16,
+                                                   "bank_fill": 0.5, "bank_size": 32}
+    (tmp_path / "ed_es").mkdir()
+    ed_es = FCLExecutor(data_root=data, frames="ed_es", **dict(ARGS, max_steps_per_round=0))
+    record = from_shareable(run(ed_es, tmp_path / "ed_es", task(0))).get_meta_prop(SITE_RECORD_META)
+    assert (record["volumes"], record["steps_per_round"], record["bank_filled"]) == (8, 4, 32)  # 8 volumes / 2 per batch
+    assert [v.phase for v in ed_es.trainer.dataset.volumes[:2]] == ["ED", "ES"]
+
+
+def remote_rows():
+    """16 distinctive unit rows (one-hot, scaled by sign) with partition ids 0..3."""
+    return np.eye(8, dtype=np.float32)[np.arange(16) % 8] * np.where(np.arange(16) < 8, 1, -1)[:, None].astype(
+        np.float32), np.arange(16, dtype=np.int64) % 4
+
+
+def negatives_of_the_next_step(monkeypatch, executor, tmp_path, shareable):
+    """The negatives Q' handed to the loss in the first step of the task."""
+    seen = []
+    original = core_fcl.fcl_loss_terms
+    monkeypatch.setattr(core_fcl, "fcl_loss_terms",
+                        lambda q, pos, q_part, neg, neg_part, *a, **k: (seen.append((neg.detach().clone(), neg_part.clone())),
+                                                                        original(q, pos, q_part, neg, neg_part, *a, **k))[1])
+    run(executor, tmp_path, shareable)
+    return seen[0]
+
+
+def test_the_received_remote_bank_is_among_the_next_steps_negatives(data, tmp_path, monkeypatch):
+    """Eq. (1): Q = Q_l,c U remote.  Without negative sampling Q' = Q, so the first step's negatives are the
+    local bank (K = 32 rows) followed by exactly the 16 remote rows the task carried, partition ids included."""
+    features, partitions = remote_rows()
+    ex = FCLExecutor(data_root=data, negative_sampling=False, **ARGS)
+    neg, neg_part = negatives_of_the_next_step(monkeypatch, ex, tmp_path, task(0, (features, partitions)))
+    assert neg.shape == (48, 8)
+    assert torch.equal(neg[32:], torch.from_numpy(features)) and torch.equal(neg_part[32:], torch.from_numpy(partitions))
+
+
+def test_local_cl_exchanges_and_uploads_nothing(data, tmp_path, monkeypatch):
+    """Issue 13 item 6: federated=false switches feature exchange off (a remote bank in the task is not used) and the
+    result carries no weight and no bank, only counts; the site's own encoder stays in its checkpoint."""
+    features, partitions = remote_rows()
+    ex = FCLExecutor(data_root=data, federated=False, negative_sampling=False, **ARGS)
+    assert ex.feature_exchange is True  # stored verbatim; Local CL overrides it
+    neg, _ = negatives_of_the_next_step(monkeypatch, ex, tmp_path, task(0, (features, partitions)))
+    assert neg.shape == (32, 8) and not ex.trainer.feature_exchange  # the local bank only
+    out = from_shareable(run(ex, tmp_path, task(1, (features, partitions))))
+    assert out.data == {} and out.get_meta_prop("bank_features") is None and out.get_meta_prop("bank_partitions") is None
+    assert out.get_meta_prop("num_samples") == 16 and out.get_meta_prop(SITE_RECORD_META)["bank_filled"] == 32
+    state = torch.load(tmp_path / "fcl_client_state.pt", weights_only=True)  # what fedssl fcl export-unet reads
+    own = ex.trainer.model.state_dict()
+    assert state["round"] == 1 and all(torch.equal(state["trainer"]["model"][k], own[k]) for k in own)
+    unet = torch.load(export_unet_init(str(tmp_path / "fcl_client_state.pt"), str(tmp_path / "unet.pt"), TINY_FEATURES),
+                      weights_only=True)["model"]  # `fedssl fcl export-unet <site>/fcl_client_state.pt unet.pt`
+    encoder = {k[len("main.encoder."):]: v for k, v in own.items() if k.startswith("main.encoder.")}
+    assert all(torch.equal(unet[k], v) for k, v in encoder.items())
+
+
+def test_plain_moco_is_an_executor_switch(data, tmp_path):
+    ex = FCLExecutor(data_root=data, plain_moco=True, feature_exchange=False, **ARGS)
+    run(ex, tmp_path, task(0))
+    assert ex.trainer.trainer.cfg.plain_moco and ex.plain_moco is True
+    with pytest.raises(ValueError, match="plain_moco"):
+        FCLExecutor(data_root=data, plain_moco="yes", **ARGS)

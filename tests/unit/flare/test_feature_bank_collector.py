@@ -16,6 +16,7 @@ from fedssl.flare.constants import BANK_FEATURES, BANK_PARTITIONS, COLLECTED, RE
 from fedssl.flare.fedavg_aggregator import FedAvgAggregator
 from fedssl.flare.feature_bank_collector import FeatureBankCollector
 from fedssl.flare.feature_bank_shuttle import FeatureBankShuttle
+from fedssl.flare.merging_shareable_generator import MergingShareableGenerator
 from fedssl.ops.jobs import REPO_ROOT, build_job, component_specs, job_configs
 from tests.unit.flare.fakes import FakeEngine, context, contribution
 
@@ -109,3 +110,38 @@ def test_fcl_job_collects_banks_and_table7_fedmoco_turns_it_off(row, tmp_path):
     collectors = server_args(out, "aggregator")["args"]["collectors"]
     assert server_args(out, "bank_collector")["path"] == "fedssl.flare.feature_bank_collector.FeatureBankCollector"
     assert collectors == ([] if row == "FedMoCo" else ["bank_collector"])
+    trainer = next(c for p, cfg in job_configs(out) for c in component_specs(cfg) if c["id"] == "fcl_trainer")["args"]
+    # FedMoCo = plain MoCo with FedAvg (FCL sec. 5.1 "Baselines"; Table 6 "Without FE" has its numbers)
+    assert (trainer["feature_exchange"], trainer["plain_moco"]) == ((False, True) if row == "FedMoCo" else (True, False))
+
+
+#: Local CL on the server: sites upload no weight and no bank, so the aggregator expects no key and collects nothing
+LOCAL_CL_SETS = ["client.fcl_trainer.federated=false", 'server.aggregator.exclude_patterns=["*"]',
+                 "server.aggregator.collectors=[]"]
+
+
+def test_local_cl_rounds_aggregate_nothing_and_keep_the_global_model(tmp_path):
+    """Issue 13 item 6: contributions without weights or bank (FCLExecutor federated=false) pass an aggregator with
+    exclude_patterns ["*"] and collectors []; the aggregate is empty, the global model stays as it was, the next
+    broadcast carries no remote bank.  With the FCL server (bank collected, every key expected) the same upload is
+    refused naming the site, so a half-configured Local CL run fails loudly, not silently."""
+    agg, c = FedAvgAggregator(exclude_patterns=["*"], collectors=[]), server_ctx(tmp_path, collect=False)
+    for site in SITES:
+        assert agg.accept(contribution(site, {}, {"num_samples": 16, "loss": 1.0}), c)
+    out = agg.aggregate(c)
+    assert from_shareable(out).data == {} and COLLECTED not in from_shareable(out).get_meta_props()
+    merged = MergingShareableGenerator().shareable_to_learnable(out, c)
+    assert list(merged["weights"]) == ["w"] and np.array_equal(merged["weights"]["w"], GLOBAL["w"])
+    out.set_header("current_round", 1)
+    sent = from_shareable(FeatureBankShuttle(bank_size=K).process(out, context(peer_site="site-1")))
+    assert sent.get_meta_prop(REMOTE_FEATURES) is None
+    fcl, c2 = FedAvgAggregator(collectors=["bank_collector"]), server_ctx(tmp_path / "fcl")
+    assert not fcl.accept(contribution("site-1", {}, {"num_samples": 16}), c2)
+    assert c2.get_prop("fedssl.refusal")["site"] == "site-1"
+
+
+def test_local_cl_overrides_build_the_job(tmp_path):
+    out = build_job(os.path.join(REPO_ROOT, "jobs", "fcl_acdc"), str(tmp_path / "local_cl"), profile="quick",
+                    sets=LOCAL_CL_SETS)
+    args = server_args(out, "aggregator")["args"]
+    assert (args["exclude_patterns"], args["collectors"]) == (["*"], [])

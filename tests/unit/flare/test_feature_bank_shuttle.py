@@ -45,15 +45,23 @@ def test_each_site_gets_all_others_never_its_own_fresh_per_site():
     assert outs["site-1"] is not outs["site-2"]
 
 
-def test_remote_bank_is_shuffled_by_a_server_secret_not_a_config_seed():
-    """Two servers with the same job configuration shuffle differently: the order comes from a secret that the
-    receiving site cannot know, so it cannot attribute rows by position."""
-    orders = []
-    for _ in range(2):
+def test_remote_bank_is_shuffled_by_a_server_secret_not_a_config_seed(monkeypatch):
+    """The order comes from a secret the server draws at start (``secrets.randbits``, stubbed here with fixed values),
+    never from the job configuration: the same secret gives the same order, other secrets other orders, and none
+    is the senders' order (site-2's four rows, then site-3's: partitions [1]*4 + [2]*4)."""
+    import types
+
+    import fedssl.flare.feature_bank_shuttle as shuttle_module
+
+    def order(secret):
+        monkeypatch.setattr(shuttle_module, "secrets", types.SimpleNamespace(randbits=lambda bits: secret))
         out = from_shareable(FeatureBankShuttle(bank_size=8).process(per_site_copy(broadcast()), context(peer_site="site-1")))
-        orders.append(out.get_meta_prop(REMOTE_PARTITIONS).tolist())
-    assert orders[0] != sorted(orders[0]) or orders[1] != sorted(orders[1])
-    assert orders[0] != orders[1]  # 8! / (4! 4!) = 70 orders of two sites' rows: equal by chance with p = 1/70
+        return out.get_meta_prop(REMOTE_PARTITIONS).tolist()
+
+    orders = {secret: order(secret) for secret in (1, 2, 3)}
+    assert order(1) == orders[1]  # reproducible from the secret alone
+    assert all(sorted(o) == [1] * 4 + [2] * 4 and o != sorted(o) for o in orders.values())
+    assert len({tuple(o) for o in orders.values()}) == 3
     with pytest.raises(TypeError):
         FeatureBankShuttle(seed=0)  # a job configuration cannot choose the shuffle
 

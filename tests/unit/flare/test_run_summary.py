@@ -14,7 +14,7 @@ from nvflare.app_common.app_event_type import AppEventType
 
 from fedssl.flare.communication_meter import COMM_FILE
 from fedssl.eval.run_report import loss_curves
-from fedssl.flare.constants import REFUSAL_PROP, ROUND_STATS_PROP, SITE_RECORD_META
+from fedssl.flare.constants import INIT_PROP, REFUSAL_PROP, ROUND_STATS_PROP, SITE_RECORD_META
 from fedssl.flare.run_summary import (ANALYTICS_EVENT, SUMMARY_RECORD_EVENT, RunSummary, outside_rounds,
                                       record_in_summary)
 from tests.unit.flare.fakes import FakeEngine, contribution, context
@@ -186,3 +186,74 @@ def test_a_sites_summary_record_is_bounded_and_kept_only_when_its_contribution_i
     aggregate(rs, ctx, 0, {"site-1": 1.0})
     rs.handle_event(EventType.END_RUN, ctx)
     assert json.load(open(tmp_path / "summary.json"))["site_records"] == {"site-1": {"tokenizer": "x", "n": 3}}
+
+
+def fcl_record(steps, filled, k=4096):
+    return {SITE_RECORD_META: {"volumes": 8 * steps, "steps_per_round": steps, "bank_filled": filled,
+                               "bank_fill": filled / k, "bank_size": k}}
+
+
+def test_steps_and_bank_fill_per_round_are_means_over_the_aggregated_sites(tmp_path):
+    """Issue 13 item 7: FCL sites report steps and filled bank slots; each round's summary holds their means over
+    the sites the round aggregated (a refused site's record does not count), no site name."""
+    rs = RunSummary(title="t")
+    ctx = context(engine=FakeEngine(tmp_path), site="server",
+                  props={AppConstants.GLOBAL_MODEL: make_model_learnable(GLOBAL, {})})
+    rs.handle_event(EventType.START_RUN, ctx)
+    accept(rs, ctx, "site-1", GLOBAL, fcl_record(12, 384), 0)
+    accept(rs, ctx, "site-2", GLOBAL, fcl_record(10, 320), 0)
+    aggregate(rs, ctx, 0, {"site-1": 1.0, "site-2": 1.0})
+    accept(rs, ctx, "site-1", GLOBAL, fcl_record(12, 768), 1)
+    ctx.set_prop(AppConstants.TRAINING_RESULT, contribution("site-2", GLOBAL, fcl_record(99, 4096), 1),
+                 private=True, sticky=False)
+    ctx.set_prop(AppConstants.AGGREGATION_ACCEPTED, False, private=True, sticky=False)
+    rs.handle_event(AppEventType.AFTER_CONTRIBUTION_ACCEPT, ctx)
+    aggregate(rs, ctx, 1, {"site-1": 1.0})
+    rs.handle_event(EventType.END_RUN, ctx)
+    summary = json.load(open(tmp_path / "summary.json"))
+    r0, r1 = (r["site_record_means"] for r in summary["rounds"])
+    assert r0 == {"bank_fill": 352 / 4096, "bank_filled": 352.0, "bank_size": 4096.0, "steps_per_round": 11.0,
+                  "volumes": 88.0}
+    assert (r1["steps_per_round"], r1["bank_filled"]) == (12.0, 768.0)
+    assert "site-" not in json.dumps(summary["rounds"]) and summary["bank_size"] == 4096  # agreed: top level
+
+
+def test_a_round_without_any_uploaded_weight_says_so(tmp_path):
+    """Issue 13 item 6: Local CL sites upload no weight; the summary says the model was not uploaded (instead of
+    listing every key), so a Local CL run's global model is not mistaken for a trained one."""
+    rs = RunSummary(title="t")
+    ctx = context(engine=FakeEngine(tmp_path), site="server",
+                  props={AppConstants.GLOBAL_MODEL: make_model_learnable(GLOBAL, {})})
+    rs.handle_event(EventType.START_RUN, ctx)
+    for site in ("site-1", "site-2"):
+        accept(rs, ctx, site, {}, {"num_samples": 16}, 0)
+    aggregate(rs, ctx, 0, {"site-1": 1.0, "site-2": 1.0})
+    accept(rs, ctx, "site-1", {}, {}, 1)
+    accept(rs, ctx, "site-2", {"encoder.w": GLOBAL["encoder.w"]}, {}, 1)  # one site uploads part of the model
+    aggregate(rs, ctx, 1, {"site-1": 1.0, "site-2": 1.0})
+    rs.handle_event(EventType.END_RUN, ctx)
+    r0, r1 = json.load(open(tmp_path / "summary.json"))["rounds"]
+    assert r0["model_uploaded"] is False and "keys_not_uploaded" not in r0
+    assert "model_uploaded" not in r1 and r1["keys_not_uploaded"] == ["encoder.cls_token", "encoder.w"]  # site-1's
+
+
+def test_the_persistors_init_record_lands_in_the_summary(tmp_path):
+    """INIT_PROP (set by the server's persistor, here by hand) becomes summary["init"]; a site record cannot fake it."""
+    rs = RunSummary(title="t")
+    ctx = context(engine=FakeEngine(tmp_path), site="server",
+                  props={AppConstants.GLOBAL_MODEL: make_model_learnable(GLOBAL, {})})
+    rs.handle_event(EventType.START_RUN, ctx)
+    init = {"init": "imagenet", "path": "/models/densenet121.pth", "sha256": "ab" * 32}
+    ctx.set_prop(INIT_PROP, init, private=True, sticky=True)
+    for site in ("site-1", "site-2"):
+        accept(rs, ctx, site, GLOBAL, {SITE_RECORD_META: {"init": "random"}}, 0)
+    aggregate(rs, ctx, 0, {"site-1": 1.0, "site-2": 1.0})
+    rs.handle_event(EventType.END_RUN, ctx)
+    assert json.load(open(tmp_path / "summary.json"))["init"] == init
+    plain = RunSummary(title="t")  # no persistor record: no init key
+    (tmp_path / "plain").mkdir()
+    ctx2 = context(engine=FakeEngine(tmp_path / "plain"), site="server")
+    plain.handle_event(EventType.START_RUN, ctx2)
+    aggregate(plain, ctx2, 0, {"site-1": 1.0})
+    plain.handle_event(EventType.END_RUN, ctx2)
+    assert "init" not in json.load(open(tmp_path / "plain" / "summary.json"))

@@ -9,10 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from fedssl.core.seeds import site_seed
 from fedssl.core.trainer import LocalTrainer, StopRequested
 from fedssl.data.volume import Volume
+from fedssl.models.unet import MoCoUNetEncoder
 from fedssl.train.fcl import FCLLocalTrainer
 
+torch.set_num_threads(1)
 TINY = dict(n_partitions=2, features=[4, 4, 8, 8, 16, 4], proj_dim=4, batch_size=4, lr=0.05, bank_size=16, seed=0)
 
 
@@ -38,6 +41,7 @@ def test_round_statistics_by_hand():
     assert stats.loss == pytest.approx(np.mean([p["loss"] for p in stats.curve]))
     assert stats.loss == pytest.approx(stats.metrics["loss_local"] + stats.metrics["loss_remote"])
     assert stats.metrics["remote_features"] == 0
+    assert (stats.metrics["bank_filled"], stats.metrics["bank_fill"]) == (8, 0.5)  # 8 of K = 16 slots
     features, partitions = t.export_bank()
     assert features.shape == (16, 4) and features.dtype == np.float32 and partitions.dtype == np.int64
     assert sorted(partitions[partitions >= 0].tolist()) == [0] * 4 + [1] * 4  # 8 filled slots, partitions 0 and 1
@@ -123,3 +127,32 @@ def test_too_few_volumes_for_one_batch_names_the_site():
         FCLLocalTrainer(volumes(1), num_rounds=1, site="site-7", **TINY)
     with pytest.raises(ValueError, match="split='val'"):
         trainer().evaluate()
+
+
+def first_draws(site, **kw):
+    """A fresh site trainer's initial bank, first batch of round 0 and initial weights."""
+    t = FCLLocalTrainer(volumes(6), num_rounds=2, site=site, **{**TINY, **kw})
+    x, _ = next(t.dataset.batches(t.volumes_per_batch, 0))
+    return t, t.trainer.bank.features.clone(), x, t.global_state()
+
+
+def test_data_randomness_is_per_site_and_model_init_is_per_job():
+    """Issue 13 item 9: the initial bank, slice draws, batch order, augmentations and negative draws use
+    site_seed(seed, site); the initial weights are the same at every site (the server's model component)."""
+    t1, bank1, x1, w1 = first_draws("site-1")
+    t2, bank2, x2, w2 = first_draws("site-2")
+    assert (t1.data_seed, t2.data_seed) == (site_seed(0, "site-1"), site_seed(0, "site-2"))
+    assert t1.dataset.seed == t1.data_seed and t1.data_seed != t2.data_seed
+    assert not torch.equal(bank1, bank2) and not torch.equal(x1, x2)
+    assert t1.trainer.generator.initial_seed() == t1.data_seed  # augmentations and negative draws
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
+    _, again_bank, again_x, _ = first_draws("site-1")  # reproducible per site
+    assert torch.equal(again_bank, bank1) and torch.equal(again_x, x1)
+    server = MoCoUNetEncoder(TINY["features"], TINY["proj_dim"]).state_dict()  # the server's model component
+    assert all(torch.equal(w1[k], server[k]) for k in w1)
+    anonymous = FCLLocalTrainer(volumes(6), num_rounds=2, **TINY)  # no site (outside FLARE): the job seed as is
+    assert anonymous.data_seed == 0 and anonymous.dataset.seed == 0
+
+
+def test_plain_moco_reaches_the_core_trainer():
+    assert trainer(plain_moco=True).trainer.cfg.plain_moco and not trainer().trainer.cfg.plain_moco

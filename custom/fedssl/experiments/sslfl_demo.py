@@ -119,11 +119,12 @@ def _test_row(method: str, run: dict) -> dict:
 #: pre-training methods of the demo: label, data set, pre-training job, fine-tuning job, extra fine-tuning overrides
 VARIANTS: dict[str, dict] = {
     "fedmae": {"label": "Fed-MAE", "dataset": "retina", "pretrain": "sslfl_mae_retina", "finetune": "sslfl_retina_finetune",
-               "finetune_sets": []},
+               "finetune_sets": [], "split": "dirichlet"},
     "fedbeit": {"label": "Fed-BEiT", "dataset": "retina", "pretrain": "sslfl_beit_retina", "finetune": "sslfl_retina_finetune",
-                "finetune_sets": ["server.model.layer_scale=0.1", "client.cls_trainer.layer_scale=0.1"]},  # BEiT's layer scale
+                "finetune_sets": ["server.model.layer_scale=0.1", "client.cls_trainer.layer_scale=0.1"],  # BEiT's layer scale
+                "split": "dirichlet"},
     "fedmae_ks": {"label": "FedMAE-KS", "dataset": "derm", "pretrain": "fedmae_derm", "finetune": "fedmae_derm_finetune",
-                  "finetune_sets": []},
+                  "finetune_sets": [], "split": "iid"},  # FedMAE-KS sec. V-B: random IID partitions of ISIC 2019
 }
 
 
@@ -141,21 +142,23 @@ def check_methods(methods) -> str:
 
 
 def write_demo_images(out: str, dataset: str, n_images: int, image_px: int, n_sites: int, alpha: float, seed: int,
-                      t0: float) -> str:
-    """Synthetic ``dataset`` (retina: balanced subset as SSL-FL) split by the Dirichlet splitter into
-    ``site-1..site-N`` + ``test``; returns the partition folder (kept across demo runs with the same settings)."""
+                      t0: float, split: str = "dirichlet") -> str:
+    """Synthetic ``dataset`` (retina: balanced subset as SSL-FL) split by the Dirichlet splitter (``split``
+    "dirichlet", SSL-FL) or into random near-equal shards ("iid", FedMAE-KS) into ``site-1..site-N`` + ``test``;
+    returns the partition folder (kept across demo runs with the same settings)."""
     from fedssl.data.image_sites import write_site_folders
     from fedssl.data.image_synthetic import write_synthetic_images
 
     src = os.path.join(out, "data", f"{dataset}_full")
-    parts = os.path.join(out, "data", f"{dataset}_alpha{alpha:g}_{n_sites}sites")
+    tag = f"alpha{alpha:g}" if split == "dirichlet" else split
+    parts = os.path.join(out, "data", f"{dataset}_{tag}_{n_sites}sites")
     if not os.path.isfile(os.path.join(parts, "partition.json")):
         _say(t0, f"writing {n_images} synthetic {dataset} images ({image_px} px high) -> {src}")
         write_synthetic_images(src, dataset, n_images=n_images, seed=seed, image_size=image_px)
         if dataset == "retina":
             kept = balance_retina(src, seed)
             _say(t0, f"kept a balanced subset (SSL-FL): {kept['no_dr']} no_dr + {kept['dr']} dr images")
-        write_site_folders(src, dataset, parts, n_sites=n_sites, alpha=alpha, seed=seed)
+        write_site_folders(src, dataset, parts, n_sites=n_sites, alpha=alpha, seed=seed, split=split)
     return parts
 
 
@@ -167,11 +170,13 @@ def run_sslfl_demo(out: str, *, methods=("fedmae",), n_images: int = 2800, image
     dataset = check_methods(methods)
     t0 = time.time()
     out = os.path.abspath(out)
-    parts = write_demo_images(out, dataset, n_images, image_px, n_sites, alpha, seed, t0)
+    split = VARIANTS[list(methods)[0]]["split"]
+    split_text = f"Dirichlet alpha {alpha:g}" if split == "dirichlet" else "IID shards"
+    parts = write_demo_images(out, dataset, n_images, image_px, n_sites, alpha, seed, t0, split)
     with open(os.path.join(parts, "partition.json")) as f:
         partition = json.load(f)
     counts = {s: v["class_counts"] for s, v in partition["sites"].items()}
-    _say(t0, f"Dirichlet alpha {alpha} over {n_sites} sites (class counts {counts}); test {partition['test']['class_counts']}")
+    _say(t0, f"{split_text} over {n_sites} sites (class counts {counts}); test {partition['test']['class_counts']}")
     data_root = os.path.join(parts, "{site}")
     ft_sets = [f"server.scatter_and_gather.num_rounds={ft_rounds}", f"server.scatter_and_gather.min_clients={n_sites}",
                f"client.cls_trainer.local_epochs={ft_epochs}",
@@ -206,9 +211,9 @@ def run_sslfl_demo(out: str, *, methods=("fedmae",), n_images: int = 2800, image
 
     labels = " vs ".join(r["method"] for r in rows)
     summary = {
-        "title": f"SSL-FL demo: {labels} on synthetic {dataset}, Dirichlet alpha {alpha:g} (quick profile)",
+        "title": f"SSL-FL demo: {labels} on synthetic {dataset}, {split_text} (quick profile)",
         "settings": {"methods": list(methods), "dataset": dataset, "n_images": n_images, "image_px": image_px,
-                     "n_sites": n_sites, "alpha": alpha, "seed": seed, "pre_rounds": pre_rounds, "ft_rounds": ft_rounds,
+                     "n_sites": n_sites, "split": split, "alpha": alpha, "seed": seed, "pre_rounds": pre_rounds, "ft_rounds": ft_rounds,
                      "ft_epochs": ft_epochs, "ft_steps": ft_steps, "ft_lr": ft_lr,
                      "pretrain_sets": PRETRAIN_SETS, "finetune_sets": FINETUNE_SETS, "profile": "quick"},
         "partition": {"sites": counts, "test": partition["test"]["class_counts"]},

@@ -42,7 +42,7 @@ class BYOLExecutor(TrainerExecutor):
         data_root: str = "",
         image_size: int = 192,
         target_spacing: float = 1.25,
-        frames: str = "ed_es",
+        frames: str = "all",
         n_partitions: int = 4,
         features: list = (48, 96, 192, 384, 768, 48),
         proj_dim: int = 128,
@@ -61,7 +61,9 @@ class BYOLExecutor(TrainerExecutor):
         (FCLOpt and its PTNU / DP variants; FedBYOL: 0.05, the paper's general rate), m 0.99, m_d 0.995, batch 32
         images (slices sampled one per partition of each volume, as in FCL); the loss is eq. 6, one direction
         (``symmetric=True``: Grill et al.'s sum over both directions).  ``seed`` is the job seed: the model starts
-        from it, the site's data-side draws from ``fedssl.core.seeds.site_seed(seed, site name)``."""
+        from it, the site's data-side draws from ``fedssl.core.seeds.site_seed(seed, site name)``.  ``frames``:
+        "all" (the default) pre-trains on every frame of each 4D cine, as FCL (sec. 5.1); "ed_es" on the two
+        labelled frames only."""
         super().__init__()
         name = type(self).__name__
         require_unet_args(name, features, image_size)

@@ -1,6 +1,7 @@
 """The SSL-FL demo's pieces: method variants bind to real jobs, data set checks, the balanced retina subset."""
 
 import csv
+import json
 import os
 
 import pytest
@@ -43,3 +44,18 @@ def test_table_prints_missing_metrics_as_na():
     table = format_table([{"method": "Fed-MAE", "accuracy": 0.5, "balanced_accuracy": None, "auc": 0.75,
                            "macro_f1": 0.25, "selected": "round 3"}])
     assert "Fed-MAE" in table and "0.500" in table and "n/a" in table and "round 3" in table
+
+
+def test_fedmae_ks_demo_splits_derm_into_iid_shards_as_the_paper(tmp_path):
+    """FedMAE-KS sec. V-B: random IID partitions; the SSL-FL variants keep the Dirichlet splitter."""
+    from fedssl.experiments.sslfl_demo import VARIANTS, write_demo_images
+
+    assert VARIANTS["fedmae_ks"]["split"] == "iid"
+    assert VARIANTS["fedmae"]["split"] == VARIANTS["fedbeit"]["split"] == "dirichlet"
+    parts = write_demo_images(str(tmp_path), "derm", 100, 16, 4, 0.5, 0, 0.0, VARIANTS["fedmae_ks"]["split"])
+    assert parts.endswith("derm_iid_4sites")
+    with open(f"{parts}/partition.json") as f:
+        partition = json.load(f)
+    sizes = sorted(sum(v["class_counts"].values()) for v in partition["sites"].values())
+    n_test = sum(partition["test"]["class_counts"].values())
+    assert sum(sizes) == 100 - n_test and sizes[-1] - sizes[0] <= 1  # near-equal shards of the training images

@@ -56,7 +56,8 @@ def test_modes_agree_with_the_controller():
 
 def test_fclopt_uploads_everything_and_a_restarted_site_keeps_its_local_target(data, tmp_path):
     out = from_shareable(run(BYOLExecutor(data_root=data, **ARGS), tmp_path, task("fclopt")))
-    assert out.data_kind == DataKind.WEIGHTS and has_target(out) and out.get_meta_prop("num_samples") == 8
+    # num_samples: 4 patients x 4 cine frames (frames "all", the default)
+    assert out.data_kind == DataKind.WEIGHTS and has_target(out) and out.get_meta_prop("num_samples") == 16
     assert np.isfinite(out.get_meta_prop("loss")) and os.path.isfile(tmp_path / "byol_client_state.pt")
     ex = BYOLExecutor(data_root=data, **ARGS)  # client restart
     ex.ensure_trainer(task("fedbyol", 1), context(site="site-1", engine=FakeEngine(tmp_path)))

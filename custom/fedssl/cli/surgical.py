@@ -1,11 +1,14 @@
 """``fedssl surgical <verb>``: surgical aggregation (surgical aggregation (Kulkarni et al., ML4H 2024)) on chest X-rays: the demo on synthetic NIH / CheXpert /
-MIMIC data and the centralised baseline of jobs/surgical_cxr."""
+MIMIC data, the centralised baseline of jobs/surgical_cxr, the ablation partitioner (sec. 2.4.1) and the paired
+comparison of two methods (sec. 2.6)."""
 
 from __future__ import annotations
 
 import os
 
-from fedssl.cli import COUNT, POSITIVE, Verb, add_family
+import json
+
+from fedssl.cli import COUNT, FRACTION, NON_NEGATIVE, POSITIVE, SEED, Verb, add_family
 
 
 def _demo_args(s) -> None:
@@ -19,6 +22,8 @@ def _demo_args(s) -> None:
     s.add_argument("--lr", type=POSITIVE, default=0.01, help="local learning rate (tiny model, few rounds; paper 5e-5)")
     s.add_argument("--local-epochs", type=COUNT, default=3, help="local epochs per round (paper: 1)")
     s.add_argument("--no-central", action="store_true", help="leave out the centralised baseline row")
+    s.add_argument("--central-missing", default="negative", choices=["negative", "ignore"],
+                   help="centralised baseline: a source's unlabelled classes are negatives (paper) or ignored")
 
 
 def _demo(a) -> None:
@@ -26,7 +31,7 @@ def _demo(a) -> None:
 
     run_surgical_demo(a.out, rounds=a.rounds, n_patients=a.patients, methods=a.methods, lr=a.lr,
                       local_epochs=a.local_epochs, backbone=a.backbone,
-                      central=not a.no_central)
+                      central=not a.no_central, central_missing=a.central_missing)
 
 
 def _central_args(c) -> None:
@@ -37,13 +42,16 @@ def _central_args(c) -> None:
     c.add_argument("--set", action="append", metavar="PART.ID.ARG=VALUE",
                    help="job override, e.g. client.cxr_trainer.lr=0.01 (repeatable)")
     c.add_argument("--external-test-root", default="", help="MIMIC-CXR-JPG folder evaluated with every class")
+    c.add_argument("--missing-classes", default="negative", choices=["negative", "ignore"],
+                   help="a site's unlabelled classes in the pooled data: negatives (paper sec. 2.3 and its public "
+                        "code) or ignored (masked out of the loss, as partial loss)")
 
 
 def _central(a) -> None:
     from fedssl.experiments.surgical_central import run_centralised, with_external_test_root
 
     res = run_centralised(a.data_root, a.out, sites=a.sites, profile=a.profile,
-                          sets=with_external_test_root(a.set, a.external_test_root))
+                          sets=with_external_test_root(a.set, a.external_test_root), missing=a.missing_classes)
     m = res["table"]["mean"]
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     ext = res["table"]["external"]
@@ -52,13 +60,64 @@ def _central(a) -> None:
           + f" in {res['wall_time_s']} s -> {os.path.join(os.path.abspath(a.out), 'results.md')}")
 
 
+def _partition_args(p) -> None:
+    p.add_argument("--out", required=True, help="folder for site-1 .. site-K, nih_test and partition.json")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--nih-root", default="", help="the NIH ChestX-ray14 folder (Data_Entry_2017_v2020.csv + images)")
+    src.add_argument("--synthetic", type=COUNT, default=0, metavar="PATIENTS",
+                     help="a synthetic NIH-like source of this many patients instead (+ a MIMIC-like external set)")
+    p.add_argument("--clients", type=COUNT, required=True, help="number of clients K (paper: 2 to 10)")
+    p.add_argument("--shared", type=NON_NEGATIVE, required=True,
+                   help="classes held by every client (0 to 14); the others are each held by one client")
+    p.add_argument("--holdout", type=FRACTION, default=0.2, help="fraction of patients in the held-out NIH test set")
+    p.add_argument("--seed", type=SEED, default=0)
+
+
+def _partition(a) -> None:
+    from fedssl.experiments.surgical_ablation import PARTITION_FILE, partition
+
+    rec = partition(a.out, a.clients, a.shared, nih_root=a.nih_root, synthetic_patients=a.synthetic, seed=a.seed,
+                    holdout=a.holdout)
+    for site, info in rec["sites"].items():
+        print(f"{site}: {info['n_patients']} patients, {info['n_images']} images, {len(info['classes'])} classes")
+    print(f"held-out NIH test set: {rec['held_out']['n_patients']} patients -> {os.path.join(a.out, 'nih_test')}")
+    sets = " ".join(f"--set '{s}'" for s in rec["sets"])
+    print(f"run it: fedssl simulate jobs/surgical_cxr -w WORKSPACE --sites {rec['n_sites']} --data-root "
+          f"{rec['data_root']} {sets}  (all in {os.path.join(a.out, PARTITION_FILE)})")
+
+
+def _compare_args(c) -> None:
+    c.add_argument("--a", nargs="+", required=True, metavar="RESULTS", help="method A: results.json file(s) or run folders")
+    c.add_argument("--b", nargs="+", required=True, metavar="RESULTS", help="method B, in the same (seed) order")
+    c.add_argument("--on", default="test", choices=["test", "external"], help="the sites' test sets or the external set")
+    c.add_argument("--out", default="", help="also write the comparison as JSON here")
+
+
+def _compare(a) -> None:
+    from fedssl.experiments.surgical_ablation import compare_runs
+
+    res = compare_runs(a.a, a.b, a.on)
+    t, w = res["t_test"], res["wilcoxon"]
+    print(f"{len(res['pairs'])} {res['unit']}-level pairs ({a.on}): mean difference A - B {t['mean_diff']:+.4f}; "
+          f"paired t-test t = {t['t']:.3f} (df {t['df']}), p = {t['p']:.4g}; Wilcoxon signed-rank W+ = "
+          f"{w['w_plus']:g}, W- = {w['w_minus']:g}, p = {w['p']:.4g}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=2)
+
+
 VERBS = (
     Verb("demo", "synthetic NIH + CheXpert sites -> surgical vs vanilla vs partial-loss FL in the simulator -> mean "
                  "AUROC table (quick profile, CPU)", _demo_args, _demo, alias="demo-surgical"),
     Verb("central", "centralised baseline of jobs/surgical_cxr: the same training code on the pooled data of every "
                     "site, evaluated like the federated runs", _central_args, _central, alias="surgical-central"),
+    Verb("partition", "ablation data (paper sec. 2.4.1): IID subsets of NIH for K clients with S shared classes and a "
+                      "held-out NIH test set, plus the job overrides to run them", _partition_args, _partition),
+    Verb("compare", "paired t-test and Wilcoxon signed-rank test of two methods from their results.json (per class, "
+                    "or per seed with several runs each; paper sec. 2.6)", _compare_args, _compare),
 )
 
 
 def register(sub) -> None:
-    add_family(sub, "surgical", "multi-label chest X-rays with surgical aggregation: demo, centralised baseline", VERBS)
+    add_family(sub, "surgical", "multi-label chest X-rays with surgical aggregation: demo, centralised baseline, "
+                                "ablation partitioner, paired comparison", VERBS)

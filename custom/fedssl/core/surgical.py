@@ -18,13 +18,14 @@ Backbone update (eq. 1, the "strategy"), as in the public code (``Strategies`` i
 
 - ``"fedavg"``: every non-head tensor is averaged, batch-norm included.
 - ``"fedbn"`` (Li et al., 2021): batch-norm tensors (affine weight/bias and running statistics) are never
-  averaged; each site keeps its own.  The server's global model keeps its previous (initial) BN tensors.
+  averaged; each site keeps its own, starting from the server's initial ones (round 0).  The server's global model keeps its previous (initial) BN tensors.
 - ``"fedbn_plus"`` (FedBN+, Kulkarni et al., 2023): batch-norm layers are *frozen at the pre-trained
   (ImageNet) values* at every site: their affine weight/bias get no gradient and the layers run in
   inference mode (normalising with the pre-trained running mean/var, which are therefore never updated).
-  Nothing of BN is exchanged or averaged (the public code aggregates FedBN+ exactly like FedBN, and with
-  frozen layers the BN tensors are identical at every site and on the server anyway).  Everything else
-  is averaged as in FedAvg.
+  BN is never averaged (the public code aggregates FedBN+ exactly like FedBN); the server's round-0
+  broadcast carries the pre-trained BN tensors to every site once (``fedssl.flare.backbone_exclusion``), so
+  with frozen layers they are identical at every site and on the server.  Everything else is averaged as in
+  FedAvg.
 """
 
 from __future__ import annotations

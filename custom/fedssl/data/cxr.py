@@ -42,6 +42,15 @@ Class names: CheXpert spellings where NIH has the same finding (``Effusion`` -> 
 NIH-only findings keep their NIH names with ``Pleural_Thickening`` written ``Pleural Thickening`` (as the
 public code and CXR-LT).  NIH 14 + CheXpert 13 classes, 7 shared, 20 in the union (paper 2.2).
 
+Ablation partitioner (paper sec. 2.4.1; public code ``split_for_K_nodes`` and ``configs/exp1``):
+:func:`iid_patient_subsets` cuts a data set's patients into ``n_clients`` IID subsets (no patient in two, abnormal
+and normal patients dealt out separately so each subset has the same mix; each subset is 1/K of the patients,
+so the per-client sample size falls by a factor K as K grows), :func:`shared_class_lists` gives each client its
+class list (``n_shared`` classes held by every client, each other class by exactly one, every class at least
+once), and :func:`write_nih_partition` writes one NIH-layout site folder per client (its patients, labels of its
+own classes only, images linked) plus the held-out NIH test set (all 14 classes) that every model is scored on.
+Switches: the number of clients, the number of shared classes, the held-out fraction and the seed.
+
 Every data problem raises :class:`CXRDataError` naming the site, the file (and the CSV row) and the fix.
 """
 
@@ -80,6 +89,10 @@ __all__ = [
     "dataset_classes",
     "mimic_annotated_classes",
     "patient_split",
+    "iid_patient_subsets",
+    "shared_class_lists",
+    "write_nih_partition",
+    "external_dataset",
     "CXRDataset",
     "batches",
     "n_batches",
@@ -493,6 +506,103 @@ def patient_split(records: Sequence[CXRRecord], fractions: Sequence[float] = (0.
     for r in records:
         out[assign[r.patient]].append(r)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------- ablation partitioner
+def _abnormal_groups(records: Sequence[CXRRecord]) -> tuple[list[str], list[str]]:
+    """(patients with any finding, patients without), each sorted."""
+    abnormal: dict[str, bool] = {}
+    for r in records:
+        abnormal[r.patient] = abnormal.get(r.patient, False) or bool(r.labels)
+    return sorted(p for p, a in abnormal.items() if a), sorted(p for p, a in abnormal.items() if not a)
+
+
+def iid_patient_subsets(records: Sequence[CXRRecord], n_clients: int, seed: int = 0) -> list[list[CXRRecord]]:
+    """``n_clients`` IID subsets of ``records`` by patient (public code ``split_for_K_nodes``): abnormal and normal
+    patients are each shuffled (seeded) and cut into ``n_clients`` chunks of ``floor(n / n_clients)`` patients, the
+    ``< n_clients`` left over in each group unused, so every client holds 1/K of each group.  Records keep their
+    input order within a subset."""
+    if not isinstance(n_clients, int) or isinstance(n_clients, bool) or n_clients < 1:
+        raise ValueError(f"n_clients={n_clients!r}: use a positive number of clients (paper sec. 2.4.1: 2 to 10)")
+    rng = np.random.default_rng(seed)
+    owner: dict[str, int] = {}
+    for group in _abnormal_groups(records):
+        shuffled = [group[i] for i in rng.permutation(len(group))]
+        size = len(group) // n_clients
+        for k in range(n_clients):
+            owner.update({p: k for p in shuffled[k * size:(k + 1) * size]})
+    subsets: list[list[CXRRecord]] = [[] for _ in range(n_clients)]
+    for r in records:
+        if r.patient in owner:
+            subsets[owner[r.patient]].append(r)
+    if any(not s for s in subsets):
+        raise ValueError(f"{len({r.patient for r in records})} patients cannot fill {n_clients} IID subsets; "
+                         "use fewer clients or more patients")
+    return subsets
+
+
+def shared_class_lists(classes: Sequence[str], n_clients: int, n_shared: int, seed: int = 0) -> list[list[str]]:
+    """Each client's classes for the shared-classes ablation (paper sec. 2.4.1; public ``configs/exp1/exp1.2``):
+    ``n_shared`` classes drawn (seeded) are held by every client; the others, shuffled, are dealt round-robin so
+    each is held by exactly one client.  Every class is held at least once; each list is in ``classes``' order."""
+    classes = list(classes)
+    if not isinstance(n_shared, int) or isinstance(n_shared, bool) or not 0 <= n_shared <= len(classes):
+        raise ValueError(f"n_shared={n_shared!r}: use 0 to {len(classes)} classes held by every client")
+    if not isinstance(n_clients, int) or isinstance(n_clients, bool) or n_clients < 1:
+        raise ValueError(f"n_clients={n_clients!r}: use a positive number of clients")
+    if n_shared == 0 and len(classes) < n_clients:
+        raise ValueError(f"{len(classes)} classes and none shared leave a client of {n_clients} without classes; "
+                         "share at least one class or use fewer clients")
+    order = [classes[i] for i in np.random.default_rng(seed).permutation(len(classes))]
+    shared, rest = set(order[:n_shared]), order[n_shared:]
+    held = [set(shared) for _ in range(n_clients)]
+    for i, c in enumerate(rest):
+        held[i % n_clients].add(c)
+    return [[c for c in classes if c in h] for h in held]
+
+
+def _write_nih_subset(out: Path, records: Sequence[CXRRecord], classes: Sequence[str]) -> dict:
+    """An NIH-layout folder: the label file (positives among ``classes`` only) and ``images/`` linking each image."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "images").mkdir(exist_ok=True)
+    raw = {canonical_class(c): c for c in NIH_RAW_CLASSES}
+    lines = ["Image Index,Finding Labels,Patient ID"]
+    for r in records:
+        name = os.path.basename(r.path)
+        link = out / "images" / name
+        if not link.exists():
+            os.symlink(os.path.abspath(r.path), link)
+        found = "|".join(raw[c] for c in classes if c in r.labels) or NO_FINDING
+        lines.append(f"{name},{found},{r.patient}")
+    (out / NIH_CSV_NAMES[0]).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return {"classes": list(classes), "n_images": len(records), "n_patients": len({r.patient for r in records})}
+
+
+def write_nih_partition(root: object, out: object, n_clients: int, n_shared: int, seed: int = 0,
+                        holdout: float = 0.2) -> dict:
+    """The ablation data of paper sec. 2.4.1 from the NIH folder ``root``: ``holdout`` of the patients (by patient,
+    seeded) -> ``out/nih_test`` (every class: the held-out NIH test set, given to the sites as
+    ``external_test_root``); the rest -> ``n_clients`` IID subsets ``out/site-1`` ... with the class lists of
+    :func:`shared_class_lists`.  Returns ``{"sites": {site: {"classes", "n_images", "n_patients"}},
+    "held_out": {...}, "classes": {site: [...]}}`` (``classes`` is the executor's per-site ``classes`` value)."""
+    if not 0.0 < float(holdout) < 1.0:
+        raise ValueError(f"holdout={holdout!r}: use the fraction of patients held out for testing, e.g. 0.2")
+    records = load_nih(root, site="<partition>")
+    rest, _, held = patient_split(records, fractions=(1.0 - float(holdout), 0.0, float(holdout)), seed=seed)
+    subsets = iid_patient_subsets(rest, n_clients, seed=seed)
+    lists = shared_class_lists(NIH_CLASSES, n_clients, n_shared, seed=seed)
+    op = Path(os.fspath(out))
+    sites = {f"site-{k + 1}": _write_nih_subset(op / f"site-{k + 1}", sub, cl)
+             for k, (sub, cl) in enumerate(zip(subsets, lists))}
+    return {"sites": sites, "held_out": _write_nih_subset(op / "nih_test", held, NIH_CLASSES),
+            "classes": {s: v["classes"] for s, v in sites.items()}}
+
+
+def external_dataset(root: object) -> str:
+    """The layout of an external test folder: "nih" when it holds an NIH label file (the ablation's held-out NIH
+    test set), else "mimic" (MIMIC-CXR-JPG)."""
+    rp = Path(os.fspath(root))
+    return "nih" if any((rp / n).is_file() for n in NIH_CSV_NAMES) else "mimic"
 
 
 # ---------------------------------------------------------------------------------------------------- images

@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import numpy as np
 from PIL import Image
 
-from fedssl.data.cxr import ALL_CLASSES, CHEXPERT_CLASSES, NIH_CLASSES, NIH_RAW_CLASSES
+from fedssl.data.cxr import ALL_CLASSES, CHEXPERT_CLASSES, NIH_CLASSES, NIH_RAW_CLASSES, write_nih_partition
 
 __all__ = [
     "SOURCES",
@@ -38,6 +38,7 @@ __all__ = [
     "write_synthetic_chexpert",
     "write_synthetic_mimic_cxr",
     "write_synthetic_surgical",
+    "write_synthetic_ablation",
 ]
 
 #: Per-source appearance: gamma, brightness offset, contrast, noise sigma, blur passes, width/height ratio.
@@ -474,3 +475,18 @@ def write_synthetic_surgical(out: str | os.PathLike, n_patients: int = 200, seed
         "mimic": write_synthetic_mimic_cxr(o / "mimic", max(1, n_ext), seed=seed + 2, image_size=image_size,
                                            prevalence=prevalence),
     }
+
+
+def write_synthetic_ablation(out: str | os.PathLike, n_clients: int, n_shared: int, n_patients: int = 200,
+                             seed: int = 0, image_size: int = 64, holdout: float = 0.2) -> dict:
+    """The paper's ablation setting (sec. 2.4.1) on synthetic data: one NIH-like source ``out/nih`` of
+    ``n_patients`` (seed ``seed``), cut by :func:`fedssl.data.cxr.write_nih_partition` into ``n_clients`` IID
+    site folders ``out/site-k`` with ``n_shared`` classes held by every client and the held-out NIH test set
+    ``out/nih_test``, plus a MIMIC-like external set ``out/mimic`` (seed ``seed + 2``, ``n_patients // 2``).
+    Returns the partition summary with ``"mimic"`` added."""
+    o = Path(out)
+    write_synthetic_nih(o / "nih", n_patients, seed=seed, image_size=image_size)
+    summary = write_nih_partition(o / "nih", o, n_clients, n_shared, seed=seed, holdout=holdout)
+    summary["mimic"] = write_synthetic_mimic_cxr(o / "mimic", max(1, n_patients // 2), seed=seed + 2,
+                                                 image_size=image_size)
+    return summary

@@ -8,9 +8,11 @@ warm-up, epochs, validation and test report), on the pooled training data of eve
 - data: each site's patient-level train / validation / test split exactly as its executor makes it (same
   seed, so the same patients); training and validation pool the sites' train / validation splits;
 - head: the union of the sites' classes, in the registry's order (``fedssl.core.surgical.union_classes``);
-- missing classes: an image's classes that its site does not label are *unknown* in the pooled data, not
-  negative, so they are masked out of the loss (``fedssl.core.multilabel.pool_targets`` / ``labelled``), as
-  FL with partial loss does;
+- missing classes (``missing``): "negative" (default): an image's classes that its site does not label are
+  negatives in the pooled data, as the paper's centralised baseline (sec. 2.3: "All missing classes in the
+  combined dataset are treated as negatives") and its public code (``Dataset.merge``: ``fillna(0)``) do, for
+  training and validation alike; "ignore": they are unknown (NaN), masked out of the loss and the validation
+  metrics (``fedssl.core.multilabel.pool_targets`` / ``labelled``), as FL with partial loss does;
 - schedule: one warm-up (``warmup_epochs``, frozen backbone) then ``num_rounds x local_epochs`` epochs over
   the pool (each image is seen as often as in a federated run); batch-norm is trained normally (one model,
   nothing to keep local); ``final_evaluation.model`` "best" keeps the model of the round with the lowest
@@ -29,7 +31,8 @@ from typing import Sequence
 
 from torch.utils.data import Dataset
 
-from fedssl.core.multilabel import pool_targets
+from fedssl.core.checks import require_choice
+from fedssl.core.multilabel import MISSING_CLASS_RULES, expand_targets, pool_targets
 from fedssl.core.surgical import check_class_list, union_classes
 from fedssl.data.site_config import resolve_site_setting
 from fedssl.eval.surgical_report import write_results
@@ -43,13 +46,15 @@ CENTRAL = "centralised"
 
 
 class PooledDataset(Dataset):
-    """The concatenation of the sites' datasets with targets over ``head`` (NaN: not labelled by that site)."""
+    """The concatenation of the sites' datasets with targets over ``head``; a class a site does not label is a
+    negative (``missing="negative"``, the paper's centralised baseline) or NaN, not labelled (``"ignore"``)."""
 
     def __init__(self, parts: Sequence[Dataset], part_classes: Sequence[Sequence[str]], head: Sequence[str],
-                 sites: Sequence[str]):
+                 sites: Sequence[str], missing: str = "negative"):
         if not (len(parts) == len(part_classes) == len(sites)) or not parts:
             raise ValueError("PooledDataset needs one class list and one site name per dataset")
-        self.parts, self.head = list(parts), list(head)
+        require_choice(type(self).__name__, "missing", missing, MISSING_CLASS_RULES)
+        self.parts, self.head, self.missing = list(parts), list(head), missing
         self._index = [(p, i) for p, part in enumerate(self.parts) for i in range(len(part))]
         self._map = [(list(c), s) for c, s in zip(part_classes, sites)]
 
@@ -65,6 +70,8 @@ class PooledDataset(Dataset):
         p, i = self._index[index]
         x, y = self.parts[p][i]
         classes, site = self._map[p]
+        if self.missing == "negative":
+            return x, expand_targets(y.unsqueeze(0), classes, self.head, missing="negative", site=site)[0][0]
         return x, pool_targets(y.unsqueeze(0), classes, self.head, site)[0]
 
 
@@ -97,9 +104,11 @@ def with_external_test_root(sets: Sequence[str] | None, external_test_root: str 
 
 
 def run_centralised(data_root: str, out: str, *, sites: Sequence[str] = ("site-1", "site-2"), job: str = JOB,
-                    profile: str | None = None, sets: Sequence[str] = (), say=print) -> dict:
+                    profile: str | None = None, sets: Sequence[str] = (), missing: str = "negative", say=print) -> dict:
     """Train one model on the pooled data of ``sites`` (data under ``data_root``, ``{site}`` = site name) and
-    write results.json / results.md / auroc.png in ``out``; returns the results payload (+ ``wall_time_s``)."""
+    write results.json / results.md / auroc.png in ``out``; returns the results payload (+ ``wall_time_s``).
+    ``missing``: a site's unlabelled classes are "negative" (paper sec. 2.3, default) or "ignore"d (masked)."""
+    require_choice("run_centralised", "missing", missing, MISSING_CLASS_RULES)
     from fedssl.flare.site_executor import pick_device
 
     if not sites or len(set(sites)) != len(sites):
@@ -125,14 +134,14 @@ def run_centralised(data_root: str, out: str, *, sites: Sequence[str] = ("site-1
         splits[site] = load_splits(root, dataset, site, site_classes[site], settings)
     head = union_classes(site_classes)
     pooled = {split: PooledDataset([splits[s][split] for s in sites], [site_classes[s] for s in sites],
-                                   head, list(sites)) for split in ("train", "val")}
+                                   head, list(sites), missing=missing) for split in ("train", "val")}
     # one model on the pooled data (the server's initial model): batch-norm trained as usual, nothing kept local
     central = MultiLabelLocalTrainer(pooled, head, head, method=CENTRAL, backbone="fedavg", site=CENTRAL,
                                      settings=settings, imagenet_path=cfg["imagenet_path"],
                                      device=pick_device(args.get("device", "auto")))
     say(f"centralised: {len(sites)} sites pooled, {len(pooled['train'])} train / {len(pooled['val'])} validation "
         f"images, head over {len(head)} classes; warm-up {settings.warmup_epochs} + {cfg['rounds']} x "
-        f"{settings.local_epochs} epochs, model selection {cfg['selection']}")
+        f"{settings.local_epochs} epochs, model selection {cfg['selection']}, missing classes: {missing}")
     history, best = [], None
     for r in range(cfg["rounds"]):
         stats = central.train_round(r)  # the warm-up first, in round 0
@@ -156,6 +165,7 @@ def run_centralised(data_root: str, out: str, *, sites: Sequence[str] = ("site-1
                             source)
     payload["wall_time_s"] = round(time.time() - t0, 1)
     payload["history"] = history
+    payload["missing_classes"] = missing
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(payload, f, indent=2)
     return payload

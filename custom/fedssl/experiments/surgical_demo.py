@@ -15,6 +15,7 @@ import json
 import os
 import time
 
+from fedssl.core.multilabel import MISSING_CLASS_RULES
 from fedssl.experiments.surgical_central import run_centralised
 from fedssl.ops.jobs import REPO_ROOT
 from fedssl.ops.simulate import run_simulation
@@ -93,17 +94,21 @@ def _verdict(part: dict, threshold: float) -> str:
 
 
 def run_surgical_demo(out: str, *, rounds: int = 10, n_patients: int = 500, methods=METHODS, lr: float = 0.01,
-                      local_epochs: int = 3, backbone: str = "fedavg", central: bool = True) -> dict:
+                      local_epochs: int = 3, backbone: str = "fedavg", central: bool = True,
+                      central_missing: str = "negative") -> dict:
     """Without ImageNet weights there are no pre-trained batch-norm statistics for FedBN+ (the job's paper
     setting) to freeze, so the demo runs the paper's other global-model strategy, FedAvg, by default.
     ``central``: add the centralised baseline (``fedssl.experiments.surgical_central``: same code, pooled data, same
-    settings; nothing is exchanged, so its KB/site/round is 0)."""
+    settings; nothing is exchanged, so its KB/site/round is 0); ``central_missing``: its sources' unlabelled classes
+    are "negative" (paper sec. 2.3) or "ignore"d (masked)."""
     t0 = time.time()
     out = os.path.abspath(out)
     from fedssl.flare.constants import BACKBONES
 
     if backbone not in BACKBONES:
         raise ValueError(f"backbone={backbone!r}: use one of {list(BACKBONES)}")
+    if central_missing not in MISSING_CLASS_RULES:
+        raise ValueError(f"central_missing={central_missing!r}: use one of {list(MISSING_CLASS_RULES)}")
     data = os.path.join(out, "data")
     if not os.path.isdir(os.path.join(data, "mimic")):
         _say(t0, f"writing synthetic NIH-like (site-1), CheXpert-like (site-2) and MIMIC-like (external) data, "
@@ -129,9 +134,10 @@ def run_surgical_demo(out: str, *, rounds: int = 10, n_patients: int = 500, meth
                  f"{_fmt(row['unique_auroc'])}), external {_fmt(row['external_auroc'])} in {row['wall_time_s']} s")
     if central:
         _say(t0, f"centralised: the same training code on the pooled data of both sites ({rounds} x {local_epochs} "
-                 "epochs, quick profile)")
+                 f"epochs, quick profile, missing classes {central_missing})")
         res = run_centralised(os.path.join(data, "{site}"), os.path.join(out, "central"), profile="quick",
-                              sets=client_sets + [f"server.scatter_and_gather.num_rounds={rounds}"], say=lambda m: None)
+                              sets=client_sets + [f"server.scatter_and_gather.num_rounds={rounds}"],
+                              missing=central_missing, say=lambda m: None)
         row, runs["centralised"] = result_row("centralised", res, rounds, res["wall_time_s"], {"total": 0},
                                               os.path.join(out, "central", "results.md"))
         rows.append(row)

@@ -5,7 +5,14 @@ batch-norm tensors, switched by the backbone strategy of the run instead of by t
 ``server.class_registration.backbone=fedavg|fedbn|fedbn_plus`` alone decides what is exchanged:
 
 - "fedavg": every tensor passes (batch-norm is averaged with the rest of the backbone);
-- "fedbn" / "fedbn_plus": the batch-norm tensors never leave a site and never reach one (kept local for good).
+- "fedbn" / "fedbn_plus": the batch-norm tensors never leave a site, and reach a site once: the round-0
+  broadcast carries the whole initial model, batch-norm included, so every site starts from the server's
+  (pre-trained, e.g. ImageNet) statistics; later broadcasts hold batch-norm back (kept local for good).
+  FedBN+ (Kulkarni et al. 2023; surgical aggregation sec. 2.5: "FedBN+, a modification of FedBN with pre-trained
+  batch normalization statistics") then freezes batch-norm at exactly those received statistics.  Without the
+  round-0 delivery a site would freeze its own default statistics (mean 0, var 1) under the server's
+  convolutions.  The round comes from the task header ``AppConstants.CURRENT_ROUND`` that ScatterAndGather sets;
+  a task without it (the final test task) keeps batch-norm back.
 
 Where the strategy comes from:
 
@@ -24,6 +31,7 @@ from __future__ import annotations
 from nvflare.apis.fl_constant import ReturnCode
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
+from nvflare.app_common.app_constant import AppConstants
 
 from fedssl.flare.constants import BACKBONE_HEADER, BACKBONES
 from fedssl.flare.partial_exclusion import PartialModelExclusion
@@ -65,4 +73,14 @@ class BackboneBNExclusion(PartialModelExclusion):
             shareable.set_header(BACKBONE_HEADER, strategy)  # announce it to the site
         if strategy == "fedavg":
             return shareable  # batch-norm is averaged with the rest of the backbone
+        if self.direction == "download" and is_first_round(shareable):
+            self.log_info(fl_ctx, f"round 0 ({strategy}): sending the initial batch-norm tensors once, so that every "
+                                  "site starts from the server's (pre-trained) statistics")
+            return shareable
         return super().process(shareable, fl_ctx)
+
+
+def is_first_round(shareable: Shareable) -> bool:
+    """Whether the task is round 0 of training (header ``CURRENT_ROUND`` == 0); a task without the header is not."""
+    current = shareable.get_header(AppConstants.CURRENT_ROUND)
+    return current is not None and int(current) == 0

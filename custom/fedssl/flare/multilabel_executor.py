@@ -18,6 +18,7 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 from nvflare.apis.signal import Signal
 
+from fedssl.core.checks import require
 from fedssl.core.surgical import HEAD_WEIGHT, check_class_list, classes_from_meta, classes_to_meta
 from fedssl.core.trainer import RoundStats
 from fedssl.data.site_config import resolve_site_setting
@@ -40,14 +41,20 @@ class MultiLabelExecutor(TrainerExecutor):
                  warmup_epochs: int = 15, warmup_lr: float = 5e-3, lr: float = 5e-5, local_epochs: int = 1,
                  max_steps_per_epoch: int = 0, rotation: float = 0.2, zoom: float = 0.5, contrast: float = 0.75,
                  flip: bool = True, split: list = (0.7, 0.1, 0.2), n_bootstrap: int = 1000, seed: int = 0,
-                 device: str = "auto"):
+                 device: str = "auto", imagenet_path: str = ""):
         """data_root: the site's dataset folder ("" = site config / FEDSSL_DATA_ROOT; ``{site}`` = site name);
         dataset: "nih" / "chexpert" or an object keyed by site name ("" = site config); classes: ``C_k`` (a list or
-        an object keyed by site name; [] = site config); external_test_root: a MIMIC-CXR-JPG folder for the test
-        task ("" = none); the others: :class:`fedssl.train.multilabel.MultiLabelSettings` (paper defaults)."""
+        an object keyed by site name; [] = site config); external_test_root: a MIMIC-CXR-JPG (or NIH-layout
+        held-out) folder for the test task ("" = none); imagenet_path: the same local torchvision densenet121
+        state dict as the server's ``model`` component ("" = random init; the round-0 broadcast carries the
+        server's initial model, batch-norm included, in any case); seed: the job seed (data side per site:
+        ``site_seed(seed, site)``); the others: :class:`fedssl.train.multilabel.MultiLabelSettings` (paper
+        defaults)."""
         super().__init__()
         args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         check_multilabel_args(type(self).__name__, args)
+        require(isinstance(imagenet_path, str), type(self).__name__, "imagenet_path", imagenet_path,
+                'use the server model\'s path to a torchvision densenet121 state dict, or "" for random init')
         vars(self).update(args)  # every argument stored verbatim
         self.classes = classes if isinstance(classes, dict) else list(classes)
         self.settings = MultiLabelSettings.of(args)
@@ -96,9 +103,12 @@ class MultiLabelExecutor(TrainerExecutor):
     def build_trainer(self, fl_ctx: FLContext, num_rounds: int) -> MultiLabelLocalTrainer:
         site, s = self.site_name(fl_ctx), self.load_data(fl_ctx)
         trainer = MultiLabelLocalTrainer(s, self.own_classes, self.head, **self.switches, site=site,
-                                         settings=self.settings, device=pick_device(self.device))
+                                         settings=self.settings, imagenet_path=self.imagenet_path or None,
+                                         device=pick_device(self.device))
+        init = f"ImageNet from {self.imagenet_path}" if self.imagenet_path else "random"
         self.log_info(fl_ctx, f"{site}: {s['dataset']} layout, {s['n_train']}/{s['n_val']}/{s['n_test']} train/val/test "
-                              f"images; {self.switches}, head over {len(self.head)} classes ({len(self.own_classes)} own)")
+                              f"images; {self.switches}, head over {len(self.head)} classes ({len(self.own_classes)} own); "
+                              f"initial weights {init} (replaced by the server's round-0 model)")
         return trainer
 
     def receive(self, dxo: DXO, fl_ctx: FLContext, round_idx: int) -> dict:

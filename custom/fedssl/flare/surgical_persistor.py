@@ -8,18 +8,46 @@ gets a seeded fresh row (uniform in +-1/sqrt(F), bias 0; the same init on every 
 A source checkpoint's head is read in the order of the model component's ``classes``.  The saved
 ``FL_global_model.pt`` / ``best_FL_global_model.pt`` carry the head over ``C``; ``classes.json`` in the
 server run folder names its rows.
+
+Initial weights (issue 13 item 2; paper sec. 2.5 "ImageNet-pretrained DenseNet121"): at START_RUN, before any
+workflow logs, the persistor states which initial weights the run starts from and publishes them as the sticky
+FL-context property :data:`~fedssl.flare.constants.INIT_PROP` (``{"init": "imagenet" | "random" | "checkpoint",
+"path", "sha256"}``, written into summary.json by RunSummary): ``checkpoint`` when ``source_ckpt_file_full_name``
+is set, ``imagenet`` when the model component loaded ``imagenet_path``, else ``random`` with a warning that names
+the argument to set.  Round 0 delivers these weights, batch-norm included, to every site (BackboneBNExclusion).
 """
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
+from nvflare.apis.event_type import EventType
 from nvflare.apis.fl_context import FLContext
 from nvflare.app_common.abstract.model import ModelLearnable, ModelLearnableKey, make_model_learnable
 from nvflare.app_opt.pt.file_model_persistor import PTFileModelPersistor
 
 from fedssl.core.checks import require
+from fedssl.flare.constants import INIT_PROP
 from fedssl.flare.surgical_registration import get_registry
+from fedssl.core.digest import file_sha256
+
+#: what to set for ImageNet initialisation (the random-init warning names it)
+IMAGENET_FIX = ('set "imagenet_path" to a local torchvision densenet121 state dict (e.g. densenet121-a639ec97.pth) '
+                "in the args of the server's \"model\" component and of the sites' \"cxr_trainer\"")
+
+
+def init_record(model: object, source_ckpt: str | None) -> dict:
+    """``INIT_PROP``'s value: the run's initial weights from the source checkpoint or the model component's
+    ImageNet report (``MultiLabelDenseNet.imagenet_report``); random init has empty path and digest."""
+    if source_ckpt:
+        return {"init": "checkpoint", "path": source_ckpt,
+                "sha256": file_sha256(source_ckpt) if os.path.isfile(source_ckpt) else ""}
+    report = getattr(model, "imagenet_report", None)
+    if report:
+        return {"init": "imagenet", "path": report["path"], "sha256": report["sha256"]}
+    return {"init": "random", "path": "", "sha256": ""}
 
 
 def rehead(weight: np.ndarray, bias: np.ndarray, model_classes, global_classes, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -53,6 +81,22 @@ class SurgicalModelPersistor(PTFileModelPersistor):
         require(isinstance(seed, int) and not isinstance(seed, bool), name, "seed", seed, "use an integer")
         self.head = head
         self.seed = seed
+
+    def handle_event(self, event: str, fl_ctx: FLContext) -> None:
+        super().handle_event(event, fl_ctx)
+        if event == EventType.START_RUN:
+            self.announce_init(fl_ctx)
+
+    def announce_init(self, fl_ctx: FLContext) -> dict:
+        """Log which initial weights the run starts from (a warning for random init) and set ``INIT_PROP``."""
+        record = init_record(self.model, self.source_ckpt_file_full_name)
+        fl_ctx.set_prop(INIT_PROP, record, private=True, sticky=True)
+        if record["init"] == "random":
+            self.log_warning(fl_ctx, "initial weights: RANDOM (no ImageNet checkpoint, the paper's DenseNet-121 is "
+                                     f"ImageNet-pretrained); {IMAGENET_FIX}")
+        else:
+            self.log_info(fl_ctx, f"initial weights: {record['init']} from {record['path']} (sha256 {record['sha256']})")
+        return record
 
     def load_model(self, fl_ctx: FLContext) -> ModelLearnable:
         learnable = super().load_model(fl_ctx)

@@ -3,7 +3,17 @@
 The network is ``torchvision.models.DenseNet`` (``densenet121``: growth 32, blocks (6, 12, 24, 16), 64
 initial features), so every backbone key is torchvision's (``features.conv0.weight``,
 ``features.denseblock1.denselayer1.norm1.weight`` ...) and an ImageNet checkpoint of torchvision's
-``densenet121`` loads from a local path.  The classification head is ``classifier`` (``nn.Linear``) with
+``densenet121`` loads from a local path.
+
+ImageNet initialisation (paper sec. 2.5: "ImageNet-pretrained DenseNet121"; no download here): ``imagenet_path`` is a
+local torchvision state dict, e.g. ``densenet121-a639ec97.pth`` as torchvision publishes it
+(``https://download.pytorch.org/models/densenet121-a639ec97.pth``, fetched once where there is internet, copied to
+the server and every site).  The same path goes in the server's ``model`` component and the sites'
+``cxr_trainer.imagenet_path``; the server's round-0 broadcast (batch-norm included) makes every site start from
+the server's copy.  An empty path (``""`` or null) means random initialisation, which the run states in its
+first log line; a path that does not exist, is not a state dict, or does not fit the backbone (a shape differs,
+a backbone tensor is missing) raises an error naming the file.  :func:`load_imagenet_weights` reports the
+file's SHA-256 so the run summary records exactly which weights the run started from.  The classification head is ``classifier`` (``nn.Linear``) with
 one output (logit, BCE-with-logits) per class of ``classes``: row ``i`` of ``classifier.weight`` belongs to
 ``classes[i]``, so the label-name -> column mapping is explicit and travels with the model arguments.
 
@@ -27,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedssl.core.digest import file_sha256
 from fedssl.core.safe_load import safe_load
 from fedssl.models.seeding import seeded
 from torchvision.models.densenet import DenseNet
@@ -99,7 +110,8 @@ class MultiLabelDenseNet(DenseNet):
     """torchvision DenseNet with a class-name-bound multi-label head; ``forward`` returns logits [B, C].
 
     Every argument is a JSON value stored verbatim (FLARE component); ``imagenet_path``: a local torchvision
-    densenet121 checkpoint loaded into ``features`` after the seeded init (only for densenet121's shape)."""
+    densenet121 checkpoint loaded into ``features`` after the seeded init (only for densenet121's shape); ``""`` or
+    None: random initialisation."""
 
     def __init__(self, classes: Sequence[str], growth_rate: int, block_config: Sequence[int], num_init_features: int,
                  hidden_features: int = 0, dropout: float = 0.3, drop_rate: float = 0.0, seed: int | None = 0,
@@ -132,6 +144,9 @@ class MultiLabelDenseNet(DenseNet):
         self.seed = seed
         self.imagenet_path = imagenet_path
         #: what load_imagenet_weights reported (None: random init)
+        if imagenet_path is not None and not isinstance(imagenet_path, str):
+            raise ValueError(f"imagenet_path={imagenet_path!r}: use a path string to a torchvision densenet121 "
+                             'state dict, or "" for random initialisation')
         self.imagenet_report = load_imagenet_weights(self, imagenet_path) if imagenet_path else None
 
     @property
@@ -174,8 +189,9 @@ def load_imagenet_weights(model: MultiLabelDenseNet, path: str) -> dict:
 
     Accepts a plain state dict or one wrapped under ``state_dict`` / ``model``; old dotted dense-layer names
     (``norm.1``) are renamed.  The 1000-class ``classifier`` is skipped (the head is per class name).
-    Returns ``{"loaded": n, "skipped": [...], "missing": [...]}``; raises if no backbone tensor matched or a
-    shape differs (the checkpoint is for another architecture).
+    Returns ``{"path": path, "sha256": hex digest of the file, "loaded": n, "skipped": [...]}``; raises
+    (naming the file) if no backbone tensor matched, a shape differs or a backbone tensor is missing: the checkpoint
+    is for another architecture or truncated, and a partly pre-trained backbone would go unnoticed.
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"imagenet_path={path!r}: no such file; give a local torchvision densenet121 "
@@ -211,4 +227,7 @@ def load_imagenet_weights(model: MultiLabelDenseNet, path: str) -> dict:
     model.load_state_dict(load, strict=False)
     # pre-0.4 checkpoints (torchvision's published densenet121) carry no num_batches_tracked: not missing
     missing = [k for k in own if k.startswith("features.") and k not in load and not k.endswith("num_batches_tracked")]
-    return {"loaded": len(load), "skipped": skipped, "missing": missing}
+    if missing:
+        raise ValueError(f"imagenet_path={path!r} lacks {len(missing)} backbone tensors of the DenseNet (e.g. "
+                         f"{missing[:3]}); the checkpoint does not fit (truncated, or another architecture)")
+    return {"path": path, "sha256": file_sha256(path), "loaded": len(load), "skipped": skipped}

@@ -31,10 +31,11 @@ import torch
 from torch import nn
 
 from fedssl.core.checks import require, require_int
+from fedssl.core.seeds import site_seed
 from fedssl.core.multilabel import column_index, expand_targets, labelled, masked_bce
 from fedssl.core.surgical import check_class_list, is_head_key, local_keys
 from fedssl.core.trainer import RoundStats, check_stop, detached, load_checked
-from fedssl.data.cxr import CXRDataset, batches, dataset_classes, load_cxr_site, patient_split
+from fedssl.data.cxr import CXRDataset, batches, dataset_classes, external_dataset, load_cxr_site, patient_split
 from fedssl.eval.auroc import labelled_bce, labelled_mean_auroc
 from fedssl.eval.surgical_report import auroc_table
 from fedssl.models.densenet import MultiLabelDenseNet, freeze_batchnorm, is_bn_key, set_features_trainable
@@ -77,7 +78,10 @@ class MultiLabelSettings:
     contrast, flip: training augmentation (public code's Keras layers: rotation 0.2 of a turn, zoom +-50 %,
     contrast 0.75, horizontal flip; ``fedssl.data.cxr.CXRDataset``).  split: train / validation / test fractions
     of the site's patients (paper: 70/10/20).  n_bootstrap: resamples for the AUROC 95 % confidence intervals.
-    seed: the patient split, the initial weights, the batch order and the augmentation.
+    seed: the job seed.  The initial weights are drawn from it (every site builds the same model); the data side
+    of a site (patient split, batch order, augmentation) from ``fedssl.core.seeds.site_seed(seed, site)``, so sites
+    are independent samples (issue 13 item 9) and a site's split is the same in every run of the job (the
+    centralised baseline pools exactly the patients the sites train on).
     """
 
     growth_rate: int = 32
@@ -154,15 +158,15 @@ def load_splits(root: str, dataset: str, site: str, classes: Sequence[str], sett
     """The site's patient-level train / validation / test datasets over its ``classes`` (+ their sizes)."""
     if dataset not in DATASETS:
         raise ValueError(f"{site}: dataset {dataset!r} is not one of {list(DATASETS)}")
-    s = settings
+    s, seed = settings, site_seed(settings.seed, site)  # data side: the site's own seed
     records = load_cxr_site(root, dataset, site=site)
-    train, val, test = patient_split(records, fractions=tuple(s.split), seed=s.seed)
+    train, val, test = patient_split(records, fractions=tuple(s.split), seed=seed)
     if not train or not val or not test:
         raise ValueError(f"{site}: {len(records)} images split into {len(train)}/{len(val)}/{len(test)} "
                          "train/validation/test; every split needs images")
     aug = {"rotation": s.rotation, "zoom": s.zoom, "contrast": s.contrast, "flip": s.flip}
     return {"dataset": dataset, "n_train": len(train), "n_val": len(val), "n_test": len(test),
-            "train": CXRDataset(train, classes, s.image_size, train=True, site=site, seed=s.seed, **aug),
+            "train": CXRDataset(train, classes, s.image_size, train=True, site=site, seed=seed, **aug),
             "val": CXRDataset(val, classes, s.image_size, train=False, site=site),
             "test": CXRDataset(test, classes, s.image_size, train=False, site=site)}
 
@@ -204,11 +208,11 @@ def auroc_report(model: MultiLabelDenseNet, dataset, classes: Sequence[str], sit
 
 
 def external_report(model: MultiLabelDenseNet, site: str, root: str, settings: MultiLabelSettings) -> dict:
-    """Per-class AUROC of ``model`` on the external MIMIC-CXR-JPG set at ``root`` (all of it), every class of the
-    head the set annotates."""
-    head = list(model.classes)
-    records = load_cxr_site(root, "mimic", site=site, split="all")  # all of it is external to the federation
-    annotated = set(dataset_classes("mimic", root, site))
+    """Per-class AUROC of ``model`` on the external set at ``root`` (all of it), every class of the head the set
+    annotates: MIMIC-CXR-JPG, or an NIH-layout folder (the ablation's held-out NIH test set, paper sec. 2.4.1)."""
+    head, dataset = list(model.classes), external_dataset(root)
+    records = load_cxr_site(root, dataset, site=site, split="all")  # all of it is external to the federation
+    annotated = set(dataset_classes(dataset, root, site))
     classes = [c for c in head if c in annotated]  # a class the external set does not annotate has no truth
     if not classes:
         raise ValueError(f"{site}: the external test set at {root} annotates none of the model's classes {head}")
@@ -228,6 +232,7 @@ class MultiLabelLocalTrainer:
     partial loss; the centralised baseline: C for both); ``method`` picks the loss and what is exchanged,
     ``backbone`` ("fedavg" / "fedbn" / "fedbn_plus") what stays local and whether batch-norm is frozen.
     ``imagenet_path``: a torchvision densenet121 checkpoint for the features (the server's initial model).
+    The initial weights come from the job seed (``settings.seed``), the batch order from ``site_seed(seed, site)``.
     The restart state (``state_dict``) holds the model, the optimiser, the warm-up flag and the epoch counter.
     """
 
@@ -238,6 +243,7 @@ class MultiLabelLocalTrainer:
         self.classes, self.head = list(classes), list(head)
         column_index(self.classes, self.head, site)  # every class of the site is a column of the head
         self.switches = {"method": method, "backbone": backbone}
+        self.data_seed = site_seed(settings.seed, site)  # batch order; the model is built from the job seed
         self.model = build_model(self.head, settings, imagenet_path).to(torch.device(device))
         if backbone == "fedbn_plus":
             freeze_batchnorm(self.model)
@@ -272,7 +278,7 @@ class MultiLabelLocalTrainer:
         if self.switches["backbone"] == "fedbn_plus":
             freeze_batchnorm(model)
         total, steps = 0.0, 0
-        for x, y in batches(self.splits["train"], s.batch_size, seed=s.seed, epoch=self.epoch, shuffle=True,
+        for x, y in batches(self.splits["train"], s.batch_size, seed=self.data_seed, epoch=self.epoch, shuffle=True,
                             max_batches=s.max_steps_per_epoch):
             check_stop(should_stop)
             loss = self.loss(model(x.to(device)), y.to(device).float())

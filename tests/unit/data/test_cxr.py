@@ -263,7 +263,11 @@ def test_patient_split_disjoint_seeded_and_stratified():
     assert not (pats[0] & pats[1]) and not (pats[0] & pats[2]) and not (pats[1] & pats[2])
     assert len(tr) + len(va) + len(te) == len(recs)
     assert sorted(pats[0] | pats[1] | pats[2]) == sorted({r.patient for r in recs})
-    assert 30 <= len(pats[0]) <= 40 and 3 <= len(pats[1]) <= 7 and 8 <= len(pats[2]) <= 12
+    # each group (abnormal / normal patients) is cut at round(0.7 n) and round(0.8 n), as the public code
+    abnormal = {r.patient for r in recs if r.labels}  # a patient with a finding in any image
+    groups = [len(abnormal), len({r.patient for r in recs} - abnormal)]
+    cuts = [(round(0.7 * n), round(0.8 * n), n) for n in groups]
+    assert [len(p) for p in pats] == [sum(c[0] for c in cuts), sum(c[1] - c[0] for c in cuts), sum(c[2] - c[1] for c in cuts)]
     for s in (tr, va, te):  # abnormal and normal patients in every split
         assert any(r.labels for r in s) and any(not r.labels for r in s)
     assert patient_split(recs, seed=0) == (tr, va, te)
@@ -318,3 +322,76 @@ def test_batches_cover_epoch_reproducibly(tmp_path):
     ys = torch.cat([y for _, y in out])
     assert ys.sum() == ds.targets.sum()
     assert len(list(batches(ds, 3, drop_last=True))) == len(ds) // 3
+
+
+# ---------------------------------------------------------------------------------------------- ablation partitioner (issue 13 item 15)
+def _patients(n_abnormal, n_normal, images_per_patient=2):
+    from fedssl.data.cxr import CXRRecord
+
+    out = []
+    for p in range(n_abnormal + n_normal):
+        labels = ("Mass",) if p < n_abnormal else ()
+        out += [CXRRecord(path=f"/x/{p}_{i}.png", patient=f"p{p}", labels=labels) for i in range(images_per_patient)]
+    return out
+
+
+@pytest.mark.parametrize("k,per_client_abnormal,per_client_normal,unused", [(2, 3, 2, 0), (3, 2, 1, 1)])
+def test_iid_subsets_deal_abnormal_and_normal_patients_out_equally(k, per_client_abnormal, per_client_normal, unused):
+    """Paper sec. 2.4.1 / public split_for_K_nodes: 6 abnormal + 4 normal patients, K clients -> each client
+    floor(6/K) abnormal and floor(4/K) normal patients, no patient in two clients, the remainder unused."""
+    from fedssl.data.cxr import iid_patient_subsets
+
+    records = _patients(6, 4)
+    subsets = iid_patient_subsets(records, k, seed=3)
+    patients = [{r.patient for r in s} for s in subsets]
+    assert [sum(1 for p in ps if int(p[1:]) < 6) for ps in patients] == [per_client_abnormal] * k
+    assert [sum(1 for p in ps if int(p[1:]) >= 6) for ps in patients] == [per_client_normal] * k
+    assert sum(len(ps) for ps in patients) == len(set().union(*patients)) == 10 - unused
+    assert all(len(s) == 2 * len(ps) for s, ps in zip(subsets, patients))  # a patient's images stay together
+    assert iid_patient_subsets(records, k, seed=3) == subsets and iid_patient_subsets(records, k, seed=4) != subsets
+    with pytest.raises(ValueError, match="n_clients=0"):
+        iid_patient_subsets(records, 0)
+    with pytest.raises(ValueError, match="cannot fill 11 IID subsets"):
+        iid_patient_subsets(records, 11)
+
+
+@pytest.mark.parametrize("n_shared,sizes", [(0, [3, 3, 4, 4]), (2, [5, 5, 5, 5]), (12, [12, 12, 13, 13]),
+                                            (14, [14, 14, 14, 14])])
+def test_shared_class_lists_match_the_public_ablation_configs(n_shared, sizes):
+    """NIH's 14 classes over 4 clients (public configs/exp1/exp1.2): n_shared classes held by all 4, the other
+    14 - n_shared by exactly one client each, dealt round-robin: list sizes as the public configs'."""
+    from fedssl.data.cxr import NIH_CLASSES, shared_class_lists
+
+    lists = shared_class_lists(NIH_CLASSES, 4, n_shared, seed=0)
+    held = {c: sum(c in cl for cl in lists) for c in NIH_CLASSES}
+    assert sorted(held.values()) == [1] * (14 - n_shared) + [4] * n_shared
+    assert sorted(len(cl) for cl in lists) == sizes
+    assert all(cl == [c for c in NIH_CLASSES if c in cl] for cl in lists)  # NIH order
+
+
+def test_shared_class_lists_refuse_impossible_settings():
+    from fedssl.data.cxr import shared_class_lists
+
+    with pytest.raises(ValueError, match="n_shared=15"):
+        shared_class_lists([f"c{i}" for i in range(14)], 4, 15)
+    with pytest.raises(ValueError, match="leave a client of 5 without classes"):
+        shared_class_lists(["a", "b", "c"], 5, 0)
+
+
+def test_nih_partition_writes_disjoint_sites_with_their_own_labels_and_a_held_out_test_set(tmp_path):
+    from fedssl.data.cxr import NIH_CLASSES, external_dataset, load_nih, shared_class_lists, write_nih_partition
+
+    write_synthetic_nih(tmp_path / "nih", 30, seed=0, image_size=16)
+    summary = write_nih_partition(tmp_path / "nih", tmp_path / "out", n_clients=3, n_shared=2, seed=5)
+    lists = shared_class_lists(NIH_CLASSES, 3, 2, seed=5)
+    assert summary["classes"] == {f"site-{k + 1}": lists[k] for k in range(3)}
+    seen = set()
+    for k, site in enumerate(("site-1", "site-2", "site-3")):
+        records = load_nih(tmp_path / "out" / site, site=site)
+        patients = {r.patient for r in records}
+        assert not patients & seen and len(records) == summary["sites"][site]["n_images"]
+        seen |= patients
+        assert all(set(r.labels) <= set(lists[k]) for r in records)  # only the site's own classes are labelled
+    held = load_nih(tmp_path / "out" / "nih_test")
+    assert not {r.patient for r in held} & seen and summary["held_out"]["classes"] == list(NIH_CLASSES)
+    assert external_dataset(tmp_path / "out" / "nih_test") == "nih" and external_dataset(tmp_path) == "mimic"

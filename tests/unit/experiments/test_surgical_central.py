@@ -1,5 +1,6 @@
-"""Centralised baseline: the trainer loss on pooled targets (a site's missing classes unknown, masked out), the
-pooled dataset, and a tiny end-to-end run evaluated like the federated runs."""
+"""Centralised baseline: the pooled dataset (a site's missing classes negatives, as the paper's sec. 2.3 and its public
+code; or unknown and masked out, the switch), the trainer loss on pooled targets, and a tiny end-to-end run
+evaluated like the federated runs."""
 
 import json
 import math
@@ -38,18 +39,28 @@ class Part(torch.utils.data.Dataset):
         return torch.full((1,), float(i)), self.t[i]
 
 
-def test_pooled_dataset_concatenates_sites_with_targets_over_the_union():
-    p1, p2 = Part([[1.0, 0.0]]), Part([[0.0, 1.0], [1.0, 1.0]])  # site-1: A, B; site-2: C, B
+def test_pooled_dataset_treats_a_sites_missing_classes_as_negatives_by_default():
+    """Paper sec. 2.3 (Centralized): "All missing classes in the combined dataset are treated as negatives"; the
+    public code's Dataset.merge fills them with 0.  site-1 labels A, B (not C); site-2 labels C, B (not A)."""
+    p1, p2 = Part([[1.0, 0.0]]), Part([[0.0, 1.0], [1.0, 1.0]])
     pooled = PooledDataset([p1, p2], [["A", "B"], ["C", "B"]], HEAD, ["site-1", "site-2"])
-    assert len(pooled) == 3
-    _, y0 = pooled[0]
-    assert y0[:2].tolist() == [1.0, 0.0] and torch.isnan(y0[2])
-    _, y2 = pooled[2]
-    assert torch.isnan(y2[0]) and y2[1:].tolist() == [1.0, 1.0]
+    assert len(pooled) == 3 and pooled.missing == "negative"
+    assert [pooled[i][1].tolist() for i in range(3)] == [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 1.0, 1.0]]
     pooled.set_epoch(3)
     assert p1.epoch == p2.epoch == 3
     with pytest.raises(ValueError, match="one class list"):
         PooledDataset([p1], [["A"], ["B"]], HEAD, ["site-1"])
+    with pytest.raises(ValueError, match="missing.*'negative', 'ignore'"):
+        PooledDataset([p1], [["A", "B"]], HEAD, ["site-1"], missing="zero")
+
+
+def test_pooled_dataset_masks_a_sites_missing_classes_when_switched_to_ignore():
+    p1, p2 = Part([[1.0, 0.0]]), Part([[0.0, 1.0], [1.0, 1.0]])  # site-1: A, B; site-2: C, B
+    pooled = PooledDataset([p1, p2], [["A", "B"], ["C", "B"]], HEAD, ["site-1", "site-2"], missing="ignore")
+    _, y0 = pooled[0]
+    assert y0[:2].tolist() == [1.0, 0.0] and torch.isnan(y0[2])
+    _, y2 = pooled[2]
+    assert torch.isnan(y2[0]) and y2[1:].tolist() == [1.0, 1.0]
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +89,7 @@ def test_tiny_centralised_run_is_evaluated_like_the_federated_runs(tiny_data, tm
         assert list(saved["sites"][site]["test"]["per_class"]) == classes  # each site's test split, its classes
         assert len(saved["sites"][site]["external"]["per_class"]) == 20  # external set: every class
     assert [h["round"] for h in saved["history"]] == [0, 1] and all(math.isfinite(h["val_loss"]) for h in saved["history"])
-    assert "round" in saved["model_source"] and res["wall_time_s"] > 0
+    assert "round" in saved["model_source"] and res["wall_time_s"] > 0 and saved["missing_classes"] == "negative"
     assert os.path.isfile(tmp_path / "central" / "results.md") and os.path.isfile(tmp_path / "central" / "auroc.png")
 
 

@@ -17,6 +17,8 @@ def test_job_batchnorm_filters_follow_the_strategy():
 def test_demo_rejects_an_unknown_backbone_before_doing_anything(tmp_path):
     with pytest.raises(ValueError, match="backbone"):
         run_surgical_demo(str(tmp_path), backbone="fedprox")
+    with pytest.raises(ValueError, match="central_missing='zero'"):
+        run_surgical_demo(str(tmp_path), central_missing="zero")
     assert not os.listdir(tmp_path)
 
 

@@ -1,5 +1,7 @@
 """Multi-label DenseNet: head bound to class names, torchvision key layout, BN helpers, ImageNet checkpoint loading."""
 
+import hashlib
+
 import pytest
 import torch
 from torchvision.models import densenet121
@@ -95,7 +97,8 @@ def test_imagenet_checkpoint_loads_backbone_only(tmp_path):
     m = TinyDenseNet(CLASSES, hidden_features=0, seed=0)
     head_before = m.classifier.weight.clone()
     rep = load_imagenet_weights(m, str(path))
-    assert rep["missing"] == [] and rep["loaded"] == len([k for k in old if k.startswith("features.")])
+    assert rep["loaded"] == len([k for k in old if k.startswith("features.")])
+    assert rep["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest() and rep["path"] == str(path)
     assert "classifier.weight" in rep["skipped"]
     sd = m.state_dict()
     assert all(torch.equal(sd[k], tv[k]) for k in tv if k.startswith("features.") and "num_batches" not in k)
@@ -104,13 +107,33 @@ def test_imagenet_checkpoint_loads_backbone_only(tmp_path):
     args = {"classes": CLASSES, "growth_rate": 8, "block_config": [2, 2, 2, 2], "num_init_features": 16,
             "hidden_features": 0, "seed": 0, "imagenet_path": str(path)}
     comp = MultiLabelDenseNet(**args)
-    assert all(getattr(comp, k) == v for k, v in args.items()) and comp.imagenet_report["missing"] == []
+    assert all(getattr(comp, k) == v for k, v in args.items()) and comp.imagenet_report["sha256"] == rep["sha256"]
     assert torch.equal(comp.state_dict()["features.conv0.weight"], tv["features.conv0.weight"])
     with pytest.raises(FileNotFoundError, match="imagenet_path"):
         load_imagenet_weights(m, str(tmp_path / "nope.pth"))
     torch.save({"something": torch.zeros(1)}, tmp_path / "bad.pth")
     with pytest.raises(ValueError, match="not a torchvision densenet121"):
         load_imagenet_weights(m, str(tmp_path / "bad.pth"))
+
+
+def test_an_imagenet_checkpoint_that_does_not_fit_is_an_error_naming_the_file(tmp_path):
+    """Issue 13 item 2: a truncated checkpoint (a backbone tensor missing) or one of another shape is refused, naming
+    the file; an empty path is random initialisation (no report)."""
+    full = {k: v for k, v in TinyDenseNet(CLASSES, hidden_features=0, seed=7).state_dict().items()
+            if k.startswith("features.")}
+    truncated = dict(full)
+    del truncated["features.denseblock4.denselayer2.conv2.weight"]
+    torch.save(truncated, tmp_path / "truncated.pth")
+    with pytest.raises(ValueError, match=r"truncated\.pth.*lacks 1 backbone tensors.*denselayer2\.conv2"):
+        load_imagenet_weights(TinyDenseNet(CLASSES, hidden_features=0), str(tmp_path / "truncated.pth"))
+    wrong = dict(full, **{"features.conv0.weight": torch.zeros(16, 3, 3, 3)})
+    torch.save(wrong, tmp_path / "wrong.pth")
+    with pytest.raises(ValueError, match=r"wrong\.pth.*features\.conv0\.weight has shape \(16, 3, 3, 3\)"):
+        load_imagenet_weights(TinyDenseNet(CLASSES, hidden_features=0), str(tmp_path / "wrong.pth"))
+    for empty in ("", None):
+        assert MultiLabelDenseNet(CLASSES, 8, [2, 2, 2, 2], 16, imagenet_path=empty).imagenet_report is None
+    with pytest.raises(ValueError, match="imagenet_path=3"):
+        MultiLabelDenseNet(CLASSES, 8, [2, 2, 2, 2], 16, imagenet_path=3)
 
 
 def test_bad_arguments():

@@ -246,3 +246,70 @@ def test_argument_checks_name_the_argument():
     with pytest.raises(ValueError, match=r"X: argument lr=0 is invalid"):
         check_multilabel_args("X", {"lr": 0})
     assert MultiLabelSettings.of({"lr": 0.1, "device": "cpu"}) == MultiLabelSettings(lr=0.1)
+
+
+# ---------------------------------------------------------------------------------------------- per-site randomness (issue 13 item 9)
+class Recording(Images):
+    """Images that record the order in which training reads them."""
+
+    def __init__(self, targets, seed):
+        super().__init__(targets, seed)
+        self.read = []
+
+    def __getitem__(self, i):
+        self.read.append(int(i))
+        return super().__getitem__(i)
+
+
+def test_batch_order_follows_the_site_seed_and_the_model_the_job_seed():
+    """Two sites of one job (seed 0) build the same initial weights (job seed) but read their data in the order of
+    their own seed: epoch e's order is permutation(default_rng([site_seed(0, site), e])), as fedssl.data.cxr.batches
+    documents; before the fix both sites read in the order of seed 0."""
+    from fedssl.core.seeds import site_seed
+
+    torch.set_num_threads(1)
+    targets = [[float((i >> j) & 1) for j in range(2)] for i in range(8)]
+    trainers = {}
+    for site in ("site-1", "site-2"):
+        splits = {"train": Recording(targets, 0), "val": Images(targets, 1)}
+        trainers[site] = MultiLabelLocalTrainer(splits, ["A", "B"], ["A", "B"], method="surgical", site=site,
+                                                settings=replace(SETTINGS, warmup_epochs=0, local_epochs=1))
+    assert same(params(trainers["site-1"].model), params(trainers["site-2"].model))
+    for site, t in trainers.items():
+        t.train_round(0)
+        expected = np.random.default_rng([site_seed(0, site), 0]).permutation(8).tolist()
+        assert t.splits["train"].read == expected, site
+    assert trainers["site-1"].splits["train"].read != trainers["site-2"].splits["train"].read
+
+
+def test_a_sites_patient_split_and_augmentation_use_its_own_seed(tmp_path):
+    """load_splits: the patient split and the augmentation seed of site s are those of site_seed(job seed, s)."""
+    from fedssl.core.seeds import site_seed
+    from fedssl.data.cxr import load_cxr_site, patient_split
+    from fedssl.data.cxr_synthetic import write_synthetic_nih
+    from fedssl.train.multilabel import load_splits
+
+    write_synthetic_nih(tmp_path, 20, seed=0, image_size=16)
+    s = replace(SETTINGS, image_size=16)
+    records = load_cxr_site(str(tmp_path), "nih", site="x")
+    for site in ("site-1", "site-2"):
+        got = load_splits(str(tmp_path), "nih", site, ["Atelectasis"], s)
+        _, _, test = patient_split(records, fractions=s.split, seed=site_seed(0, site))
+        assert [r.path for r in got["test"].records] == [r.path for r in test]
+        assert got["train"].seed == site_seed(0, site)
+    one, two = (load_splits(str(tmp_path), "nih", site, ["Atelectasis"], s) for site in ("site-1", "site-2"))
+    assert [r.path for r in one["test"].records] != [r.path for r in two["test"].records]
+
+
+def test_an_nih_layout_external_root_is_scored_on_the_classes_nih_annotates(tmp_path):
+    """The ablation's held-out NIH test set (paper sec. 2.4.1) as external set: an NIH-layout folder is read as NIH,
+    so a head class NIH does not annotate (Lung Opacity) has no truth there and is listed as such."""
+    from fedssl.data.cxr import load_nih
+    from fedssl.data.cxr_synthetic import write_synthetic_nih
+
+    torch.set_num_threads(1)
+    write_synthetic_nih(tmp_path / "nih_test", 6, seed=0, image_size=32)
+    t = make(classes=("Atelectasis", "Lung Opacity"), image_size=32)
+    ext = t.evaluate("test", external_root=str(tmp_path / "nih_test"))["external"]
+    assert list(ext["per_class"]) == ["Atelectasis"] and ext["not_annotated"] == ["Lung Opacity"]
+    assert ext["n_images"] == len(load_nih(tmp_path / "nih_test"))

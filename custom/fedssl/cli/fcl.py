@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from fedssl.cli import COUNT, NON_NEGATIVE, SEED, Verb, add_family
+from fedssl.cli import COUNT, NON_NEGATIVE, POSITIVE, SEED, Verb, add_family
 
 
 def _synth_args(s) -> None:
@@ -41,7 +41,8 @@ def _link_sites(a) -> None:
 
 
 def _export_unet_args(s) -> None:
-    s.add_argument("pretrained")
+    s.add_argument("pretrained", help="a pre-training run's FL_global_model.pt, or for Local CL a site's own "
+                                      "<workspace>/site-k/<job>/fcl_client_state.pt")
     s.add_argument("out")
     s.add_argument("--features", type=COUNT, nargs=6, default=[48, 96, 192, 384, 768, 48])
 
@@ -69,6 +70,9 @@ def _finetune_args(s) -> None:
     s.add_argument("--n", type=COUNT, nargs="+", default=[1, 2, 4, 8])
     s.add_argument("--folds", type=NON_NEGATIVE, nargs="+", default=[0, 1, 2, 3, 4])
     s.add_argument("--modes", nargs="+", default=["local"], choices=["local", "centralised"])
+    s.add_argument("--labelled-from", default="pooled", choices=["pooled", "per_site"],
+                   help="centralised mode: N annotated patients in total from the pooled sites (paper, FCL Table 3) "
+                        "or N from every site")
     s.add_argument("--profile", default=None)
     s.add_argument("--epochs", type=COUNT, default=None)
     s.add_argument("--out", required=True)
@@ -79,7 +83,7 @@ def _finetune(a) -> None:
     from fedssl.experiments.fcl_finetune import run_finetune
 
     rows = run_finetune(a.data_root, _parse_inits(a.init), a.out, modes=a.modes, n_labelled=a.n, folds=a.folds,
-                        profile=a.profile, epochs=a.epochs,
+                        profile=a.profile, epochs=a.epochs, labelled_from=a.labelled_from,
                         progress=lambda r: print(f"  {r['mode']:<11} {r['method']:<8} N={r['n_labelled']} fold {r['fold']} {r['site']}: Dice {r['dice']:.3f}", flush=True))
     print(format_table(summarise(rows)))
 
@@ -116,6 +120,56 @@ def _demo(a) -> None:
     run_demo(a.out, n_sites=a.sites, rounds=a.rounds, ft_rounds=a.ft_rounds, n_labelled=a.n, epochs=a.epochs)
 
 
+def _hvsmr_synth_args(s) -> None:
+    s.add_argument("out")
+    s.add_argument("--subjects", type=COUNT, default=10, help="labelled subjects pat0... (the challenge has 10)")
+    s.add_argument("--size", type=COUNT, nargs=3, default=[128, 128, 96], metavar=("X", "Y", "Z"))
+    s.add_argument("--seed", type=SEED, default=0)
+    s.add_argument("--archive-folders", action="store_true",
+                   help="images under 'Training dataset/', labels under 'Ground truth/' (as the archive unpacks)")
+
+
+def _hvsmr_synth(a) -> None:
+    from fedssl.data.hvsmr_synthetic import write_synthetic_hvsmr
+
+    ids = write_synthetic_hvsmr(a.out, n_subjects=a.subjects, seed=a.seed, shape=tuple(a.size),
+                                archive_folders=a.archive_folders)
+    print(f"wrote {len(ids)} synthetic HVSMR subjects under {os.path.abspath(a.out)}")
+
+
+def _transfer_args(s) -> None:
+    s.add_argument("--data-root", required=True, help="HVSMR 2016 training folder (see `fedssl fcl hvsmr-synth`)")
+    s.add_argument("--init", action="append", required=True, metavar="NAME=PATH|random",
+                   help="an ACDC pre-training FL_global_model.pt, an export-unet checkpoint, or random")
+    s.add_argument("--n", type=COUNT, nargs="+", default=[1, 2, 4, 8], help="M annotated subjects (FCL Table 5)")
+    s.add_argument("--folds", type=NON_NEGATIVE, nargs="+", default=[0, 1, 2, 3, 4])
+    s.add_argument("--variant", default="axial_crop", choices=["axial_crop", "axial_full", "sa_crop"])
+    s.add_argument("--image-size", type=COUNT, default=192)
+    s.add_argument("--spacing", type=POSITIVE, default=0.7, help="in-plane mm after resampling (paper: 0.7)")
+    s.add_argument("--features", type=COUNT, nargs=6, default=[48, 96, 192, 384, 768, 48],
+                   help="U-Net channels: those of the pre-training run")
+    s.add_argument("--epochs", type=COUNT, default=200)
+    s.add_argument("--lr", type=POSITIVE, default=5e-4)
+    s.add_argument("--seed", type=SEED, default=0)
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--out", required=True)
+
+
+def _transfer(a) -> None:
+    from fedssl.eval.report import format_table
+    from fedssl.experiments.fcl_transfer import run_transfer
+    from fedssl.train.transfer import summarise_transfer
+
+    settings = {"n_labelled": a.n, "folds": a.folds, "target_spacing": a.spacing, "features": a.features,
+                "epochs": a.epochs, "lr": a.lr, "device": a.device}
+    rows = run_transfer(a.data_root, _parse_inits(a.init), a.out, settings=settings, variant=a.variant,
+                        image_size=a.image_size, seed=a.seed,
+                        progress=lambda r: print(f"  {r['method']:<8} M={r['n_labelled']} fold {r['fold']}: Dice "
+                                                 f"{r['dice']:.3f} (myocardium {r['myocardium']:.3f}, blood pool "
+                                                 f"{r['blood_pool']:.3f}) {r['seconds']:.1f}s", flush=True))
+    print(format_table(summarise_transfer(rows)))
+
+
 VERBS = (
     Verb("synth", "write a synthetic dataset in its real on-disk layout", _synth_args, _synth, alias="synth"),
     Verb("link-sites", "split a real ACDC training/ folder into site-k folders (symlinks)", _link_sites_args,
@@ -128,6 +182,10 @@ VERBS = (
          alias="table7"),
     Verb("demo", "synthetic ACDC -> FCL in the simulator -> fine-tuning -> Dice table (quick profile)", _demo_args,
          _demo, alias="demo"),
+    Verb("hvsmr-synth", "write synthetic HVSMR 2016 subjects in the challenge's layout", _hvsmr_synth_args,
+         _hvsmr_synth),
+    Verb("transfer", "FCL Table 5: fine-tune on HVSMR from ACDC pre-trained encoders vs random init, Dice per class",
+         _transfer_args, _transfer),
 )
 
 

@@ -32,13 +32,12 @@ import re
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-import nibabel as nib
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from fedssl.data.volume import Volume
+from fedssl.data.volume import Volume, read_nifti
 
 __all__ = [
     "ACDCDataError",
@@ -182,9 +181,7 @@ def load_nifti(path: PathLike, site: str = "") -> tuple[np.ndarray, tuple[float,
         raise _err(site, p, "NIfTI file not found",
                    "restore the file from the ACDC archive (or regenerate the synthetic data)")
     try:
-        img = nib.load(str(p))
-        data = np.asarray(img.get_fdata(dtype=np.float32), dtype=np.float32)
-        zooms = tuple(float(z) for z in img.header.get_zooms())
+        data, zooms = read_nifti(p)
     except Exception as exc:  # nibabel raises many types (ImageFileError, OSError, EOFError, zlib.error ...)
         raise _err(site, p, f"corrupt or unreadable NIfTI file ({exc.__class__.__name__}: {exc})",
                    "re-extract/re-download this file; it is not a valid (gzipped) NIfTI-1 image") from exc

@@ -28,11 +28,10 @@ import re
 from pathlib import Path
 from typing import Optional, Union
 
-import nibabel as nib
 import numpy as np
 
 from fedssl.data.acdc import preprocess_volume
-from fedssl.data.volume import Volume
+from fedssl.data.volume import Volume, read_nifti
 
 __all__ = [
     "HVSMRDataError",
@@ -141,9 +140,7 @@ def list_subjects(root: PathLike, variant: str = "axial_crop", site: str = "") -
 def _load_nifti(path: Path, site: str) -> tuple[np.ndarray, tuple[float, ...]]:
     """A 3D NIfTI's data (float32) and voxel spacing; a trailing singleton axis is dropped."""
     try:
-        img = nib.load(str(path))
-        data = np.asarray(img.get_fdata(dtype=np.float32), dtype=np.float32)
-        zooms = tuple(float(z) for z in img.header.get_zooms())
+        data, zooms = read_nifti(path)
     except Exception as exc:  # nibabel raises many types (ImageFileError, OSError, EOFError, zlib.error ...)
         raise _err(site, path, f"corrupt or unreadable NIfTI file ({exc.__class__.__name__}: {exc})",
                    "re-extract this file from the HVSMR 2016 archive; it is not a valid NIfTI-1 image") from exc

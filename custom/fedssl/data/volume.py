@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import nibabel as nib
 import numpy as np
 
 
@@ -26,3 +27,12 @@ class Volume:
     @property
     def n_slices(self) -> int:
         return int(self.image.shape[0])
+
+
+def read_nifti(path: str) -> tuple[np.ndarray, tuple[float, ...]]:
+    """A NIfTI file's data (float32) and voxel spacing.  nibabel raises many exception types for a bad file
+    (ImageFileError, OSError, EOFError, zlib.error ...): the data set's loader catches them and names the file,
+    the site and its own fix."""
+    img = nib.load(str(path))
+    data = np.asarray(img.get_fdata(dtype=np.float32), dtype=np.float32)
+    return data, tuple(float(z) for z in img.header.get_zooms())

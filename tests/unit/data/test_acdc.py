@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fedssl.core.partition import split_patients
-from fedssl.data import acdc
+from fedssl.data import volume
 from fedssl.data.acdc import (
     ACDCDataError,
     PartitionSampleDataset,
@@ -161,7 +161,7 @@ def test_unlabelled_load_never_opens_gt(tmp_path: Path, monkeypatch: pytest.Monk
         opened.append(str(path))
         return real_load(path, *args, **kwargs)
 
-    monkeypatch.setattr(acdc.nib, "load", spy)
+    monkeypatch.setattr(volume.nib, "load", spy)
     site_dir = tmp_path / "site-1"
     for gt in site_dir.glob("*/*_gt.nii.gz"):
         gt.unlink()

@@ -10,12 +10,13 @@ Other components can add records to the summary (e.g. which tokenizer a BEiT run
 - a server component calls ``record_in_summary(component, fl_ctx, {"tokenizer": "..."})``: each key becomes a
   top-level key of ``summary.json``;
 - a site puts a dict under the result meta key ``summary_record`` (e.g. ``{"tokenizer": "local: /path"}``):
-  it lands under ``site_records`` per site, and a key on which every site agrees (and that no server
-  record set) is also copied to the top level.
+  its descriptions (non-numeric values) land under ``site_records`` per site, and a key on which every site
+  agrees (and that no server record set) is also copied to the top level.
 
 Per round, the numeric values of the aggregated sites' summary records are averaged over those sites under
 ``site_record_means`` (e.g. FCL's ``steps_per_round``, ``bank_filled`` and ``bank_fill``, the fraction of the
-bank holding real features): bounded numbers, no site name.
+bank holding real features): bounded numbers, no site name.  Numbers are kept only as these means, never per
+site: a site's volume count or steps per round describe its data and would be persisted under its name.
 
 The initial weights: when the server's persistor set the FL-context property ``INIT_PROP`` (ImageNet, random or a
 checkpoint, with path and digest), ``summary.json`` holds it under ``init``.
@@ -73,12 +74,16 @@ _OWN_KEYS = ("title", "rounds", "communication_per_round", "bytes_per_site_per_r
              "site_records", "communication_outside_rounds", "init")
 
 
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def numeric_means(records: list[dict]) -> dict[str, float]:
     """Per key, the mean over ``records`` of its real-number values (bools, strings and nested values skipped)."""
     values: dict[str, list[float]] = {}
     for rec in records:
         for k, v in rec.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if _is_number(v):
                 values.setdefault(k, []).append(float(v))
     return {k: sum(v) / len(v) for k, v in sorted(values.items())}
 
@@ -202,7 +207,9 @@ class RunSummary(FLComponent):
         if fl_ctx.get_prop(AppConstants.AGGREGATION_ACCEPTED) and isinstance(record, dict) and record:
             try:  # a site's record is small JSON, kept only with an accepted contribution
                 kept = bounded_json(record, "its summary record", site, max_items=64)
-                self._site_records.setdefault(site, {}).update(kept)
+                described = {k: v for k, v in kept.items() if not _is_number(v)}  # numbers: only round means
+                if described:
+                    self._site_records.setdefault(site, {}).update(described)
                 self._round_records[site] = kept
             except ContributionError as e:
                 self.log_warning(fl_ctx, f"{e}; record ignored")

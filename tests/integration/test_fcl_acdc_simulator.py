@@ -107,7 +107,7 @@ def test_local_and_federated_finetuning_from_fcl(pretrained, data, tmp_path):
 def test_corrupt_site_fails_alone_with_a_clear_error(data, tmp_path):
     bad = tmp_path / "acdc_bad"
     shutil.copytree(data, bad)
-    victim = sorted(glob.glob(str(bad / "site-2" / "patient*" / "*_frame01.nii.gz")))[0]
+    victim = sorted(glob.glob(str(bad / "site-2" / "patient*" / "*_4d.nii.gz")))[0]  # pre-training reads the cines
     with open(victim, "wb") as f:
         f.write(b"this is not a NIfTI file")
     s = run_simulation(os.path.join(JOBS, "fcl_acdc"), str(tmp_path / "ws_bad"), n_sites=SITES,

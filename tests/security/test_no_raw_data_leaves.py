@@ -34,6 +34,7 @@ from fedssl.data.acdc import load_site
 from fedssl.data.acdc_synthetic import write_synthetic_acdc
 from fedssl.data.cxr import CXRDataset, load_cxr_site
 from fedssl.data.cxr_synthetic import write_synthetic_nih
+from fedssl.data.image_sites import write_site_folders
 from fedssl.data.image_synthetic import write_synthetic_images
 from fedssl.data.images import ImageDataset, load_image_records
 from fedssl.flare.constants import BACKBONE_KEY, CLASSES_KEY, GLOBAL_CLASSES_KEY, METHOD_KEY, MODE_KEY
@@ -49,7 +50,11 @@ JOBS = sorted(d for d in os.listdir(JOBS_DIR) if os.path.isfile(os.path.join(JOB
 SITES = ["site-1", "site-2"]
 DATASET = {"fcl_acdc": "acdc", "fcl_acdc_finetune": "acdc", "fclopt_acdc": "acdc", "fedmae_derm": "derm",
            "fedmae_derm_finetune": "derm", "sslfl_beit_retina": "retina", "sslfl_mae_retina": "retina",
-           "sslfl_retina_finetune": "retina", "surgical_cxr": "cxr"}
+           "sslfl_retina_finetune": "retina", "surgical_cxr": "cxr", "sslfl_mae_covidfl": "covidfl",
+           "sslfl_covidfl_finetune": "covidfl", "sslfl_mae_derm": "derm_mel", "sslfl_derm_finetune": "derm_mel"}
+#: data sets published only in SSL-FL's release layout: sites are cut from a release by the partitioner
+RELEASES = ("covidfl", "derm_mel")
+IMAGE_SETS = ("retina", "derm", *RELEASES)
 #: on top of the quick profile: fewer steps (what is uploaded does not depend on how long a site trains)
 SPEED = {"fcl_trainer": {"max_steps_per_round": 2}, "byol_trainer": {"max_steps_per_round": 2},
          "seg_trainer": {"local_epochs": 1, "max_steps_per_epoch": 2}, "mim_trainer": {"max_steps_per_round": 2},
@@ -68,6 +73,10 @@ def data(tmp_path_factory):
         write_synthetic_nih(root / "cxr" / site, n_patients=10, seed=i, image_size=32)
     for dataset in ("retina", "derm"):
         write_synthetic_images(root / dataset / "test", dataset, n_images=16, seed=9, image_size=40)
+    for dataset in RELEASES:  # release layout -> site-1, site-2 (class folders) + test, as `fedssl sslfl partition`
+        write_synthetic_images(root / f"{dataset}_release", dataset, n_images=60, seed=0, image_size=40)
+        write_site_folders(root / f"{dataset}_release", dataset, root / dataset, n_sites=len(SITES),
+                           release_split="", seed=0)
     write_synthetic_acdc(root / "acdc", n_patients=5, n_sites=1, seed=0, shape=(48, 48), n_frames=3,
                          slices_range=(4, 5))
     return root
@@ -77,7 +86,7 @@ def site_data(kind: str, root: Path, site: str, args: dict) -> SiteData:
     """What ``site`` holds, as :class:`SiteData` (the executor's input views and the files as stored)."""
     out = SiteData(site)
     folder = root / kind / site
-    if kind in ("retina", "derm"):
+    if kind in IMAGE_SETS:
         for sub in (folder, root / kind / "test"):
             ds = ImageDataset(load_image_records(str(sub), kind, site=site), args["image_size"], "eval", kind)
             out.add_images(torch.stack([ds[i][0] for i in range(len(ds))]), args["patch_size"])
@@ -225,7 +234,9 @@ def beit_round(run: SiteRun, site: str = "site-1") -> None:
 
 ROUNDS = {"fcl_acdc": train_round, "fcl_acdc_finetune": train_round, "fclopt_acdc": fclopt_round,
           "fedmae_derm": train_round, "fedmae_derm_finetune": classifier_round, "sslfl_beit_retina": beit_round,
-          "sslfl_mae_retina": train_round, "sslfl_retina_finetune": classifier_round, "surgical_cxr": surgical_round}
+          "sslfl_mae_retina": train_round, "sslfl_retina_finetune": classifier_round, "surgical_cxr": surgical_round,
+          "sslfl_mae_covidfl": train_round, "sslfl_covidfl_finetune": classifier_round, "sslfl_mae_derm": train_round,
+          "sslfl_derm_finetune": classifier_round}
 
 
 def scanned(job: str, data: Path, tmp_path: Path) -> tuple[SiteRun, dict[str, list[str]]]:

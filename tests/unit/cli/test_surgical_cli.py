@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from fedssl.cli import main
 
 
@@ -31,8 +33,7 @@ def test_partition_prints_the_sites_and_the_simulate_command(tmp_path, capsys):
 
 
 def test_central_takes_the_missing_classes_switch(capsys):
-    try:
+    with pytest.raises(SystemExit) as stop:  # argparse exits 0 after printing the help
         main(["surgical", "central", "--help"])
-    except SystemExit:
-        pass
+    assert stop.value.code == 0
     assert "--missing-classes {negative,ignore}" in capsys.readouterr().out

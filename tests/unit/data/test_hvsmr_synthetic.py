@@ -45,8 +45,10 @@ def test_files_headers_and_loader(synth: Path) -> None:
         label = _raw(synth, f"training_axial_crop_pat{n}-label.nii.gz")
         assert image.shape == label.shape == SHAPE
         assert image.get_data_dtype() == np.int16 and label.get_data_dtype() == np.uint8
-        sx, sy, sz = (float(z) for z in image.header.get_zooms())
-        assert 0.7 <= sx == sy <= 1.0 and 0.7 <= sz <= 1.0
+        # the documented draw: subject n seeds default_rng([seed, n]) and takes in-plane, then slice spacing
+        want_xy, want_z = np.random.default_rng([1, n]).uniform(0.7, 1.0, size=2)
+        assert image.header.get_zooms() == pytest.approx((want_xy, want_xy, want_z), rel=1e-6)
+        assert label.header.get_zooms() == image.header.get_zooms()
         assert set(np.unique(np.asarray(label.dataobj)).tolist()) == {0, 1, 2}
     assert [v.n_slices for v in load_hvsmr(synth, image_size=32)] == [16, 16, 16]
 

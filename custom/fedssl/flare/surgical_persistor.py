@@ -19,7 +19,6 @@ the argument to set.  Round 0 delivers these weights, batch-norm included, to ev
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import torch
@@ -31,23 +30,7 @@ from nvflare.app_opt.pt.file_model_persistor import PTFileModelPersistor
 from fedssl.core.checks import require
 from fedssl.flare.constants import INIT_PROP
 from fedssl.flare.surgical_registration import get_registry
-from fedssl.core.digest import file_sha256
-
-#: what to set for ImageNet initialisation (the random-init warning names it)
-IMAGENET_FIX = ('set "imagenet_path" to a local torchvision densenet121 state dict (e.g. densenet121-a639ec97.pth) '
-                "in the args of the server's \"model\" component and of the sites' \"cxr_trainer\"")
-
-
-def init_record(model: object, source_ckpt: str | None) -> dict:
-    """``INIT_PROP``'s value: the run's initial weights from the source checkpoint or the model component's
-    ImageNet report (``MultiLabelDenseNet.imagenet_report``); random init has empty path and digest."""
-    if source_ckpt:
-        return {"init": "checkpoint", "path": source_ckpt,
-                "sha256": file_sha256(source_ckpt) if os.path.isfile(source_ckpt) else ""}
-    report = getattr(model, "imagenet_report", None)
-    if report:
-        return {"init": "imagenet", "path": report["path"], "sha256": report["sha256"]}
-    return {"init": "random", "path": "", "sha256": ""}
+from fedssl.flare.weights_only_persistor import describe_init, init_record
 
 
 def rehead(weight: np.ndarray, bias: np.ndarray, model_classes, global_classes, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -91,11 +74,8 @@ class SurgicalModelPersistor(PTFileModelPersistor):
         """Log which initial weights the run starts from (a warning for random init) and set ``INIT_PROP``."""
         record = init_record(self.model, self.source_ckpt_file_full_name)
         fl_ctx.set_prop(INIT_PROP, record, private=True, sticky=True)
-        if record["init"] == "random":
-            self.log_warning(fl_ctx, "initial weights: RANDOM (no ImageNet checkpoint, the paper's DenseNet-121 is "
-                                     f"ImageNet-pretrained); {IMAGENET_FIX}")
-        else:
-            self.log_info(fl_ctx, f"initial weights: {record['init']} from {record['path']} (sha256 {record['sha256']})")
+        line = describe_init(record, self.model)
+        (self.log_warning if record["init"] == "random" else self.log_info)(fl_ctx, line)
         return record
 
     def load_model(self, fl_ctx: FLContext) -> ModelLearnable:

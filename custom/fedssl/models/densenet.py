@@ -42,6 +42,11 @@ from fedssl.core.safe_load import safe_load
 from fedssl.models.seeding import seeded
 from torchvision.models.densenet import DenseNet
 
+#: what to set for ImageNet initialisation (the server's random-init warning names it)
+IMAGENET_FIX = ('set "imagenet_path" to a local torchvision densenet121 state dict (e.g. densenet121-a639ec97.pth) '
+                "in the args of the server's \"model\" component and of the sites' \"cxr_trainer\"; the paper's "
+                "DenseNet-121 is ImageNet-pretrained")
+
 __all__ = [
     "MultiLabelDenseNet",
     "DenseNet121",
@@ -148,6 +153,18 @@ class MultiLabelDenseNet(DenseNet):
             raise ValueError(f"imagenet_path={imagenet_path!r}: use a path string to a torchvision densenet121 "
                              'state dict, or "" for random initialisation')
         self.imagenet_report = load_imagenet_weights(self, imagenet_path) if imagenet_path else None
+
+    @property
+    def initial_weights(self) -> dict:
+        """What the model starts from, as the server persistor's ``INIT_PROP`` record."""
+        if self.imagenet_report:
+            return {"init": "imagenet", "path": self.imagenet_report["path"], "sha256": self.imagenet_report["sha256"]}
+        return {"init": "random", "path": "", "sha256": ""}
+
+    @property
+    def init_fix(self) -> str:
+        """What to set for ImageNet weights when the model starts from random weights ("" otherwise)."""
+        return IMAGENET_FIX if not self.imagenet_report else ""
 
     @property
     def num_features(self) -> int:

@@ -251,13 +251,36 @@ def apply_meta(meta: dict, values: dict, where: str) -> None:
         meta[key] = value
 
 
-def load_profile(profile: str) -> dict:
-    """A profile by name (``app_config/profiles/<name>.json``) or as the path of a JSON file."""
+def _merge_profile(base: dict, over: dict) -> dict:
+    """``over`` deep-merged onto ``base``: objects merge key by key, anything else (numbers, lists) replaces."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge_profile(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def load_profile(profile: str, _seen: tuple[str, ...] = ()) -> dict:
+    """A profile by name (``app_config/profiles/<name>.json``) or as the path of a JSON file.
+
+    A profile may start from another: ``"extends": "quick"`` takes that profile and deep-merges this one's keys
+    onto it (objects key by key, other values replace), so a profile states only what it changes (the bench
+    profile is quick with more pre-training).  A cycle of ``extends`` is an error naming the chain."""
     path = profile if os.path.isfile(profile) else os.path.join(PROFILES_DIR, f"{profile}.json")
     if not os.path.isfile(path):
         names = sorted(p[:-5] for p in os.listdir(PROFILES_DIR) if p.endswith(".json")) if os.path.isdir(PROFILES_DIR) else []
         raise ValueError(f"profile {profile!r} not found: no such file, nor {path}; available: {names}")
-    return _read_object(path)
+    content = _read_object(path)
+    base = content.pop("extends", None)
+    if base is None:
+        return content
+    if not isinstance(base, str) or not base:
+        raise ValueError(f"{path}: 'extends' must name a profile (e.g. \"quick\"), found {base!r}")
+    if base in _seen + (profile,):
+        raise ValueError(f"{path}: profiles extend each other in a cycle: {' -> '.join(_seen + (profile, base))}")
+    return _merge_profile(load_profile(base, _seen + (profile,)), content)
 
 
 #: the part of a profile / ``--set`` that names the job's model shape once (``shape.image_size=64``): it applies

@@ -203,3 +203,34 @@ def test_destinations_that_are_not_a_built_job_are_never_replaced(tmp_path):
     (tmp_path / "empty").mkdir()
     build_job(FCL, str(tmp_path / "empty"))  # an empty folder is fine
     assert (tmp_path / "empty" / "meta.json").is_file()
+
+
+def test_a_profile_extends_another_by_deep_merge(tmp_path):
+    """``"extends"``: the base profile with this one's keys merged in (objects key by key, other values replace);
+    the bench profile is quick plus more pre-training."""
+    from fedssl.ops.jobs import load_profile
+
+    base = {"description": "b", "finetune": {"epochs": 60, "lr": 0.005},
+            "jobs": {"j": {"server": {"s": {"num_rounds": 2, "min_clients": 3}}}}}
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    child = {"extends": str(tmp_path / "base.json"), "finetune": {"epochs": 30},
+             "jobs": {"j": {"server": {"s": {"num_rounds": 40}}}}, "tables": {"fcl": {"folds": {"2": [0]}}}}
+    (tmp_path / "child.json").write_text(json.dumps(child))
+    got = load_profile(str(tmp_path / "child.json"))
+    assert got == {"description": "b", "finetune": {"epochs": 30, "lr": 0.005},
+                   "jobs": {"j": {"server": {"s": {"num_rounds": 40, "min_clients": 3}}}},
+                   "tables": {"fcl": {"folds": {"2": [0]}}}}
+    bench, quick = load_profile("bench"), load_profile("quick")
+    assert bench["finetune"] == quick["finetune"]
+    assert bench["jobs"]["fcl_acdc"]["server"]["scatter_and_gather"]["num_rounds"] > \
+        quick["jobs"]["fcl_acdc"]["server"]["scatter_and_gather"]["num_rounds"]
+    assert bench["jobs"]["fcl_acdc"]["client"]["fcl_trainer"]["image_size"] == 64  # inherited from quick
+
+
+def test_a_cycle_of_extends_is_an_error(tmp_path):
+    from fedssl.ops.jobs import load_profile
+
+    (tmp_path / "a.json").write_text(json.dumps({"extends": str(tmp_path / "b.json")}))
+    (tmp_path / "b.json").write_text(json.dumps({"extends": str(tmp_path / "a.json")}))
+    with pytest.raises(ValueError, match="cycle"):
+        load_profile(str(tmp_path / "a.json"))

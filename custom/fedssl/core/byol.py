@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from fedssl.core.fcl import cosine_lr
+from fedssl.core.spread import SpreadMeter
 from fedssl.core.state_dict import ema_update
 
 
@@ -33,17 +34,20 @@ def byol_loss(p: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return (2 - 2 * F.cosine_similarity(p, z.detach(), dim=1)).mean()
 
 
-def view_loss(model: torch.nn.Module, t: torch.Tensor, t2: torch.Tensor, symmetric: bool) -> torch.Tensor:
+def view_loss(model: torch.nn.Module, t: torch.Tensor, t2: torch.Tensor,
+              symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """FCL eq. 6 on the views ``t`` (online network) and ``t2`` (target network); with ``symmetric`` plus the
-    swapped term L(t2, t) (Grill et al. eq. 2).  ``model`` has ``online``, ``predictor`` and ``target``."""
+    swapped term L(t2, t) (Grill et al. eq. 2).  ``model`` has ``online``, ``predictor`` and ``target``.
+    Returns the loss and the online projections of ``t`` (whose spread the round reports)."""
     with torch.no_grad():
         z2 = model.target(t2)
-    loss = byol_loss(model.predictor(model.online(t)), z2)
+    online = model.online(t)
+    loss = byol_loss(model.predictor(online), z2)
     if symmetric:
         with torch.no_grad():
             z1 = model.target(t)
         loss = loss + byol_loss(model.predictor(model.online(t2)), z1)
-    return loss
+    return loss, online
 
 
 @dataclass
@@ -84,12 +88,15 @@ class BYOLTrainer:
 
     def train_round(self, batches: Iterable[torch.Tensor], steps_per_round: int, round_idx: int,
                     progress: Callable[[int, float], None] | None = None) -> dict:
-        """One local epoch over ``batches`` of images ``[N, 1, H, W]``."""
+        """One local epoch over ``batches`` of images ``[N, 1, H, W]``.  Returns the mean loss, the steps, the
+        last lr and ``feature_std``: the spread of the batch's online projections averaged over the steps
+        (0 = collapse, see :mod:`fedssl.core.spread`)."""
         m = self.model
         m.online.train()
         m.predictor.train()
         m.target.train()
         losses = []
+        spread = SpreadMeter()
         lr = self.cfg.lr
         for step, x in enumerate(batches):
             x = x.to(self.device)
@@ -97,7 +104,8 @@ class BYOLTrainer:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
             v1, v2 = self.augment(x, self.generator), self.augment(x, self.generator)
-            loss = view_loss(m, v1, v2, self.cfg.symmetric)
+            loss, online = view_loss(m, v1, v2, self.cfg.symmetric)
+            spread.add(online)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"BYOL loss became {loss.item()} at round {round_idx} step {step}; lower lr")
             self.optimizer.zero_grad(set_to_none=True)
@@ -109,7 +117,7 @@ class BYOLTrainer:
                 progress(step, losses[-1])
         if not losses:
             raise ValueError("no training batch in this round: the site has fewer images than one batch")
-        return {"loss": sum(losses) / len(losses), "steps": len(losses), "lr_end": lr}
+        return {"loss": sum(losses) / len(losses), "steps": len(losses), "lr_end": lr, "feature_std": spread.mean}
 
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),

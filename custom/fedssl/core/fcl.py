@@ -18,6 +18,7 @@ import torch
 
 from fedssl.core.fcl_loss import fcl_loss_terms, paired_local_positives
 from fedssl.core.memory_bank import FeatureBank, sample_negatives
+from fedssl.core.spread import SpreadMeter
 from fedssl.core.state_dict import ema_update
 
 
@@ -85,7 +86,9 @@ class FCLTrainer:
         progress: Callable[[int, float], None] | None = None,
     ) -> dict:
         """One local epoch.  ``batches`` yields ``(x [V,S,1,H,W], part [V,S])``; ``remote`` is the
-        exchanged bank ``(features [M,D], partitions [M])`` or None.  Returns loss statistics."""
+        exchanged bank ``(features [M,D], partitions [M])`` or None.  Returns loss statistics and
+        ``feature_std``, the spread of the batch's query features averaged over the steps (0 = collapse, see
+        :mod:`fedssl.core.spread`)."""
         cfg = self.cfg
         if not cfg.feature_exchange:
             remote = None
@@ -93,6 +96,7 @@ class FCLTrainer:
         self.model.momentum.train()
         losses: list[float] = []
         terms: list[tuple[float, float]] = []
+        spread = SpreadMeter()
         for step, (x, part) in enumerate(batches):
             v, s = int(x.shape[0]), int(x.shape[1])
             x = x.to(self.device).reshape(v * s, *x.shape[2:])  # [V*S, 1, H, W], volume-major
@@ -103,6 +107,7 @@ class FCLTrainer:
             view_q = self.augment(x, self.generator)
             view_k = self.augment(x, self.generator)
             q = self.model.main(view_q)  # [N, D]
+            spread.add(q)
             with torch.no_grad():
                 k = self.model.momentum(view_k)  # [N, D]
             pos = k.unsqueeze(1) if cfg.plain_moco else paired_local_positives(k, v, s)  # [N, 1 or 2, D]
@@ -133,7 +138,8 @@ class FCLTrainer:
             raise ValueError("no training batch in this round: the site has fewer volumes than one batch")
         n = len(losses)
         return {"loss": sum(losses) / n, "loss_local": sum(t[0] for t in terms) / n,
-                "loss_remote": sum(t[1] for t in terms) / n, "steps": n, "lr_end": lr, "bank_filled": self.bank.filled}
+                "loss_remote": sum(t[1] for t in terms) / n, "steps": n, "lr_end": lr, "bank_filled": self.bank.filled,
+                "feature_std": spread.mean}
 
     def state_dict(self) -> dict:
         return {

@@ -26,6 +26,7 @@ from torch import nn
 from fedssl.core.masking import block_masking, block_masks, num_masked
 from fedssl.core.patches import normalize_patches
 from fedssl.core.schedule import warmup_cosine
+from fedssl.core.spread import SpreadMeter
 
 METHODS = ("mae", "beit")
 NO_DECAY_SUFFIXES = ("pos_embed", "cls_token", "mask_token")
@@ -163,12 +164,16 @@ class MIMTrainer:
 
     def compute_loss(self, imgs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """The MIM loss of one batch of normalised images ``[B, 3, H, W]`` (masks drawn from ``generator``)."""
+        return self._loss(imgs, generator)[0]
+
+    def _loss(self, imgs: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The loss and the visible-patch mask ``[B, L]`` (BEiT; None for MAE, whose encoder sees only visible patches)."""
         g = self.generator if generator is None else generator
         imgs = imgs.to(self.device, non_blocking=True).float()
         if self.method == "mae":
             with self._autocast():
                 loss, _, _ = self.model(imgs, self.mask_ratio, generator=g)
-            return loss
+            return loss, None
         mask = block_masks(imgs.shape[0], *self.grid_size, self.mask_ratio, self.min_block, g).to(self.device)
         ids = self.tokenizer.encode(imgs)  # full precision: token targets must not depend on autocast
         vocab = int(self.model.vocab_size)
@@ -179,7 +184,27 @@ class MIMTrainer:
             )
         with self._autocast():
             logits = self.model(imgs, mask)
-        return beit_loss(logits, ids, mask)
+        return beit_loss(logits, ids, mask), ~mask.to(torch.bool)
+
+    def _loss_and_pooled(self, imgs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The loss of one training batch and the encoder's mean-pooled visible tokens ``[B, D]``, read from the
+        output of the encoder's final norm (``model.encoder.norm``: class token first, then the patch tokens;
+        MAE: the visible ones only).  None when the model has no such module."""
+        seen: list[torch.Tensor] = []
+        norm = getattr(getattr(self.model, "encoder", None), "norm", None)
+        hook = norm.register_forward_hook(lambda m, i, out: seen.append(out.detach())) if isinstance(norm, nn.Module) else None
+        try:
+            loss, visible = self._loss(imgs, None)
+        finally:
+            if hook is not None:
+                hook.remove()
+        if not seen:
+            return loss, None
+        tokens = seen[-1][:, 1:].float()  # [B, V or L, D] without the class token
+        if visible is None:
+            return loss, tokens.mean(dim=1)
+        w = visible.to(tokens.device, tokens.dtype).unsqueeze(-1)
+        return loss, (tokens * w).sum(dim=1) / w.sum(dim=1).clamp(min=1.0)
 
     def train_round(
         self,
@@ -190,7 +215,9 @@ class MIMTrainer:
     ) -> float:
         """One local pass over ``batches`` (tensors ``[B, 3, H, W]`` or ``(imgs, labels)`` tuples) in round
         ``round_idx`` (0-based); the lr of step ``s`` is ``warmup_cosine(round_idx + s / steps_per_round)``.
-        Returns the mean loss; ``last_stats`` holds steps, images, lr range."""
+        Returns the mean loss; ``last_stats`` holds steps, images, lr range and ``feature_std``, the spread of
+        the encoder's mean-pooled visible tokens averaged over the steps (0 = collapse, :mod:`fedssl.core.spread`;
+        None for a model without ``encoder.norm``)."""
         if steps_per_round is None:
             try:
                 steps_per_round = len(batches)  # type: ignore[arg-type]
@@ -201,12 +228,15 @@ class MIMTrainer:
         losses: list[float] = []
         n_images = 0
         lrs: list[float] = []
+        spread = SpreadMeter()
         for step, batch in enumerate(batches):
             imgs = batch[0] if isinstance(batch, (tuple, list)) else batch
             lr = self.lr_at(round_idx + min(step / steps_per_round, 1.0))
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            loss = self.compute_loss(imgs)
+            loss, pooled = self._loss_and_pooled(imgs)
+            if pooled is not None:
+                spread.add(pooled)
             if not torch.isfinite(loss):
                 raise FloatingPointError(
                     f"{self.method.upper()} loss became {loss.item()} at round {round_idx} step {step} (lr {lr:.3g}); "
@@ -228,7 +258,8 @@ class MIMTrainer:
         self.rounds_done = int(round_idx) + 1
         mean = sum(losses) / len(losses)
         self.last_stats = {"loss": mean, "steps": len(losses), "images": n_images, "lr_start": lrs[0],
-                           "lr_end": lrs[-1], "round": int(round_idx), "losses": losses, "lrs": lrs}
+                           "lr_end": lrs[-1], "round": int(round_idx), "losses": losses, "lrs": lrs,
+                           "feature_std": spread.mean}
         return mean
 
     @torch.no_grad()

@@ -7,6 +7,10 @@ The math is :class:`fedssl.train.byol.BYOLLocalTrainer`, the round protocol
 - ``train``: load the global online network + predictor; get the target network from the download
   (FCLOpt), keep the local one (FedBYOL), or predict it from the local one with PTNU (Algorithm 2,
   distance d from the server); train one local BYOL epoch; upload what the mode uploads.
+
+Every train result carries, under the ``summary_record`` meta, ``feature_std``: the round's mean spread of the
+online projections (0 = collapse; :mod:`fedssl.core.spread`), which the run summary averages over the sites per
+round (``site_record_means``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from fedssl.core.checks import require, require_choice, require_int
 from fedssl.core.ptnu import uploads_target
 from fedssl.core.trainer import RoundStats
 from fedssl.data.acdc import load_site
-from fedssl.flare.constants import DISTANCE_KEY, DISTANCE_TASK, MODE_KEY, MODES, PROXY_KEY, UPLOAD_TARGET_KEY
+from fedssl.flare.constants import (DISTANCE_KEY, DISTANCE_TASK, MODE_KEY, MODES, PROXY_KEY, SITE_RECORD_META,
+                                    UPLOAD_TARGET_KEY)
 from fedssl.flare.site_executor import pick_device
 from fedssl.flare.trainer_executor import TrainerExecutor
 from fedssl.models.unet import require_unet_args
@@ -121,6 +126,11 @@ class BYOLExecutor(TrainerExecutor):
     def result_state(self, stats: RoundStats, dxo: DXO) -> dict:
         return self.trainer.global_state(with_target=uploads_target(self.mode, dxo.get_meta_prop(UPLOAD_TARGET_KEY)))
 
+    def result_meta(self, stats: RoundStats, dxo: DXO, fl_ctx: FLContext) -> dict:
+        """The summary record: the round's feature spread (a bounded number, no feature)."""
+        return {SITE_RECORD_META: {"feature_std": stats.metrics["feature_std"]}}
+
     def describe_round(self, stats: RoundStats) -> str:
         n = self.ptnu_iterations
-        return f"loss {stats.loss:.4f} ({self.mode}" + (f", PTNU {n} iterations" if n is not None else "") + ")"
+        return (f"loss {stats.loss:.4f} ({self.mode}" + (f", PTNU {n} iterations" if n is not None else "")
+                + f", feature spread {stats.metrics['feature_std']:.3f})")

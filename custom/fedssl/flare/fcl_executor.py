@@ -15,7 +15,8 @@ initial one).  Each site's own final encoder is its checkpoint ``fcl_client_stat
 ``fedssl fcl export-unet`` turns into a U-Net initialisation.
 
 Every result carries, under the ``summary_record`` meta, bounded counts for the run summary: volumes, steps of
-the round, filled bank slots, their fraction and the bank size (no feature, no name).
+the round, filled bank slots, their fraction, the bank size and ``feature_std``, the round's mean spread of the
+normalised query features (0 = collapse; :mod:`fedssl.core.spread`) -- no feature, no name.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ class FCLExecutor(TrainerExecutor):
         m = stats.metrics
         meta: dict = {SITE_RECORD_META: {"volumes": stats.samples, "steps_per_round": stats.steps,
                                          "bank_filled": m["bank_filled"], "bank_fill": m["bank_fill"],
-                                         "bank_size": self.bank_size}}
+                                         "bank_size": self.bank_size, "feature_std": m["feature_std"]}}
         if self.exchanges_features:  # FedMoCo and Local CL: no feature leaves the site
             meta[BANK_FEATURES], meta[BANK_PARTITIONS] = self.trainer.export_bank()
         return meta
@@ -145,4 +146,4 @@ class FCLExecutor(TrainerExecutor):
         m = stats.metrics
         return (f"loss {stats.loss:.4f} (local {m['loss_local']:.4f} + remote {m['loss_remote']:.4f}; "
                 f"{stats.steps} steps, {m['remote_features']} remote features, bank {m['bank_filled']}/"
-                f"{self.bank_size} filled)")
+                f"{self.bank_size} filled, feature spread {m['feature_std']:.3f})")

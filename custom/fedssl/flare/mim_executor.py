@@ -2,7 +2,8 @@
 
 Task ``train`` (TrainerExecutor's round protocol): load the global auto-encoder (keys a PartialModelExclusion held
 back and listed in the meta ``excluded_keys`` keep this site's values) -> :class:`fedssl.train.mim.MIMLocalTrainer`
--> the weights with ``num_samples`` = |D_k| and the mean loss (Fed-BEiT: plus its tokenizer's description).
+-> the weights with ``num_samples`` = |D_k| and the mean loss; the summary record carries the round's feature spread
+(``feature_std``, :mod:`fedssl.core.spread`) and, for Fed-BEiT, its tokenizer's description.
 
 Fed-BEiT tokenizer: ``tokenizer_path`` names a local codebook / TorchScript dVAE encoder; "" means the codebook
 learnt by the FederatedKMeans workflow before pre-training: the site answers ``kmeans_init`` (the means of its
@@ -91,7 +92,13 @@ class MIMExecutor(TrainerExecutor):
         return trainer
 
     def result_meta(self, stats: RoundStats, dxo: DXO, fl_ctx: FLContext) -> dict:
-        return {SITE_RECORD_META: {"tokenizer": self.trainer.tokenizer_description}} if self.method == "beit" else {}
+        """The summary record: the round's feature spread (a bounded number: the run summary averages it over
+        the sites per round) and, for Fed-BEiT, the tokenizer's description."""
+        spread = stats.metrics.get("feature_std")
+        record = {} if spread is None else {"feature_std": spread}
+        if self.method == "beit":
+            record["tokenizer"] = self.trainer.tokenizer_description
+        return {SITE_RECORD_META: record} if record else {}
 
     def describe_round(self, stats: RoundStats) -> str:
         kept = stats.metrics.get("kept_local")

@@ -141,7 +141,8 @@ class BYOLLocalTrainer:
 
         out = self.trainer.train_round(images, steps, round_idx, progress)
         return RoundStats(loss=out["loss"], steps=out["steps"], samples=len(self.dataset),
-                          metrics={"lr": out["lr_end"], "lr_end": out["lr_end"]}, curve=curve)
+                          metrics={"lr": out["lr_end"], "lr_end": out["lr_end"], "feature_std": out["feature_std"]},
+                          curve=curve)
 
     def evaluate(self, split: str = "val") -> dict[str, Any]:
         raise ValueError(f"split={split!r}: BYOL pre-training reads unlabelled images only; evaluate the encoder by "

@@ -111,7 +111,7 @@ class FCLLocalTrainer:
         n_remote = 0 if remote is None else int(remote[0].shape[0])
         metrics = {"loss_local": out["loss_local"], "loss_remote": out["loss_remote"], "lr": out["lr_end"],
                    "lr_end": out["lr_end"], "remote_features": n_remote, "bank_filled": out["bank_filled"],
-                   "bank_fill": out["bank_filled"] / self.trainer.bank.capacity}
+                   "bank_fill": out["bank_filled"] / self.trainer.bank.capacity, "feature_std": out["feature_std"]}
         return RoundStats(loss=out["loss"], steps=out["steps"], samples=len(self.dataset), metrics=metrics, curve=curve)
 
     def evaluate(self, split: str = "val") -> dict[str, Any]:

@@ -224,7 +224,8 @@ class MIMLocalTrainer:
         loss = self.trainer.train_round(round_batches(), round_idx, steps_per_round=steps)
         last = self.trainer.last_stats
         return RoundStats(loss=loss, steps=steps, samples=len(self.dataset),
-                          metrics={"lr_peak": self.peak_lr, "lr": last["lr_end"], "kept_local": list(self.kept_local)},
+                          metrics={"lr_peak": self.peak_lr, "lr": last["lr_end"], "kept_local": list(self.kept_local),
+                                   "feature_std": last["feature_std"]},
                           curve=[{"loss": x, "lr": lr} for x, lr in zip(last["losses"], last["lrs"])])
 
     def evaluate(self, split: str = "val") -> dict[str, Any]:

@@ -112,3 +112,13 @@ def test_real_network_step_loss_and_target_ema():
                                         model.online.parameters()):
         torch.testing.assert_close(xi1, m * xi0 + (1 - m) * theta1, msg=name)
     assert any(not torch.equal(a, b) for a, b in zip(model.online.parameters(), model.target.parameters()))
+
+
+def test_feature_std_is_the_spread_of_the_online_projections():
+    """Issue 14 item 4: online = identity, so the projections of t = (e_1, e_2) are e_1, e_2: each coordinate is
+    (1, 0) over the batch, std 1/2.  The target's projections of t' = (e_1, e_1) would give 0: not those."""
+    t, t2 = torch.eye(2), torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    out, _ = one_step(BYOLConfig(lr=0.1), t, t2)
+    assert out["feature_std"] == pytest.approx(0.5)
+    sym, _ = one_step(BYOLConfig(lr=0.1, symmetric=True), t, t2)  # the swapped term's online(t') is not counted
+    assert sym["feature_std"] == pytest.approx(0.5)

@@ -134,3 +134,23 @@ def test_cosine_lr():
 def test_bad_config_names_argument():
     with pytest.raises(ValueError, match="tau"):
         FCLConfig(tau=0)
+
+
+def test_feature_std_is_the_spread_of_the_query_features():
+    """Issue 14 item 4: the round reports the spread of the batch's (normalised) query features q = main(view_q),
+    not the momentum keys: with a momentum encoder that differs, the expectation is the pre-step main network's.
+    A main network whose projection ignores its input gives q equal for every slice: spread 0 (collapse)."""
+    tr = make()
+    with torch.no_grad():
+        for p in tr.model.momentum.parameters():
+            p.mul_(0.5)
+    x = next(batches(1))[0]
+    with torch.no_grad():
+        q = copy.deepcopy(tr.model.main).train()(x.reshape(4, 1, 32, 32))
+    expected = F.normalize(q, dim=1).std(dim=0, unbiased=False).mean().item()
+    assert one_step(tr, x)["feature_std"] == pytest.approx(expected, rel=1e-5)
+    collapsed = make()
+    with torch.no_grad():
+        collapsed.model.main.head[2].weight.zero_()
+        collapsed.model.main.head[2].bias.fill_(1.0)
+    assert one_step(collapsed, x)["feature_std"] == 0.0

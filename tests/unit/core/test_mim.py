@@ -1,3 +1,4 @@
+import copy
 import math
 
 import pytest
@@ -197,3 +198,35 @@ def test_beit_trainer_checks_the_token_ids_and_runs_with_bf16_autocast():
     amp = MIMTrainer(build_model("tiny_vit_beit", vocab_size=8), "beit", lr=1e-3, warmup_rounds=0, mask_ratio=0.4,
                      tokenizer=_ConstTokens(3), amp=True)
     assert math.isfinite(amp.train_round([imgs], 0))
+
+
+def _expected_spread(pooled: torch.Tensor) -> float:
+    return torch.nn.functional.normalize(pooled, dim=1).std(dim=0, unbiased=False).mean().item()
+
+
+def test_feature_std_of_mae_is_the_spread_of_the_mean_visible_tokens():
+    """Issue 14 item 4: MAE's encoder sees the visible patches only; the spread is that of their mean token
+    (class token excluded), computed here from the pre-step model with the same mask draw."""
+    imgs = _fixed_batches(1, batch=6)[0][0]
+    trainer = MIMTrainer(build_model("tiny_vit_mae"), "mae", lr=1e-3, warmup_rounds=1, total_rounds=4, mask_ratio=0.75)
+    model, g = copy.deepcopy(trainer.model).train(), torch.Generator().set_state(trainer.generator.get_state())
+    with torch.no_grad():
+        latent, _, _ = model.forward_encoder(imgs, 0.75, g)  # [6, 1 + 16, D]
+    trainer.train_round([imgs], 0)
+    assert trainer.last_stats["feature_std"] == pytest.approx(_expected_spread(latent[:, 1:].mean(dim=1)), rel=1e-5)
+
+
+def test_feature_std_of_beit_pools_only_the_unmasked_positions():
+    imgs = _fixed_batches(1, batch=6)[0][0]
+    tok = PatchTokenizer(torch.randn(16, 48, generator=torch.Generator().manual_seed(0)), 4)
+    trainer = MIMTrainer(build_model("tiny_vit_beit", vocab_size=16, drop_path_rate=0.0), "beit", lr=1e-3,
+                         warmup_rounds=1, total_rounds=4, mask_ratio=0.4, tokenizer=tok)
+    model, g = copy.deepcopy(trainer.model).train(), torch.Generator().set_state(trainer.generator.get_state())
+    mask = block_masks(6, *trainer.grid_size, 0.4, None, g)
+    with torch.no_grad():
+        tokens = model.forward_features(imgs, mask)  # [6, 64, D], masked positions hold the mask embedding
+    visible = (~mask).float().unsqueeze(-1)
+    trainer.train_round([imgs], 0)
+    expected = _expected_spread((tokens * visible).sum(dim=1) / visible.sum(dim=1))
+    assert trainer.last_stats["feature_std"] == pytest.approx(expected, rel=1e-5)
+    assert expected != pytest.approx(_expected_spread(tokens.mean(dim=1)), rel=1e-3)  # all positions would differ

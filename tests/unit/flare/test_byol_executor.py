@@ -1,5 +1,6 @@
 """BYOLExecutor on tiny synthetic ACDC: what each mode uploads, the DP distance task, restart, abort, bad tasks."""
 
+import json
 import os
 
 import numpy as np
@@ -12,7 +13,8 @@ from nvflare.apis.signal import Signal
 from fedssl.data.acdc_synthetic import write_synthetic_acdc
 from fedssl.core.seeds import site_seed
 from fedssl.flare.byol_executor import BYOLExecutor
-from fedssl.flare.constants import DISTANCE_KEY, DISTANCE_TASK, MODE_KEY, MODES, PROXY_KEY, UPLOAD_TARGET_KEY
+from fedssl.flare.constants import (DISTANCE_KEY, DISTANCE_TASK, MODE_KEY, MODES, PROXY_KEY, SITE_RECORD_META,
+                                    UPLOAD_TARGET_KEY)
 from fedssl.models.unet import TINY_FEATURES, BYOLUNetEncoder
 from fedssl.train.byol import BYOL_MODES
 from tests.unit.flare.fakes import CountingSignal, FakeEngine, context
@@ -56,6 +58,10 @@ def test_modes_agree_with_the_controller():
 
 def test_fclopt_uploads_everything_and_a_restarted_site_keeps_its_local_target(data, tmp_path):
     out = from_shareable(run(BYOLExecutor(data_root=data, **ARGS), tmp_path, task("fclopt")))
+    # issue 14 item 4: the summary record carries the round's feature spread, as the trainer measured it
+    (logged,) = [json.loads(line) for line in open(tmp_path / "byol_metrics.jsonl")]
+    assert out.get_meta_prop(SITE_RECORD_META) == {"feature_std": logged["feature_std"]}
+    assert 0 < logged["feature_std"] < 1
     # num_samples: 4 patients x 4 cine frames (frames "all", the default)
     assert out.data_kind == DataKind.WEIGHTS and has_target(out) and out.get_meta_prop("num_samples") == 16
     assert np.isfinite(out.get_meta_prop("loss")) and os.path.isfile(tmp_path / "byol_client_state.pt")

@@ -101,7 +101,7 @@ def test_local_cl_never_loads_the_aggregate_after_round_0(data, tmp_path):
     zeros = DXO(DataKind.WEIGHTS, data={k: np.zeros_like(v) for k, v in dxo.data.items()}).update_shareable(poisoned)
     ex.trainer.train_round = lambda round_idx, should_stop: RoundStats(
         loss=1.0, steps=1, samples=8, metrics={"loss_local": 1.0, "loss_remote": 0.0, "remote_features": 0,
-                                               "bank_filled": 0, "bank_fill": 0.0})
+                                               "bank_filled": 0, "bank_fill": 0.0, "feature_std": 0.1})
     run(ex, tmp_path, zeros)
     assert all(torch.equal(mine[k], v) for k, v in ex.trainer.model.state_dict().items())
     # a restarted Local CL client knows from its checkpoint that it trained already: it does not load either
@@ -148,10 +148,13 @@ def test_a_global_model_that_does_not_fit_names_the_keys(data, tmp_path, caplog)
 
 def test_pretraining_reads_every_cine_frame_and_reports_bounded_counts(data, tmp_path):
     """Issue 13 item 7: all frames of the 4D cine by default (FCL sec. 5.1), ED/ES as a switch; the summary record
-    carries the round's counts: volumes, steps, filled bank slots (2 steps x 2 volumes x 4 partitions = 16 of 32)."""
+    carries the round's counts: volumes, steps, filled bank slots (2 steps x 2 volumes x 4 partitions = 16 of 32),
+    and (issue 14 item 4) the round's feature spread, the one the trainer measured."""
     out = from_shareable(run(FCLExecutor(data_root=data, **ARGS), tmp_path, task(0)))
-    assert out.get_meta_prop(SITE_RECORD_META) == {"volumes": 16, "steps_per_round": 2, "bank_filled": 16,
-                                                   "bank_fill": 0.5, "bank_size": 32}
+    record = out.get_meta_prop(SITE_RECORD_META)
+    (logged,) = [json.loads(line) for line in open(tmp_path / "fcl_metrics.jsonl")]
+    assert record.pop("feature_std") == logged["feature_std"] and 0 < logged["feature_std"] < 1
+    assert record == {"volumes": 16, "steps_per_round": 2, "bank_filled": 16, "bank_fill": 0.5, "bank_size": 32}
     (tmp_path / "ed_es").mkdir()
     ed_es = FCLExecutor(data_root=data, frames="ed_es", **dict(ARGS, max_steps_per_round=0))
     record = from_shareable(run(ed_es, tmp_path / "ed_es", task(0))).get_meta_prop(SITE_RECORD_META)

@@ -103,6 +103,8 @@ def test_mae_train_task_returns_weights_image_count_and_loss(data, tmp_path):
     assert os.path.isfile(tmp_path / "mim_client_state.pt")
     (m,) = metrics(tmp_path)
     assert m["round"] == 0 and m["steps"] == 2 and m["num_samples"] == N_IMAGES and m["kept_local"] == []
+    # issue 14 item 4: the summary record carries the round's feature spread, as the trainer measured it
+    assert out.get_meta_prop(SITE_RECORD_META) == {"feature_std": m["feature_std"]} and 0 < m["feature_std"] < 1
 
 
 def test_full_epochs_when_steps_are_not_capped(data, tmp_path):
@@ -163,7 +165,8 @@ def test_beit_with_a_local_tokenizer_reports_it(data, tmp_path):
     ex = MIMExecutor(method="beit", data_root=data, mask_ratio=0.4, tokenizer_path=path, **ARGS)
     out = from_shareable(run(ex, tmp_path, task(global_weights("beit"))))
     assert np.isfinite(out.get_meta_prop("loss")) and out.get_meta_prop("num_samples") == N_IMAGES
-    assert out.get_meta_prop(SITE_RECORD_META) == {"tokenizer": f"local: {path}"}
+    record = out.get_meta_prop(SITE_RECORD_META)
+    assert record == {"tokenizer": f"local: {path}", "feature_std": metrics(tmp_path)[-1]["feature_std"]}
     # asked for federated k-means, it answers with its local tokenizer (the server then skips the workflow)
     init = from_shareable(run(ex, tmp_path, kmeans_task({}), KMEANS_INIT))
     assert init.data == {} and init.get_meta_prop(LOCAL_TOKENIZER_KEY) == f"local: {path}"
@@ -208,7 +211,8 @@ def test_beit_federated_tokenizer_tasks_then_training(data, tmp_path, caplog):
     # a restarted client finds the stored codebook and trains with it
     ex2 = MIMExecutor(method="beit", data_root=data, mask_ratio=0.4, **ARGS)
     out = from_shareable(run(ex2, tmp_path, task(global_weights("beit"))))
-    assert np.isfinite(out.get_meta_prop("loss")) and out.get_meta_prop(SITE_RECORD_META) == {"tokenizer": desc}
+    assert np.isfinite(out.get_meta_prop("loss"))
+    assert out.get_meta_prop(SITE_RECORD_META) == {"tokenizer": desc, "feature_std": metrics(tmp_path)[-1]["feature_std"]}
 
 
 def test_kmeans_tasks_are_refused_by_mismatched_sites(data, tmp_path, caplog):

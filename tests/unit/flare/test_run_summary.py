@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 from nvflare.apis.analytix import AnalyticsDataType
 from nvflare.apis.dxo import DXO, DataKind
 from nvflare.apis.event_type import EventType
@@ -192,7 +193,7 @@ def test_a_sites_summary_record_is_bounded_and_kept_only_when_its_contribution_i
 
 def fcl_record(steps, filled, k=4096):
     return {SITE_RECORD_META: {"volumes": 8 * steps, "steps_per_round": steps, "bank_filled": filled,
-                               "bank_fill": filled / k, "bank_size": k}}
+                               "bank_fill": filled / k, "bank_size": k, "feature_std": steps / 100}}
 
 
 def test_steps_and_bank_fill_per_round_are_means_over_the_aggregated_sites(tmp_path):
@@ -215,8 +216,8 @@ def test_steps_and_bank_fill_per_round_are_means_over_the_aggregated_sites(tmp_p
     summary = json.load(open(tmp_path / "summary.json"))
     r0, r1 = (r["site_record_means"] for r in summary["rounds"])
     assert r0 == {"bank_fill": 352 / 4096, "bank_filled": 352.0, "bank_size": 4096.0, "steps_per_round": 11.0,
-                  "volumes": 88.0}
-    assert (r1["steps_per_round"], r1["bank_filled"]) == (12.0, 768.0)
+                  "volumes": 88.0, "feature_std": pytest.approx(0.11)}  # issue 14: the sites' feature spread
+    assert (r1["steps_per_round"], r1["bank_filled"], r1["feature_std"]) == (12.0, 768.0, 0.12)
     assert "site-" not in json.dumps(summary)  # the counts of a site are never persisted under its name
     assert "site_records" not in summary and "bank_size" not in summary
 

@@ -57,6 +57,7 @@ def test_round_statistics_by_hand():
     lrs = [0.5 * 0.5 * (1 + math.cos(math.pi * s / 6)) for s in range(3)]  # cosine over 2 rounds x 3 steps
     assert [p["lr"] for p in stats.curve] == pytest.approx(lrs) and stats.metrics["lr"] == pytest.approx(lrs[-1])
     assert stats.loss == pytest.approx(np.mean([p["loss"] for p in stats.curve]))
+    assert 0 < stats.metrics["feature_std"] < 1  # issue 14: the spread of the online projections, mean of 3 steps
     assert trainer(max_steps_per_round=2).train_round(0).steps == 2
 
 

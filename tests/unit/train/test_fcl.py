@@ -42,6 +42,7 @@ def test_round_statistics_by_hand():
     assert stats.loss == pytest.approx(stats.metrics["loss_local"] + stats.metrics["loss_remote"])
     assert stats.metrics["remote_features"] == 0
     assert (stats.metrics["bank_filled"], stats.metrics["bank_fill"]) == (8, 0.5)  # 8 of K = 16 slots
+    assert 0 < stats.metrics["feature_std"] < 1  # issue 14: the spread of the query features, mean of 2 steps
     features, partitions = t.export_bank()
     assert features.shape == (16, 4) and features.dtype == np.float32 and partitions.dtype == np.int64
     assert sorted(partitions[partitions >= 0].tolist()) == [0] * 4 + [1] * 4  # 8 filled slots, partitions 0 and 1

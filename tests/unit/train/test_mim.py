@@ -80,6 +80,8 @@ def test_round_is_capped_and_reports_image_count_and_lr(records):
     stats = t.train_round(0)
     # 2 steps of round 0 with warm-up over 1 round: lr 0 then 0.5 x peak (step s: peak x s / 2)
     assert stats.steps == 2 and t.trainer.step == 2 and stats.samples == N_IMAGES and np.isfinite(stats.loss)
+    spread = stats.metrics.pop("feature_std")  # issue 14: the round's feature spread, 1/sqrt(48) = 0.144 if uniform
+    assert spread == t.trainer.last_stats["feature_std"] and 0 < spread < 1
     assert stats.metrics == {"lr_peak": 1e-3, "lr": pytest.approx(0.5e-3), "kept_local": []}
     assert [p["lr"] for p in stats.curve] == pytest.approx([0.0, 0.5e-3])  # one point per step
     assert stats.loss == pytest.approx(sum(p["loss"] for p in stats.curve) / 2)

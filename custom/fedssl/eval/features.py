@@ -1,0 +1,100 @@
+"""Feature spread of an encoder on a site's data: does it tell inputs apart, or has it collapsed (issue 14 item 4)?
+
+:func:`feature_spread` is the std over a batch of the L2-normalised feature vectors, averaged over the dimensions
+(:mod:`fedssl.core.spread`; SimSiam, Chen & He 2021, sec. 4.1), returned with its ``1 / sqrt(D)`` reference (the
+value for features spread uniformly on the sphere).  0 means every input maps to one direction: a collapsed
+encoder, whose features cannot help a decoder or a head.
+
+What is measured (eval mode, no gradient, BatchNorm running statistics):
+
+* U-Net encoders (FCL, FedMoCo, FCLOpt, FedBYOL, random init): :func:`unet_spread` on every 2D slice of a site's
+  volumes: the projection of a ``ContrastiveNet`` (the MoCo main / BYOL online network, what pre-training
+  shapes) or, for a bare encoder, the globally average-pooled bottleneck (what fine-tuning receives);
+* ViT encoders (Fed-MAE, Fed-BEiT, scratch): :func:`vit_spread`, the average of the patch tokens of
+  ``encoder.forward_features`` over a batch of images.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedssl.core.spread import normalised_spread, uniform_reference
+from fedssl.data.volume import Volume
+
+
+class Spread(NamedTuple):
+    """A feature spread and its reference ``1 / sqrt(D)`` (uniform on the sphere); ``n`` feature vectors."""
+
+    value: float
+    reference: float
+    n: int
+
+
+def feature_spread(z: torch.Tensor) -> Spread:
+    """Spread of the feature batch ``z [B, D]`` (0 = collapsed) with its ``1 / sqrt(D)`` reference."""
+    value = normalised_spread(z)
+    return Spread(value, uniform_reference(int(z.shape[1])), int(z.shape[0]))
+
+
+def volume_slices(volumes: Sequence[Volume]) -> torch.Tensor:
+    """Every 2D slice of ``volumes`` as ``[S, 1, H, W]`` float32 (labels not needed)."""
+    if not volumes:
+        raise ValueError("no volumes: the feature spread needs at least one volume of the site")
+    return torch.cat([torch.as_tensor(np.ascontiguousarray(v.image), dtype=torch.float32) for v in volumes]).unsqueeze(1)
+
+
+@torch.no_grad()
+def _features(fn, model: nn.Module, x: torch.Tensor, batch_size: int, device: str | torch.device) -> torch.Tensor:
+    """``fn(model, batch)`` over ``x`` in batches with ``model`` in eval mode (its mode restored afterwards)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r}: must be a positive integer")
+    was_training = model.training
+    model.eval()
+    try:
+        return torch.cat([fn(model, x[i:i + batch_size].to(device)).float().cpu() for i in range(0, len(x), batch_size)])
+    finally:
+        model.train(was_training)
+
+
+def _unet_pooled(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(x)  # a ContrastiveNet: the projection [B, D]; a bare encoder: the bottleneck [B, C4, h, w]
+    return out if out.dim() == 2 else out.mean(dim=(2, 3))
+
+
+def unet_features(model: nn.Module, volumes: Sequence[Volume], *, batch_size: int = 64,
+                  device: str | torch.device = "cpu") -> torch.Tensor:
+    """Features ``[S, D]`` of every slice of ``volumes``: the projection of a ``ContrastiveNet``
+    (``MoCoUNetEncoder.main`` / ``BYOLUNetEncoder.online``) or the pooled bottleneck of a ``UNetEncoder``."""
+    return _features(_unet_pooled, model, volume_slices(volumes), batch_size, device)
+
+
+def unet_spread(model: nn.Module, volumes: Sequence[Volume], *, batch_size: int = 64,
+                device: str | torch.device = "cpu") -> Spread:
+    """Spread of a U-Net encoder's :func:`unet_features` over every slice of ``volumes``."""
+    return feature_spread(unet_features(model, volumes, batch_size=batch_size, device=device))
+
+
+def _vit_pooled(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    enc = model.encoder
+    tokens = enc.forward_features(x)  # [B, prefix + L, D]
+    return tokens[:, enc.num_prefix_tokens:].mean(dim=1)
+
+
+def vit_features(model: nn.Module, images: torch.Tensor, *, batch_size: int = 64,
+                 device: str | torch.device = "cpu") -> torch.Tensor:
+    """The average of the patch tokens (class token excluded, as the classifier pools) of a ViT encoder
+    (``model.encoder``, a timm VisionTransformer: MAEViT, BEiTViT, ViTClassifier) for ``images [N, 3, H, W]``."""
+    if not isinstance(getattr(model, "encoder", None), nn.Module):
+        raise ValueError(f"{type(model).__name__} has no ViT 'encoder'; pass an MAEViT, BEiTViT or ViTClassifier")
+    return _features(_vit_pooled, model, images, batch_size, device)
+
+
+def vit_spread(model: nn.Module, images: torch.Tensor, *, batch_size: int = 64,
+               device: str | torch.device = "cpu") -> Spread:
+    """Spread of a ViT encoder's :func:`vit_features` over ``images [N, 3, H, W]``."""
+    return feature_spread(vit_features(model, images, batch_size=batch_size, device=device))

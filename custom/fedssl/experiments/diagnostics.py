@@ -1,0 +1,276 @@
+"""Diagnostics printed with every table, so a result can be understood rather than guessed (issue 14 item 4).
+
+Per pre-trained method:
+
+* :func:`pretraining_rounds`: what the run recorded per round in its ``summary.json`` (:mod:`fedssl.flare.run_summary`):
+  the mean loss over the sites, its loss terms (FCL: ``loss_local``, ``loss_remote``) and the means of the sites'
+  numeric summary records (FCL: ``bank_fill``, ``bank_filled``, ``steps_per_round``; every pre-training method:
+  ``feature_std``, the spread of the batch's normalised features, :mod:`fedssl.core.spread`);
+* the final encoder's feature spread on each site's data next to a random encoder's and the ``1 / sqrt(D)``
+  reference (0 = collapse; :mod:`fedssl.eval.features`);
+* a frozen-encoder probe (:mod:`fedssl.train.probe`) of the pre-trained encoder and of a random one on the same split:
+  does the encoder as it is beat a random one?
+
+:func:`diagnose_acdc` (U-Net encoders: FCL, FedMoCo, FCLOpt, FedBYOL ...) and :func:`diagnose_vit` (Fed-MAE /
+Fed-BEiT) return a JSON-able dict; :func:`format_diagnostics` turns a list of them into the text block printed under
+a table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from fedssl.data.images import ImageDataset, ImageRecord
+from fedssl.data.volume import Volume
+from fedssl.eval.features import unet_spread, vit_spread
+from fedssl.models.unet import ENCODER_MODULES, ContrastiveNet, UNetEncoder, encoder_state_from_global
+from fedssl.models.vit import ViTClassifier, load_pretrained_encoder
+from fedssl.train.probe import frozen_encoder_probe, linear_probe
+from fedssl.train.segmentation import init_unet
+
+#: a spread below this fraction of the 1/sqrt(D) reference reads as a collapsed encoder
+COLLAPSE_FRACTION = 0.1
+#: the global-model prefixes of the networks pre-training shapes (MoCo main, BYOL online)
+PROJECTION_PREFIXES = ("main.", "online.")
+
+Progress = Callable[[str], None]
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def pretraining_rounds(summary_path: str) -> list[dict]:
+    """One dict per round of a run's ``summary.json``: ``round``, ``loss`` (mean over the sites), ``loss_std_over_sites``,
+    every loss term and every numeric site-record mean (``bank_fill``, ``feature_std`` ...), each only where the run
+    recorded it.  A missing or malformed file is a ValueError naming it."""
+    if not os.path.isfile(summary_path):
+        raise ValueError(f"run summary {summary_path} does not exist; pass the summary.json of a pre-training run "
+                         "(the server's run folder)")
+    try:
+        with open(summary_path) as f:
+            summary = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"run summary {summary_path} is not readable JSON ({type(e).__name__}: {e})") from None
+    rounds = summary.get("rounds") if isinstance(summary, dict) else None
+    if not isinstance(rounds, list) or not all(isinstance(r, dict) and _number(r.get("round")) for r in rounds):
+        raise ValueError(f"run summary {summary_path} has no list of rounds with a 'round' number each; is it the "
+                         "summary.json that RunSummary writes?")
+    out = []
+    for r in rounds:
+        row: dict[str, Any] = {"round": int(r["round"])}
+        for key, name in (("mean_loss", "loss"), ("loss_std_over_sites", "loss_std_over_sites")):
+            if _number(r.get(key)):
+                row[name] = float(r[key])
+        for group in ("loss_terms", "site_record_means"):
+            values = r.get(group)
+            if isinstance(values, dict):
+                row.update({k: float(v) for k, v in values.items() if _number(v)})
+        out.append(row)
+    return out
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    m = sum(values) / len(values)
+    return m, math.sqrt(sum((v - m) ** 2 for v in values) / len(values))
+
+
+def _spread_summary(pretrained: Mapping[str, Any], random: Mapping[str, Any], what: str) -> dict:
+    """Per-site spreads (:class:`fedssl.eval.features.Spread`) of the two encoders -> their means and the reference."""
+    sites = sorted(pretrained)
+    return {"what": what, "value": _mean_std([pretrained[s].value for s in sites])[0],
+            "random": _mean_std([random[s].value for s in sites])[0], "reference": pretrained[sites[0]].reference,
+            "per_site": {s: pretrained[s].value for s in sites}}
+
+
+def _probe_summary(rows: Sequence[dict], random_rows: Sequence[dict], metric: str, setting: str) -> dict:
+    (m, sd), (rm, rsd) = _mean_std([r[metric] for r in rows]), _mean_std([r[metric] for r in random_rows])
+    return {"metric": metric, "setting": setting, "pretrained": m, "pretrained_std": sd, "random": rm,
+            "random_std": rsd, "n_sites": len(rows), "rows": list(rows) + list(random_rows)}
+
+
+def _unet_encoder(init: object, features: Sequence[int], seed: int) -> UNetEncoder:
+    """The encoder of ``init_unet(init)`` (the one fine-tuning and the probe start from) as a ``UNetEncoder``."""
+    state = init_unet(init, features=features, seed=seed).state_dict()
+    encoder = UNetEncoder(features)
+    encoder.load_state_dict({k: v for k, v in state.items() if k.split(".", 1)[0] in ENCODER_MODULES})
+    return encoder
+
+
+def _projection_net(global_state: Mapping[str, torch.Tensor], features: Sequence[int]) -> ContrastiveNet | None:
+    """The MoCo main / BYOL online network (encoder + projection head) of a pre-training global state, or None."""
+    prefix = next((p for p in PROJECTION_PREFIXES if f"{p}head.2.weight" in global_state), None)
+    if prefix is None:
+        return None
+    net = ContrastiveNet(features, int(global_state[f"{prefix}head.2.weight"].shape[0]))
+    net.load_state_dict({k[len(prefix):]: torch.as_tensor(v) for k, v in global_state.items() if k.startswith(prefix)})
+    return net
+
+
+def diagnose_acdc(method: str, summary_path: str | None, encoder_state: object,
+                  site_volumes: Mapping[str, Sequence[Volume]], settings: Mapping[str, Any], *, probe_n: int = 1,
+                  fold: int = 0, seed: int = 0, split_seed: int = 0, progress: Progress | None = None) -> dict:
+    """Diagnostics of a U-Net encoder pre-training (FCL, FedMoCo, Local CL, FCLOpt, FedBYOL).
+
+    ``encoder_state``: an encoder state dict (``conv_0.*`` ... as ``fedssl.experiments.fcl_finetune.encoder_init``
+    gives), a pre-training global state (``main.*`` / ``online.*``: the projection's spread is reported too) or
+    ``"random"``; ``summary_path``: the run's ``summary.json`` (None: no rounds); ``site_volumes``: the labelled
+    volumes per site; ``settings``: the fine-tuning settings (``features``, ``epochs``, ``lr``, ``device``, optional
+    ``batch_size`` and ``max_steps_per_epoch``) of :func:`fedssl.experiments.fcl_finetune.protocol_settings`.
+    The probe trains the decoder on ``probe_n`` patients of every site in ``fold``, once on this encoder and once on
+    a random one (same split, same decoder start, same batches)."""
+    features, device = list(settings["features"]), settings.get("device", "cpu")
+    is_global = isinstance(encoder_state, Mapping) and any(k.startswith(PROJECTION_PREFIXES) for k in encoder_state)
+    init = encoder_state_from_global(encoder_state) if is_global else encoder_state
+    encoder, random_encoder = _unet_encoder(init, features, seed), _unet_encoder("random", features, seed)
+    projection = _projection_net(encoder_state, features) if is_global else None
+    probe_kw = dict(n_labelled=probe_n, fold=fold, features=features, epochs=int(settings["epochs"]),
+                    lr=float(settings["lr"]), batch_size=int(settings.get("batch_size", 10)), seed=seed,
+                    device=device, max_steps_per_epoch=settings.get("max_steps_per_epoch"), split_seed=split_seed)
+    spread, random_spread, proj, rows, random_rows = {}, {}, {}, [], []
+    for site in sorted(site_volumes):
+        spread[site] = unet_spread(encoder, site_volumes[site], device=device)
+        random_spread[site] = unet_spread(random_encoder, site_volumes[site], device=device)
+        if projection is not None:
+            proj[site] = unet_spread(projection, site_volumes[site], device=device)
+        rows.append(frozen_encoder_probe(site_volumes, init, site=site, method=method, **probe_kw))
+        random_rows.append(frozen_encoder_probe(site_volumes, "random", site=site, method="random init", **probe_kw))
+        if progress is not None:
+            progress(f"diagnostics {method} {site}: spread {spread[site].value:.3f} (random "
+                     f"{random_spread[site].value:.3f}), probe Dice {rows[-1]['dice']:.3f} (random "
+                     f"{random_rows[-1]['dice']:.3f})")
+    out = {"method": method, "rounds": pretraining_rounds(summary_path) if summary_path else [],
+           "spread": _spread_summary(spread, random_spread, "pooled encoder bottleneck"),
+           "probe": _probe_summary(rows, random_rows, "dice", f"N={probe_n}, fold {fold}")}
+    if proj:
+        out["projection_spread"] = {"value": _mean_std([p.value for p in proj.values()])[0],
+                                    "reference": next(iter(proj.values())).reference}
+    return out
+
+
+def _vit(settings: Mapping[str, Any], init: object) -> ViTClassifier:
+    model = ViTClassifier(2, image_size=settings["image_size"], patch_size=settings["patch_size"],
+                          embed_dim=settings["embed_dim"], depth=settings["depth"], num_heads=settings["num_heads"],
+                          drop_path_rate=0.0, seed=settings.get("seed", 0), layer_scale=settings.get("layer_scale"))
+    if not (isinstance(init, str) and init == "random"):
+        load_pretrained_encoder(model, init)
+    return model
+
+
+def diagnose_vit(method: str, summary_path: str | None, encoder_state: object,
+                 site_records: Mapping[str, Sequence[ImageRecord]], settings: Mapping[str, Any], *,
+                 label_fraction: float = 1.0, max_images: int = 256, progress: Progress | None = None) -> dict:
+    """Diagnostics of a ViT pre-training (Fed-MAE, Fed-BEiT): rounds, the spread of the encoder's mean-pooled patch
+    tokens on (at most ``max_images`` of) each site's images against a random ViT's, and a linear probe of both on
+    the site's labelled images (``label_fraction``), accuracy on its validation split.  ``encoder_state``: a
+    pre-training global model (path or state dict, ``encoder.*`` keys) or ``"random"``; ``settings``: ``dataset``,
+    ``image_size``, ``patch_size``, ``embed_dim``, ``depth``, ``num_heads``, optional ``layer_scale``,
+    ``val_fraction``, ``seed``, ``device`` (the local fine-tuning settings of :mod:`fedssl.experiments.sslfl_local`)."""
+    s, device = settings, settings.get("device", "cpu")
+    model, random_model = _vit(s, encoder_state), _vit(s, "random")
+    probe_kw = dict(dataset=s["dataset"], image_size=s["image_size"], patch_size=s["patch_size"],
+                    embed_dim=s["embed_dim"], depth=s["depth"], num_heads=s["num_heads"],
+                    layer_scale=s.get("layer_scale"), label_fraction=label_fraction,
+                    val_fraction=s.get("val_fraction", 0.1), seed=s.get("seed", 0), device=device)
+    spread, random_spread, rows, random_rows = {}, {}, [], []
+    for site in sorted(site_records):
+        records = list(site_records[site])[:max_images]
+        ds = ImageDataset(records, s["image_size"], "eval", s["dataset"], site=site)
+        images = torch.stack([ds[i][0] for i in range(len(ds))])
+        spread[site] = vit_spread(model, images, device=device)
+        random_spread[site] = vit_spread(random_model, images, device=device)
+        rows.append(linear_probe(site_records[site], encoder_state, site=site, method=method, **probe_kw))
+        random_rows.append(linear_probe(site_records[site], "random", site=site, method="scratch", **probe_kw))
+        if progress is not None:
+            progress(f"diagnostics {method} {site}: spread {spread[site].value:.3f} (random "
+                     f"{random_spread[site].value:.3f}), linear probe accuracy {rows[-1]['accuracy']:.3f} (random "
+                     f"{random_rows[-1]['accuracy']:.3f})")
+    return {"method": method, "rounds": pretraining_rounds(summary_path) if summary_path else [],
+            "spread": _spread_summary(spread, random_spread, "mean-pooled patch tokens"),
+            "probe": _probe_summary(rows, random_rows, "accuracy", f"label fraction {label_fraction:g}")}
+
+
+# ------------------------------------------------------------------------------------------------ formatting
+
+
+def _loss_line(rounds: Sequence[dict]) -> str | None:
+    """Loss and loss terms at the first, middle and last round."""
+    if not rounds:
+        return None
+    picks = sorted({0, len(rounds) // 2, len(rounds) - 1})
+    chosen = [rounds[i] for i in picks]
+    found = {k for r in rounds for k in r if k.startswith("loss_") and k != "loss_std_over_sites"}
+    terms = [k for k in ("loss", *sorted(found)) if any(k in r for r in chosen)]
+    if not terms:
+        return None
+    cells = ["{} {}".format(k, " / ".join(f"{r[k]:.4f}" if k in r else "-" for r in chosen)) for k in terms]
+    return f"pre-training (round {' / '.join(str(r['round']) for r in chosen)}): " + "; ".join(cells)
+
+
+def _bank_line(rounds: Sequence[dict]) -> str | None:
+    last = next((r for r in reversed(rounds) if "bank_fill" in r), None)
+    if last is None:
+        return None
+    filled = ""
+    if "bank_filled" in last and "bank_size" in last:
+        filled = f" ({last['bank_filled']:.0f} of {last['bank_size']:.0f} slots)"
+    return f"bank fill at round {last['round']}: {last['bank_fill']:.2f}{filled}"
+
+
+def _spread_line(d: Mapping[str, Any]) -> str | None:
+    s = d.get("spread")
+    if not s:
+        return None
+    line = (f"feature spread ({s['what']}): {s['value']:.3f} vs random encoder {s['random']:.3f}; "
+            f"uniform 1/sqrt(D) {s['reference']:.3f}")
+    proj = d.get("projection_spread")
+    if proj:
+        line += f"; projection {proj['value']:.3f} (1/sqrt(D) {proj['reference']:.3f})"
+    per_round = [r["feature_std"] for r in d.get("rounds", ()) if "feature_std" in r]
+    if per_round:
+        line += f"; in training {per_round[0]:.3f} -> {per_round[-1]:.3f}"
+    return line
+
+
+def _probe_line(p: Mapping[str, Any]) -> str:
+    return (f"frozen-encoder probe {p['metric']} ({p['setting']}, {p['n_sites']} sites): pre-trained "
+            f"{p['pretrained']:.3f} +- {p['pretrained_std']:.3f} vs random {p['random']:.3f} +- {p['random_std']:.3f}")
+
+
+def verdict(d: Mapping[str, Any]) -> str:
+    """One line: collapse first (spread below ``COLLAPSE_FRACTION`` of the reference; the random encoder's spread
+    beside it, since a random encoder's pooled features can sit as low), then the probe comparison."""
+    parts = []
+    s, proj = d.get("spread"), d.get("projection_spread")
+    for what, sp in (("encoder", s), ("projection", proj)):
+        if sp and sp["value"] < COLLAPSE_FRACTION * sp["reference"]:
+            random = f", random encoder {sp['random']:.3f}" if "random" in sp else ""
+            parts.append(f"{what} collapsed (spread {sp['value']:.3f}{random})")
+    p = d.get("probe")
+    if p:
+        delta = p["pretrained"] - p["random"]
+        unit = "Dice" if p["metric"] == "dice" else p["metric"]
+        parts.append(f"frozen encoder beats random by {delta:+.3f} {unit}" if delta > 0
+                     else f"frozen encoder does not beat random ({delta:+.3f} {unit})")
+    return "; ".join(parts) or "no diagnostics recorded"
+
+
+def format_diagnostics(diags: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> str:
+    """The text block printed under a table: per method, the loss terms at the first / middle / last round, the bank
+    fill at the last round, the feature spread against a random encoder and 1/sqrt(D), the probe, and a verdict."""
+    items = [diags] if isinstance(diags, Mapping) else list(diags)
+    lines = ["Diagnostics (issue 14: loss terms, bank fill, feature spread (0 = collapse), frozen-encoder probe)"]
+    for d in items:
+        lines.append(f"  {d['method']}:")
+        rounds = d.get("rounds") or []
+        probe = _probe_line(d["probe"]) if d.get("probe") else None
+        body = [_loss_line(rounds), _bank_line(rounds), _spread_line(d), probe]
+        lines += [f"    {x}" for x in body if x]
+        lines.append(f"    verdict: {verdict(d)}")
+    return "\n".join(lines)

@@ -1,0 +1,86 @@
+"""Feature spread (fedssl.eval.features, fedssl.core.spread): hand-computed batches, then the encoder helpers
+(U-Net projection / pooled bottleneck over a site's slices, ViT mean-pooled patch tokens) against a direct computation."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fedssl.data.volume import Volume
+from fedssl.eval.features import feature_spread, unet_features, unet_spread, vit_spread
+from fedssl.models.unet import TINY_FEATURES, ContrastiveNet, UNetEncoder
+from fedssl.models.vit import TINY_VIT, ViTClassifier
+
+torch.set_num_threads(1)
+
+
+def test_identical_rows_have_zero_spread():
+    z = torch.tensor([[3.0, -1.0, 2.0, 0.5]]).repeat(5, 1)
+    value, reference, n = feature_spread(z)
+    assert (value, n) == (0.0, 5) and reference == pytest.approx(0.5)  # 1 / sqrt(4)
+
+
+def test_plus_minus_unit_vectors_by_hand():
+    """Rows +-3 e_i in D = 4 (8 rows): after normalisation each coordinate is +1, -1 and six 0s: mean 0, population
+    variance 2/8, std 1/2 = 1/sqrt(4), the uniform reference.  Rows e_1, e_2 in D = 2: each coordinate is (1, 0),
+    std 1/2, below the reference 1/sqrt(2)."""
+    eye = torch.eye(4)
+    spread = feature_spread(torch.cat([3 * eye, -3 * eye]))
+    assert spread.value == pytest.approx(0.5) and spread.reference == pytest.approx(0.5)
+    two = feature_spread(torch.eye(2))
+    assert two.value == pytest.approx(0.5) and two.reference == pytest.approx(1 / math.sqrt(2))
+
+
+def test_gaussian_features_in_64_dimensions_spread_about_one_eighth():
+    z = torch.randn(4096, 64, generator=torch.Generator().manual_seed(0)) * 5 + 0.0
+    assert feature_spread(z).value == pytest.approx(1 / 8, abs=0.003)
+
+
+def test_bad_shapes_are_named():
+    with pytest.raises(ValueError, match=r"\[B, D\], got shape \(4,\)"):
+        feature_spread(torch.ones(4))
+
+
+def volumes(n=2, seed=0):
+    rng = np.random.default_rng(seed)
+    return [Volume(f"p{i}", "ED", rng.random((3, 32, 32), dtype=np.float32)) for i in range(n)]
+
+
+def test_unet_spread_of_a_bare_encoder_is_the_pooled_bottleneck():
+    torch.manual_seed(0)
+    enc = UNetEncoder(TINY_FEATURES).train()
+    vols = volumes()
+    x = torch.cat([torch.from_numpy(v.image) for v in vols]).unsqueeze(1)  # 6 slices
+    enc.eval()
+    with torch.no_grad():
+        expected = F.normalize(enc(x).mean(dim=(2, 3)), dim=1).std(dim=0, unbiased=False).mean().item()
+    enc.train()
+    got = unet_spread(enc, vols, batch_size=4)
+    assert got.value == pytest.approx(expected, abs=1e-6) and got.n == 6 and got.reference == pytest.approx(1 / 4)
+    assert enc.training  # its mode restored
+
+
+def test_unet_spread_uses_the_projection_and_sees_a_collapsed_head():
+    torch.manual_seed(0)
+    net = ContrastiveNet(TINY_FEATURES, proj_dim=8)
+    assert unet_features(net, volumes()).shape == (6, 8)
+    with torch.no_grad():  # every input -> the same projection: collapse
+        net.head[2].weight.zero_()
+        net.head[2].bias.fill_(1.0)
+    assert unet_spread(net, volumes()).value == 0.0
+
+
+def test_vit_spread_averages_the_patch_tokens_without_the_class_token_in_eval_mode():
+    """Eval mode: no drop path (0.1 here), so the spread is a property of the encoder, not of a random draw."""
+    model = ViTClassifier(2, **TINY_VIT, drop_path_rate=0.1, seed=0)
+    images = torch.randn(6, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        tokens = model.eval().encoder.forward_features(images)  # [6, 1 + 64, 48]
+    expected = F.normalize(tokens[:, 1:].mean(dim=1), dim=1).std(dim=0, unbiased=False).mean().item()
+    got = vit_spread(model.train(), images, batch_size=4)
+    assert got.value == pytest.approx(expected, abs=1e-6) and got.reference == pytest.approx(1 / math.sqrt(48))
+    assert model.training
+    with pytest.raises(ValueError, match="no ViT 'encoder'"):
+        vit_spread(UNetEncoder(TINY_FEATURES), images)

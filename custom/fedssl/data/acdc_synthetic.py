@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Union
+from typing import Sequence, Union
 
 import nibabel as nib
 import numpy as np
@@ -36,25 +36,37 @@ import numpy as np
 from fedssl.core.partition import split_patients
 from fedssl.data.acdc import ACDCDataError, list_patients
 
-__all__ = ["write_synthetic_acdc", "link_site_folders", "GROUPS"]
+__all__ = ["write_synthetic_acdc", "link_site_folders", "GROUPS", "DEFAULT_DIFFICULTY"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 GROUPS: tuple[str, ...] = ("NOR", "MINF", "DCM", "HCM", "RV")
 
-# Relative signal levels (before the site's acquisition model) of the tissue classes.
+#: the calibrated difficulty (README, "Calibrated synthetic data"): random-init local fine-tuning at the quick /
+#: bench fine-tuning settings lands within 0.07 of FCL Table 1's random-init row at N = 1, 2, 4, 8
+DEFAULT_DIFFICULTY = 1.0
+
+# Relative signal levels (cine SSFP, before the site's acquisition model) of the tissues.  Blood and fat are
+# bright, myocardium, skeletal muscle and liver are close to each other (the myocardium's contrast to its
+# surroundings is low), lungs and air are dark.
 _AIR = 0.03
-_MYO = 0.17
-_LV_BLOOD = 0.88
+_LUNG = 0.07
+_MYO = 0.24
+_MUSCLE = 0.27
+_LIVER = 0.31
+_TISSUE = 0.36
+_SPINE = 0.40
+_FAT = 0.80
+_LV_BLOOD = 0.86
 _RV_BLOOD = 0.82
 
 # Group -> (LV radius factor, wall thickness factor, contraction amplitude, RV size factor)
 _GROUP_PARAMS: dict[str, tuple[float, float, float, float]] = {
     "NOR": (1.00, 1.00, 0.30, 1.00),
-    "MINF": (1.10, 0.85, 0.16, 1.00),
-    "DCM": (1.25, 0.75, 0.12, 1.05),
-    "HCM": (0.85, 1.55, 0.36, 0.95),
-    "RV": (0.95, 1.00, 0.28, 1.40),
+    "MINF": (1.15, 0.90, 0.14, 1.00),  # plus a thinned, akinetic infarct sector
+    "DCM": (1.35, 0.70, 0.09, 1.05),
+    "HCM": (0.80, 1.60, 0.38, 0.95),  # plus asymmetric septal thickening
+    "RV": (0.95, 1.00, 0.28, 1.55),
 }
 
 
@@ -64,10 +76,11 @@ def _site_acquisition(seed: int, site_index: int) -> dict[str, float]:
     return {
         "scale": float(rng.uniform(350.0, 1600.0)),
         "offset": float(rng.uniform(0.0, 150.0)),
-        "gamma": float(rng.uniform(0.65, 1.5)),
-        "noise": float(rng.uniform(0.015, 0.08)),
-        "bias": float(rng.uniform(0.0, 0.35)),
+        "gamma": float(rng.uniform(0.7, 1.4)),
+        "noise": float(rng.uniform(0.02, 0.06)),
+        "bias": float(rng.uniform(0.15, 0.40)),
         "bias_angle": float(rng.uniform(0.0, 2.0 * np.pi)),
+        "coil": float(rng.uniform(0.2, 0.6)),
     }
 
 
@@ -94,103 +107,238 @@ def _soft(dist: np.ndarray, radius: np.ndarray, width: float = 1.0) -> np.ndarra
     return np.clip(out, 0.0, 1.0, out=out)
 
 
-def _phantom(
-    rng: np.random.Generator, shape: tuple[int, int], n_slices: int, n_frames: int, group: str
-) -> tuple[np.ndarray, np.ndarray, int]:
-    """Noise-free cine signal ``[T, Z, H, W]`` in [0, 1], labels ``[T, Z, H, W]`` and the ES index."""
-    h, w = shape
+def _ellipse(yy, xx, cy, cx, ry, rx, width: float = 1.5) -> np.ndarray:
+    """Soft membership of an axis-aligned ellipse (centre, semi-axes in pixels)."""
+    r = np.sqrt(((yy - cy) / ry) ** 2 + ((xx - cx) / rx) ** 2)
+    return _soft(r * np.float32(min(ry, rx)), np.float32(min(ry, rx)), width=width)
+
+
+def _wobble(rng: np.random.Generator, orders: Sequence[int], amp: float) -> list[tuple[int, float, float]]:
+    """Random Fourier terms (order, amplitude, phase) of a boundary ``r(theta) = r (1 + sum a cos(j theta + p))``."""
+    return [(int(j), float(rng.uniform(0.0, amp)), float(rng.uniform(0.0, 2.0 * np.pi))) for j in orders]
+
+
+def _radial(theta: np.ndarray, terms: Sequence[tuple[int, float, float]]) -> np.ndarray:
+    out = np.zeros_like(theta)
+    for j, a, p in terms:
+        out += np.float32(a) * np.cos(np.float32(j) * theta + np.float32(p))
+    return out
+
+
+def _smooth_field(rng: np.random.Generator, shape: tuple[int, ...], n_waves: int, freq: tuple[float, float]) -> np.ndarray:
+    """Zero-mean smooth random field ``[Z, H, W]`` (unit-ish amplitude): a sum of random plane waves, slowly
+    varying along the slice axis."""
+    z, h, w = shape
     m = float(min(h, w))
-    f_lv, f_wall, amp, f_rv = _GROUP_PARAMS[group]
-    yy = np.arange(h, dtype=np.float32)[:, None]
-    xx = np.arange(w, dtype=np.float32)[None, :]
-
-    # Per-patient anatomy (pixel units, relative to the field of view).
-    cy0 = (h - 1) / 2.0 + rng.uniform(-0.08, 0.08) * h
-    cx0 = (w - 1) / 2.0 + rng.uniform(-0.08, 0.08) * w
-    drift = rng.uniform(-0.03, 0.03, size=2) * m  # centre drift base -> apex
-    r_lv0 = rng.uniform(0.085, 0.115) * m * f_lv
-    wall0 = r_lv0 * rng.uniform(0.32, 0.45) * f_wall
-    r_rv0 = (r_lv0 + wall0) * rng.uniform(0.85, 1.05) * f_rv  # RV radius ~ epicardial radius
-    rv_wall = max(1.0, 0.012 * m)
-    phi = np.pi + rng.uniform(-np.pi / 3.0, np.pi / 3.0)  # direction LV -> RV
-
-    k, es = _contraction(n_frames)
-    k = k[:, None, None, None]  # [T, 1, 1, 1]
-    u = (np.arange(n_slices, dtype=np.float32) / max(n_slices - 1, 1))[None, :, None, None]  # [1, Z, 1, 1]
-
-    f32 = np.float32
-    cy = (cy0 + drift[0] * u).astype(f32)
-    cx = (cx0 + drift[1] * u).astype(f32)
-    r_lv_ed = r_lv0 * (1.0 - 0.72 * u**1.5)
-    wall = wall0 * (1.0 + 0.2 * u)
-    myo_area = (r_lv_ed + wall) ** 2 - r_lv_ed**2
-    r_lv = (r_lv_ed * (1.0 - amp * k)).astype(f32)
-    r_epi = np.sqrt(r_lv.astype(np.float64) ** 2 + myo_area).astype(f32)  # wall thickens in systole
-    r_rv = (r_rv0 * np.clip(1.0 - (u / 0.8) ** 2, 0.0, None) * (1.0 - 0.6 * amp * k)).astype(f32)
-    # RV disc centre at r_epi - 0.4 r_rv from the LV centre: minus the epicardial disc it leaves a
-    # crescent ~0.6 r_rv thick wrapped around the septum; it shrinks to a small blob at the apex.
-    d_rv = r_epi - f32(0.4) * r_rv
-    cy_rv = (cy + d_rv * np.sin(phi)).astype(f32)
-    cx_rv = (cx + d_rv * np.cos(phi)).astype(f32)
-
-    dist_lv = np.sqrt((yy - cy) ** 2 + (xx - cx) ** 2)  # [1, Z, H, W]
-    dist_rv = np.sqrt((yy - cy_rv) ** 2 + (xx - cx_rv) ** 2)  # [T, Z, H, W]
-    has_rv = r_rv > 0.5
-
-    # Body with smooth tissue texture (fixed over time, smooth along the slice axis).
-    by, bx = (h - 1) / 2.0, (w - 1) / 2.0
-    ay, ax = rng.uniform(0.40, 0.48) * h, rng.uniform(0.42, 0.49) * w
-    body = _soft(np.sqrt(((yy - by) / ay) ** 2 + ((xx - bx) / ax) ** 2) * m, np.float32(m), width=1.0)
-    tex = np.zeros((n_slices, h, w), dtype=np.float32)
-    zs = np.arange(n_slices, dtype=np.float32)[:, None, None]
-    n_waves = 8
+    yy = np.arange(h, dtype=np.float32)[None, :, None]
+    xx = np.arange(w, dtype=np.float32)[None, None, :]
+    zs = np.arange(z, dtype=np.float32)[:, None, None]
+    out = np.zeros(shape, dtype=np.float32)
     for _ in range(n_waves):
         theta = rng.uniform(0.0, 2.0 * np.pi)
-        freq = rng.uniform(2.0, 12.0) * 2.0 * np.pi / m
-        fz = rng.uniform(0.05, 0.4)
-        tex += rng.uniform(0.5, 1.0) * np.sin(
-            freq * (np.cos(theta) * xx + np.sin(theta) * yy) + fz * zs + rng.uniform(0, 2 * np.pi)
-        ).astype(np.float32)
-    tex = tex / np.sqrt(n_waves) + 0.3 * rng.standard_normal((n_slices, h, w), dtype=np.float32)
-    bg_level = rng.uniform(0.40, 0.50)
-    background = _AIR + (bg_level + 0.07 * tex - _AIR) * body  # [Z, H, W]
-    # Dark lungs left and right of the mediastinum.
-    for side in (-1.0, 1.0):
-        ly, lx = by - rng.uniform(0.0, 0.08) * h, bx + side * rng.uniform(0.27, 0.32) * w
-        sy, sx = rng.uniform(0.18, 0.24) * h, rng.uniform(0.09, 0.12) * w
-        lung = _soft(np.sqrt(((yy - ly) / sy) ** 2 + ((xx - lx) / sx) ** 2) * m, np.float32(m), width=3.0)
-        background = background * (1 - lung) + (0.08 + 0.02 * tex) * lung
+        f = rng.uniform(*freq) * 2.0 * np.pi / m
+        out += np.float32(rng.uniform(0.5, 1.0)) * np.sin(
+            np.float32(f) * (np.float32(np.cos(theta)) * xx + np.float32(np.sin(theta)) * yy)
+            + np.float32(rng.uniform(0.05, 0.4)) * zs + np.float32(rng.uniform(0, 2 * np.pi)))
+    return out / np.float32(np.sqrt(n_waves))
 
-    # Painter's algorithm (soft for the image, hard with the same geometry for the labels).
+
+def _grid(h: int, w: int, angle: float) -> tuple[np.ndarray, np.ndarray]:
+    """Pixel coordinates ``(y, x)`` ``[H, W]`` of a view rotated by ``angle`` (radians) about the image centre: the
+    short-axis plane's in-plane orientation differs between patients."""
+    yy = np.arange(h, dtype=np.float32)[:, None] - np.float32((h - 1) / 2.0)
+    xx = np.arange(w, dtype=np.float32)[None, :] - np.float32((w - 1) / 2.0)
+    c, s = np.float32(np.cos(angle)), np.float32(np.sin(angle))
+    return (c * yy - s * xx + np.float32((h - 1) / 2.0)).astype(np.float32), (s * yy + c * xx + np.float32((w - 1) / 2.0)).astype(np.float32)
+
+
+def _thorax(rng: np.random.Generator, shape: tuple[int, int], u: np.ndarray, difficulty: float,
+            grid: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """The heart's surroundings ``[Zs, H, W]`` at slice positions ``u`` (0 base .. 1 apex): body with a chest wall
+    (subcutaneous fat, muscle), mediastinal tissue with texture, lungs, spine, descending aorta, and the liver
+    rising into the apical slices.  Everything here is labelled background."""
+    h, w = shape
+    m = float(min(h, w))
+    zs = u.size
+    yy, xx = grid
+    uu = u.astype(np.float32)[:, None, None]
+    by, bx = (h - 1) / 2.0 + rng.uniform(0.14, 0.22) * h, (w - 1) / 2.0 + rng.uniform(-0.05, 0.05) * w
+    ay, ax = rng.uniform(0.44, 0.50) * h, rng.uniform(0.58, 0.68) * w
+    fat_t, muscle_t = rng.uniform(0.02, 0.045) * m, rng.uniform(0.025, 0.05) * m
+    body = _ellipse(yy, xx, by, bx, ay, ax)
+    inner_fat = _ellipse(yy, xx, by, bx, ay - fat_t, ax - fat_t)
+    inner_muscle = _ellipse(yy, xx, by, bx, ay - fat_t - muscle_t, ax - fat_t - muscle_t)
+    tex = _smooth_field(rng, (zs, h, w), 8, (2.0, 12.0))
+    tissue = (_TISSUE + rng.uniform(-0.04, 0.04)) + (0.06 + 0.03 * difficulty) * tex
+    img = _AIR + (_FAT - _AIR) * body[None]  # [Zs, H, W]
+    img = img * (1 - inner_fat) + (_MUSCLE + 0.03 * tex) * inner_fat
+    img = img * (1 - inner_muscle) + tissue * inner_muscle
+    # lungs left and right of the mediastinum, a little smaller towards the apex
+    for side in (-1.0, 1.0):
+        ly, lx = (h - 1) / 2.0 - rng.uniform(-0.02, 0.08) * h, bx + side * rng.uniform(0.27, 0.33) * w
+        sy, sx = rng.uniform(0.20, 0.27) * h, rng.uniform(0.10, 0.14) * w
+        lung = _ellipse(yy, xx, ly, lx, sy, sx, width=3.0)[None] * (1.0 - 0.25 * uu)
+        img = img * (1 - lung) + (_LUNG + 0.02 * tex) * lung
+    # spine (posterior midline) and the descending aorta beside it (bright blood, unlabelled)
+    sp_y, sp_x = by + ay - fat_t - muscle_t - rng.uniform(0.08, 0.11) * h, bx + rng.uniform(-0.02, 0.02) * w
+    spine = _ellipse(yy, xx, sp_y, sp_x, 0.05 * m, 0.055 * m)[None]
+    img = img * (1 - spine) + _SPINE * spine
+    ao = _ellipse(yy, xx, sp_y - 0.075 * m, sp_x + rng.uniform(0.05, 0.09) * w, 0.035 * m, 0.035 * m)[None]
+    img = img * (1 - ao) + (_LV_BLOOD - 0.05) * ao
+    # liver: patient's right-inferior (image lower left), rising into the slices towards the apex
+    grow = np.clip((uu - 0.35) / 0.5, 0.0, 1.0)
+    liver = _ellipse(yy, xx, (h - 1) / 2.0 + 0.28 * h, bx - 0.22 * w, 0.28 * m, 0.34 * m, width=2.0)[None]
+    liver = liver * _soft(np.float32(1.0) - grow, np.float32(0.5), width=0.3)  # in from u ~ 0.5, fully by u ~ 0.85
+    img = img * (1 - liver) + (_LIVER + 0.02 * tex) * liver
+    return img.astype(np.float32)
+
+
+def _phantom(
+    rng: np.random.Generator, shape: tuple[int, int], n_slices: int, n_frames: int, group: str,
+    difficulty: float = DEFAULT_DIFFICULTY,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Noise-free cine signal ``[T, Z, H, W]`` in [0, 1], labels ``[T, Z, H, W]`` and the ES index.
+
+    The signal of a slice is the mean of the anatomy at three positions across its thickness (partial volume
+    between thick slices); the labels are drawn at the slice centre, with the geometry of the image."""
+    h, w = shape
+    m = float(min(h, w))
+    d = float(difficulty)
+    f_lv, f_wall, amp, f_rv = _GROUP_PARAMS[group]
+    f32 = np.float32
+    # the whole view rotated per patient (oblique short-axis planes); ``difficulty`` widens the range
+    yy, xx = _grid(h, w, rng.uniform(-1.0, 1.0) * np.radians(20.0) * d)
+
+    # Per-patient anatomy (pixel units, relative to the field of view).
+    cy0 = (h - 1) / 2.0 + rng.uniform(-0.10, 0.10) * h
+    cx0 = (w - 1) / 2.0 + rng.uniform(-0.10, 0.10) * w
+    drift = rng.uniform(-0.04, 0.04, size=2) * m  # centre drift base -> apex
+    r_lv0 = rng.uniform(0.075, 0.115) * m * f_lv
+    wall0 = r_lv0 * rng.uniform(0.30, 0.45) * f_wall
+    r_rv0 = (r_lv0 + wall0) * rng.uniform(0.80, 1.10) * f_rv  # RV radius ~ epicardial radius
+    rv_wall = max(1.0, 0.012 * m)
+    phi = np.pi + rng.uniform(-np.pi / 3.0, np.pi / 3.0)  # direction LV -> RV (heart orientation)
+    endo_terms = _wobble(rng, (2, 3), 0.08)  # non-circular cavity
+    trab_terms = _wobble(rng, (7, 9, 11, 13), 1.0)  # trabeculae: dark intrusions labelled as cavity
+    blood_lv = _LV_BLOOD + rng.uniform(-0.06, 0.06)
+    blood_rv = _RV_BLOOD + rng.uniform(-0.06, 0.06)
+    myo_val = _MYO + rng.uniform(-0.04, 0.04)
+    fat_val = _FAT + rng.uniform(-0.08, 0.05)
+    fat_amount = rng.uniform(0.0, 1.0)
+    fat_angles = phi + np.pi + rng.uniform(-2.0, 2.0, size=2)  # patches on the free (lateral) wall side
+    inf_angle = phi + rng.uniform(0.5, 2.5) * rng.choice([-1.0, 1.0])  # infarct sector (MINF)
+    # the stack's coverage differs per patient: the apex may lie before the last slice (then only the apical
+    # myocardial cap, then no heart), and the first slices may lie above the valve plane (atria: bright blood
+    # pools with thin walls, labelled background, as in ACDC's basal slices)
+    apex_u = rng.uniform(0.85, 1.1)
+    valve_u = rng.uniform(-0.12, 0.22)
+    rv_end = rng.uniform(0.70, 0.85) * apex_u
+
+    k, es = _contraction(n_frames)
+    kk = k[:, None, None, None]  # [T, 1, 1, 1]
+    # slice centres u_z and three positions across each slice's thickness: [Z * 3] (z-major)
+    step = 1.0 / max(n_slices - 1, 1)
+    u_c = np.arange(n_slices, dtype=np.float32) * f32(step)
+    u_all = (u_c[:, None] + f32(step) * np.array([-0.35, 0.0, 0.35], dtype=np.float32)[None, :]).reshape(-1)
+    u = np.clip(u_all, 0.0, 1.0)[None, :, None, None]  # [1, Zs, 1, 1]
+    v = np.clip(u_all / f32(apex_u), 0.0, None)[None, :, None, None]  # 1 at the apex
+    atrial = (u_all < valve_u)[None, :, None, None]
+    # breath-hold misalignment: every slice's heart shifted by its own in-plane offset
+    shift = np.repeat(rng.normal(0.0, 0.012 * m * d, size=(n_slices, 2)), 3, axis=0).astype(np.float32)
+    cy = (cy0 + drift[0] * u[..., 0, 0] + shift[None, :, 0])[..., None, None].astype(f32)
+    cx = (cx0 + drift[1] * u[..., 0, 0] + shift[None, :, 1])[..., None, None].astype(f32)
+
+    dy, dx = yy - cy, xx - cx  # [1, Zs, H, W]
+    dist_lv = np.sqrt(dy * dy + dx * dx)
+    theta = np.arctan2(dy, dx)
+    shape_f = f32(1.0) + _radial(theta, endo_terms)
+
+    r_lv_ed = r_lv0 * np.sqrt(np.clip(1.0 - v**2.5, 0.0, None))
+    wall_ang = np.ones_like(theta)
+    sector = np.cos(theta - f32(inf_angle))
+    if group == "HCM":  # asymmetric septal hypertrophy: the wall facing the RV is thicker
+        wall_ang = wall_ang + f32(0.7) * np.clip(np.cos(theta - f32(phi)), 0.0, None) ** 2
+    if group == "MINF":  # thinned infarct sector
+        wall_ang = wall_ang - f32(0.45) * np.clip((sector - 0.5) / 0.5, 0.0, 1.0)
+    wall = (wall0 * (1.0 + 0.2 * u) * np.clip((1.2 - v) / 0.2, 0.0, 1.0)) * wall_ang  # the cap ends by v = 1.2
+    myo_area = (r_lv_ed + wall) ** 2 - r_lv_ed**2
+    amp_ang = f32(amp) * (f32(1.0) - (f32(0.85) * np.clip((sector - 0.5) / 0.5, 0.0, 1.0) if group == "MINF" else 0.0))
+    r_lv = ((r_lv_ed * (1.0 - amp_ang * kk)) * shape_f).astype(f32)  # [T, Zs, H, W]
+    r_epi = np.sqrt(r_lv.astype(np.float32) ** 2 + myo_area).astype(f32)  # wall thickens in systole
+    # above the valve plane: the atria, round blood pools with a thin wall
+    r_lv = np.where(atrial, (f32(0.9 * r_lv0) * shape_f).astype(f32), r_lv)
+    r_epi = np.where(atrial, r_lv + f32(1.2), r_epi)
+    r_rv = (r_rv0 * np.clip(1.0 - (u / f32(rv_end)) ** 2, 0.0, None) * (1.0 - 0.6 * amp * kk)).astype(f32)
+    # RV disc centre at r_epi - 0.4 r_rv from the LV centre (on the LV->RV axis): minus the epicardial disc it
+    # leaves a crescent ~0.6 r_rv thick wrapped around the septum; it shrinks to a small blob at the apex.
+    r_epi_axis = np.sqrt((r_lv_ed * (1.0 - amp * kk)) ** 2 + (r_lv_ed + wall0 * (1.0 + 0.2 * u)) ** 2 - r_lv_ed**2)
+    d_rv = (r_epi_axis - f32(0.4) * r_rv).astype(f32)
+    dist_rv = np.sqrt((yy - (cy + d_rv * f32(np.sin(phi)))) ** 2 + (xx - (cx + d_rv * f32(np.cos(phi)))) ** 2)
+    has_rv = r_rv > 0.5
+
+    # surroundings (static over the cycle), then the heart painted over them
+    img = np.broadcast_to(_thorax(rng, (h, w), u_all.clip(0.0, 1.0), d, (yy, xx))[None], dist_rv.shape).astype(np.float32)
+    # great vessels at the base (aortic root and pulmonary trunk, bright, unlabelled), anterior to the LV
+    base = _soft(u, f32(0.12), width=0.12)
+    for ang, rad in ((phi + 0.9, 0.055), (phi + 0.2, 0.05)):
+        vy, vx = cy + f32((r_lv0 + wall0) * 1.3 * np.sin(ang)), cx + f32((r_lv0 + wall0) * 1.3 * np.cos(ang))
+        vessel = _soft(np.sqrt((yy - vy) ** 2 + (xx - vx) ** 2), f32(rad * m)) * base
+        img = img * (1 - vessel) + f32(_LV_BLOOD - 0.04) * vessel
+    # epicardial fat: bright patches on the epicardium (two sectors of ~50 degrees; their amount varies per patient)
+    groove = np.zeros_like(theta)
+    for ang in fat_angles:
+        groove = np.maximum(groove, np.clip((np.cos(theta - f32(ang)) - 0.9) / 0.1, 0.0, 1.0))
+    fat_r = r_epi - f32(1.5) + f32(fat_amount * 0.04 * m + 1.5) * groove  # none (hidden by the wall) off the grooves
+    a_fat = _soft(dist_lv, fat_r) * (f32(1.0) - _soft(dist_rv, r_rv + rv_wall + 1.0) * has_rv)
+    img = img * (1 - a_fat) + fat_val * a_fat
     a_rv_outer = _soft(dist_rv, r_rv + rv_wall) * has_rv
     a_rv = _soft(dist_rv, r_rv) * has_rv
     a_epi = _soft(dist_lv, r_epi)
-    a_lv = _soft(dist_lv, r_lv)
-    lv_val = _LV_BLOOD + rng.uniform(-0.05, 0.05)
-    rv_val = _RV_BLOOD + rng.uniform(-0.05, 0.05)
-    myo_val = _MYO + rng.uniform(-0.04, 0.04)
-    img = np.broadcast_to(background[None], dist_rv.shape).astype(np.float32)
+    # the image's cavity boundary has trabeculae (dark fingers) and two papillary muscles inside it;
+    # the labels (like ACDC's) draw the smooth endocardial contour and count both as cavity
+    trab = f32(0.10 * min(d, 2.0)) * np.clip(_radial(theta, trab_terms) / 1.5, 0.0, None)
+    a_lv = _soft(dist_lv, r_lv * (f32(1.0) - trab))
+    mid = _soft(np.abs(u - f32(0.45)), f32(0.25), width=0.1) * ~atrial  # mid-ventricular slices only
+    for ang in (phi + np.pi - 0.7, phi + np.pi + 0.7):
+        pr = r_lv_ed * (1.0 - amp * kk) * 0.55
+        py, px = cy - pr * f32(np.sin(-ang)), cx + pr * f32(np.cos(ang))
+        pap = _soft(np.sqrt((yy - py) ** 2 + (xx - px) ** 2), r_lv_ed * f32(0.16) * (1.0 + 0.5 * kk)) * mid
+        a_lv = a_lv * (f32(1.0) - pap)
+    # blood: slow flow darkens the apex; smooth inflow/outflow heterogeneity
+    flow = f32(1.0) - f32(0.25 * min(d, 2.0)) * np.clip((u - 0.75) / 0.25, 0.0, 1.0)
     img = img * (1 - a_rv_outer) + myo_val * a_rv_outer
-    img = img * (1 - a_rv) + rv_val * a_rv
+    img = img * (1 - a_rv) + (blood_rv * flow) * a_rv
     img = img * (1 - a_epi) + myo_val * a_epi
-    img = img * (1 - a_lv) + lv_val * a_lv
+    img = img * (1 - a_lv) + (blood_lv * flow) * a_lv
 
-    label = np.zeros(dist_rv.shape, dtype=np.uint8)
-    label[(dist_rv < r_rv) & has_rv] = 1
-    label[np.broadcast_to(dist_lv, dist_rv.shape) < r_epi] = 2
-    label[np.broadcast_to(dist_lv, dist_rv.shape) < r_lv] = 3
-    return np.clip(img, 0.0, 1.0).astype(np.float32), label, es
+    # partial volume: average the three positions across each slice
+    t = img.shape[0]
+    signal = img.reshape(t, n_slices, 3, h, w).mean(axis=2)
+    centre = slice(1, None, 3)
+    label = np.zeros((t, n_slices, h, w), dtype=np.uint8)
+    rv_c, lv_c = dist_rv[:, centre], np.broadcast_to(dist_lv, dist_rv.shape)[:, centre]
+    label[(rv_c < r_rv[:, centre]) & has_rv[:, centre]] = 1
+    label[lv_c < r_epi[:, centre]] = 2
+    label[lv_c < r_lv[:, centre]] = 3
+    label[:, atrial[0, centre, 0, 0]] = 0  # atrial slices: no ventricle
+    return np.clip(signal, 0.0, 1.0).astype(np.float32), label, es
 
 
-def _acquire(signal: np.ndarray, acq: dict[str, float], rng: np.random.Generator) -> np.ndarray:
-    """Site acquisition model: gamma contrast, bias field, Rician noise, scale/offset -> int16."""
+def _acquire(signal: np.ndarray, acq: dict[str, float], rng: np.random.Generator,
+             difficulty: float = DEFAULT_DIFFICULTY) -> np.ndarray:
+    """Site acquisition model: gamma contrast, coil bias field (a smooth random gain plus the fall-off away from
+    the anterior surface coil), Rician noise, scale/offset -> int16.  ``difficulty`` scales the bias field and the
+    noise."""
     t, z, h, w = signal.shape
+    d = float(difficulty)
     s = np.power(signal, acq["gamma"], dtype=np.float32)
     yy = (np.arange(h, dtype=np.float32)[:, None] / max(h - 1, 1)) - 0.5
     xx = (np.arange(w, dtype=np.float32)[None, :] / max(w - 1, 1)) - 0.5
-    bias = 1.0 + acq["bias"] * (np.cos(acq["bias_angle"]) * xx + np.sin(acq["bias_angle"]) * yy) * 2.0
-    s = s * bias.astype(np.float32)
-    sigma = np.float32(acq["noise"])
+    gain = acq["bias"] * d * (np.cos(acq["bias_angle"]) * xx + np.sin(acq["bias_angle"]) * yy) * 2.0
+    gain = gain + 0.5 * acq["bias"] * d * _smooth_field(rng, (z, h, w), 3, (0.5, 1.5))
+    coil = 1.0 + acq["coil"] * d * np.exp(-(yy + 0.5) / 0.35)  # anterior coil: brighter near the chest wall
+    s = s * (np.exp(gain) * coil / (1.0 + acq["coil"] * d * 0.5)).astype(np.float32)
+    sigma = np.float32(acq["noise"] * d)
     n1 = rng.standard_normal(signal.shape, dtype=np.float32)
     n2 = rng.standard_normal(signal.shape, dtype=np.float32)
     s = np.sqrt((s + sigma * n1) ** 2 + (sigma * n2) ** 2)  # Rician magnitude noise
@@ -220,6 +368,7 @@ def write_synthetic_acdc(
     shape: tuple[int, int] = (128, 128),
     n_frames: int = 10,
     slices_range: tuple[int, int] = (8, 10),
+    difficulty: float = DEFAULT_DIFFICULTY,
 ) -> dict[str, list[str]]:
     """Write synthetic cardiac cine phantoms in the real ACDC layout.
 
@@ -243,6 +392,10 @@ def write_synthetic_acdc(
         shape: in-plane ``(H, W)`` in voxels.
         n_frames: cine frames T (``NbFrame``).
         slices_range: inclusive range of the number of slices Z per patient.
+        difficulty: strength of the nuisances (0 = clean anatomy, no noise / bias field / misalignment / trabeculae;
+            :data:`DEFAULT_DIFFICULTY` = calibrated to FCL Table 1's random-init row, README "Calibrated synthetic
+            data"); it scales the Rician noise, the coil bias field, the breath-hold misalignment, the
+            trabeculae, the slow-flow darkening and the texture of the surrounding tissue.
 
     Returns:
         ``{"site-1": [patient ids], ...}``.
@@ -257,6 +410,9 @@ def write_synthetic_acdc(
         raise ValueError(f"shape={shape}: must be (H, W) with H, W >= 8")
     if n_frames < 1:
         raise ValueError(f"n_frames={n_frames}: must be >= 1")
+    if isinstance(difficulty, bool) or not isinstance(difficulty, (int, float)) or not 0.0 <= float(difficulty) <= 3.0:
+        raise ValueError(f"difficulty={difficulty!r}: must be a number between 0 (clean) and 3 "
+                         f"(default {DEFAULT_DIFFICULTY}, the calibrated setting)")
     lo, hi = int(slices_range[0]), int(slices_range[1])
     if lo < 1 or hi < lo:
         raise ValueError(f"slices_range={slices_range}: need 1 <= low <= high")
@@ -277,7 +433,7 @@ def write_synthetic_acdc(
     def write_one(job: tuple[int, int, dict[str, float], Path]) -> None:
         i, num, acq, site_dir = job
         _write_patient(site_dir, num, GROUPS[i % len(GROUPS)], acq, seed=seed, shape=(h, w),
-                       n_frames=n_frames, slices_range=(lo, hi))
+                       n_frames=n_frames, slices_range=(lo, hi), difficulty=float(difficulty))
 
     # gzip and most numpy work release the GIL: a few threads roughly divide the wall time.
     # Each patient has its own generator, so the output does not depend on the thread schedule.
@@ -301,6 +457,7 @@ def _write_patient(
     shape: tuple[int, int],
     n_frames: int,
     slices_range: tuple[int, int],
+    difficulty: float,
 ) -> None:
     """Write one synthetic patient folder ``site_dir/patient{num:03d}`` (see write_synthetic_acdc)."""
     h, w = shape
@@ -309,8 +466,8 @@ def _write_patient(
     n_slices = int(rng.integers(slices_range[0], slices_range[1] + 1))
     sp_xy = float(rng.uniform(1.3, 1.7))
     sp_z = float(rng.uniform(5.0, 10.0))
-    signal, labels, es = _phantom(rng, (h, w), n_slices, n_frames, group)
-    data = _acquire(signal, acq, rng)  # [T, Z, H, W] int16
+    signal, labels, es = _phantom(rng, (h, w), n_slices, n_frames, group, difficulty)
+    data = _acquire(signal, acq, rng, difficulty)  # [T, Z, H, W] int16
 
     pdir = site_dir / pid
     pdir.mkdir(parents=True, exist_ok=True)

@@ -57,6 +57,30 @@ def summarise(rows: Sequence[Mapping[str, Any]]) -> list[dict]:
     return out
 
 
+def pretraining_verdict(rows: Sequence[Mapping[str, Any]], method: str, baseline: str = "random", *,
+                        mode: str = "local") -> str:
+    """One line: did ``method`` beat ``baseline`` beyond the spread, at the smallest N both were run with?
+
+    Paired by site (each site's Dice averaged over folds first, as :func:`summarise` does): the mean difference
+    and its population std over sites.  "helped" when the mean difference exceeds that std, "hurt" when it is
+    below minus the std, otherwise "within the spread" (no clear effect)."""
+    per: dict[tuple[str, int], dict[Any, list[float]]] = {}
+    for r in rows:
+        if r["mode"] == mode and r["method"] in (method, baseline):
+            per.setdefault((str(r["method"]), int(r["n_labelled"])), {}).setdefault(r["site"], []).append(float(r["dice"]))
+    ns = sorted({n for m, n in per if m == method} & {n for m, n in per if m == baseline})
+    if not ns:
+        return f"{method} vs {baseline}: no {mode} fine-tuning at a common N to compare"
+    n = ns[0]
+    a, b = per[(method, n)], per[(baseline, n)]
+    sites = sorted(set(a) & set(b), key=str)
+    diffs = np.array([np.mean(a[s]) - np.mean(b[s]) for s in sites], dtype=np.float64)
+    mean, std = float(diffs.mean()), float(diffs.std())
+    word = "helped" if mean > std else "hurt" if mean < -std else "within the spread (no clear effect)"
+    return (f"{method} vs {baseline}, {mode} fine-tuning at N={n}: {mean:+.3f} +- {std:.3f} Dice over "
+            f"{len(sites)} sites -> pre-training {word}")
+
+
 def format_table(summary: Sequence[Mapping[str, Any]]) -> str:
     """Plain-text table like the paper's: one row per (mode, method), one column per N, cells
     ``"0.712 +- 0.031"`` (``"-"`` where a combination was not run)."""

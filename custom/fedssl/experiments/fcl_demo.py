@@ -15,7 +15,7 @@ import os
 import time
 
 from fedssl.data.acdc_synthetic import write_synthetic_acdc
-from fedssl.eval.report import format_table, summarise, write_report
+from fedssl.eval.report import format_table, pretraining_verdict, summarise, write_report
 from fedssl.experiments.fcl_finetune import (
     encoder_init,
     evaluate_federated,
@@ -82,10 +82,12 @@ def run_demo(out: str, *, n_sites: int = 3, rounds: int = 10, ft_rounds: int = 1
         "federated_finetuning": fed_runs,
         "demo_wall_time_s": round(time.time() - t0, 1),
     }
+    extra["verdict"] = pretraining_verdict(rows, "FCL")
     paths = write_report(rows, os.path.join(out, "report"), title="FCL on synthetic ACDC (quick profile)", extra=extra)
     b = pre["bytes_per_site_per_round"]
     print()
     print(format_table(summarise(rows)))
+    print(extra["verdict"])
     print(f"\nFCL pre-training bytes per site per round: upload {b['upload'] / 1e6:.3f} MB, download {b['download'] / 1e6:.3f} MB")
     print(f"report: {json.dumps(paths)}")
     _say(t0, "demo finished")

@@ -23,7 +23,7 @@ from fedssl.data.acdc import (
     preprocess_volume,
     read_info_cfg,
 )
-from fedssl.data.acdc_synthetic import link_site_folders, write_synthetic_acdc
+from fedssl.data.acdc_synthetic import DEFAULT_DIFFICULTY, _phantom, link_site_folders, write_synthetic_acdc
 from fedssl.data.volume import Volume
 
 SHAPE = (40, 40)
@@ -101,9 +101,11 @@ def test_synthetic_anatomy_is_consistent(synth: tuple[Path, dict[str, list[str]]
     # Image consistent with labels: blood pools bright, myocardium dark.
     lv, myo, rv = ed.image[ed.label == 3], ed.image[ed.label == 2], ed.image[ed.label == 1]
     assert lv.mean() > myo.mean() + 0.3 and rv.mean() > myo.mean() + 0.3
-    # Base -> apex: LV shrinks, RV gone at the apex slice.
-    assert (ed.label[0] == 3).sum() > (ed.label[-1] == 3).sum()
-    assert (ed.label[0] == 1).sum() > 0 and (ed.label[-1] == 1).sum() == 0
+    # Base -> apex: LV shrinks from the first ventricular slice (slices above the valve plane are atrial,
+    # unlabelled), RV gone at the apex slice.
+    first = next(z for z in range(ed.n_slices) if (ed.label[z] > 0).any())
+    assert (ed.label[first] == 3).sum() > (ed.label[-1] == 3).sum()
+    assert (ed.label[first] == 1).sum() > 0 and (ed.label[-1] == 1).sum() == 0
     # ED -> ES: cavities contract.
     assert (es.label[mid] == 3).sum() < (ed.label[mid] == 3).sum()
 
@@ -125,6 +127,59 @@ def test_synthetic_deterministic_and_sites_differ(
     s1, _ = load_nifti(root / "site-1" / "patient001" / "patient001_4d.nii.gz")
     s2, _ = load_nifti(root / "site-2" / "patient003" / "patient003_4d.nii.gz")
     assert abs(np.percentile(s1, 99) - np.percentile(s2, 99)) > 0.05 * max(np.percentile(s1, 99), np.percentile(s2, 99))
+
+
+def _raw(root: Path, pid: str, frame: int = 1, gt: bool = False) -> np.ndarray:
+    name = f"{pid}_frame{frame:02d}{'_gt' if gt else ''}.nii.gz"
+    return np.asarray(nib.load(str(root / pid / name)).dataobj)
+
+
+def test_difficulty_scales_the_nuisances_and_keeps_the_default(tmp_path: Path) -> None:
+    """The difficulty knob moves a simple measurable property: at 0 there is no noise (the air outside the body is
+    one exact value), and the blood / myocardium contrast-to-noise ratio falls as the difficulty rises."""
+    cnr = []
+    for d in (0.0, 1.0, 2.0):
+        write_synthetic_acdc(tmp_path / str(d), n_patients=2, n_sites=1, per_site_folders=False, seed=5,
+                             shape=(48, 48), n_frames=3, slices_range=(6, 6), difficulty=d)
+        img = _raw(tmp_path / str(d), "patient001").astype(np.float64)
+        lab = _raw(tmp_path / str(d), "patient001", gt=True)
+        if d == 0.0:
+            assert len(np.unique(img[:2, :2, :])) == 1  # air corner, no Rician noise
+        cnr.append((img[lab == 3].mean() - img[lab == 2].mean()) / img[lab == 2].std())
+    assert cnr[0] > cnr[1] > cnr[2]
+    # the default is the calibrated setting: omitting the argument equals passing DEFAULT_DIFFICULTY
+    write_synthetic_acdc(tmp_path / "default", n_patients=1, n_sites=1, per_site_folders=False, seed=5,
+                         shape=(48, 48), n_frames=3, slices_range=(6, 6))
+    write_synthetic_acdc(tmp_path / "named", n_patients=1, n_sites=1, per_site_folders=False, seed=5,
+                         shape=(48, 48), n_frames=3, slices_range=(6, 6), difficulty=DEFAULT_DIFFICULTY)
+    assert np.array_equal(_raw(tmp_path / "default", "patient001"), _raw(tmp_path / "named", "patient001"))
+
+
+@pytest.mark.parametrize("bad", [-0.1, 3.5, "hard", True, float("nan")])
+def test_difficulty_out_of_range_is_refused(tmp_path: Path, bad) -> None:
+    with pytest.raises(ValueError, match="difficulty=.*between 0 .clean. and 3"):
+        write_synthetic_acdc(tmp_path, n_patients=1, n_sites=1, difficulty=bad)
+    assert not list(tmp_path.iterdir())
+
+
+def test_phantom_label_integrity_over_groups_and_the_stack() -> None:
+    """Every labelled slice of every group: the LV cavity is enclosed by myocardium (no LV pixel touches
+    background), labels are 0-3; some patients have unlabelled atrial slices at the base whose image still holds
+    bright blood; the ES cavity is smaller than the ED one."""
+    saw_atrial = False
+    for i, group in enumerate(("NOR", "MINF", "DCM", "HCM", "RV") * 2):
+        signal, label, es = _phantom(np.random.default_rng([7, i]), (64, 64), 8, 4, group, 1.0)
+        assert set(np.unique(label).tolist()) <= {0, 1, 2, 3}
+        lv = label == 3
+        pad = np.pad(label, ((0, 0), (0, 0), (1, 1), (1, 1)))
+        for dy, dx in ((0, 1), (2, 1), (1, 0), (1, 2)):
+            neighbour = pad[:, :, dy:dy + 64, dx:dx + 64]
+            assert not (lv & (neighbour == 0)).any(), f"{group}: LV touches background"
+        assert (label[es] == 3).sum() < (label[0] == 3).sum()
+        if not (label[0, 0] > 0).any():  # an atrial slice: unlabelled, yet blood-bright somewhere
+            saw_atrial = True
+            assert signal[0, 0].max() > 0.7
+    assert saw_atrial
 
 
 def test_load_site_ed_es_and_all_frames(synth: tuple[Path, dict[str, list[str]]]) -> None:

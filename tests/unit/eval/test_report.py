@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fedssl.eval.report import format_table, summarise, write_report
+from fedssl.eval.report import format_table, pretraining_verdict, summarise, write_report
 
 
 def _row(mode, method, n, fold, site, dice):
@@ -81,3 +81,23 @@ def test_write_report_files_and_json_round_trip(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError):
         write_report([], tmp_path / "empty", title="x")
+
+
+def _vrow(method, n, site, dice, fold=0):
+    return {"mode": "local", "method": method, "n_labelled": n, "fold": fold, "site": site, "dice": dice}
+
+
+def test_pretraining_verdict_pairs_sites_at_the_smallest_common_n():
+    # N=1 differences per site (folds averaged first): s1 (0.5+0.7)/2-0.4 = 0.2, s2 0.5-0.3 = 0.2, s3 0.35-0.25 = 0.1
+    # mean 0.1667, population std 0.0471 -> helped.  N=2 is ignored (not the smallest N).
+    rows = [_vrow("FCL", 1, "s1", 0.5), _vrow("FCL", 1, "s1", 0.7, fold=1), _vrow("random", 1, "s1", 0.4),
+            _vrow("FCL", 1, "s2", 0.5), _vrow("random", 1, "s2", 0.3), _vrow("FCL", 1, "s3", 0.35),
+            _vrow("random", 1, "s3", 0.25), _vrow("FCL", 2, "s1", 0.1), _vrow("random", 2, "s1", 0.9)]
+    line = pretraining_verdict(rows, "FCL")
+    assert line == "FCL vs random, local fine-tuning at N=1: +0.167 +- 0.047 Dice over 3 sites -> pre-training helped"
+    # a mean gain smaller than the spread: +0.05 with diffs +0.3 and -0.2 (std 0.25)
+    rows = [_vrow("FCL", 1, "a", 0.6), _vrow("random", 1, "a", 0.3), _vrow("FCL", 1, "b", 0.2), _vrow("random", 1, "b", 0.4)]
+    assert pretraining_verdict(rows, "FCL").endswith("+0.050 +- 0.250 Dice over 2 sites -> pre-training within the spread (no clear effect)")
+    rows = [_vrow("FCL", 1, "a", 0.1), _vrow("random", 1, "a", 0.3), _vrow("FCL", 1, "b", 0.2), _vrow("random", 1, "b", 0.4)]
+    assert pretraining_verdict(rows, "FCL").endswith("-0.200 +- 0.000 Dice over 2 sites -> pre-training hurt")
+    assert "no local fine-tuning at a common N" in pretraining_verdict([_vrow("FCL", 1, "a", 0.1)], "FCL")

@@ -25,6 +25,7 @@ from torch import nn
 
 from fedssl.core.spread import normalised_spread, uniform_reference
 from fedssl.data.volume import Volume
+from fedssl.models.unet import pool_bottleneck
 
 
 class Spread(NamedTuple):
@@ -63,13 +64,13 @@ def _features(fn, model: nn.Module, x: torch.Tensor, batch_size: int, device: st
 
 def _unet_pooled(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     out = model(x)  # a ContrastiveNet: the projection [B, D]; a bare encoder: the bottleneck [B, C4, h, w]
-    return out if out.dim() == 2 else out.mean(dim=(2, 3))
+    return out if out.dim() == 2 else pool_bottleneck(out)  # as the projection head pools it
 
 
 def unet_features(model: nn.Module, volumes: Sequence[Volume], *, batch_size: int = 64,
                   device: str | torch.device = "cpu") -> torch.Tensor:
     """Features ``[S, D]`` of every slice of ``volumes``: the projection of a ``ContrastiveNet``
-    (``MoCoUNetEncoder.main`` / ``BYOLUNetEncoder.online``) or the pooled bottleneck of a ``UNetEncoder``."""
+    (``MoCoUNetEncoder.main`` / ``BYOLUNetEncoder.online``) or the bottleneck of a ``UNetEncoder`` pooled as the head pools it (``pool_bottleneck``)."""
     return _features(_unet_pooled, model, volume_slices(volumes), batch_size, device)
 
 

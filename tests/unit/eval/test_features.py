@@ -48,17 +48,18 @@ def volumes(n=2, seed=0):
     return [Volume(f"p{i}", "ED", rng.random((3, 32, 32), dtype=np.float32)) for i in range(n)]
 
 
-def test_unet_spread_of_a_bare_encoder_is_the_pooled_bottleneck():
+def test_unet_spread_of_a_bare_encoder_is_the_bottleneck_pooled_as_the_head_pools_it():
     torch.manual_seed(0)
     enc = UNetEncoder(TINY_FEATURES).train()
     vols = volumes()
     x = torch.cat([torch.from_numpy(v.image) for v in vols]).unsqueeze(1)  # 6 slices
     enc.eval()
     with torch.no_grad():
-        expected = F.normalize(enc(x).mean(dim=(2, 3)), dim=1).std(dim=0, unbiased=False).mean().item()
+        h = enc(x)  # [6, 16, 2, 2] at 32 px: the 2 x 2 grid is the map itself, flattened to 64 features
+        expected = F.normalize(h.flatten(1), dim=1).std(dim=0, unbiased=False).mean().item()
     enc.train()
     got = unet_spread(enc, vols, batch_size=4)
-    assert got.value == pytest.approx(expected, abs=1e-6) and got.n == 6 and got.reference == pytest.approx(1 / 4)
+    assert got.value == pytest.approx(expected, abs=1e-6) and got.n == 6 and got.reference == pytest.approx(1 / 8)
     assert enc.training  # its mode restored
 
 

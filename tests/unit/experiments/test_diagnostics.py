@@ -106,7 +106,8 @@ def test_diagnose_acdc_of_a_global_moco_model(tmp_path):
     lines = []
     d = diagnose_acdc("FCL", write(tmp_path, SUMMARY), state, site_volumes(), settings, progress=lines.append)
     assert [r["round"] for r in d["rounds"]] == [0, 1, 2] and len(lines) == 2 and "site-2" in lines[1]
-    assert d["spread"]["reference"] == pytest.approx(1 / 4) and set(d["spread"]["per_site"]) == {"site-1", "site-2"}
+    # the encoder bottleneck (16 channels) pooled to the 2 x 2 grid: 64 features, reference 1/8
+    assert d["spread"]["reference"] == pytest.approx(1 / 8) and set(d["spread"]["per_site"]) == {"site-1", "site-2"}
     assert d["spread"]["value"] != d["spread"]["random"]  # a different encoder from the random one
     assert d["projection_spread"]["reference"] == pytest.approx(1 / np.sqrt(8))
     probe = d["probe"]

@@ -180,7 +180,7 @@ VERBS = (
          alias="export-unet"),
     Verb("table7", "FCL (Wu et al., MedIA 2022) Table 7: bytes per round (FCL = 1) and Dice, six methods", _table7_args, _table7,
          alias="table7"),
-    Verb("demo", "synthetic ACDC -> FCL in the simulator -> fine-tuning -> Dice table (quick profile)", _demo_args,
+    Verb("demo", "synthetic ACDC -> FCL in the simulator -> fine-tuning -> Dice table (CPU, ~10 min)", _demo_args,
          _demo, alias="demo"),
     Verb("hvsmr-synth", "write synthetic HVSMR 2016 subjects in the challenge's layout", _hvsmr_synth_args,
          _hvsmr_synth),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from fedssl.cli import COUNT, NON_NEGATIVE, POSITIVE, SEED, Verb, add_family
+from fedssl.cli import COUNT, NON_NEGATIVE, NON_NEGATIVE_REAL, POSITIVE, SEED, Verb, add_family
 
 
 def _synth_args(s) -> None:
@@ -120,6 +120,32 @@ def _demo(a) -> None:
     run_demo(a.out, n_sites=a.sites, rounds=a.rounds, ft_rounds=a.ft_rounds, n_labelled=a.n, epochs=a.epochs)
 
 
+def _tables_args(s) -> None:
+    from fedssl.eval.paper_tables import FCL_METHODS, FCL_TABLE_MODES  # light: argument parsing stays fast
+
+    s.add_argument("--out", required=True, help="output folder: cells.jsonl (resume), table{1,2,3}.{txt,csv,json,png}")
+    s.add_argument("--tables", type=COUNT, nargs="+", default=list(FCL_TABLE_MODES), choices=list(FCL_TABLE_MODES))
+    s.add_argument("--methods", nargs="+", default=list(FCL_METHODS), choices=list(FCL_METHODS))
+    s.add_argument("--n", type=COUNT, nargs="+", default=[1, 2, 4, 8], choices=[1, 2, 4, 8])
+    s.add_argument("--folds", type=NON_NEGATIVE, nargs="+", default=None, choices=range(5),
+                   help="folds of every table (default: the profile's tables.fcl.folds per table, else 0-4)")
+    s.add_argument("--sites", type=COUNT, default=3)
+    s.add_argument("--profile", default="bench")
+    s.add_argument("--data-root", default=None, help="folder with site-* folders (default: synthetic ACDC under --out)")
+    s.add_argument("--difficulty", type=NON_NEGATIVE_REAL, default=None, help="synthetic data difficulty (default: calibrated)")
+    s.add_argument("--epochs", type=COUNT, default=None, help="fine-tuning epochs (default: the profile's)")
+    s.add_argument("--rounds", type=COUNT, default=None, help="pre-training rounds (default: the profile's)")
+    s.add_argument("--workers", type=COUNT, default=2, help="processes for local / centralised fine-tuning cells")
+
+
+def _tables(a) -> None:
+    from fedssl.experiments.fcl_tables import run_fcl_tables
+
+    run_fcl_tables(a.out, tables=a.tables, methods=a.methods, n_labelled=a.n, folds=a.folds, n_sites=a.sites,
+                   profile=a.profile, data_root=a.data_root, difficulty=a.difficulty, epochs=a.epochs,
+                   rounds=a.rounds, workers=a.workers)
+
+
 def _hvsmr_synth_args(s) -> None:
     s.add_argument("out")
     s.add_argument("--subjects", type=COUNT, default=10, help="labelled subjects pat0... (the challenge has 10)")
@@ -182,6 +208,8 @@ VERBS = (
          alias="table7"),
     Verb("demo", "synthetic ACDC -> FCL in the simulator -> fine-tuning -> Dice table (CPU, ~10 min)", _demo_args,
          _demo, alias="demo"),
+    Verb("tables", "FCL Tables 1-3 (local, federated, centralised fine-tuning) beside the paper's; resumable",
+         _tables_args, _tables),
     Verb("hvsmr-synth", "write synthetic HVSMR 2016 subjects in the challenge's layout", _hvsmr_synth_args,
          _hvsmr_synth),
     Verb("transfer", "FCL Table 5: fine-tune on HVSMR from ACDC pre-trained encoders vs random init, Dice per class",

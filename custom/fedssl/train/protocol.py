@@ -176,6 +176,7 @@ def local_finetune(
     progress: Progress | None = None,
     n_folds: int = 5,
     split_seed: int = 0,
+    sites: Sequence[str] | None = None,
 ) -> list[dict]:
     """Local fine-tuning (FCL (Wu et al., MedIA 2022) Table 1): each site fine-tunes alone on its N annotated patients.
 
@@ -187,10 +188,14 @@ def local_finetune(
         {"method", "mode": "local", "n_labelled", "fold", "site", "dice", "RV", "MYO", "LV",
          "train_patients", "n_train_volumes", "val_patients", "n_val_volumes", "final_loss"}
 
-    ``progress(row)`` is called after every run.
+    ``progress(row)`` is called after every run.  ``sites``: only these sites fine-tune (default all); the
+    validation still pools every site's validation patients, so one site's run is the same as in a full run.
     """
     _check_common(n_labelled, folds, inits)
     patients = _site_patients(site_volumes)
+    unknown = sorted(set(sites or ()) - set(patients))
+    if unknown:
+        raise ValueError(f"sites={list(sites)}: {unknown} not among the sites {sorted(patients)}")
     train_kw = dict(features=features, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, device=device,
                     max_steps_per_epoch=max_steps_per_epoch)
     rows: list[dict] = []
@@ -199,7 +204,7 @@ def local_finetune(
         val_ids, val_vols = _pooled_validation(patients, split)
         for method, init in inits.items():
             for n in n_labelled:
-                for site in sorted(patients):
+                for site in sorted(sites or patients):
                     train_ids = site_labelled(split[site][0], site, n, split_seed=split_seed)
                     key = {"method": method, "mode": "local", "n_labelled": int(n), "fold": int(fold), "site": site}
                     rows.append(_run(key, init, train_ids, patients[site], val_ids, val_vols, train_kw, progress))

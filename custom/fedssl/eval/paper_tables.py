@@ -1,0 +1,125 @@
+"""The papers' published numbers that the bundle's table runners print beside their own, typed from the papers.
+
+- FCL: Y. Wu, D. Zeng, Z. Wang, Y. Shi, J. Hu, "Distributed contrastive learning for medical image segmentation",
+  Medical Image Analysis 2022 (FCL / FCLOpt).  Tables 1 (local fine-tuning), 2 (federated fine-tuning) and 3
+  (centralised fine-tuning) on ACDC: Dice (mean of LV, MYO, RV), mean +- std; Tables 1 and 2 over the 10 clients
+  (each client's Dice averaged over the 5 folds), Table 3 over folds.  Columns N = 1, 2, 4, 8 annotated patients
+  (per client in Tables 1-2, in total in Table 3).  Only the methods the bundle runs are kept; the paper's row
+  names are the keys, :data:`FCL_METHODS` maps the bundle's labels to them.
+- SSL-FL: R. Yan, L. Qu, Q. Wei, S.-C. Huang, L. Shen, D. Rubin, L. Xing, Y. Zhou, "Label-Efficient
+  Self-Supervised Federated Learning for Tackling Data Heterogeneity in Medical Imaging", IEEE Transactions on
+  Medical Imaging 2023.  Table II: test accuracy (%) of federated fine-tuning on Retina, columns Central,
+  Split1-3 (rows None = ViT from scratch, Fed-BEiT, Fed-MAE); Table VII: Retina Split-1 with 10 / 30 / 70 / 100 %
+  of the labels.  The paper gives no standard deviations there (std None).
+"""
+
+from __future__ import annotations
+
+#: bundle label -> FCL paper row name (Tables 1-3); the bundle's "FCLOpt-PTNU(-DP)" are the paper's "FCL-PTNU(-DP)"
+#: (the PTNU variants are built on FCLOpt, FCL sec. 4)
+FCL_METHODS = {
+    "random": "Random init",
+    "Local CL": "Local CL",
+    "FedMoCo": "FedMoCo",
+    "FedBYOL": "FedBYOL",
+    "FCL": "FCL",
+    "FCLOpt": "FCLOpt",
+    "FCLOpt-PTNU": "FCL-PTNU",
+    "FCLOpt-PTNU-DP": "FCL-PTNU-DP",
+}
+FCL_N = (1, 2, 4, 8)
+FCL_SOURCE = "FCL, Wu et al., MedIA 2022, Table {table}"
+FCL_TABLE_MODES = {1: "local", 2: "federated", 3: "centralised"}
+
+#: table -> paper row name -> ((mean, std) at N = 1, 2, 4, 8)
+FCL_TABLES: dict[int, dict[str, tuple[tuple[float, float], ...]]] = {
+    1: {  # local fine-tuning, mean +- std over 10 clients
+        "Random init": ((0.280, 0.037), (0.414, 0.070), (0.618, 0.026), (0.766, 0.027)),
+        "Local CL": ((0.320, 0.106), (0.456, 0.095), (0.637, 0.043), (0.770, 0.029)),
+        "FedMoCo": ((0.287, 0.056), (0.442, 0.066), (0.626, 0.034), (0.767, 0.030)),
+        "FedBYOL": ((0.431, 0.057), (0.554, 0.052), (0.685, 0.021), (0.781, 0.027)),
+        "FCL": ((0.506, 0.056), (0.631, 0.051), (0.745, 0.017), (0.824, 0.025)),
+        "FCLOpt": ((0.524, 0.052), (0.655, 0.039), (0.745, 0.020), (0.821, 0.020)),
+        "FCL-PTNU": ((0.517, 0.061), (0.622, 0.045), (0.730, 0.019), (0.810, 0.022)),
+        "FCL-PTNU-DP": ((0.512, 0.053), (0.621, 0.050), (0.729, 0.016), (0.810, 0.027)),
+    },
+    2: {  # federated fine-tuning, N per client (L = 10 N in total)
+        "Random init": ((0.445, 0.012), (0.572, 0.061), (0.764, 0.017), (0.834, 0.011)),
+        "Local CL": ((0.473, 0.013), (0.717, 0.024), (0.784, 0.015), (0.847, 0.009)),
+        "FedMoCo": ((0.467, 0.016), (0.675, 0.053), (0.782, 0.018), (0.846, 0.011)),
+        "FedBYOL": ((0.621, 0.065), (0.790, 0.011), (0.840, 0.006), (0.871, 0.006)),
+        "FCL": ((0.646, 0.052), (0.824, 0.004), (0.871, 0.007), (0.894, 0.006)),
+        "FCLOpt": ((0.769, 0.025), (0.853, 0.006), (0.877, 0.006), (0.897, 0.004)),
+        "FCL-PTNU": ((0.680, 0.086), (0.840, 0.007), (0.868, 0.009), (0.889, 0.006)),
+        "FCL-PTNU-DP": ((0.778, 0.016), (0.840, 0.002), (0.873, 0.006), (0.894, 0.004)),
+    },
+    3: {  # centralised fine-tuning, N in total
+        "Random init": ((0.296, 0.091), (0.528, 0.064), (0.677, 0.056), (0.797, 0.028)),
+        "Local CL": ((0.314, 0.058), (0.544, 0.065), (0.691, 0.040), (0.805, 0.014)),
+        "FedMoCo": ((0.310, 0.068), (0.520, 0.055), (0.695, 0.045), (0.802, 0.017)),
+        "FedBYOL": ((0.472, 0.073), (0.633, 0.042), (0.729, 0.039), (0.805, 0.021)),
+        "FCL": ((0.575, 0.113), (0.702, 0.041), (0.790, 0.026), (0.844, 0.024)),
+        "FCLOpt": ((0.587, 0.109), (0.708, 0.055), (0.785, 0.038), (0.837, 0.031)),
+        "FCL-PTNU": ((0.547, 0.130), (0.691, 0.052), (0.771, 0.041), (0.837, 0.020)),
+        "FCL-PTNU-DP": ((0.556, 0.132), (0.674, 0.069), (0.763, 0.055), (0.831, 0.031)),
+    },
+}
+
+SSLFL_SOURCE = "SSL-FL, Yan et al., IEEE TMI 2023, Table {table}"
+SSLFL_SPLITS = ("Central", "Split1", "Split2", "Split3")
+#: Table II, Retina, test accuracy (%): paper row -> accuracy per column of SSLFL_SPLITS
+SSLFL_TABLE_II: dict[str, tuple[float, ...]] = {
+    "None": (73.70, 74.33, 69.50, 64.13),  # no pre-training: ViT from scratch
+    "Fed-BEiT": (79.47, 78.40, 76.80, 76.77),
+    "Fed-MAE": (81.93, 81.67, 79.40, 77.43),
+}
+SSLFL_FRACTIONS = (10, 30, 70, 100)
+#: Table VII, Retina Split-1, test accuracy (%) at 10 / 30 / 70 / 100 % labelled samples
+SSLFL_TABLE_VII: dict[str, tuple[float, ...]] = {
+    "Rand. init.": (52.23, 53.37, 70.57, 74.33),
+    "Fed-BEiT": (76.25, 77.03, 78.50, 78.40),
+    "Fed-MAE": (76.57, 79.20, 80.93, 81.67),
+}
+#: bundle label -> SSL-FL paper row name (Table II; Table VII names the scratch row "Rand. init.")
+SSLFL_METHODS = {"scratch": "None", "Fed-BEiT": "Fed-BEiT", "Fed-MAE": "Fed-MAE"}
+
+
+def fcl_paper_rows(table: int, methods=None, n_labelled=FCL_N) -> list[dict]:
+    """The FCL paper's rows of ``table`` (1, 2 or 3) for the bundle's ``methods`` (bundle labels, default all)
+    and N, in the form :func:`fedssl.experiments.table_runner.write_table` takes:
+    ``{"table", "method" (bundle label), "column" ("N=1"), "mean", "std", "n"}``."""
+    if table not in FCL_TABLES:
+        raise ValueError(f"FCL table {table!r} has no stored numbers; use one of {sorted(FCL_TABLES)}")
+    rows = []
+    for method in methods if methods is not None else FCL_METHODS:
+        if method not in FCL_METHODS:
+            raise ValueError(f"method {method!r} is not in the FCL paper's tables; use one of {list(FCL_METHODS)}")
+        values = FCL_TABLES[table][FCL_METHODS[method]]
+        for n in n_labelled:
+            if n not in FCL_N:
+                raise ValueError(f"N={n!r} is not a column of FCL Table {table}; use one of {list(FCL_N)}")
+            mean, std = values[FCL_N.index(n)]
+            rows.append({"table": f"FCL Table {table}", "method": method, "column": f"N={n}", "mean": mean,
+                         "std": std, "n": 10 if table in (1, 2) else 5})
+    return rows
+
+
+def sslfl_paper_rows(table: str, methods=None) -> list[dict]:
+    """SSL-FL's Table ``"II"`` (columns Central, Split1-3) or ``"VII"`` (columns 10%, 30%, 70%, 100%) for the
+    bundle's ``methods`` (labels of :data:`SSLFL_METHODS`, default all), as :func:`fcl_paper_rows` gives them
+    (accuracy in %, std None)."""
+    if table == "II":
+        values, columns, names = SSLFL_TABLE_II, SSLFL_SPLITS, SSLFL_METHODS
+    elif table == "VII":
+        values, columns = SSLFL_TABLE_VII, tuple(f"{f}%" for f in SSLFL_FRACTIONS)
+        names = dict(SSLFL_METHODS, scratch="Rand. init.")
+    else:
+        raise ValueError(f"SSL-FL table {table!r} has no stored numbers; use 'II' or 'VII'")
+    rows = []
+    for method in methods if methods is not None else SSLFL_METHODS:
+        if method not in names:
+            raise ValueError(f"method {method!r} is not in SSL-FL Table {table}; use one of {list(names)}")
+        for column, value in zip(columns, values[names[method]]):
+            rows.append({"table": f"SSL-FL Table {table}", "method": method, "column": column, "mean": value,
+                         "std": None, "n": None})
+    return rows

@@ -1,0 +1,361 @@
+"""The bundle's version of FCL (Wu et al., MedIA 2022) Tables 1-3, resumable, next to the paper's numbers.
+
+Tables 1 (local), 2 (federated) and 3 (centralised fine-tuning) of FCL section 5: Dice (mean of LV, MYO, RV) of a
+U-Net whose encoder comes from each pre-training method, fine-tuned with N = 1, 2, 4, 8 annotated patients
+(per site in Tables 1-2, in total in Table 3), 5-fold cross-validation; mean +- std over sites (each site's Dice
+averaged over folds first, Table 1 caption) for Tables 1-2, over folds for Table 3 (:func:`fedssl.eval.report.summarise`).
+
+Cells (one :class:`~fedssl.experiments.table_runner.CellStore` at ``out/cells.jsonl``; an interrupted run
+resumes where it stopped):
+
+- pre-training, one FLARE simulator run per pre-trained method: the overrides of :data:`fedssl.experiments.table7.ROWS`
+  (FedMoCo, FCL, FedBYOL, FCLOpt, FCLOpt-PTNU, FCLOpt-PTNU-DP) and Local CL (:data:`LOCAL_CL`: FCL with
+  ``federated=false``, nothing exchanged or aggregated).  "random" is not pre-trained.
+- Table 1: one cell per (method, N, fold, site), the site fine-tuning alone (``local_finetune`` for that site).
+  Local CL fine-tunes each site from that site's own encoder (``<workspace>/site-k/<run>/fcl_client_state.pt``).
+- Table 2: one cell per (method, N, fold): federated fine-tuning (``jobs/fcl_acdc_finetune`` in the simulator, as
+  :mod:`fedssl.experiments.fcl_demo`), the global model evaluated on each site's validation patients.
+- Table 3: one cell per (method, N, fold): ``centralised_finetune`` (N patients in total from the pooled sites).
+
+Local CL has no shared model; for Tables 2 and 3 it starts from **site-1's own encoder** (:data:`LOCAL_CL_SHARED`):
+as if one site had pre-trained alone and shared its encoder.  Averaging the sites' encoders would be one FedAvg
+round the baseline does not have, so it is not done; the choice is printed under each table.
+
+The split of a (fold, N, site) is the same for every method (:func:`fedssl.train.protocol.site_fold`,
+``site_labelled``: seeded by fold and site name only).  Fine-tuning cells may run in worker processes (``workers``,
+one torch thread each); simulator cells run one at a time in this process.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import os
+import time
+from collections.abc import Sequence
+
+from fedssl.data.acdc_synthetic import write_synthetic_acdc
+from fedssl.eval.paper_tables import FCL_METHODS, FCL_SOURCE, FCL_TABLE_MODES, fcl_paper_rows
+from fedssl.eval.report import pretraining_verdict, summarise
+from fedssl.experiments.fcl_finetune import (
+    encoder_init,
+    evaluate_federated,
+    export_unet_init,
+    load_global_state,
+    load_labelled_sites,
+    protocol_settings,
+    site_folders,
+)
+from fedssl.experiments.diagnostics import diagnose_acdc, format_diagnostics
+from fedssl.experiments.table7 import JOBS, ROWS
+from fedssl.experiments.table_runner import CellStore, run_cells, write_table
+from fedssl.ops.jobs import load_profile
+from fedssl.ops.simulate import run_simulation, server_run_dir
+from fedssl.train.protocol import centralised_finetune, local_finetune
+
+ALL_METHODS = tuple(FCL_METHODS)  # random, Local CL, FedMoCo, FedBYOL, FCL, FCLOpt, FCLOpt-PTNU, FCLOpt-PTNU-DP
+TABLES = (1, 2, 3)
+DEFAULT_FOLDS = (0, 1, 2, 3, 4)
+#: Local CL (FCL sec. 5.1 baseline; README, FCL section): FCL pre-training with nothing exchanged or aggregated
+LOCAL_CL = ("Local CL", "fcl_acdc", ["client.fcl_trainer.federated=false", 'server.aggregator.exclude_patterns=["*"]',
+                                     "server.aggregator.collectors=[]"])
+#: the site whose own Local CL encoder starts federated (Table 2) and centralised (Table 3) fine-tuning
+LOCAL_CL_SHARED = "site-1"
+LOCAL_CL_NOTE = (f"Local CL: local fine-tuning starts from each site's own encoder; federated and centralised "
+                 f"fine-tuning from {LOCAL_CL_SHARED}'s (no shared model exists)")
+PRETRAINED = {name: (job, sets) for name, job, sets in [*ROWS, LOCAL_CL]}
+
+
+def _slug(method: str) -> str:
+    """A method label as a folder name ("Local CL" -> "Local_CL")."""
+    return method.replace(" ", "_")
+
+
+# ---------------------------------------------------------------- cells
+
+def pretrain_cells(methods: Sequence[str]) -> list[dict]:
+    return [{"stage": "pretrain", "method": m} for m in methods if m != "random"]
+
+
+def table_cells(table: int, methods: Sequence[str], n_labelled: Sequence[int], folds: Sequence[int],
+                sites: Sequence[str]) -> list[dict]:
+    """The fine-tuning cells of ``table``, fold-major (an interrupted table has every method on its first folds)."""
+    mode = FCL_TABLE_MODES[table]
+    cells = []
+    for fold in folds:
+        for n in n_labelled:
+            for method in methods:
+                base = {"stage": mode, "method": method, "n_labelled": int(n), "fold": int(fold)}
+                cells += [dict(base, site=s) for s in sites] if table == 1 else [base]
+    return cells
+
+
+# ---------------------------------------------------------------- stages (module level: tests replace them)
+
+def pretrain(method: str, workspace: str, *, data_root: str, n_sites: int, profile: str,
+             rounds: int | None) -> dict:
+    """One pre-training simulator run; the paths the fine-tuning cells and the diagnostics need."""
+    job, sets = PRETRAINED[method]
+    sets = list(sets) + ([f"server.scatter_and_gather.num_rounds={rounds}"] if rounds else [])
+    s = run_simulation(os.path.join(JOBS, job), workspace, n_sites=n_sites, data_root=os.path.join(data_root, "{site}"),
+                       profile=profile, sets=sets, echo=False)
+    out = {"summary": os.path.join(server_run_dir(workspace), "summary.json"), "wall_time_s": s["simulator_wall_time_s"],
+           "rounds": len(s.get("rounds", [])), "bytes_per_site_per_round": s.get("bytes_per_site_per_round")}
+    if method == "Local CL":  # the server's model stays the initial one: only the sites' own encoders count
+        out["site_encoders"] = local_cl_encoders(workspace, n_sites)
+    else:
+        out["global_model"] = s["global_model"]
+    return out
+
+
+def local_cl_encoders(workspace: str, n_sites: int) -> dict[str, str]:
+    """site -> that site's own final FCL checkpoint of a Local CL run; an error naming the missing one."""
+    encoders = {}
+    for i in range(1, n_sites + 1):
+        site = f"site-{i}"
+        found = sorted(glob.glob(os.path.join(workspace, site, "*", "fcl_client_state.pt")))
+        if not found:
+            raise ValueError(f"Local CL run {workspace}: no {site}/<run>/fcl_client_state.pt; did {site} train?")
+        encoders[site] = found[0]
+    return encoders
+
+
+def init_path(method: str, pretrained: dict | None, site: str | None) -> str:
+    """The encoder a fine-tuning cell starts from: "random", the method's global model, or for Local CL the
+    site's own encoder (local cells) or :data:`LOCAL_CL_SHARED`'s (federated / centralised cells)."""
+    if method == "random":
+        return "random"
+    if pretrained is None:
+        raise ValueError(f"{method}: no pre-training result; its pre-training cell must run first")
+    if "site_encoders" in pretrained:
+        return pretrained["site_encoders"][site or LOCAL_CL_SHARED]
+    return pretrained["global_model"]
+
+
+@functools.lru_cache(maxsize=2)
+def _sites_cached(data_root: str, settings_json: str) -> dict:
+    return load_labelled_sites(data_root, json.loads(settings_json))
+
+
+def load_sites(data_root: str, settings: dict) -> dict:
+    """The labelled volumes of every site, loaded once per process (worker initialiser, then cached)."""
+    return _sites_cached(data_root, json.dumps(settings, sort_keys=True))
+
+
+def init_worker(data_root: str, settings: dict) -> None:
+    """Worker process start: one torch thread (two workers share two cores), the sites' volumes loaded once."""
+    import torch
+
+    torch.set_num_threads(1)
+    load_sites(data_root, settings)
+
+
+def _plain(value):
+    """Numpy scalars -> Python numbers, recursively, so a row is JSON for the cell store."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value.item() if hasattr(value, "item") and not isinstance(value, (str, bytes)) else value
+
+
+def finetune_one(key: dict, init: str, data_root: str, settings: dict) -> dict:
+    """One local (one site) or centralised fine-tuning run; the protocol's result row."""
+    sites = load_sites(data_root, settings)
+    start = "random" if init == "random" else encoder_init(init)
+    kw = dict(n_labelled=[key["n_labelled"]], folds=[key["fold"]], features=settings["features"],
+              epochs=settings["epochs"], lr=settings["lr"], device=settings["device"])
+    if key["stage"] == "local":
+        (row,) = local_finetune(sites, {key["method"]: start}, sites=[key["site"]], **kw)
+    else:
+        (row,) = centralised_finetune(sites, {key["method"]: start}, **kw)
+    return _plain(row)
+
+
+def federated_one(key: dict, init: str, workspace: str, *, data_root: str, n_sites: int, profile: str,
+                  settings: dict) -> dict:
+    """One federated fine-tuning simulator run (``jobs/fcl_acdc_finetune``, as the demo) evaluated per site."""
+    sets = [f"client.seg_trainer.n_labelled={key['n_labelled']}", f"client.seg_trainer.fold={key['fold']}"]
+    if init != "random":
+        unet = export_unet_init(init, workspace + "_unet_init.pt", settings["features"])
+        sets.append(f"server.persistor.source_ckpt_file_full_name={unet}")
+    s = run_simulation(os.path.join(JOBS, "fcl_acdc_finetune"), workspace, n_sites=n_sites,
+                       data_root=os.path.join(data_root, "{site}"), profile=profile, sets=sets, echo=False)
+    rows = evaluate_federated(s["global_model"], load_sites(data_root, settings), method=key["method"],
+                              n_labelled=key["n_labelled"], fold=key["fold"], settings=settings)
+    return {"rows": _plain(rows), "wall_time_s": s["simulator_wall_time_s"]}
+
+
+def _finetune_cell(key: dict, *, inits: dict, data_root: str, settings: dict) -> dict:
+    """A worker's cell: resolve the init of (method, site), then :func:`finetune_one`."""
+    return finetune_one(key, init_path(key["method"], inits.get(key["method"]), key.get("site")), data_root, settings)
+
+
+# ---------------------------------------------------------------- the run
+
+def table_folds(profile: str, table: int, folds: Sequence[int] | None) -> list[int]:
+    """``folds`` when given, else the profile's ``tables.fcl.folds["<table>"]`` (the bench profile runs fewer folds
+    of the simulator-heavy Table 2), else all five."""
+    if folds is not None:
+        return [int(f) for f in folds]
+    chosen = load_profile(profile).get("tables", {}).get("fcl", {}).get("folds", {}).get(str(table))
+    if chosen is None:
+        return list(DEFAULT_FOLDS)
+    if not isinstance(chosen, list) or not chosen or not all(f in DEFAULT_FOLDS for f in chosen):
+        raise ValueError(f"profile {profile!r}: tables.fcl.folds[{str(table)!r}]={chosen!r} is invalid; "
+                         "use a non-empty list of folds 0-4")
+    return [int(f) for f in chosen]
+
+
+def _check_run_config(out: str, config: dict) -> None:
+    """The settings a store's cells were computed with; a re-run into the same folder must use the same ones."""
+    path = os.path.join(out, "run_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            old = json.load(f)
+        diff = {k: (old.get(k), v) for k, v in config.items() if old.get(k) != v}
+        if diff:
+            raise ValueError(f"{path}: the cells in {out} were computed with other settings "
+                             + ", ".join(f"{k}={a!r} (now {b!r})" for k, (a, b) in diff.items())
+                             + "; re-run with the same settings to resume, or use another --out")
+        return
+    os.makedirs(out, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def _check_args(tables, methods, n_labelled, n_sites: int, workers: int) -> None:
+    bad_tables = [t for t in tables if t not in TABLES]
+    if bad_tables or not tables:
+        raise ValueError(f"tables={list(tables)} is invalid; use some of {list(TABLES)}")
+    bad = [m for m in methods if m not in ALL_METHODS]
+    if bad or not methods:
+        raise ValueError(f"methods={list(methods)} is invalid ({bad}); use some of {list(ALL_METHODS)}")
+    bad_n = [n for n in n_labelled if n not in (1, 2, 4, 8)]
+    if bad_n or not n_labelled:
+        raise ValueError(f"n_labelled={list(n_labelled)} is invalid; use some of [1, 2, 4, 8] (FCL Tables 1-3)")
+    if not isinstance(n_sites, int) or n_sites < 2:
+        raise ValueError(f"n_sites={n_sites!r} is invalid; use an int >= 2 (federated runs need sites)")
+    if not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers={workers!r} is invalid; use an int >= 1")
+
+
+def summary_rows(table: int, rows: Sequence[dict]) -> list[dict]:
+    """Protocol rows -> ``write_table`` rows (mean +- std over sites, fold-averaged first; over folds for Table 3)."""
+    return [{"table": f"Table {table}", "method": s["method"], "column": f"N={s['n_labelled']}",
+             "mean": s["dice_mean"], "std": s["dice_std"], "n": s["n"]} for s in summarise(rows)]
+
+
+def run_fcl_tables(out: str, *, tables: Sequence[int] = TABLES, methods: Sequence[str] = ALL_METHODS,
+                   n_labelled: Sequence[int] = (1, 2, 4, 8), folds: Sequence[int] | None = None, n_sites: int = 3,
+                   profile: str = "bench", data_root: str | None = None, difficulty: float | None = None,
+                   epochs: int | None = None, rounds: int | None = None, workers: int = 2, say=print) -> dict:
+    """Run (or resume) the cells of FCL ``tables`` and write ``out/table{t}.{json,csv,txt,png}`` after each table.
+
+    ``folds``: the folds of every table; None = the profile's per-table folds (``tables.fcl.folds``), else all five.
+    ``data_root``: ``site-*`` folders; None = synthetic ACDC (10 patients per site, seed 0, ``difficulty`` when
+    given) under ``out/data/acdc``.  ``epochs`` overrides the profile's fine-tuning epochs, ``rounds`` the
+    pre-training rounds.  Returns ``{table: paths of its files}``."""
+    tables, methods, n_labelled = [int(t) for t in tables], list(methods), [int(n) for n in n_labelled]
+    _check_args(tables, methods, n_labelled, n_sites, workers)
+    t0 = time.time()
+    out = os.path.abspath(out)
+    if data_root is None:
+        data_root = os.path.join(out, "data", "acdc")
+        if not os.path.isdir(data_root):
+            say(f"writing synthetic ACDC: {n_sites} sites x 10 patients -> {data_root}")
+            extra = {} if difficulty is None else {"difficulty": difficulty}
+            write_synthetic_acdc(data_root, n_patients=10 * n_sites, n_sites=n_sites, seed=0, **extra)
+    data_root = os.path.abspath(data_root)
+    sites = list(site_folders(data_root))
+    if len(sites) != n_sites:
+        raise ValueError(f"{data_root} holds {len(sites)} site folders {sites}, not n_sites={n_sites}")
+    settings = protocol_settings(profile)
+    if epochs:
+        settings["epochs"] = epochs
+    _check_run_config(out, {"profile": profile, "data_root": data_root, "difficulty": difficulty, "n_sites": n_sites,
+                            "epochs": settings["epochs"], "rounds": rounds})
+    store = CellStore(os.path.join(out, "cells.jsonl"))
+
+    pre_cells = pretrain_cells(methods)
+    pre = dict(zip([c["method"] for c in pre_cells], run_cells(
+        pre_cells, lambda key: pretrain(key["method"], os.path.join(out, "ws", f"pretrain_{_slug(key['method'])}"),
+                                        data_root=data_root, n_sites=n_sites, profile=profile, rounds=rounds),
+        store, say=say, label="pre-training (FLARE simulator, one run at a time)")))
+    inits = {m: pre.get(m) for m in methods}
+    diag_text = _diagnostics(out, pre, store, data_root=data_root, settings=settings, say=say)
+    written = {}
+    for table in tables:
+        used = table_folds(profile, table, folds)
+        cells = table_cells(table, methods, n_labelled, used, sites)
+        label = f"Table {table} ({FCL_TABLE_MODES[table]} fine-tuning, folds {used})"
+        if table == 2:
+            results = run_cells(cells, lambda key: federated_one(
+                key, init_path(key["method"], inits[key["method"]], None), os.path.join(
+                    out, "ws", f"ft_{_slug(key['method'])}_n{key['n_labelled']}_f{key['fold']}"),
+                data_root=data_root, n_sites=n_sites, profile=profile, settings=settings),
+                store, say=say, label=label + ", FLARE simulator")
+            rows = [r for res in results for r in res["rows"]]
+        else:
+            fn = functools.partial(_finetune_cell, inits=inits, data_root=data_root, settings=settings)
+            pool = workers > 1
+            rows = run_cells(cells, fn, store, say=say, cost=lambda key: key["n_labelled"], workers=workers,
+                             initializer=init_worker if pool else None,
+                             initargs=(data_root, settings) if pool else (), label=label)
+        written[table] = _write(out, table, rows, methods, n_labelled, used, profile, settings, inits, say)
+        if diag_text:
+            say(diag_text)
+    say(f"FCL tables {tables} done in {time.time() - t0:.0f} s; files under {out}")
+    return written
+
+
+def diagnose_one(method: str, pretrained: dict, *, data_root: str, settings: dict) -> dict:
+    """The diagnostics of one pre-trained method (:func:`fedssl.experiments.diagnostics.diagnose_acdc`): loss terms
+    and bank fill per round from its run summary, feature spread and frozen-encoder probe (N=1, fold 0) of its
+    global model (Local CL: :data:`LOCAL_CL_SHARED`'s own encoder) against a random encoder."""
+    state = load_global_state(init_path(method, pretrained, None))
+    return _plain(diagnose_acdc(method, pretrained["summary"], state, load_sites(data_root, settings), settings))
+
+
+def _diagnostics(out: str, pre: dict, store: CellStore, *, data_root: str, settings: dict, say) -> str:
+    """Diagnostics cells (one per pre-trained method, resumable like every cell); written to
+    ``out/diagnostics.{json,txt}`` and returned as the text printed under every table."""
+    cells = [{"stage": "diagnostics", "method": m} for m in pre]
+    if not cells:
+        return ""
+    diags = run_cells(cells, lambda key: diagnose_one(key["method"], pre[key["method"]], data_root=data_root,
+                                                      settings=settings),
+                      store, say=say, label="diagnostics (spread, probe)")
+    text = format_diagnostics(diags)
+    with open(os.path.join(out, "diagnostics.json"), "w") as f:
+        json.dump(diags, f, indent=2)
+    with open(os.path.join(out, "diagnostics.txt"), "w") as f:
+        f.write(text + "\n")
+    return text
+
+
+def _write(out: str, table: int, rows: list[dict], methods, n_labelled, folds, profile: str, settings: dict,
+           inits: dict, say) -> dict:
+    mode = FCL_TABLE_MODES[table]
+    over = "folds" if table == 3 else "sites (each fold-averaged first)"
+    title = (f"FCL Table {table}: {mode} fine-tuning on ACDC, Dice mean +- std over {over}; folds {list(folds)}, "
+             f"profile {profile}")
+    if table == 2:
+        notes = [f"fine-tuning: jobs/fcl_acdc_finetune in the FLARE simulator, rounds and local epochs of profile {profile}"]
+    else:
+        notes = [f"fine-tuning: {settings['epochs']} epochs, {settings['image_size']} px at "
+                 f"{settings['target_spacing']} mm, U-Net {settings['features']}"]
+    if "Local CL" in methods:
+        notes.append(LOCAL_CL_NOTE)
+    if "random" in methods and "FCL" in methods and mode != "centralised":
+        notes.append(pretraining_verdict(rows, "FCL", mode=mode))
+    extra = {"folds": list(folds), "mode": mode, "profile": profile, "settings": settings,
+             "pretraining": {m: v for m, v in inits.items() if v is not None}, "cell_rows": rows}
+    paths = write_table(out, f"table{table}", summary_rows(table, rows),
+                        paper=fcl_paper_rows(table, methods, n_labelled),
+                        paper_source=FCL_SOURCE.format(table=table), title=title, notes=notes, extra=extra)
+    with open(paths["txt"]) as f:
+        say("\n" + f.read())
+    say(f"Table {table} written: " + ", ".join(paths[k] for k in ("txt", "csv", "json", "png")))
+    return paths

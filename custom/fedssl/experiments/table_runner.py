@@ -1,0 +1,393 @@
+"""A resumable runner for the papers' tables: cells, a crash-safe store of finished cells, progress, output files.
+
+A paper table is a grid of *cells* (one pre-training run, one fine-tuning run of a method at N annotated
+patients, fold and site, ...), each identified by a small dict of JSON scalars, its *key*.  A full table takes
+hours on a CPU, so:
+
+- :class:`CellStore` keeps every finished cell's result in a JSON-lines file, appended and fsync'ed cell by cell:
+  an interrupted run loses at most the cell that was running, and a re-run of :func:`run_cells` skips the
+  finished ones (resume).
+- :func:`run_cells` prints one progress line per cell (cells done / total, seconds of the cell, ETA) and can run
+  cells in worker processes (``workers``) for throughput on a few CPU cores.
+- :func:`write_table` writes the summary rows as JSON, CSV, a text table (the paper's numbers beside the bundle's,
+  in a block labelled as the paper's) and a PNG (score vs column per method, error bars; the paper's dashed).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import multiprocessing
+import os
+import textwrap
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import Any
+
+SCALARS = (str, int, float, bool, type(None))
+
+
+def key_id(key: Mapping[str, Any]) -> str:
+    """A cell's identity: its key as canonical JSON (sorted keys), so ``{"a": 1, "b": 2}`` and
+    ``{"b": 2, "a": 1}`` are the same cell."""
+    if not isinstance(key, Mapping) or not key:
+        raise ValueError(f"cell key {key!r} is invalid; use a non-empty dict of JSON scalars, e.g. "
+                         "{'method': 'FCL', 'n_labelled': 1}")
+    bad = {k: v for k, v in key.items() if not isinstance(k, str) or not isinstance(v, SCALARS)}
+    if bad:
+        raise ValueError(f"cell key {dict(key)!r} is invalid: {bad!r} are not str -> JSON scalar "
+                         "(str, int, float, bool, None); use scalars only")
+    return json.dumps(dict(key), sort_keys=True, separators=(",", ":"))
+
+
+def key_summary(key: Mapping[str, Any]) -> str:
+    """``method=FCL n_labelled=1 fold=0``: the key in its own order, for progress lines."""
+    return " ".join(f"{k}={v}" for k, v in key.items())
+
+
+class CellStore:
+    """Finished cells in a JSON-lines file, one ``{"key": {...}, "result": {...}, "seconds": float}`` per line.
+
+    Every :meth:`put` appends one line and flushes it to disk (``os.fsync``) before returning, so a finished cell
+    survives a crash.  Reading: a torn last line (a write interrupted before its newline) is dropped with a
+    warning naming the file (it is cut off before the next append); any other unreadable line is an error naming
+    the file and the line, never skipped: that would throw away finished work silently.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self._cells: dict[str, dict] = {}
+        self._torn_at: int | None = None  # byte offset where a torn last line starts
+        if os.path.isfile(self.path):
+            self._load()
+
+    def _load(self) -> None:
+        with open(self.path, "rb") as f:
+            data = f.read()
+        offset = 0
+        lines = data.split(b"\n")
+        for number, raw in enumerate(lines, start=1):
+            is_last = number == len(lines)
+            start, offset = offset, offset + len(raw) + 1
+            if not raw.strip():
+                continue
+            try:
+                record = self._record(raw)
+            except ValueError as e:
+                if is_last:  # no newline after it: its write was interrupted
+                    warnings.warn(f"{self.path}: line {number} is incomplete (an interrupted write); ignored, "
+                                  "its cell will run again", stacklevel=3)
+                    self._torn_at = start
+                    return
+                raise ValueError(f"{self.path}, line {number}: not a finished cell ({e}); repair or remove that "
+                                 "line by hand (the other lines are finished work)") from None
+            ident = key_id(record["key"])
+            if ident in self._cells:
+                warnings.warn(f"{self.path}: line {number} repeats cell {key_summary(record['key'])}; the first "
+                              "result is kept", stacklevel=3)
+                continue
+            self._cells[ident] = record
+
+    @staticmethod
+    def _record(raw: bytes) -> dict:
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{type(e).__name__}: {e}") from None
+        if not isinstance(record, dict) or set(record) != {"key", "result", "seconds"}:
+            raise ValueError("expected an object with exactly 'key', 'result' and 'seconds'")
+        if not isinstance(record["seconds"], (int, float)) or isinstance(record["seconds"], bool):
+            raise ValueError(f"'seconds' is {record['seconds']!r}, not a number")
+        key_id(record["key"])
+        return record
+
+    def done(self, key: Mapping[str, Any]) -> bool:
+        return key_id(key) in self._cells
+
+    def get(self, key: Mapping[str, Any]) -> Any:
+        """The stored result of ``key``; KeyError naming the cell and the file when it has not run."""
+        ident = key_id(key)
+        if ident not in self._cells:
+            raise KeyError(f"cell {key_summary(key)} is not in {self.path}")
+        return self._cells[ident]["result"]
+
+    def seconds(self, key: Mapping[str, Any]) -> float:
+        return float(self._cells[key_id(key)]["seconds"])
+
+    def put(self, key: Mapping[str, Any], result: Any, seconds: float) -> Any:
+        """Append one finished cell and fsync it; returns the result as it reads back (JSON round trip), so a
+        fresh result and a resumed one are the same value.  A key already stored is an error."""
+        ident = key_id(key)
+        if ident in self._cells:
+            raise ValueError(f"cell {key_summary(key)} is already in {self.path}; a cell runs once")
+        try:
+            line = json.dumps({"key": dict(key), "result": result, "seconds": round(float(seconds), 3)},
+                              allow_nan=True)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"cell {key_summary(key)}: its result is not JSON ({e}); return plain "
+                             "dicts / lists / numbers / strings") from None
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        if self._torn_at is not None:  # cut the torn line off, or the next record would be glued onto it
+            os.truncate(self.path, self._torn_at)
+            self._torn_at = None
+        with open(self.path, "a+b") as f:
+            if f.tell() > 0:  # a last record written without its newline: end it, or the next would be glued on
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
+            f.write((line + "\n").encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+        record = json.loads(line)
+        self._cells[ident] = record
+        return record["result"]
+
+    def results(self) -> list[dict]:
+        """Every stored cell ``{"key", "result", "seconds"}`` in file order."""
+        return list(self._cells.values())
+
+
+def format_duration(seconds: float) -> str:
+    """``12 s``, ``4 min 10 s``, ``1 h 05 min``."""
+    s = int(round(max(seconds, 0.0)))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60} s"
+    return f"{s // 3600} h {(s % 3600) // 60:02d} min"
+
+
+class _Progress:
+    """Progress lines of one :func:`run_cells` call: ETA = remaining cost x (seconds per cost unit of the cells
+    run in this invocation) / workers busy."""
+
+    def __init__(self, cells: Sequence[Mapping], store: CellStore, say, cost, workers: int, label: str):
+        self.total = len(cells)
+        self.say, self.cost, self.workers = say, cost or (lambda key: 1.0), workers
+        self.todo = [k for k in cells if not store.done(k)]
+        self.done = self.total - len(self.todo)
+        self.remaining_cost = sum(float(self.cost(k)) for k in self.todo)
+        self.spent_s = self.spent_cost = 0.0
+        head = f"{label}: " if label else ""
+        self.say(f"{head}{self.total} cells, {self.done} already done in {store.path} (resumed: skipped), "
+                 f"{len(self.todo)} to run" + (f" on {workers} worker processes" if workers > 1 else ""))
+
+    def finished(self, key: Mapping, seconds: float) -> None:
+        c = float(self.cost(key))
+        self.done += 1
+        self.spent_s += seconds
+        self.spent_cost += c
+        self.remaining_cost -= c
+        left = self.total - self.done
+        per_cost = self.spent_s / self.spent_cost if self.spent_cost > 0 else 0.0
+        eta = max(self.remaining_cost, 0.0) * per_cost / max(1, min(self.workers, left))
+        self.say(f"[{self.done}/{self.total}] {key_summary(key)} took {seconds:.1f} s | "
+                 + (f"ETA {format_duration(eta)}" if left else "all done"))
+
+    def failed(self, key: Mapping, error: BaseException) -> None:
+        self.say(f"[{self.done}/{self.total}] {key_summary(key)} FAILED ({type(error).__name__}: {error}); "
+                 "nothing recorded for it: a re-run resumes at this cell")
+
+
+def _timed(fn: Callable[[dict], Any], key: dict) -> tuple[Any, float]:
+    """Run one cell in a worker process and time it there (the parent's clock would count queueing)."""
+    t0 = time.perf_counter()
+    result = fn(key)
+    return result, time.perf_counter() - t0
+
+
+def run_cells(
+    cells: Sequence[Mapping[str, Any]],
+    fn: Callable[[dict], Any],
+    store: CellStore,
+    *,
+    say: Callable[[str], None] = print,
+    cost: Callable[[dict], float] | None = None,
+    workers: int = 1,
+    initializer: Callable[..., None] | None = None,
+    initargs: tuple = (),
+    label: str = "",
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[Any]:
+    """Run ``fn(key)`` for every cell not yet in ``store``, in order, storing each result as it finishes; returns
+    the results of all ``cells`` in cell order (resumed and fresh alike).
+
+    ``cost(key)``: relative cost of a cell for the ETA (e.g. N for fine-tuning on N patients); default 1.
+    ``workers`` > 1 runs cells in a process pool (spawn start method; ``fn``, ``initializer`` and keys must be
+    picklable, i.e. module-level functions or ``functools.partial`` of them): ``initializer(*initargs)`` runs once
+    per worker (load what every cell needs there); the parent stores results as they complete, so resume works
+    the same.  A cell that raises is not recorded: its failure is printed and the exception re-raised (with
+    workers, after the cells already running have finished and been stored; cells not started are cancelled).
+    """
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ValueError(f"run_cells: argument workers={workers!r} is invalid; use an int >= 1 (1 = in this process)")
+    ids = [key_id(k) for k in cells]
+    if len(set(ids)) != len(ids):
+        dup = next(k for k, i in zip(cells, ids) if ids.count(i) > 1)
+        raise ValueError(f"run_cells: cell {key_summary(dup)} is listed twice; every cell must be unique")
+    progress = _Progress(cells, store, say, cost, workers, label)
+    if progress.todo and workers > 1:
+        _run_pool(progress.todo, fn, store, progress, workers, initializer, initargs)
+    elif progress.todo:
+        if initializer is not None:
+            initializer(*initargs)
+        for key in progress.todo:
+            t0 = clock()
+            try:
+                result = fn(dict(key))
+            except BaseException as e:
+                progress.failed(key, e)
+                raise
+            seconds = clock() - t0
+            store.put(key, result, seconds)
+            progress.finished(key, seconds)
+    return [store.get(k) for k in cells]
+
+
+def _run_pool(todo, fn, store: CellStore, progress: _Progress, workers: int, initializer, initargs) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    error: BaseException | None = None
+    with ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=ctx, initializer=initializer,
+                             initargs=initargs) as pool:
+        futures = {pool.submit(_timed, fn, dict(k)): k for k in todo}
+        for future in as_completed(futures):
+            key = futures[future]
+            if future.cancelled():
+                continue
+            try:
+                result, seconds = future.result()
+            except BaseException as e:
+                progress.failed(key, e)
+                if error is None:
+                    error = e
+                    for other in futures:
+                        other.cancel()
+                continue
+            store.put(key, result, seconds)
+            progress.finished(key, seconds)
+    if error is not None:
+        raise error
+
+
+# ---------------------------------------------------------------- output files
+
+ROW_FIELDS = ("table", "method", "column", "mean", "std", "n")
+
+
+def _cell_text(mean: float | None, std: float | None, digits: int) -> str:
+    if mean is None or (isinstance(mean, float) and math.isnan(mean)):
+        return "-"
+    return f"{mean:.{digits}f}" + ("" if std is None else f" +- {std:.{digits}f}")
+
+
+def _ordered(rows: Sequence[Mapping], field: str) -> list:
+    out: list = []
+    for r in rows:
+        if r[field] not in out:
+            out.append(r[field])
+    return out
+
+
+def _text_block(rows: Sequence[Mapping], methods: Sequence[str], columns: Sequence[str], digits: int) -> list[str]:
+    cells = {(r["method"], r["column"]): _cell_text(r["mean"], r.get("std"), digits) for r in rows}
+    header = ["Method"] + list(columns)
+    body = [[m] + [cells.get((m, c), "-") for c in columns] for m in methods]
+    widths = [max(len(row[i]) for row in [header] + body) for i in range(len(header))]
+
+    def line(row: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+
+    return [line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in body]
+
+
+def format_paper_table(rows: Sequence[Mapping], *, title: str, paper: Sequence[Mapping] | None = None,
+                       paper_source: str = "", notes: Sequence[str] = (), digits: int = 3) -> str:
+    """The bundle's table (``mean +- std`` per method and column), then, when given, the paper's numbers for the
+    same methods and columns in a separate block labelled ``paper (<paper_source>)``."""
+    methods, columns = _ordered(rows, "method"), _ordered(rows, "column")
+    lines = [title, *notes, "", "bundle (measured here)"] + _text_block(rows, methods, columns, digits)
+    if paper:
+        lines += ["", f"paper ({paper_source})"] + _text_block(paper, methods, columns, digits)
+    return "\n".join(lines) + "\n"
+
+
+def _check_rows(rows: Sequence[Mapping], what: str) -> None:
+    for r in rows:
+        missing = [f for f in ("method", "column", "mean") if f not in r]
+        if missing:
+            raise ValueError(f"write_table: a {what} row lacks {missing}: {dict(r)!r}; rows are "
+                             f"{{{', '.join(ROW_FIELDS)}}}")
+
+
+def plot_table(rows: Sequence[Mapping], path: str, *, title: str, paper: Sequence[Mapping] | None = None,
+               score: str = "dice") -> str:
+    """Score vs column per method, error bars = std; the paper's values dashed in the method's colour.  Agg canvas,
+    no pyplot state.  matplotlib is imported here, so that worker processes of :func:`run_cells` start light."""
+    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    methods, columns = _ordered(rows, "method"), _ordered(rows, "column")
+    colours = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig = Figure(figsize=(6.5, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    xs = {c: i for i, c in enumerate(columns)}
+    for i, method in enumerate(methods):
+        colour = colours[i % len(colours)]
+        pts = [r for r in rows if r["method"] == method]
+        ax.errorbar([xs[r["column"]] for r in pts], [r["mean"] for r in pts],
+                    yerr=[r.get("std") or 0.0 for r in pts], marker="o", capsize=3, color=colour, label=method)
+        ref = [r for r in paper or () if r["method"] == method and r["column"] in xs and r["mean"] is not None]
+        if ref:
+            ax.plot([xs[r["column"]] for r in ref], [r["mean"] for r in ref], linestyle="--", marker="x",
+                    color=colour, alpha=0.7, label=f"{method} (paper)")
+    ax.set_xticks(range(len(columns)))
+    ax.set_xticklabels([str(c) for c in columns])
+    if score == "dice":
+        ax.set_ylim(0.0, 1.0)
+    ax.set_ylabel(score)
+    ax.set_title("\n".join(textwrap.wrap(title, 75)), fontsize="small")  # long titles wrap, not clip
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="x-small", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def write_table(out_dir: str | os.PathLike, name: str, rows: Sequence[Mapping[str, Any]], *, title: str,
+                paper: Sequence[Mapping[str, Any]] | None = None, paper_source: str = "", score: str = "dice",
+                notes: Sequence[str] = (), extra: Mapping[str, Any] | None = None, digits: int = 3) -> dict[str, str]:
+    """Write ``{name}.json``, ``{name}.csv``, ``{name}.txt`` and ``{name}.png`` into ``out_dir``.
+
+    ``rows``: summary rows ``{"table", "method", "column", "mean", "std", "n"}`` (``column`` e.g. ``"N=1"`` or
+    ``"Split-3"``; ``n`` = how many sites / folds the mean and std are over).  ``paper``: the paper's rows in the
+    same form (``std`` None where the paper gives none), labelled ``paper (<paper_source>)`` in the text and
+    marked ``source = "paper"`` in the CSV.  Returns ``{"json", "csv", "txt", "png"}`` paths."""
+    if not rows:
+        raise ValueError(f"write_table {name}: no rows to write")
+    if paper and not paper_source:
+        raise ValueError(f"write_table {name}: paper rows need paper_source (e.g. 'FCL, Wu et al., MedIA 2022, Table 1')")
+    _check_rows(rows, "bundle")
+    _check_rows(paper or (), "paper")
+    out = os.fspath(out_dir)
+    os.makedirs(out, exist_ok=True)
+    paths = {ext: os.path.join(out, f"{name}.{ext}") for ext in ("json", "csv", "txt", "png")}
+    with open(paths["json"], "w") as f:
+        json.dump({"title": title, "score": score, "notes": list(notes), "rows": [dict(r) for r in rows],
+                   "paper": {"source": paper_source, "rows": [dict(r) for r in paper or ()]},
+                   "extra": dict(extra or {})}, f, indent=2)
+    with open(paths["csv"], "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=("source",) + ROW_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for source, group in (("bundle", rows), ("paper", paper or ())):
+            for r in group:
+                w.writerow({"source": source, **{k: r.get(k) for k in ROW_FIELDS}})
+    text = format_paper_table(rows, title=title, paper=paper, paper_source=paper_source, notes=notes, digits=digits)
+    with open(paths["txt"], "w") as f:
+        f.write(text)
+    plot_table(rows, paths["png"], title=title, paper=paper, score=score)
+    return paths

@@ -1,0 +1,219 @@
+"""fedssl.experiments.fcl_tables: the cells of FCL Tables 1-3, resume, Local CL's encoders, splits, CLI.
+
+The stage functions (pre-training, fine-tuning, federated fine-tuning) are replaced by fakes: no simulator, no
+training, except in the split test (tiny volumes, one epoch) and the slow end-to-end test."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fedssl.cli import main
+from fedssl.data.volume import Volume
+from fedssl.experiments import fcl_tables
+from fedssl.experiments.fcl_tables import pretrain_cells, run_fcl_tables, table_cells, table_folds
+from fedssl.models.unet import TINY_FEATURES
+
+torch.set_num_threads(1)
+
+SITES = ["site-1", "site-2"]
+METHODS = ["random", "FCL"]
+
+
+def _dice(method: str, n: int, fold: int, site: str) -> float:
+    """Fake Dice: 0.1 N + 0.01 fold, + 0.02 at site-2, + 0.1 for FCL."""
+    return 0.1 * n + 0.01 * fold + (0.02 if site == "site-2" else 0.0) + (0.1 if method == "FCL" else 0.0)
+
+
+class Fakes:
+    """Stage functions that record what they were asked to do."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.pretrained, self.finetuned, self.federated, self.fail_at = [], [], [], fail_at
+        self.diagnosed = []
+
+    def diagnose_one(self, method, pretrained, *, data_root, settings):
+        self.diagnosed.append((method, pretrained["summary"]))
+        return {"method": method, "rounds": [{"round": 0, "loss": 2.0, "bank_fill": 0.5}],
+                "probe": {"metric": "dice", "setting": "N=1, fold 0", "n_sites": 2, "pretrained": 0.30,
+                          "pretrained_std": 0.01, "random": 0.25, "random_std": 0.02}}
+
+    def pretrain(self, method, workspace, *, data_root, n_sites, profile, rounds):
+        self.pretrained.append(method)
+        out = {"summary": f"{workspace}/summary.json"}
+        if method == "Local CL":  # as the real stage: the sites' own encoders, no global model
+            out["site_encoders"] = {s: f"local_cl_{s}.pt" for s in SITES}
+        else:
+            out["global_model"] = f"{method}.pt"
+        return out
+
+    def finetune_one(self, key, init, data_root, settings):
+        if self.fail_at is not None and len(self.finetuned) == self.fail_at:
+            raise RuntimeError("killed")
+        self.finetuned.append((dict(key), init))
+        site = key.get("site", "all")
+        return {"method": key["method"], "mode": key["stage"], "n_labelled": key["n_labelled"], "fold": key["fold"],
+                "site": site, "dice": _dice(key["method"], key["n_labelled"], key["fold"], site)}
+
+    def federated_one(self, key, init, workspace, *, data_root, n_sites, profile, settings):
+        self.federated.append((dict(key), init))
+        return {"rows": [{"method": key["method"], "mode": "federated", "n_labelled": key["n_labelled"],
+                          "fold": key["fold"], "site": s, "dice": _dice(key["method"], key["n_labelled"], key["fold"], s)}
+                         for s in SITES], "wall_time_s": 0.0}
+
+
+@pytest.fixture
+def data_root(tmp_path):
+    for s in SITES:
+        (tmp_path / "data" / s).mkdir(parents=True)
+    return str(tmp_path / "data")
+
+
+def _run(monkeypatch, fakes, out, data_root, **kw):
+    for name in ("pretrain", "finetune_one", "federated_one", "diagnose_one"):
+        monkeypatch.setattr(fcl_tables, name, getattr(fakes, name))
+    args = dict(methods=METHODS, n_labelled=[1, 2], folds=[0, 1], n_sites=2, profile="bench", data_root=data_root,
+                workers=1, say=lambda s: None)
+    args.update(kw)
+    return run_fcl_tables(str(out), **args)
+
+
+def test_cell_counts_per_table():
+    # 2 methods x 2 N x 2 folds (x 2 sites for the local table)
+    assert len(table_cells(1, METHODS, [1, 2], [0, 1], SITES)) == 16
+    assert len(table_cells(2, METHODS, [1, 2], [0, 1], SITES)) == 8
+    assert len(table_cells(3, METHODS, [1, 2], [0, 1], SITES)) == 8
+    assert pretrain_cells(METHODS) == [{"stage": "pretrain", "method": "FCL"}]  # random is not pre-trained
+    assert len(pretrain_cells(fcl_tables.ALL_METHODS)) == 7
+
+
+def test_run_calls_each_stage_once_per_cell_and_writes_the_tables(monkeypatch, tmp_path, data_root):
+    fakes = Fakes()
+    paths = _run(monkeypatch, fakes, tmp_path / "out", data_root)
+    assert fakes.pretrained == ["FCL"]
+    assert len(fakes.finetuned) == 16 + 8 and len(fakes.federated) == 8
+    data = json.loads(open(paths[1]["json"]).read())
+    # random, N=1: site-1 folds (0.10, 0.11) -> 0.105, site-2 (0.12, 0.13) -> 0.125: mean 0.115, std 0.010
+    (row,) = [r for r in data["rows"] if r["method"] == "random" and r["column"] == "N=1"]
+    assert row["mean"] == pytest.approx(0.115) and row["std"] == pytest.approx(0.010) and row["n"] == 2
+    # centralised (site "all"): over folds (0.10, 0.11) -> 0.105 +- 0.005
+    (row,) = [r for r in json.loads(open(paths[3]["json"]).read())["rows"]
+              if r["method"] == "random" and r["column"] == "N=1"]
+    assert row["mean"] == pytest.approx(0.105) and row["std"] == pytest.approx(0.005) and row["n"] == 2
+    text = open(paths[1]["txt"]).read()
+    assert "paper (FCL, Wu et al., MedIA 2022, Table 1)" in text and "0.280 +- 0.037" in text
+    assert "folds [0, 1]" in text and data["extra"]["folds"] == [0, 1]
+
+
+def test_diagnostics_run_once_per_pretrained_method_and_print_under_every_table(monkeypatch, tmp_path, data_root):
+    fakes, said = Fakes(), []
+    _run(monkeypatch, fakes, tmp_path / "out", data_root, say=said.append)
+    assert fakes.diagnosed == [("FCL", f"{tmp_path / 'out'}/ws/pretrain_FCL/summary.json")]
+    blocks = [s for s in said if s.startswith("Diagnostics")]
+    assert len(blocks) == 3  # one under each of the three tables
+    assert "frozen encoder beats random by +0.050 Dice" in blocks[0]
+    assert json.loads((tmp_path / "out" / "diagnostics.json").read_text())[0]["method"] == "FCL"
+    again = Fakes()
+    _run(monkeypatch, again, tmp_path / "out", data_root, say=said.append)
+    assert again.diagnosed == []  # resumed from the cell store
+
+
+def test_interrupted_run_resumes_without_rerunning_finished_cells(monkeypatch, tmp_path, data_root):
+    first = Fakes(fail_at=5)
+    with pytest.raises(RuntimeError, match="killed"):
+        _run(monkeypatch, first, tmp_path / "out", data_root)
+    assert len(first.finetuned) == 5
+    second = Fakes()
+    _run(monkeypatch, second, tmp_path / "out", data_root)
+    assert second.pretrained == []  # its cell was finished
+    done = [json.dumps(k, sort_keys=True) for k, _ in first.finetuned]
+    rerun = [json.dumps(k, sort_keys=True) for k, _ in second.finetuned]
+    assert not set(done) & set(rerun) and len(rerun) == 16 + 8 - 5
+
+
+def test_local_cl_local_cells_use_each_sites_own_encoder(monkeypatch, tmp_path, data_root):
+    fakes = Fakes()
+    _run(monkeypatch, fakes, tmp_path / "out", data_root, methods=["Local CL", "FCL"], n_labelled=[1], folds=[0])
+    inits = {(k["stage"], k["method"], k.get("site")): init for k, init in fakes.finetuned + fakes.federated}
+    assert inits[("local", "Local CL", "site-1")] == "local_cl_site-1.pt"
+    assert inits[("local", "Local CL", "site-2")] == "local_cl_site-2.pt"
+    assert inits[("centralised", "Local CL", None)] == inits[("federated", "Local CL", None)] == "local_cl_site-1.pt"
+    assert inits[("local", "FCL", "site-2")] == inits[("centralised", "FCL", None)] == "FCL.pt"
+
+
+def _tiny_sites() -> dict[str, list[Volume]]:
+    rng = np.random.default_rng(0)
+    out = {}
+    for site in SITES:
+        out[site] = []
+        for p in range(5):  # 5 folds -> 4 training / 1 validation patient per site
+            for phase in ("ED", "ES"):
+                label = rng.integers(0, 4, size=(2, 32, 32)).astype(np.uint8)
+                out[site].append(Volume(f"{site}p{p}", phase, (label / 3.0).astype(np.float32), label, site))
+    return out
+
+
+def test_same_split_for_every_method(monkeypatch):
+    """The real fine-tuning cell: which patients train and validate depends on (fold, N, site), not the method."""
+    monkeypatch.setattr(fcl_tables, "load_sites", lambda data_root, settings: _tiny_sites())
+    settings = {"features": TINY_FEATURES, "epochs": 1, "lr": 1e-3, "device": "cpu"}
+    for stage, site in (("local", "site-2"), ("centralised", None)):
+        seen = []
+        for method in ("random", "FCL"):
+            key = {"stage": stage, "method": method, "n_labelled": 2, "fold": 1}
+            if site:
+                key["site"] = site
+            row = fcl_tables.finetune_one(key, "random", "unused", settings)
+            seen.append((row["train_patients"], row["val_patients"], row["site"]))
+        assert seen[0] == seen[1]
+        assert len(seen[0][0]) == 2 and len(seen[0][1]) == 2  # N=2; one validation patient per site, pooled
+        if site:  # a local cell trains on its own site's patients only
+            assert all(p.startswith(site) for p in seen[0][0]) and seen[0][2] == site
+
+
+def test_table_folds_from_the_profile(tmp_path):
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({"tables": {"fcl": {"folds": {"2": [0], "3": [1, 3]}}}}))
+    assert table_folds(str(profile), 2, None) == [0]
+    assert table_folds(str(profile), 3, None) == [1, 3]
+    assert table_folds(str(profile), 1, None) == [0, 1, 2, 3, 4]  # not in the profile: all five
+    assert table_folds(str(profile), 2, [2, 4]) == [2, 4]  # --folds wins
+    profile.write_text(json.dumps({"tables": {"fcl": {"folds": {"2": [7]}}}}))
+    with pytest.raises(ValueError, match=r"folds\['2'\]=\[7\]"):
+        table_folds(str(profile), 2, None)
+
+
+def test_rerun_with_other_settings_is_refused(monkeypatch, tmp_path, data_root):
+    _run(monkeypatch, Fakes(), tmp_path / "out", data_root, tables=[3])
+    with pytest.raises(ValueError, match=r"run_config\.json.*epochs"):
+        _run(monkeypatch, Fakes(), tmp_path / "out", data_root, tables=[3], epochs=3)
+
+
+def test_cli_parses_into_run_fcl_tables(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(fcl_tables, "run_fcl_tables", lambda out, **kw: seen.update(out=out, **kw))
+    assert main(["fcl", "tables", "--out", "o", "--tables", "1", "3", "--methods", "random", "Local CL",
+                 "--n", "1", "8", "--folds", "0", "2", "--sites", "4", "--difficulty", "0.5", "--epochs", "3",
+                 "--rounds", "2", "--workers", "1"]) == 0
+    assert seen == {"out": "o", "tables": [1, 3], "methods": ["random", "Local CL"], "n_labelled": [1, 8],
+                    "folds": [0, 2], "n_sites": 4, "profile": "bench", "data_root": None, "difficulty": 0.5,
+                    "epochs": 3, "rounds": 2, "workers": 1}
+    main(["fcl", "tables", "--out", "o"])
+    assert seen["folds"] is None and seen["workers"] == 2 and seen["tables"] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_end_to_end_tiny(tmp_path):
+    """The real thing: synthetic ACDC, FCL pre-training in the FLARE simulator (1 round), local and centralised
+    fine-tuning (1 epoch), tables 1 and 3 written and parseable."""
+    paths = run_fcl_tables(str(tmp_path / "out"), tables=[1, 3], methods=["random", "FCL"], n_labelled=[1],
+                           folds=[0], n_sites=2, profile="quick", epochs=1, rounds=1, workers=1)
+    for table in (1, 3):
+        data = json.loads(open(paths[table]["json"]).read())
+        assert {r["method"] for r in data["rows"]} == {"random", "FCL"}
+        assert all(0.0 <= r["mean"] <= 1.0 for r in data["rows"])
+        assert open(paths[table]["png"], "rb").read(4) == b"\x89PNG"
+        assert open(paths[table]["csv"]).read().startswith("source,table,method,column,mean,std,n")

@@ -1,0 +1,162 @@
+"""fedssl.experiments.table_runner: resume, crash safety of the cell store, progress / ETA, output files."""
+
+import csv
+import functools
+import json
+
+import pytest
+import torch
+
+from fedssl.experiments.table_runner import CellStore, format_duration, key_id, run_cells, write_table
+
+torch.set_num_threads(1)
+
+CELLS = [{"method": m, "n": n} for m in ("random", "FCL") for n in (1, 2)]
+
+
+#: a trivial module-level cell, picklable for the worker processes, from a module they import at once (json)
+AS_TEXT = functools.partial(json.dumps, sort_keys=True)
+
+
+def test_key_identity_ignores_order_and_refuses_non_scalars():
+    assert key_id({"a": 1, "b": "x"}) == key_id({"b": "x", "a": 1})
+    with pytest.raises(ValueError, match="scalars"):
+        key_id({"a": [1, 2]})
+
+
+def test_resume_runs_exactly_the_missing_cells_and_returns_cell_order(tmp_path):
+    store = CellStore(tmp_path / "cells.jsonl")
+    store.put(CELLS[3], {"value": 99}, 1.0)  # finished out of order: results must still come in cell order
+    store.put(CELLS[0], {"value": 98}, 1.0)
+    called = []
+
+    def fn(key):
+        called.append(key)
+        return {"value": key["n"]}
+
+    lines = []
+    results = run_cells(CELLS, fn, CellStore(tmp_path / "cells.jsonl"), say=lines.append)
+    assert called == [CELLS[1], CELLS[2]]
+    assert results == [{"value": 98}, {"value": 2}, {"value": 1}, {"value": 99}]
+    assert "4 cells, 2 already done" in lines[0] and "2 to run" in lines[0]
+    assert run_cells(CELLS, fn, CellStore(tmp_path / "cells.jsonl"), say=lines.append) == results
+    assert len(called) == 2  # a third run re-runs nothing
+
+
+def test_torn_last_line_is_ignored_with_a_warning_and_cut_off_before_the_next_append(tmp_path):
+    path = tmp_path / "cells.jsonl"
+    CellStore(path).put(CELLS[0], {"value": 1}, 2.0)
+    with open(path, "a") as f:
+        f.write('{"key": {"method": "random", "n": 2}, "resu')  # killed mid-write
+    with pytest.warns(UserWarning, match=r"cells\.jsonl.*line 2.*incomplete"):
+        store = CellStore(path)
+    assert store.done(CELLS[0]) and not store.done(CELLS[1])
+    store.put(CELLS[1], {"value": 4}, 1.0)
+    assert [r["key"] for r in CellStore(path).results()] == CELLS[:2]  # reads back clean
+
+
+def test_record_without_its_newline_is_kept_and_the_next_one_starts_a_new_line(tmp_path):
+    path = tmp_path / "cells.jsonl"
+    path.write_text(json.dumps({"key": CELLS[0], "result": 1, "seconds": 1.0}))  # no trailing newline
+    store = CellStore(path)
+    store.put(CELLS[1], 2, 1.0)
+    assert [r["result"] for r in CellStore(path).results()] == [1, 2]
+
+
+def test_corrupt_middle_line_is_an_error_naming_file_and_line(tmp_path):
+    path = tmp_path / "cells.jsonl"
+    good = [json.dumps({"key": k, "result": 1, "seconds": 1.0}) for k in CELLS[:2]]
+    path.write_text(good[0] + "\n" + "{not json\n" + good[1] + "\n")
+    with pytest.raises(ValueError, match=r"cells\.jsonl, line 2"):
+        CellStore(path)
+
+
+def test_failing_cell_is_not_recorded_and_reraises(tmp_path):
+    path = tmp_path / "cells.jsonl"
+
+    def fn(key):
+        if key == CELLS[2]:
+            raise RuntimeError("out of memory")
+        return {"value": key["n"]}
+
+    lines = []
+    with pytest.raises(RuntimeError, match="out of memory"):
+        run_cells(CELLS, fn, CellStore(path), say=lines.append)
+    store = CellStore(path)
+    assert [store.done(k) for k in CELLS] == [True, True, False, False]
+    assert "method=FCL n=1 FAILED" in lines[-1] and "re-run resumes" in lines[-1]
+
+
+def test_progress_lines_count_cells_and_eta_weighted_by_cost(tmp_path):
+    ticks = iter([0.0, 10.0, 10.0, 40.0, 40.0, 50.0])  # cells of cost 2, 1, 2 take 10 s, 30 s, 10 s
+    store = CellStore(tmp_path / "cells.jsonl")
+    store.put(CELLS[0], 0, 1.0)
+    lines = []
+    run_cells(CELLS, lambda k: k["n"], store, say=lines.append, cost=lambda k: k["n"], clock=lambda: next(ticks))
+    # after cell 2 (cost 2, 10 s): 5 s per cost unit, 1 + 2 units left -> 15 s
+    assert lines[1] == "[2/4] method=random n=2 took 10.0 s | ETA 15 s"
+    # after cell 3 (cost 1, 30 s): 40 s over 3 units, 2 units left -> 26.7 s
+    assert lines[2] == "[3/4] method=FCL n=1 took 30.0 s | ETA 27 s"
+    assert lines[3] == "[4/4] method=FCL n=2 took 10.0 s | all done"
+
+
+def test_format_duration():
+    assert [format_duration(s) for s in (12.3, 250, 3900)] == ["12 s", "4 min 10 s", "1 h 05 min"]
+
+
+def test_two_workers_give_the_same_store_as_one(tmp_path):
+    one = run_cells(CELLS, AS_TEXT, CellStore(tmp_path / "one.jsonl"), say=lambda s: None)
+    lines = []
+    two = run_cells(CELLS, AS_TEXT, CellStore(tmp_path / "two.jsonl"), say=lines.append, workers=2)
+    assert one == two == [json.dumps(k, sort_keys=True) for k in CELLS]
+    stored = {key_id(r["key"]): r["result"] for r in CellStore(tmp_path / "two.jsonl").results()}
+    assert stored == {key_id(r["key"]): r["result"] for r in CellStore(tmp_path / "one.jsonl").results()}
+    assert "on 2 worker processes" in lines[0] and lines[-1].startswith("[4/4]")
+
+
+ROWS = [  # two methods x two columns, e.g. per-site values (0.2, 0.4) -> mean 0.3, std 0.1 (population)
+    {"table": "t1", "method": "random", "column": "N=1", "mean": 0.3, "std": 0.1, "n": 2},
+    {"table": "t1", "method": "random", "column": "N=2", "mean": 0.5, "std": 0.05, "n": 2},
+    {"table": "t1", "method": "FCL", "column": "N=1", "mean": 0.45, "std": 0.0, "n": 2},
+    {"table": "t1", "method": "FCL", "column": "N=2", "mean": 0.62, "std": 0.02, "n": 2},
+]
+PAPER = [{"method": "random", "column": "N=1", "mean": 0.280, "std": 0.037},
+         {"method": "FCL", "column": "N=1", "mean": 0.506, "std": 0.056}]
+
+
+def test_write_table_files(tmp_path):
+    paths = write_table(tmp_path, "table1", ROWS, title="Table 1 (local)", paper=PAPER,
+                        paper_source="FCL, Wu et al., MedIA 2022, Table 1", notes=["folds 0-2"])
+    data = json.loads(open(paths["json"]).read())
+    assert data["rows"] == ROWS and data["paper"]["rows"] == PAPER and data["notes"] == ["folds 0-2"]
+    with open(paths["csv"]) as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["source"], r["method"], r["column"], r["mean"], r["std"], r["n"]) for r in rows[:2]] == [
+        ("bundle", "random", "N=1", "0.3", "0.1", "2"), ("bundle", "random", "N=2", "0.5", "0.05", "2")]
+    assert (rows[-1]["source"], rows[-1]["method"], rows[-1]["mean"]) == ("paper", "FCL", "0.506")
+    text = open(paths["txt"]).read()
+    bundle, paper = text.split("paper (FCL, Wu et al., MedIA 2022, Table 1)")
+    assert "random  0.300 +- 0.100  0.500 +- 0.050" in bundle
+    assert "FCL     0.450 +- 0.000  0.620 +- 0.020" in bundle
+    assert "random  0.280 +- 0.037  -" in paper and "FCL     0.506 +- 0.056  -" in paper
+    assert open(paths["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_write_table_without_paper_has_no_paper_block_and_paper_needs_a_source(tmp_path):
+    paths = write_table(tmp_path, "t", ROWS, title="T")
+    assert "paper (" not in open(paths["txt"]).read()
+    with pytest.raises(ValueError, match="paper_source"):
+        write_table(tmp_path, "t", ROWS, title="T", paper=PAPER)
+
+
+def test_failing_cell_in_a_worker_is_not_recorded_and_reraises_after_running_cells_are_stored(tmp_path):
+    from tests.unit.experiments.cell_fns import sleep_or_fail
+
+    # the failure comes first; the other cell is still running then and its result must not be lost
+    cells = [{"n": 1, "sleep": 1.0}, {"n": 2, "fail": True}]
+    lines = []
+    with pytest.raises(KeyError, match="fails on purpose"):
+        run_cells(cells, sleep_or_fail, CellStore(tmp_path / "c.jsonl"), say=lines.append, workers=2)
+    store = CellStore(tmp_path / "c.jsonl")
+    assert store.done(cells[0]) and store.get(cells[0]) == 1 and not store.done(cells[1])
+    assert any("n=2 fail=True FAILED" in line for line in lines)

@@ -8,7 +8,7 @@ import json
 import os
 import time
 
-from fedssl.cli import COUNT, FRACTION, NON_NEGATIVE, POSITIVE, SEED, Verb, add_family
+from fedssl.cli import COUNT, FRACTION, NON_NEGATIVE, NON_NEGATIVE_REAL, POSITIVE, SEED, Verb, add_family
 from fedssl.data.images import DATASETS
 
 
@@ -20,13 +20,17 @@ def _synth_args(s) -> None:
     s.add_argument("--seed", type=SEED, default=0)
     s.add_argument("--sources", type=COUNT, default=None,
                    help="acquisition sources (retina/derm default 4; derm_mel 3; covidfl real sites, 1-8, default 8)")
+    s.add_argument("--difficulty", type=NON_NEGATIVE_REAL, default=None,
+                   help="retina only: lesion visibility 1/(1+d) and camera / illumination nuisance x d "
+                        "(default: the calibrated setting)")
 
 
 def _synth(a) -> None:
     from fedssl.data.image_synthetic import write_synthetic_images
 
     t = time.perf_counter()
-    info = write_synthetic_images(a.out, a.dataset, a.images, seed=a.seed, image_size=a.size, n_sources=a.sources)
+    info = write_synthetic_images(a.out, a.dataset, a.images, seed=a.seed, image_size=a.size, n_sources=a.sources,
+                                  difficulty=a.difficulty)
     counts = ", ".join(f"{k} {v}" for k, v in info["class_counts"].items())
     print(f"wrote {a.images} synthetic {a.dataset} images ({a.size} px) under {os.path.abspath(a.out)} "
           f"in {time.perf_counter() - t:.1f} s")
@@ -127,6 +131,25 @@ def _demo(a) -> None:
 
     run_sslfl_demo(a.out, methods=a.methods, scratch=not a.no_scratch, n_images=a.images, image_px=a.px, n_sites=a.sites, alpha=a.alpha, pre_rounds=a.pre_rounds,
                    ft_rounds=a.ft_rounds, ft_epochs=a.ft_epochs, ft_steps=a.ft_steps, ft_lr=a.ft_lr, seed=a.seed)
+
+
+def _tables_args(s) -> None:
+    from fedssl.experiments.sslfl_tables import METHODS, SPLIT_ALPHA
+
+    s.add_argument("--out", required=True, help="output folder (cells.jsonl there: a re-run resumes)")
+    s.add_argument("--splits", nargs="+", type=COUNT, choices=sorted(SPLIT_ALPHA), default=None,
+                   help="SSL-FL splits: 1 / 2 / 3 = Dirichlet alpha 100 / 1.0 / 0.5 (default: the profile's, all)")
+    s.add_argument("--methods", nargs="+", choices=list(METHODS), default=None,
+                   help="scratch (random init), fedmae, fedbeit (default: the profile's, all three)")
+    s.add_argument("--profile", default="bench", help="profile of the jobs and of tables.sslfl (default bench)")
+    s.add_argument("--seeds", nargs="+", type=SEED, default=None, help="data + job seeds (default: the profile's, [0])")
+
+
+def _tables(a) -> None:
+    from fedssl.experiments.sslfl_tables import run_sslfl_table, table_settings
+
+    settings = table_settings(a.profile, splits=a.splits, methods=a.methods, seeds=a.seeds)
+    run_sslfl_table(a.out, settings, say=lambda m: print(m, flush=True))
 
 
 def _vit_opts(s) -> None:
@@ -231,6 +254,8 @@ VERBS = (
          _partition, alias="partition"),
     Verb("demo", "synthetic retina -> Split-3 -> Fed-MAE (or Fed-BEiT; FedMAE-KS on derm) -> federated fine-tuning "
                  "vs scratch (quick)", _demo_args, _demo, alias="demo-sslfl"),
+    Verb("tables", "SSL-FL's retina table (Table II): Split-1/2/3 x scratch / Fed-MAE / Fed-BEiT in the simulator, "
+                   "resumable, beside the paper's numbers", _tables_args, _tables),
     Verb("finetune", "local (per-site) ViT fine-tuning: epoch chosen on validation, then test", _finetune_args,
          _finetune, alias="finetune-vit"),
     Verb("export-encoder", "pre-training FL_global_model.pt -> encoder-only state dict", _export_args, _export,

@@ -7,11 +7,17 @@ folder that :func:`fedssl.data.images.load_image_records` reads; covidfl/derm_me
 The class is visible in the pixels, with realistic nuisance, and every image comes from a source
 (camera / clinic / hospital) whose acquisition shifts its appearance:
 
-* retina (``trainLabels.csv`` + ``train/<id>_<left|right>.jpeg``, 5:4 frames): a fundus disc on black
-  with vignetting, optic disc (side given by the eye, some images mirrored), macula and vessels; DR
-  lesions grow with the level 0-4 (microaneurysms -> + blot haemorrhages and yellow exudates -> more ->
-  + neovascular tangles); pale reflex spots appear at every level (a confounder of exudates). Level mix
-  as Kaggle DR: 73.5 / 7 / 15 / 2.5 / 2 %, so about 73 % of the images are label 0.
+* retina (``trainLabels.csv`` + ``train/<id>_<left|right>.jpeg``, 5:4 frames): a fundus disc on black with
+  choroidal texture, macula, optic disc (side given by the eye, some images mirrored) and four vessel arcades
+  (artery + vein, branching twice) leaving the disc.  DR lesions per level 0-4 with per-level count and opacity
+  distributions (:data:`_RETINA_LESIONS`): 1 = a few faint microaneurysms (often invisible, as in real grade 1);
+  2 = + dot-blot / flame haemorrhages, hard-exudate clusters, cotton-wool spots; 3 = many haemorrhages, venous
+  beading; 4 = + neovascularisation, pre-retinal haemorrhage, fibrous tissue.  Confounders at every level (pale
+  reflexes, drusen, pigment clumps).  Cameras differ in colour cast, exposure, gamma, blur, effective resolution,
+  noise, field of view, vignetting and a dust speck; every image adds uneven illumination and over / under
+  exposure.  ``difficulty`` (default :data:`RETINA_DIFFICULTY`, calibrated) scales lesion opacity by 1 / (1 + d)
+  and every nuisance amplitude by d.  Level mix as Kaggle DR: 73.5 / 7 / 15 / 2.5 / 2 %, so about 73 % of the
+  images are label 0.
 * derm (``ISIC_2019_Training_GroundTruth.csv`` + ``ISIC_2019_Training_Input/ISIC_<7 digits>.jpg``, 4:3):
   a skin background (tone per source) with a lesion whose colour, size, border irregularity and texture
   depend on the class (MEL large, irregular, variegated brown/blue-black; NV small, round, uniform
@@ -58,7 +64,8 @@ from fedssl.data.images import (
 )
 from fedssl.data.sslfl_release import write_release
 
-__all__ = ["write_synthetic_images", "RETINA_LEVEL_MIX", "DERM_CLASS_MIX", "COVIDFL_SITES", "COVIDFL_TEST_FRACTION",
+__all__ = ["write_synthetic_images", "RETINA_LEVEL_MIX", "RETINA_DIFFICULTY", "check_difficulty",
+           "retina_lesion_opacity", "DERM_CLASS_MIX", "COVIDFL_SITES", "COVIDFL_TEST_FRACTION",
            "DERM_MEL_TEST_FRACTION", "render"]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -159,6 +166,9 @@ def _blur(img: np.ndarray, radius: float) -> np.ndarray:
 
 
 def _source_params(dataset: str, seed: int, n_sources: int) -> list[dict]:
+    """Per-source acquisition parameters (retina: the fundus cameras of :func:`_retina_sources`)."""
+    if dataset == "retina":
+        return _retina_sources(seed, n_sources)
     out = []
     for s in range(n_sources):
         g = np.random.default_rng([seed, 7919, s])
@@ -191,75 +201,280 @@ def _acquire(img: np.ndarray, p: dict, rng: np.random.Generator, size: int) -> n
 
 # --------------------------------------------------------------------------------------------------------------
 # retina
+#
+# Sizes are fractions of the fundus radius R.  Kaggle DR grades follow the international clinical DR scale:
+# 1 = microaneurysms only; 2 = more than that (dot-blot / flame haemorrhages, hard exudates, cotton-wool spots);
+# 3 = many haemorrhages in all quadrants, venous beading; 4 = neovascularisation (at the disc or elsewhere),
+# pre-retinal haemorrhage, fibrous tissue.  Lesions are drawn the size they have *relative to a ViT patch* in
+# SSL-FL (224 px, patch 16: a fundus radius of ~7 patches), not relative to the eye: the bundle's tiny ViT sees
+# 32 px with patch 4 (a radius of ~4 patches), so a lesion of a fraction f of R in a real 224 px image is drawn
+# at ~1.75 f (``_LESION_SCALE``); at the real fraction most lesions would vanish below one pixel.  Even so a
+# microaneurysm stays about a pixel wide, so many grade-1 images are indistinguishable from grade 0, as many
+# real grade-1 images are at 224 px.
+
+#: calibrated default of ``difficulty`` for retina (README "Calibration of the synthetic retina"), chosen on ViT
+#: from scratch only: federated fine-tuning on Split-3 (alpha 0.5, 5 sites, 100 % labels, bench profile, 2,800
+#: images written at 40 px, balanced), test accuracy % for seeds 0 / 1: d 0.0 -> 77.4; 0.5 -> 66.6 / 69.9;
+#: 0.6 -> 59.1 / 63.5; 1.0 -> 49.7.  SSL-FL Table II's scratch row is 64.13 % (target 59.1-69.1): 0.6 has the
+#: two-seed mean closest to it (61.3)
+RETINA_DIFFICULTY = 0.6
+
+#: per DR level 0-4: mean counts (microaneurysms, haemorrhages, hard-exudate clusters, cotton-wool spots) and
+#: the lesions' base opacity (before the difficulty scaling); level 1 has only a few faint microaneurysms
+_RETINA_LESIONS = {
+    0: {"ma": 0.0, "hem": 0.0, "ex": 0.0, "cws": 0.0, "opacity": 0.0},
+    1: {"ma": 2.0, "hem": 0.0, "ex": 0.0, "cws": 0.0, "opacity": 0.55},
+    2: {"ma": 6.0, "hem": 3.0, "ex": 1.2, "cws": 0.6, "opacity": 0.8},
+    3: {"ma": 14.0, "hem": 12.0, "ex": 2.0, "cws": 1.5, "opacity": 0.9},
+    4: {"ma": 8.0, "hem": 5.0, "ex": 1.5, "cws": 1.0, "opacity": 0.9},
+}
+#: lesion size / its real size relative to the fundus radius (see above: 7 / 4 patches per fundus radius)
+_LESION_SCALE = 1.75
+_DARK_RED = np.array([0.40, 0.05, 0.04], np.float32)
+_EXUDATE = np.array([1.0, 0.90, 0.40], np.float32)
+_PALE = np.array([0.98, 0.90, 0.80], np.float32)
 
 
-def _render_retina(level: int, eye: str, p: dict, rng: np.random.Generator, size: int) -> np.ndarray:
-    h, w = size, int(round(size * 1.25))
-    cv = _Canvas(h, w)
-    img = np.zeros((h, w, 3), np.float32)
+def retina_lesion_opacity(difficulty: float) -> float:
+    """Factor on every DR lesion's opacity: ``1 / (1 + difficulty)`` (1 at 0, 1/2 at 1, 1/4 at 3)."""
+    return 1.0 / (1.0 + difficulty)
+
+
+def _retina_sources(seed: int, n_sources: int) -> list[dict]:
+    """Fundus cameras: colour cast, exposure, gamma, blur, effective resolution, noise, field of view, vignetting
+    and a dust speck on the optics; each is scaled by the difficulty at rendering time (difficulty 0: identical
+    ideal cameras)."""
+    out = []
+    for s in range(n_sources):
+        g = np.random.default_rng([seed, 7919, s])
+        out.append({
+            "gains": g.uniform(0.8, 1.2, size=3).astype(np.float32),
+            "brightness": float(g.uniform(0.75, 1.25)),
+            "gamma": float(g.uniform(0.8, 1.25)),
+            "blur": float(g.uniform(0.1, 0.9)),  # pixels at 64 px high
+            "resolution": float(g.uniform(0.45, 1.0)),  # effective sensor resolution (fraction of the image)
+            "noise": float(g.uniform(0.01, 0.04)),
+            "fov": float(g.uniform(0.44, 0.56)),  # fundus radius / image height (> 0.5: top and bottom cut)
+            "vignette": float(g.uniform(0.2, 0.6)),
+            "dust": (float(g.uniform(0.2, 0.8)), float(g.uniform(0.2, 0.8)), float(g.uniform(0.0, 0.5))),
+        })
+    return out
+
+
+def _smooth_field(rng: np.random.Generator, h: int, w: int, cells: int) -> np.ndarray:
+    """A smooth random field ``[h, w]`` (unit-variance grid of ``cells`` x ``cells`` bilinearly interpolated)."""
+    grid = rng.normal(0.0, 1.0, size=(cells + 1, cells + 1))
+    xs, ys = np.linspace(0, cells, w), np.linspace(0, cells, h)
+    rows = np.stack([np.interp(xs, np.arange(cells + 1), r) for r in grid])
+    return np.stack([np.interp(ys, np.arange(cells + 1), c) for c in rows.T], axis=1).astype(np.float32)
+
+
+def _vessel_tree(rng: np.random.Generator, y: float, x: float, heading: float, bend: float, length: float,
+                 width: float, depth: int) -> list[tuple[np.ndarray, float]]:
+    """Segments ``(points, width)`` of a vessel leaving (y, x): a gently curving trunk that forks into two thinner,
+    shorter branches ``depth`` times (Murray-like width ratio 0.75)."""
+    pts = [(y, x)]
+    for _ in range(6):
+        heading += bend + rng.normal(0.0, 0.12)
+        y, x = y + length / 6 * math.sin(heading), x + length / 6 * math.cos(heading)
+        pts.append((y, x))
+    out = [(np.asarray(pts, np.float32), width)]
+    if depth > 0:
+        for sign in (-1.0, 1.0):
+            out += _vessel_tree(rng, y, x, heading + sign * rng.uniform(0.35, 0.8), bend * 0.5,
+                                length * rng.uniform(0.55, 0.75), width * 0.75, depth - 1)
+    return out
+
+
+def _vessels_alpha(cv: _Canvas, segments: list[tuple[np.ndarray, float]]) -> np.ndarray:
+    """Coverage ``[h, w]`` of many polylines ``(points, width)`` at once (anti-aliased as :meth:`_Canvas.polyline`)."""
+    p0 = np.concatenate([pts[:-1] for pts, _ in segments])
+    p1 = np.concatenate([pts[1:] for pts, _ in segments])
+    half = np.concatenate([np.full(len(pts) - 1, max(width, 0.5) / 2.0, np.float32) for pts, width in segments])
+    yy, xx = cv.yy.reshape(1, -1), cv.xx.reshape(1, -1)
+    d = p1 - p0
+    L2 = (d ** 2).sum(axis=1, keepdims=True) + 1e-9
+    t = np.clip(((yy - p0[:, :1]) * d[:, :1] + (xx - p0[:, 1:]) * d[:, 1:]) / L2, 0.0, 1.0)
+    dist = np.hypot(yy - (p0[:, :1] + t * d[:, :1]), xx - (p0[:, 1:] + t * d[:, 1:]))
+    return np.clip(half[:, None] - dist + 0.5, 0.0, 1.0).max(axis=0).reshape(cv.h, cv.w)
+
+
+def _paint_spot(img: np.ndarray, cv: _Canvas, y: float, x: float, r: float, opacity: float, colour,
+                aspect: float = 1.0, angle: float = 0.0) -> None:
+    """A round lesion of radius ``r`` pixels; below a pixel it is a blurred dot whose peak opacity falls with its
+    area (a sub-pixel microaneurysm is a faint smudge, as in a down-sampled fundus photograph)."""
+    sigma = max(r, 0.6)
+    peak = opacity * min(1.0, (r / sigma) ** 2)
+    _paint(img, peak * cv.gauss(y, x, sigma, sigma * aspect, angle), colour)
+
+
+def _fundus(cv: _Canvas, eye: str, p: dict, rng: np.random.Generator, h: int, nuisance: float):
+    """Fundus disc, choroidal texture, macula, optic disc and vessel trees; returns (image, geometry)."""
+    w = cv.w
     cy, cx = h / 2 + rng.uniform(-0.04, 0.04) * h, w / 2 + rng.uniform(-0.05, 0.05) * h
-    R = min(rng.uniform(0.42, 0.49) * h, h / 2 - 1)
-    pig = rng.uniform(0.7, 1.1)
+    fov = 0.5 + (p["fov"] - 0.5) * min(nuisance, 1.5)
+    R = fov * h * rng.uniform(0.97, 1.03)
+    pig = rng.uniform(0.7, 1.1)  # pigmentation
     base = np.array([0.85, 0.36, 0.14], np.float32) * pig
     fundus = cv.ellipse(cy, cx, R, R, soft=1.0)
-    d2 = ((cv.yy - cy) ** 2 + (cv.xx - cx) ** 2) / (R * R)
-    shade = (1.0 - 0.38 * np.clip(d2, 0, 1))[..., None]
-    img += fundus[..., None] * base * shade
-    # optic disc side: right eye -> right of the image; some images are mirrored (as in Kaggle DR)
+    texture = 1.0 + 0.06 * _smooth_field(rng, h, w, 6)  # choroidal texture
+    img = fundus[..., None] * base * texture[..., None]
+    # optic disc: nasal, i.e. on the image's right for a right eye; some images are mirrored (as in Kaggle DR)
     side = 1.0 if eye == "right" else -1.0
     if rng.random() < 0.15:
         side = -side
-    ang = (0.0 if side > 0 else math.pi) + rng.uniform(-0.3, 0.3)
-    dy, dx = 0.55 * R * math.sin(ang), 0.55 * R * math.cos(ang)
-    od_r = rng.uniform(0.11, 0.15) * R
-    # macula, opposite the optic disc
-    _paint(img, 0.45 * cv.gauss(cy - 0.3 * dy, cx - 0.3 * dx, 0.09 * R, 0.09 * R), base * 0.45)
-    # vessels: arcs leaving the optic disc
-    for k in range(int(rng.integers(4, 7))):
-        heading = ang + math.pi + rng.uniform(-1.3, 1.3)
-        pts = _curve(rng, cy + dy, cx + dx, heading, rng.uniform(0.6, 1.1) * R, 10, 0.18)
-        a = cv.polyline(pts, rng.uniform(0.012, 0.022) * h) * fundus
-        _paint(img, 0.8 * a, base * np.array([0.62, 0.25, 0.3], np.float32))
-    _paint(img, cv.ellipse(cy + dy, cx + dx, od_r, od_r * rng.uniform(0.85, 1.0), soft=1.5),
-           np.array([1.0, 0.86, 0.58], np.float32) * min(1.0, pig + 0.15))
+    ang = (0.0 if side > 0 else math.pi) + rng.uniform(-0.25, 0.25)
+    dy, dx = 0.5 * R * math.sin(ang), 0.5 * R * math.cos(ang)
+    od_r = rng.uniform(0.10, 0.14) * R
+    my, mx = cy - 0.25 * dy, cx - 0.25 * dx  # macula: temporal to the disc, ~2.5 disc diameters away
+    _paint(img, 0.5 * cv.gauss(my, mx, 0.12 * R, 0.12 * R), base * 0.5)
+    _paint(img, cv.ellipse(cy + dy, cx + dx, od_r, od_r * rng.uniform(0.85, 1.0), soft=1.2),
+           np.array([1.0, 0.84, 0.56], np.float32) * min(1.0, pig + 0.2))
+    _paint(img, 0.6 * cv.gauss(cy + dy, cx + dx, 0.45 * od_r, 0.45 * od_r), np.array([1.0, 0.95, 0.85], np.float32))
+    # vessels: four arcades (supero/infero-temporal arcing around the macula, supero/infero-nasal), an artery
+    # (lighter, thinner) and a vein (darker, wider) each
+    temporal = ang + math.pi
+    trees: dict[bool, list] = {False: [], True: []}
+    for up in (-1.0, 1.0):
+        for heading, bend, length in ((temporal + up * 0.9, -up * 0.16, 0.55 * R), (ang + up * 0.7, 0.0, 0.35 * R)):
+            for vein in (False, True):
+                trees[vein] += _vessel_tree(rng, cy + dy, cx + dx, heading + rng.normal(0, 0.1) + (0.15 * up if vein else 0),
+                                            bend, length, (0.024 if vein else 0.017) * R * 2, 2)
+    for vein, colour in ((False, (0.7, 0.32, 0.3)), (True, (0.45, 0.16, 0.2))):
+        _paint(img, 0.85 * _vessels_alpha(cv, trees[vein]) * fundus, base * np.asarray(colour, np.float32))
+    veins = [pts for pts, _ in trees[True]]
+    geo = {"cy": cy, "cx": cx, "R": R, "disc": (cy + dy, cx + dx), "od_r": od_r, "macula": (my, mx),
+           "fundus": fundus, "veins": veins, "base": base}
+    return img, geo
 
-    def spot() -> tuple[float, float]:
-        for _ in range(20):
-            r, t = R * 0.85 * math.sqrt(rng.random()), rng.uniform(0, 2 * math.pi)
+
+def _place(rng: np.random.Generator, geo: dict, near=None, spread: float = 0.0) -> tuple[float, float]:
+    """A point on the retina away from the optic disc (uniform over the fundus, or around ``near``)."""
+    cy, cx, R = geo["cy"], geo["cx"], geo["R"]
+    for _ in range(20):
+        if near is None:
+            r, t = 0.85 * R * math.sqrt(rng.random()), rng.uniform(0, 2 * math.pi)
             y, x = cy + r * math.sin(t), cx + r * math.cos(t)
-            if math.hypot(y - cy - dy, x - cx - dx) > 1.6 * od_r:
-                return y, x
-        return cy, cx
+        else:
+            y, x = near[0] + rng.normal(0, spread), near[1] + rng.normal(0, spread)
+        if math.hypot(y - geo["disc"][0], x - geo["disc"][1]) > 1.5 * geo["od_r"] and \
+                math.hypot(y - cy, x - cx) < 0.9 * R:
+            return y, x
+    return cy, cx
 
-    # confounder at every level: pale reflex spots (fainter and more diffuse than exudates)
-    for _ in range(int(rng.integers(0, 3))):
-        y, x = spot()
-        _paint(img, 0.35 * cv.gauss(y, x, 0.025 * h, 0.04 * h, rng.uniform(0, math.pi)), np.array([0.95, 0.75, 0.55]))
-    n_ma = [0, int(rng.integers(3, 7)), int(rng.integers(4, 11)), int(rng.integers(8, 16)),
-            int(rng.integers(8, 16))][level]
-    n_hem = [0, 0, int(rng.integers(1, 4)), int(rng.integers(3, 8)), int(rng.integers(3, 8))][level]
-    n_ex = [0, 0, int(rng.integers(0, 5)), int(rng.integers(3, 9)), int(rng.integers(3, 9))][level]
-    dark_red = np.array([0.42, 0.05, 0.04], np.float32)
-    for _ in range(n_ma):
-        y, x = spot()
-        r = rng.uniform(0.026, 0.04) * h
-        _paint(img, cv.ellipse(y, x, r, r, soft=0.7), dark_red)
-    for _ in range(n_hem):
-        y, x = spot()
-        r = rng.uniform(0.045, 0.075) * h
-        _paint(img, 0.9 * cv.polar_blob(y, x, r, [(3, 0.15, rng.uniform(0, 6.3))], soft=1.2), dark_red * 1.15)
-    for _ in range(n_ex):
-        y, x = spot()
-        r = rng.uniform(0.025, 0.045) * h
-        _paint(img, cv.ellipse(y, x, r, r * rng.uniform(0.6, 1.0), rng.uniform(0, 3.1), soft=0.7),
-               np.array([1.0, 0.92, 0.42], np.float32))
-    if level == 4:  # neovascularisation: fine tangled vessels near the disc or elsewhere
-        for _ in range(int(rng.integers(2, 4))):
-            y, x = spot()
-            pts = _curve(rng, y, x, rng.uniform(0, 6.3), 0.35 * R, 12, 0.9)
-            _paint(img, 0.9 * cv.polyline(pts, 0.02 * h) * fundus, dark_red * 1.3)
-    img *= fundus[..., None] * 0.97 + 0.03
-    return _acquire(img, p, rng, size) * (fundus[..., None] > 0.02)
+
+def _confounders(img: np.ndarray, cv: _Canvas, geo: dict, rng: np.random.Generator) -> None:
+    """Findings of every level that look like DR lesions: pale reflexes (like exudates / cotton-wool spots),
+    drusen (small yellow dots) and pigment clumps (dark dots, like microaneurysms)."""
+    R = geo["R"]
+    for _ in range(int(rng.poisson(1.2))):
+        y, x = _place(rng, geo)
+        _paint(img, 0.3 * cv.gauss(y, x, 0.05 * R, 0.09 * R, rng.uniform(0, math.pi)), _PALE)
+    for _ in range(int(rng.poisson(1.0))):
+        y, x = _place(rng, geo, geo["macula"], 0.25 * R)
+        _paint_spot(img, cv, y, x, rng.uniform(0.012, 0.03) * R, rng.uniform(0.2, 0.5), _EXUDATE * 0.9)
+    for _ in range(int(rng.poisson(0.8))):
+        y, x = _place(rng, geo)
+        _paint_spot(img, cv, y, x, rng.uniform(0.015, 0.03) * R, rng.uniform(0.2, 0.5), geo["base"] * 0.35)
+
+
+def _lesions(img: np.ndarray, cv: _Canvas, geo: dict, level: int, rng: np.random.Generator, visibility: float) -> None:
+    """The DR lesions of ``level``; every opacity is drawn around the level's base and scaled by ``visibility``."""
+    spec, R = _RETINA_LESIONS[level], geo["R"]
+    S = R * _LESION_SCALE  # lesion sizes
+    if level == 0:
+        return
+
+    def opacity() -> float:
+        return float(np.clip(spec["opacity"] * rng.lognormal(0.0, 0.3), 0.0, 1.0)) * visibility
+
+    for _ in range(max(1, int(rng.poisson(spec["ma"])))):  # microaneurysms: tiny red dots
+        y, x = _place(rng, geo, geo["macula"], 0.45 * R)
+        _paint_spot(img, cv, y, x, rng.uniform(0.01, 0.025) * S, opacity(), _DARK_RED)
+    for _ in range(int(rng.poisson(spec["hem"]))):  # dot-blot (round) and flame (elongated) haemorrhages
+        y, x = _place(rng, geo)
+        flame = rng.random() < 0.4
+        r = rng.uniform(0.03, 0.07) * S
+        _paint_spot(img, cv, y, x, r, opacity(), _DARK_RED * 1.1, aspect=3.0 if flame else 1.0,
+                    angle=rng.uniform(0, math.pi))
+    for _ in range(int(rng.poisson(spec["ex"]))):  # hard exudates: clusters of small yellow flecks near the macula
+        centre = _place(rng, geo, geo["macula"], 0.35 * R)
+        a = opacity()
+        for _ in range(int(rng.integers(3, 9))):
+            y, x = _place(rng, geo, centre, 0.06 * S)
+            _paint_spot(img, cv, y, x, rng.uniform(0.012, 0.03) * S, a, _EXUDATE)
+    for _ in range(int(rng.poisson(spec["cws"]))):  # cotton-wool spots: fluffy pale patches along the arcades
+        y, x = _place(rng, geo)
+        _paint(img, 0.8 * opacity() * cv.gauss(y, x, 0.04 * S, 0.07 * S, rng.uniform(0, math.pi)), _PALE)
+    if level >= 3 and geo["veins"]:  # venous beading: dark swellings along a vein
+        pts = geo["veins"][int(rng.integers(0, len(geo["veins"])))]
+        for y, x in pts[1::2]:
+            _paint_spot(img, cv, float(y), float(x), 0.03 * S, 0.7 * opacity(), geo["base"] * 0.4)
+    if level == 4:  # neovascularisation at the disc or elsewhere; pre-retinal haemorrhage; fibrous tissue
+        for _ in range(int(rng.integers(1, 4))):
+            y, x = geo["disc"] if rng.random() < 0.5 else _place(rng, geo)
+            pts = _curve(rng, y, x, rng.uniform(0, 6.3), 0.3 * R, 12, 0.9)
+            _paint(img, opacity() * cv.polyline(pts, max(0.012 * S, 0.5)) * geo["fundus"], _DARK_RED * 1.3)
+        if rng.random() < 0.3:
+            y, x = _place(rng, geo)
+            _paint(img, opacity() * cv.ellipse(y, x, 0.08 * S, 0.14 * S, rng.uniform(0, 3.1), soft=1.0), _DARK_RED)
+        if rng.random() < 0.2:
+            y, x = geo["disc"]
+            _paint(img, 0.5 * opacity() * cv.gauss(y, x, 0.1 * S, 0.2 * S, rng.uniform(0, 3.1)), _PALE)
+
+
+def _resample(img: np.ndarray, factor: float) -> np.ndarray:
+    """Down- and up-sample by ``factor`` (< 1): a camera with fewer effective pixels than the image."""
+    if factor >= 0.98:
+        return img
+    from PIL import Image
+
+    h, w = img.shape[:2]
+    small = (max(4, int(round(w * factor))), max(4, int(round(h * factor))))
+    return np.stack([np.asarray(Image.fromarray(img[..., c], mode="F").resize(small, Image.BILINEAR)
+                                .resize((w, h), Image.BILINEAR)) for c in range(3)], axis=2)
+
+
+def _camera(img: np.ndarray, cv: _Canvas, geo: dict, p: dict, rng: np.random.Generator, size: int,
+            nuisance: float) -> np.ndarray:
+    """Illumination and camera, each amplitude times ``nuisance``: uneven illumination (gradient + smooth field),
+    vignetting, per-image over / under exposure, dust on the optics, resolution, blur, colour cast, gamma, noise."""
+    h, w = img.shape[:2]
+    cy, cx, R = geo["cy"], geo["cx"], geo["R"]
+    r2 = np.clip(((cv.yy - cy) ** 2 + (cv.xx - cx) ** 2) / (R * R), 0, 1)
+    t = rng.uniform(0, 2 * math.pi)
+    ramp = ((cv.yy - cy) * math.sin(t) + (cv.xx - cx) * math.cos(t)) / R
+    light = (1.0 - (0.25 + p["vignette"] * nuisance) * r2) * (1.0 + nuisance * (
+        0.15 * rng.uniform(0.3, 1.0) * ramp + 0.08 * _smooth_field(rng, h, w, 3)))
+    exposure = (1.0 + (p["brightness"] - 1.0) * nuisance) * math.exp(rng.normal(0.0, 0.25 * nuisance))
+    img = img * np.clip(light, 0.05, None)[..., None] * exposure
+    dy, dx, strength = p["dust"]
+    _paint(img, strength * min(nuisance, 1.5) * cv.gauss(dy * h, dx * w, 0.04 * h, 0.04 * h), geo["base"] * 0.3)
+    img = _resample(img, 1.0 - (1.0 - p["resolution"]) * min(nuisance, 1.0))
+    img = _blur(img, p["blur"] * nuisance * size / 64.0)
+    img = img * (1.0 + (p["gains"] - 1.0) * nuisance)
+    gamma = 1.0 + (p["gamma"] - 1.0) * nuisance
+    img = np.clip(img, 0.0, 1.0) ** gamma
+    img = img + rng.normal(0.0, p["noise"] * nuisance, size=img.shape).astype(np.float32)
+    return np.clip(img, 0.0, 1.0) * (geo["fundus"][..., None] > 0.02)
+
+
+def _render_retina(level: int, eye: str, p: dict, rng: np.random.Generator, size: int,
+                   difficulty: float = RETINA_DIFFICULTY) -> np.ndarray:
+    """A fundus photograph of DR ``level`` 0-4 (``size`` high, 5:4) from camera ``p``.
+
+    ``difficulty`` d >= 0 scales, in one documented way: every lesion's opacity by ``1 / (1 + d)``
+    (:func:`retina_lesion_opacity`) and every illumination / camera nuisance amplitude by ``d`` (0: ideal
+    camera, even light). Anatomy, lesions and camera draw from three separate streams of ``rng``, so the same
+    ``rng`` gives the same eye at every level and difficulty: only the lesions, or only their visibility, change.
+    """
+    g_eye, g_lesion, g_camera = (np.random.default_rng(int(s)) for s in rng.integers(0, 2 ** 62, size=3))
+    h, w = size, int(round(size * 1.25))
+    cv = _Canvas(h, w)
+    img, geo = _fundus(cv, eye, p, g_eye, h, difficulty)
+    _confounders(img, cv, geo, g_eye)
+    _lesions(img, cv, geo, level, g_lesion, retina_lesion_opacity(difficulty))
+    return _camera(img, cv, geo, p, g_camera, size, difficulty)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -396,11 +611,13 @@ def _render_covidfl(cls: str, p: dict, rng: np.random.Generator, size: int) -> n
 
 
 def render(dataset: str, cls: Union[int, str], source: dict, rng: np.random.Generator, size: int,
-           eye: str = "left") -> np.ndarray:
+           eye: str = "left", difficulty: Optional[float] = None) -> np.ndarray:
     """One synthetic image as float ``[H, W, 3]`` in [0, 1]: retina ``cls`` = DR level 0-4, derm an ISIC
-    class name (derm_mel too), covidfl a COVID-FL class name; ``source`` from the per-source appearance table."""
+    class name (derm_mel too), covidfl a COVID-FL class name; ``source`` from the per-source appearance table.
+    ``difficulty``: retina only (None = :data:`RETINA_DIFFICULTY`; see :func:`_render_retina`)."""
+    difficulty = check_difficulty(dataset, difficulty)
     if dataset == "retina":
-        return _render_retina(int(cls), eye, source, rng, size)
+        return _render_retina(int(cls), eye, source, rng, size, difficulty)
     if dataset in ("derm", "derm_mel"):
         return _render_derm(str(cls), source, rng, size)
     if dataset == "covidfl":
@@ -512,8 +729,24 @@ def _write_derm_mel(out: Path, n_images: int, params: list[dict], rng: np.random
             "class_counts": {c: sum(v == c for v in labels.values()) for c in DERM_MEL_CLASSES}}
 
 
+def check_difficulty(dataset: str, difficulty: Optional[float]) -> Optional[float]:
+    """The difficulty to render ``dataset`` at: retina a finite float >= 0 (None = the calibrated
+    :data:`RETINA_DIFFICULTY`); the other data sets have no difficulty knob yet (None only)."""
+    if dataset != "retina":
+        if difficulty is not None:
+            raise ValueError(f"difficulty={difficulty!r}: only the retina generator has a difficulty setting so far; "
+                             f"leave it out for {dataset}")
+        return None
+    if difficulty is None:
+        return RETINA_DIFFICULTY
+    if isinstance(difficulty, bool) or not isinstance(difficulty, (int, float)) or not 0 <= difficulty < math.inf:
+        raise ValueError(f"difficulty={difficulty!r}: must be a finite number >= 0 (0 = clearly visible lesions and "
+                         f"an ideal camera; default {RETINA_DIFFICULTY})")
+    return float(difficulty)
+
+
 def write_synthetic_images(root: PathLike, dataset: str, n_images: int, seed: int = 0, image_size: int = 64,
-                           n_sources: Optional[int] = None) -> dict:
+                           n_sources: Optional[int] = None, difficulty: Optional[float] = None) -> dict:
     """Write a full synthetic ``dataset`` of ``n_images`` images under ``root`` in its real layout.
 
     Args:
@@ -524,14 +757,18 @@ def write_synthetic_images(root: PathLike, dataset: str, n_images: int, seed: in
         image_size: image height in pixels (retina width 1.25x, derm/derm_mel 4/3x, covidfl square).
         n_sources: acquisition sources (retina/derm cameras, default 4; derm_mel 3 (ISIC 2017/2019/2020);
             covidfl real sites, 1-8, default 8).
+        difficulty: retina only: lesion visibility and camera / illumination nuisance (None = the calibrated
+            :data:`RETINA_DIFFICULTY`; higher = harder, see :func:`_render_retina`); must be None for the others.
 
     Returns:
         ``{"dataset", "root", "n_images", "classes", "class_counts", "sources": {source: n}, "images":
         {image path relative to root: source}}`` (retina ``class_counts`` are per DR level 0-4); covidfl and
-        derm_mel add ``test_fraction``, covidfl ``clients`` (client -> training images of split_real).
+        derm_mel add ``test_fraction``, covidfl ``clients`` (client -> training images of split_real); retina
+        adds ``difficulty``.
     """
     if dataset not in DATASETS:
         raise ValueError(f"dataset={dataset!r}: use one of {list(DATASETS)}")
+    difficulty = check_difficulty(dataset, difficulty)
     if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 16:
         raise ValueError(f"image_size={image_size!r}: must be an integer >= 16")
     n_sources = _DEFAULT_SOURCES[dataset] if n_sources is None else n_sources
@@ -568,13 +805,15 @@ def write_synthetic_images(root: PathLike, dataset: str, n_images: int, seed: in
             eye = "left" if i % 2 == 0 else "right"
             name = f"{10 + i // 2}_{eye}"
             g = np.random.default_rng([seed, i, 1])
-            _save(render("retina", int(lv), params[s], g, image_size, eye=eye), str(img_dir / f"{name}.jpeg"))
+            _save(render("retina", int(lv), params[s], g, image_size, eye=eye, difficulty=difficulty),
+                  str(img_dir / f"{name}.jpeg"))
             rows.append((name, int(lv)))
             images[f"{RETINA_DIR}/{name}.jpeg"] = f"camera-{s + 1}"
         with open(csv_path, "w", newline="") as f:
             wr = csv.writer(f)
             wr.writerow(["image", "level"])
             wr.writerows(rows)
+        info["difficulty"] = difficulty
         info["classes"] = ["level_0", "level_1", "level_2", "level_3", "level_4"]
         info["class_counts"] = {f"level_{k}": int(c) for k, c in enumerate(counts)}
     elif dataset == "derm":

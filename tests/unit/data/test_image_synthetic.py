@@ -8,7 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedssl.data.image_synthetic import _source_params, render, write_synthetic_images
+from fedssl.data.image_synthetic import (
+    RETINA_DIFFICULTY,
+    _source_params,
+    render,
+    retina_lesion_opacity,
+    write_synthetic_images,
+)
 from fedssl.data.images import class_names, load_image_records
 from fedssl.data.sslfl_release import read_release
 
@@ -19,12 +25,13 @@ def _mean(dataset, cls, source, n=12, size=32, **kw):
 
 def test_class_is_visible_in_the_pixels():
     src = _source_params("retina", 0, 1)[0]
-    # the same random stream draws the same fundus, so the difference between levels is the lesions only
-    healthy = _mean("retina", 0, src, n=1, size=64)[0]
-    assert np.array_equal(healthy, _mean("retina", 0, src, n=1, size=64)[0])
-    for level in (1, 2, 4):
-        diff = np.abs(_mean("retina", level, src, n=1, size=64)[0] - healthy).max(axis=2)
-        assert (diff > 0.15).sum() >= 8 * level  # lesion pixels, more with the level
+    # the same random stream draws the same fundus, so the difference between levels is the lesions only;
+    # at difficulty 0 (opaque lesions, ideal camera) every DR level shows
+    healthy = _mean("retina", 0, src, n=1, size=64, difficulty=0.0)[0]
+    assert np.array_equal(healthy, _mean("retina", 0, src, n=1, size=64, difficulty=0.0)[0])
+    lesion_px = [int((np.abs(_mean("retina", level, src, n=1, size=64, difficulty=0.0)[0] - healthy).max(axis=2)
+                      > 0.1).sum()) for level in (1, 2, 3)]
+    assert 1 <= lesion_px[0] < 10 < lesion_px[1] < lesion_px[2]  # grade 1: a microaneurysm or two; more with the level
     d = _source_params("derm", 0, 1)[0]
     centre = lambda a: a[:, 12:20, 15:27].mean(axis=(0, 1, 2))  # noqa: E731 - lesion region
     mel, nv, vasc = (centre(_mean("derm", c, d)) for c in ("MEL", "NV", "VASC"))
@@ -86,3 +93,74 @@ def test_derm_and_covidfl_layouts(tmp_path):
         write_synthetic_images(tmp_path / "x", "covidfl", 60, n_sources=9)
     with pytest.raises(ValueError, match="n_images"):
         write_synthetic_images(tmp_path / "y", "derm", 10)
+
+
+def _lesion_contrast(level: int, difficulty: float, n: int = 6, size: int = 40) -> float:
+    """Mean |image of ``level`` - image of level 0| over a fixed set of eyes: the lesions' contrast (anatomy and
+    camera come from their own streams, so only the lesions differ)."""
+    src = _source_params("retina", 0, 4)
+    return float(np.mean([np.abs(render("retina", level, src[i % 4], np.random.default_rng(i), size, difficulty=difficulty)
+                                 - render("retina", 0, src[i % 4], np.random.default_rng(i), size, difficulty=difficulty)).mean()
+                          for i in range(n)]))
+
+
+def test_difficulty_lowers_lesion_contrast_monotonically():
+    assert retina_lesion_opacity(0.0) == 1.0 and retina_lesion_opacity(1.0) == 0.5 and retina_lesion_opacity(3.0) == 0.25
+    contrast = [_lesion_contrast(2, d) for d in (0.0, 0.5, 1.0, 2.0, 3.0)]
+    assert all(a > b for a, b in zip(contrast, contrast[1:])), contrast
+    assert contrast[-1] < 0.25 * contrast[0]  # opacity / 4 at d = 3, plus camera blur
+
+
+def test_lesions_grow_with_the_dr_level_and_grade_1_is_faint():
+    c = {level: _lesion_contrast(level, 0.0) for level in range(5)}
+    assert c[0] == 0.0
+    assert c[1] < 0.1 * c[2] < 0.1 * c[3]  # grade 1: a few sub-pixel microaneurysms only (Kaggle DR grade 1)
+    assert c[4] > c[1]
+
+
+def test_difficulty_scales_the_camera_nuisance():
+    src = _source_params("retina", 0, 4)[1]
+    ideal = [render("retina", 0, src, np.random.default_rng(i), 40, difficulty=0.0) for i in range(4)]
+    # difficulty 0: an ideal camera, so two cameras give the same picture of the same eye
+    other = [render("retina", 0, _source_params("retina", 0, 4)[2], np.random.default_rng(i), 40, difficulty=0.0)
+             for i in range(4)]
+    assert all(np.array_equal(a, b) for a, b in zip(ideal, other))
+    # the cameras' colour cast / exposure / gamma: the spread of the same eye's mean colour over the 4 cameras grows
+    spread = []
+    for d in (0.0, 0.5, 1.0, 2.0):
+        means = [[render("retina", 0, cam, np.random.default_rng(i), 40, difficulty=d).mean(axis=(0, 1))
+                  for cam in _source_params("retina", 0, 4)] for i in range(2)]
+        spread.append(float(np.std(np.asarray(means), axis=1).mean()))
+    assert spread[0] < 1e-6 < spread[1] < spread[2] < spread[3], spread
+
+
+def test_writer_records_the_difficulty_and_keeps_the_labels(tmp_path):
+    a = write_synthetic_images(tmp_path / "a", "retina", 40, seed=2, image_size=16, difficulty=1.5)
+    write_synthetic_images(tmp_path / "b", "retina", 40, seed=2, image_size=16, difficulty=1.5)
+    c = write_synthetic_images(tmp_path / "c", "retina", 40, seed=2, image_size=16)
+    assert a["difficulty"] == 1.5 and c["difficulty"] == RETINA_DIFFICULTY
+    labels = [(tmp_path / k / "trainLabels.csv").read_text() for k in "abc"]
+    assert labels[0] == labels[1] == labels[2]  # the difficulty changes pixels, never labels or the layout
+    files = sorted(p.name for p in (tmp_path / "a" / "train").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "c" / "train").iterdir()) and len(files) == 40
+    digest = {k: hashlib.sha256((tmp_path / k / "train" / "10_left.jpeg").read_bytes()).hexdigest() for k in "abc"}
+    assert digest["a"] == digest["b"] != digest["c"]  # same seed and difficulty: same bytes
+
+
+def test_difficulty_is_checked_and_only_for_retina(tmp_path):
+    for bad in (-0.1, float("nan"), float("inf"), True, "1"):
+        with pytest.raises(ValueError, match="difficulty="):
+            write_synthetic_images(tmp_path / "r", "retina", 40, difficulty=bad)
+    with pytest.raises(ValueError, match="only the retina generator"):
+        write_synthetic_images(tmp_path / "d", "derm", 40, difficulty=1.0)
+    assert not (tmp_path / "d").exists()
+
+
+def test_other_data_sets_render_as_before_the_retina_change():
+    """derm / covidfl / derm_mel pixels are unchanged by the retina work (values recorded from the code before it)."""
+    expected = {("derm", "MEL"): (1099.8125, 0.481223), ("covidfl", "covid"): (532.7788, 0.3319),
+                ("derm_mel", "NV"): (1225.1409, 0.556616)}
+    for (ds, cls), (total, pixel) in expected.items():
+        img = render(ds, cls, _source_params(ds, 3, 2)[1], np.random.default_rng(5), 24)
+        assert float(img.astype(np.float64).sum()) == pytest.approx(total, abs=1e-3)
+        assert float(img[7, 9, 1]) == pytest.approx(pixel, abs=1e-6)

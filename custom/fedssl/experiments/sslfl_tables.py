@@ -1,0 +1,244 @@
+"""SSL-FL's retina table (Yan et al., IEEE TMI 2023, Table II) on synthetic retina: Split-1/2/3 x ViT scratch,
+Fed-MAE, Fed-BEiT, federated fine-tuning test accuracy, next to the paper's numbers (issue 14 item 2).
+
+One synthetic Kaggle-DR stand-in per seed (:func:`fedssl.data.image_synthetic.write_synthetic_images` at the
+calibrated difficulty), balanced as SSL-FL does (sec. IV-A: "randomly selecting 9,000 balanced images"), one
+held-out test set (the same for every split: the test split depends on the seed only) and per split one
+Dirichlet partition of the rest over 5 sites (sec. IV-B1: alpha 100 / 1.0 / 0.5 = Split-1 / 2 / 3). Then, in the
+FLARE simulator at the profile's settings (``bench`` by default):
+
+* pre-training cells: one Fed-MAE (jobs/sslfl_mae_retina) and one Fed-BEiT (jobs/sslfl_beit_retina) run per
+  split and seed, on that split's sites;
+* fine-tuning cells: jobs/sslfl_retina_finetune per method, split and seed, from the split's pre-trained global
+  model (Fed-BEiT with BEiT's layer scale 0.1) or from random initialisation (ViT scratch); the test accuracy is
+  that of the global model selected on the sites' validation splits (FinalEvaluation's ``test_metrics.json``).
+
+Cells run through :mod:`fedssl.experiments.table_runner` (``cells.jsonl`` in the output folder: an interrupted run
+resumes at the first unfinished cell; progress lines with ETA) and the table is written as JSON / CSV / TXT / PNG
+with the paper's Table II beside it (labelled as the paper's).  Every number is read back from a run's files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Callable, Optional
+
+from fedssl.core.checks import require, require_int
+from fedssl.eval.paper_tables import SSLFL_SOURCE, sslfl_paper_rows
+from fedssl.experiments.sslfl_demo import VARIANTS, balance_retina
+from fedssl.experiments.table_runner import CellStore, run_cells, write_table
+from fedssl.ops.jobs import REPO_ROOT, load_profile
+from fedssl.ops.simulate import run_simulation
+
+#: SSL-FL sec. IV-B1: Dirichlet alpha of Split-1 (IID), Split-2 (moderate) and Split-3 (severe non-IID)
+SPLIT_ALPHA = {1: 100.0, 2: 1.0, 3: 0.5}
+#: methods of the table: label, pre-training job (None: random init) and the fine-tuning overrides of the method
+METHODS = {
+    "scratch": {"label": "ViT scratch", "pretrain": None, "finetune_sets": []},
+    "fedmae": {"label": "Fed-MAE", "pretrain": VARIANTS["fedmae"]["pretrain"],
+               "finetune_sets": VARIANTS["fedmae"]["finetune_sets"]},
+    "fedbeit": {"label": "Fed-BEiT", "pretrain": VARIANTS["fedbeit"]["pretrain"],
+                "finetune_sets": VARIANTS["fedbeit"]["finetune_sets"]},
+}
+FINETUNE_JOB = "sslfl_retina_finetune"
+#: method -> its row label in :data:`fedssl.eval.paper_tables.SSLFL_METHODS` (SSL-FL Table II)
+PAPER_LABELS = {"scratch": "scratch", "fedmae": "Fed-MAE", "fedbeit": "Fed-BEiT"}
+PAPER_SOURCE = SSLFL_SOURCE.format(table="II") + " (ViT-B, 9,000 Kaggle DR images)"
+#: the table's settings when the profile's "tables": {"sslfl": {...}} leaves them out (the demo's data size);
+#: ``pretrain_rounds`` / ``finetune_rounds`` None = the profile's job settings
+DEFAULTS = {"n_images": 2800, "image_px": 40, "difficulty": None, "n_sites": 5, "test_fraction": 0.2, "min_per_site": 10,
+            "splits": [1, 2, 3], "methods": ["scratch", "fedmae", "fedbeit"], "seeds": [0],
+            "pretrain_rounds": None, "finetune_rounds": None}
+
+
+def table_settings(profile: str = "bench", **overrides) -> dict:
+    """The table's settings: :data:`DEFAULTS` < the profile's ``"tables": {"sslfl": {...}}`` < ``overrides``
+    (None values are ignored); each checked, naming the setting and the fix."""
+    from_profile = load_profile(profile).get("tables", {}).get("sslfl", {}) if profile else {}
+    unknown = sorted(set(from_profile) - set(DEFAULTS))
+    require(not unknown, f"profile {profile!r} tables.sslfl", "keys", unknown, f"use keys of {sorted(DEFAULTS)}")
+    s = {**DEFAULTS, **from_profile, **{k: v for k, v in overrides.items() if v is not None}, "profile": profile}
+    for name, allowed in (("splits", SPLIT_ALPHA), ("methods", METHODS)):
+        vals = list(s[name])
+        require(bool(vals) and all(v in allowed for v in vals) and len(set(vals)) == len(vals), "sslfl tables", name,
+                vals, f"use distinct values from {list(allowed)}")
+        s[name] = vals
+    seeds = list(s["seeds"])
+    require(bool(seeds) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in seeds)
+            and len(set(seeds)) == len(seeds), "sslfl tables", "seeds", seeds, "use distinct integers >= 0, e.g. [0, 1]")
+    s["seeds"] = seeds
+    for name in ("n_images", "image_px", "n_sites", "min_per_site"):
+        require_int("sslfl tables", name, s[name], 0 if name == "min_per_site" else 1, "use a positive integer")
+    for name in ("pretrain_rounds", "finetune_rounds"):
+        if s[name] is not None:
+            require_int("sslfl tables", name, s[name], 1, "use a positive integer, or null for the profile's rounds")
+    return s
+
+
+def pretrain_cells(settings: dict) -> list[dict]:
+    """One pre-training cell per seed, split and pre-trained method, in that order."""
+    return [{"stage": "pretrain", "method": m, "split": sp, "seed": sd} for sd in settings["seeds"]
+            for sp in settings["splits"] for m in settings["methods"] if METHODS[m]["pretrain"]]
+
+
+def finetune_cells(settings: dict) -> list[dict]:
+    """One fine-tuning cell per seed, split and method, in that order."""
+    return [{"stage": "finetune", "method": m, "split": sp, "seed": sd} for sd in settings["seeds"]
+            for sp in settings["splits"] for m in settings["methods"]]
+
+
+def prepare_data(out: str, settings: dict, seed: int, say: Callable[[str], None] = print) -> dict[int, str]:
+    """Write the seed's synthetic retina (balanced subset) once and its partition for every split (the same
+    held-out test set: it depends on the seed only); returns {split: partition folder}. Re-runs reuse them."""
+    from fedssl.data.image_sites import write_site_folders
+    from fedssl.data.image_synthetic import write_synthetic_images
+
+    root = os.path.join(out, "data", f"seed{seed}")
+    src = os.path.join(root, "retina_full")
+    done = os.path.join(root, "balanced.json")
+    if not os.path.isfile(done):
+        say(f"writing {settings['n_images']} synthetic retina images ({settings['image_px']} px, difficulty "
+            f"{settings['difficulty'] if settings['difficulty'] is not None else 'default'}, seed {seed}) -> {src}")
+        info = write_synthetic_images(src, "retina", settings["n_images"], seed=seed, image_size=settings["image_px"],
+                                      difficulty=settings["difficulty"])
+        kept = balance_retina(src, seed)
+        with open(done, "w") as f:
+            json.dump({"difficulty": info["difficulty"], **kept}, f)
+    parts = {}
+    for split in settings["splits"]:
+        parts[split] = os.path.join(root, f"split{split}")
+        write_site_folders(src, "retina", parts[split], n_sites=settings["n_sites"], alpha=SPLIT_ALPHA[split],
+                           seed=seed, test_fraction=settings["test_fraction"], min_per_site=settings["min_per_site"])
+    return parts
+
+
+def _seed_sets(stage: str, method: str, seed: int) -> list[str]:
+    """The job-seed overrides (model initialisation, trainer and, for Fed-BEiT, the tokenizer's k-means)."""
+    trainer = "cls_trainer" if stage == "finetune" else "mim_trainer"
+    sets = [f"server.model.seed={seed}", f"client.{trainer}.seed={seed}"]
+    return sets + ([f"server.federated_kmeans.seed={seed}"] if stage == "pretrain" and method == "fedbeit" else [])
+
+
+def _workspace(out: str, key: dict) -> str:
+    return os.path.join(out, "runs", f"{key['stage']}_{key['method']}_split{key['split']}_seed{key['seed']}")
+
+
+def run_cell(key: dict, out: str, settings: dict, parts: dict, store: CellStore, simulate=run_simulation) -> dict:
+    """Run one cell in the simulator and return what the table needs, read back from the run's files."""
+    stage, method, seed = key["stage"], key["method"], key["seed"]
+    n = settings["n_sites"]
+    common = dict(n_sites=n, data_root=os.path.join(parts[(seed, key["split"])], "{site}"),
+                  profile=settings["profile"], echo=False)
+    rounds = [f"server.scatter_and_gather.min_clients={n}"]
+    if settings[f"{stage}_rounds"] is not None:
+        rounds.append(f"server.scatter_and_gather.num_rounds={settings[f'{stage}_rounds']}")
+    if stage == "pretrain":
+        run = simulate(os.path.join(REPO_ROOT, "jobs", METHODS[method]["pretrain"]), _workspace(out, key),
+                       sets=[*rounds, *_seed_sets(stage, method, seed)], **common)
+        return {"global_model": run["global_model"], "wall_time_s": run["simulator_wall_time_s"],
+                "loss": [r.get("mean_loss") for r in run.get("rounds", [])]}
+    init = ""
+    if METHODS[method]["pretrain"]:
+        init = store.get({"stage": "pretrain", "method": method, "split": key["split"], "seed": seed})["global_model"]
+        require(os.path.isfile(init), f"{method} fine-tuning (split {key['split']}, seed {seed})", "pretrained_path",
+                init, f"the pre-trained global model is gone; remove its pretrain line from {store.path} to re-run it")
+    run = simulate(os.path.join(REPO_ROOT, "jobs", FINETUNE_JOB), _workspace(out, key),
+                   sets=[*rounds, *_seed_sets(stage, method, seed), f"server.model.pretrained_path={init}",
+                         *METHODS[method]["finetune_sets"]], **common)
+    path = os.path.join(run["workspace"], "server", "simulate_job", "test_metrics.json")
+    with open(path) as f:
+        report = json.load(f)
+    mean = report["mean"]
+    return {"accuracy": mean.get("accuracy"), "auc": mean.get("auc"), "balanced_accuracy": mean.get("balanced_accuracy"),
+            "n_test": mean.get("n"), "model": report.get("model"), "init": init or "random",
+            "wall_time_s": run["simulator_wall_time_s"], "test_metrics": path}
+
+
+def _mean_std(values: list[float]) -> tuple[Optional[float], Optional[float]]:
+    """Mean and sample std (None for a single value) of percentages."""
+    if not values:
+        return None, None
+    m = sum(values) / len(values)
+    if len(values) < 2:
+        return m, None
+    return m, math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+
+
+def summary_rows(settings: dict, results: dict) -> list[dict]:
+    """Table rows (test accuracy %, mean +- std over seeds, n = seeds) from ``results`` {(method, split, seed):
+    fine-tuning result}; a method / split with no finished seed has mean None."""
+    rows = []
+    for method in settings["methods"]:
+        for split in settings["splits"]:
+            accs = [100.0 * results[(method, split, sd)]["accuracy"] for sd in settings["seeds"]
+                    if (method, split, sd) in results]
+            mean, std = _mean_std(accs)
+            rows.append({"table": "sslfl_retina", "method": METHODS[method]["label"], "column": f"Split{split}",
+                         "mean": mean, "std": std, "n": len(accs)})
+    return rows
+
+
+def paper_rows(settings: dict) -> list[dict]:
+    """SSL-FL Table II's numbers (:func:`fedssl.eval.paper_tables.sslfl_paper_rows`) for the table's methods and
+    splits, under the bundle's method labels (no std: the paper gives none)."""
+    columns = {f"Split{sp}" for sp in settings["splits"]}
+    return [{**r, "method": METHODS[m]["label"]} for m in settings["methods"]
+            for r in sslfl_paper_rows("II", [PAPER_LABELS[m]]) if r["column"] in columns]
+
+
+def _check_run_config(out: str, settings: dict) -> None:
+    """Record the settings in ``out/run_config.json`` on the first run; a resumed run must use the same ones
+    (cells of other settings would otherwise be mixed into one table)."""
+    path = os.path.join(out, "run_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            before = json.load(f)
+        changed = sorted(k for k in set(before) | set(settings) if before.get(k) != settings.get(k))
+        require(not changed, path, "settings", {k: settings.get(k) for k in changed},
+                f"that folder holds a table run with {({k: before.get(k) for k in changed})}; resume with those "
+                "settings or use another --out")
+        return
+    with open(path, "w") as f:
+        json.dump(settings, f, indent=2)
+
+
+def run_sslfl_table(out: str, settings: dict, say: Callable[[str], None] = print, simulate=run_simulation) -> dict:
+    """Run (or resume) the table's cells into ``out`` and write ``sslfl_retina_table.{json,csv,txt,png}``."""
+    t0 = time.time()
+    out = os.path.abspath(out)
+    os.makedirs(out, exist_ok=True)
+    _check_run_config(out, settings)
+    store = CellStore(os.path.join(out, "cells.jsonl"))
+    parts = {}
+    for seed in settings["seeds"]:
+        for split, folder in prepare_data(out, settings, seed, say).items():
+            parts[(seed, split)] = folder
+
+    def cell(key: dict) -> dict:
+        return run_cell(key, out, settings, parts, store, simulate)
+
+    pre = pretrain_cells(settings)
+    if pre:
+        run_cells(pre, cell, store, say=say, label="SSL-FL retina pre-training")
+    fine = finetune_cells(settings)
+    done = run_cells(fine, cell, store, say=say, label="SSL-FL retina fine-tuning")
+    results = {(k["method"], k["split"], k["seed"]): r for k, r in zip(fine, done)}
+    rows = summary_rows(settings, results)
+    n_seeds = len(settings["seeds"])
+    notes = [f"synthetic retina: {settings['n_images']} images written ({settings['image_px']} px), balanced subset, "
+             f"{settings['n_sites']} sites, Dirichlet alpha {', '.join(f'{SPLIT_ALPHA[s]:g}' for s in settings['splits'])}; "
+             f"profile {settings['profile']}; test accuracy (%) of the validation-selected global model, mean"
+             + (f" +- std over n={n_seeds} seeds" if n_seeds > 1 else " of n=1 seed (no std)"),
+             "numbers are not comparable with the paper's in absolute terms (tiny ViT, synthetic data); the paper's "
+             "block is its Table II"]
+    extra = {"settings": settings, "cells": [{"key": k, "result": r} for k, r in zip(fine, done)],
+             "wall_time_s": round(time.time() - t0, 1)}
+    paths = write_table(out, "sslfl_retina_table", rows, title="SSL-FL retina table (Table II): test accuracy (%)",
+                        paper=paper_rows(settings), paper_source=PAPER_SOURCE, score="accuracy (%)", notes=notes,
+                        extra=extra, digits=2)
+    with open(paths["txt"]) as f:
+        say(f.read().rstrip())
+    return {"rows": rows, "paths": paths, "wall_time_s": extra["wall_time_s"]}

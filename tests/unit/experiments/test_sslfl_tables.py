@@ -1,0 +1,147 @@
+"""The SSL-FL retina table runner (fedssl.experiments.sslfl_tables): cells, resume with a fake simulator, rows and
+files, settings checks, the CLI verb; one slow end-to-end run in the FLARE simulator."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from fedssl.experiments import sslfl_tables as st
+
+torch.set_num_threads(1)
+
+TINY = {"n_images": 120, "image_px": 16, "min_per_site": 2}
+
+
+class FakeSimulator:
+    """Stands in for run_simulation: records each call, writes what a finished run leaves behind (a global model;
+    for fine-tuning test_metrics.json with a fixed accuracy per method) and can fail on a chosen call."""
+
+    ACCURACY = {"scratch": 0.625, "fedmae": 0.75, "fedbeit": 0.5}
+
+    def __init__(self, fail_at: int | None = None):
+        self.calls: list[dict] = []
+        self.fail_at = fail_at
+
+    def __call__(self, job_dir, workspace, *, n_sites, data_root, profile, sets, echo):
+        self.calls.append({"job": os.path.basename(job_dir), "workspace": workspace, "data_root": data_root,
+                           "profile": profile, "sets": list(sets), "n_sites": n_sites})
+        if self.fail_at is not None and len(self.calls) == self.fail_at:
+            raise RuntimeError("simulator died")
+        run_dir = os.path.join(workspace, "server", "simulate_job")
+        os.makedirs(run_dir, exist_ok=True)
+        model = os.path.join(run_dir, "FL_global_model.pt")
+        open(model, "w").close()
+        if job_dir.endswith(st.FINETUNE_JOB):
+            method = os.path.basename(workspace).split("_")[1]
+            with open(os.path.join(run_dir, "test_metrics.json"), "w") as f:
+                json.dump({"mean": {"accuracy": self.ACCURACY[method], "auc": 0.5, "n": 12}, "model": "best"}, f)
+        return {"global_model": model, "simulator_wall_time_s": 1.0, "workspace": workspace,
+                "rounds": [{"mean_loss": 1.0}, {"mean_loss": 0.5}]}
+
+
+def test_cells_one_pretraining_per_split_and_method_then_every_finetuning():
+    s = st.table_settings("bench", seeds=[0, 1])
+    pre, fine = st.pretrain_cells(s), st.finetune_cells(s)
+    assert len(pre) == 2 * 3 * 2 and len(fine) == 2 * 3 * 3  # seeds x splits x (pre-trained | all) methods
+    assert pre[0] == {"stage": "pretrain", "method": "fedmae", "split": 1, "seed": 0}
+    assert {c["method"] for c in pre} == {"fedmae", "fedbeit"}  # ViT scratch has nothing to pre-train
+    assert fine[:3] == [{"stage": "finetune", "method": m, "split": 1, "seed": 0} for m in ("scratch", "fedmae", "fedbeit")]
+    assert st.pretrain_cells(st.table_settings("bench", methods=["scratch"])) == []
+    # SSL-FL sec. IV-B1: Split-1 / 2 / 3 = Dirichlet alpha 100 / 1.0 / 0.5
+    assert st.SPLIT_ALPHA == {1: 100.0, 2: 1.0, 3: 0.5}
+
+
+def test_settings_are_checked_naming_the_setting():
+    with pytest.raises(ValueError, match="splits=.*use distinct values from"):
+        st.table_settings("bench", splits=[4])
+    with pytest.raises(ValueError, match="methods=.*use distinct values from"):
+        st.table_settings("bench", methods=["fedmae", "fedmae"])
+    with pytest.raises(ValueError, match="seeds="):
+        st.table_settings("bench", seeds=[-1])
+    with pytest.raises(ValueError, match="n_images="):
+        st.table_settings("bench", n_images=0)
+
+
+def test_resume_after_a_failed_cell_runs_only_the_unfinished_cells(tmp_path):
+    settings = st.table_settings("bench", splits=[3], methods=["scratch", "fedmae"], **TINY)
+    lines: list[str] = []
+    failing = FakeSimulator(fail_at=2)  # 1: Fed-MAE pre-training, 2: ViT scratch fine-tuning dies
+    with pytest.raises(RuntimeError, match="simulator died"):
+        st.run_sslfl_table(str(tmp_path), settings, say=lines.append, simulate=failing)
+    assert any("FAILED" in m for m in lines)
+    again = FakeSimulator()
+    out = st.run_sslfl_table(str(tmp_path), settings, say=lines.append, simulate=again)
+    assert [c["job"] for c in again.calls] == [st.FINETUNE_JOB, st.FINETUNE_JOB]  # pre-training not re-run
+    assert any("1 already done" in m for m in lines)
+    # Fed-MAE fine-tunes from its split's pre-trained global model; scratch from random init; Split-3's sites
+    pre_model = failing.calls[0]["workspace"] + "/server/simulate_job/FL_global_model.pt"
+    assert f"server.model.pretrained_path={pre_model}" in again.calls[1]["sets"]
+    assert "server.model.pretrained_path=" in again.calls[0]["sets"]
+    assert again.calls[0]["data_root"].endswith(os.path.join("seed0", "split3", "{site}"))
+    assert again.calls[0]["profile"] == "bench" and "client.cls_trainer.seed=0" in again.calls[0]["sets"]
+    rows = {(r["method"], r["column"]): r for r in out["rows"]}
+    assert rows[("ViT scratch", "Split3")]["mean"] == pytest.approx(62.5) and rows[("ViT scratch", "Split3")]["n"] == 1
+    assert rows[("Fed-MAE", "Split3")]["mean"] == pytest.approx(75.0) and rows[("Fed-MAE", "Split3")]["std"] is None
+    # a third run finds everything done and runs nothing
+    third = FakeSimulator()
+    st.run_sslfl_table(str(tmp_path), settings, say=lines.append, simulate=third)
+    assert third.calls == []
+    # resuming into the folder with other settings is refused before anything runs
+    with pytest.raises(ValueError, match="run_config.json.*splits"):
+        st.run_sslfl_table(str(tmp_path), {**settings, "splits": [1, 3]}, say=lines.append, simulate=third)
+    assert third.calls == []
+
+
+def test_table_files_carry_the_paper_numbers_beside_and_std_over_seeds(tmp_path):
+    settings = st.table_settings("bench", splits=[1, 3], methods=["scratch"], seeds=[0, 1], **TINY)
+    accs = iter([0.5, 0.75, 0.6, 0.7])  # split 1 seed 0, split 3 seed 0, split 1 seed 1, split 3 seed 1
+
+    class Seeded(FakeSimulator):
+        def __call__(self, *a, **kw):
+            self.ACCURACY = {"scratch": next(accs)}
+            return super().__call__(*a, **kw)
+
+    out = st.run_sslfl_table(str(tmp_path), settings, say=lambda m: None, simulate=Seeded())
+    rows = {r["column"]: r for r in out["rows"]}
+    assert rows["Split1"]["mean"] == pytest.approx(55.0) and rows["Split1"]["n"] == 2
+    assert rows["Split1"]["std"] == pytest.approx(7.0710678)  # sample std of 50 and 60
+    assert rows["Split3"]["mean"] == pytest.approx(72.5)
+    for ext in ("json", "csv", "txt", "png"):
+        assert os.path.isfile(out["paths"][ext])
+    text = open(out["paths"]["txt"]).read()
+    assert "paper (SSL-FL" in text and "74.33" in text and "64.13" in text  # Table II's None row, Split-1 / 3
+    assert "n=2 seeds" in text
+    with open(out["paths"]["json"]) as f:
+        assert [r["mean"] for r in json.load(f)["paper"]["rows"]] == [74.33, 64.13]
+
+
+def test_cli_tables_parses_and_passes_the_settings(tmp_path, monkeypatch):
+    from fedssl.cli import main
+
+    seen = {}
+    monkeypatch.setattr(st, "run_sslfl_table", lambda out, settings, say: seen.update(out=out, settings=settings))
+    assert main(["sslfl", "tables", "--out", str(tmp_path), "--splits", "3", "--methods", "scratch", "fedmae",
+                 "--seeds", "0", "1"]) == 0
+    assert seen["out"] == str(tmp_path)
+    s = seen["settings"]
+    assert (s["splits"], s["methods"], s["seeds"], s["profile"]) == ([3], ["scratch", "fedmae"], [0, 1], "bench")
+    with pytest.raises(SystemExit):
+        main(["sslfl", "tables", "--out", str(tmp_path), "--splits", "4"])
+
+
+@pytest.mark.slow
+def test_end_to_end_one_split_scratch_and_fedmae_one_round_each(tmp_path):
+    """The real simulator on a tiny setting: Split-3, ViT scratch + Fed-MAE, 1 round of pre-training and of
+    fine-tuning (profile quick, 3 sites)."""
+    settings = st.table_settings("quick", splits=[3], methods=["scratch", "fedmae"], n_images=160, image_px=32,
+                                 n_sites=3, min_per_site=4, pretrain_rounds=1, finetune_rounds=1)
+    out = st.run_sslfl_table(str(tmp_path), settings, say=print)
+    rows = {(r["method"], r["column"]): r for r in out["rows"]}
+    assert set(rows) == {("ViT scratch", "Split3"), ("Fed-MAE", "Split3")}
+    assert all(0.0 <= r["mean"] <= 100.0 and r["n"] == 1 for r in rows.values())
+    cells = [json.loads(line) for line in open(tmp_path / "cells.jsonl")]
+    assert [c["key"]["stage"] for c in cells] == ["pretrain", "finetune", "finetune"]

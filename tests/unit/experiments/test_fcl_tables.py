@@ -214,6 +214,9 @@ def test_end_to_end_tiny(tmp_path):
     for table in (1, 3):
         data = json.loads(open(paths[table]["json"]).read())
         assert {r["method"] for r in data["rows"]} == {"random", "FCL"}
-        assert all(0.0 <= r["mean"] <= 1.0 for r in data["rows"])
+        for row in data["rows"]:  # the table's cell = the mean of its cells' Dice (one fold: no averaging within a site)
+            cells = [c["dice"] for c in data["extra"]["cell_rows"] if c["method"] == row["method"]]
+            assert len(cells) == (2 if table == 1 else 1)  # two sites locally, one centralised model
+            assert row["mean"] == pytest.approx(sum(cells) / len(cells)) and row["n"] == len(cells)
         assert open(paths[table]["png"], "rb").read(4) == b"\x89PNG"
         assert open(paths[table]["csv"]).read().startswith("source,table,method,column,mean,std,n")

@@ -49,7 +49,7 @@ from fedssl.experiments.fcl_finetune import (
 )
 from fedssl.experiments.diagnostics import diagnose_acdc, format_diagnostics
 from fedssl.experiments.table7 import JOBS, ROWS
-from fedssl.experiments.table_runner import CellStore, run_cells, write_table
+from fedssl.experiments.table_runner import CellStore, check_run_config, run_cells, write_table
 from fedssl.ops.jobs import load_profile
 from fedssl.ops.simulate import run_simulation, server_run_dir
 from fedssl.train.protocol import centralised_finetune, local_finetune
@@ -208,23 +208,6 @@ def table_folds(profile: str, table: int, folds: Sequence[int] | None) -> list[i
     return [int(f) for f in chosen]
 
 
-def _check_run_config(out: str, config: dict) -> None:
-    """The settings a store's cells were computed with; a re-run into the same folder must use the same ones."""
-    path = os.path.join(out, "run_config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            old = json.load(f)
-        diff = {k: (old.get(k), v) for k, v in config.items() if old.get(k) != v}
-        if diff:
-            raise ValueError(f"{path}: the cells in {out} were computed with other settings "
-                             + ", ".join(f"{k}={a!r} (now {b!r})" for k, (a, b) in diff.items())
-                             + "; re-run with the same settings to resume, or use another --out")
-        return
-    os.makedirs(out, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(config, f, indent=2)
-
-
 def _check_args(tables, methods, n_labelled, n_sites: int, workers: int) -> None:
     bad_tables = [t for t in tables if t not in TABLES]
     if bad_tables or not tables:
@@ -274,7 +257,7 @@ def run_fcl_tables(out: str, *, tables: Sequence[int] = TABLES, methods: Sequenc
     settings = protocol_settings(profile)
     if epochs:
         settings["epochs"] = epochs
-    _check_run_config(out, {"profile": profile, "data_root": data_root, "difficulty": difficulty, "n_sites": n_sites,
+    check_run_config(out, {"profile": profile, "data_root": data_root, "difficulty": difficulty, "n_sites": n_sites,
                             "epochs": settings["epochs"], "rounds": rounds})
     store = CellStore(os.path.join(out, "cells.jsonl"))
 

@@ -29,7 +29,7 @@ from typing import Callable, Optional
 from fedssl.core.checks import require, require_int
 from fedssl.eval.paper_tables import SSLFL_SOURCE, sslfl_paper_rows
 from fedssl.experiments.sslfl_demo import VARIANTS, balance_retina
-from fedssl.experiments.table_runner import CellStore, run_cells, write_table
+from fedssl.experiments.table_runner import CellStore, check_run_config, run_cells, write_table
 from fedssl.ops.jobs import REPO_ROOT, load_profile
 from fedssl.ops.simulate import run_simulation
 
@@ -189,28 +189,12 @@ def paper_rows(settings: dict) -> list[dict]:
             for r in sslfl_paper_rows("II", [PAPER_LABELS[m]]) if r["column"] in columns]
 
 
-def _check_run_config(out: str, settings: dict) -> None:
-    """Record the settings in ``out/run_config.json`` on the first run; a resumed run must use the same ones
-    (cells of other settings would otherwise be mixed into one table)."""
-    path = os.path.join(out, "run_config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            before = json.load(f)
-        changed = sorted(k for k in set(before) | set(settings) if before.get(k) != settings.get(k))
-        require(not changed, path, "settings", {k: settings.get(k) for k in changed},
-                f"that folder holds a table run with {({k: before.get(k) for k in changed})}; resume with those "
-                "settings or use another --out")
-        return
-    with open(path, "w") as f:
-        json.dump(settings, f, indent=2)
-
-
 def run_sslfl_table(out: str, settings: dict, say: Callable[[str], None] = print, simulate=run_simulation) -> dict:
     """Run (or resume) the table's cells into ``out`` and write ``sslfl_retina_table.{json,csv,txt,png}``."""
     t0 = time.time()
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
-    _check_run_config(out, settings)
+    check_run_config(out, settings)
     store = CellStore(os.path.join(out, "cells.jsonl"))
     parts = {}
     for seed in settings["seeds"]:

@@ -150,6 +150,29 @@ class CellStore:
         return list(self._cells.values())
 
 
+def check_run_config(out: str, config: Mapping[str, Any]) -> None:
+    """The settings a table run's cells are computed with, recorded in ``out/run_config.json`` on the first run; a
+    re-run into the same folder must use the same ones (cells of other settings would otherwise be mixed into one
+    table): a ValueError names the file and every setting that changed."""
+    path = os.path.join(out, "run_config.json")
+    if os.path.isfile(path):
+        try:
+            with open(path) as f:
+                old = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path} is unreadable ({e}); remove it only if {out} holds no cells of other "
+                             "settings, or use another --out") from None
+        changed = sorted(k for k in set(old) | set(config) if old.get(k) != config.get(k))
+        if changed:
+            raise ValueError(f"{path}: the cells in {out} were computed with other settings: "
+                             + ", ".join(f"{k}={old.get(k)!r} (now {config.get(k)!r})" for k in changed)
+                             + "; re-run with the same settings to resume, or use another --out")
+        return
+    os.makedirs(out, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(dict(config), f, indent=2)
+
+
 def format_duration(seconds: float) -> str:
     """``12 s``, ``4 min 10 s``, ``1 h 05 min``."""
     s = int(round(max(seconds, 0.0)))

@@ -160,3 +160,18 @@ def test_failing_cell_in_a_worker_is_not_recorded_and_reraises_after_running_cel
     store = CellStore(tmp_path / "c.jsonl")
     assert store.done(cells[0]) and store.get(cells[0]) == 1 and not store.done(cells[1])
     assert any("n=2 fail=True FAILED" in line for line in lines)
+
+
+def test_check_run_config_records_then_refuses_changed_or_unreadable_settings(tmp_path):
+    from fedssl.experiments.table_runner import check_run_config
+
+    out = str(tmp_path / "run")
+    check_run_config(out, {"profile": "bench", "epochs": 60})
+    check_run_config(out, {"profile": "bench", "epochs": 60})  # same settings: resume
+    with pytest.raises(ValueError, match=r"run_config\.json: .*epochs=60 \(now 3\)"):
+        check_run_config(out, {"profile": "bench", "epochs": 3})
+    with pytest.raises(ValueError, match=r"seeds=None \(now \[0\]\)"):  # a setting the first run did not have
+        check_run_config(out, {"profile": "bench", "epochs": 60, "seeds": [0]})
+    (tmp_path / "run" / "run_config.json").write_text("{torn")
+    with pytest.raises(ValueError, match="run_config.json is unreadable"):
+        check_run_config(out, {"profile": "bench", "epochs": 60})

@@ -4,8 +4,8 @@ Fine-tuning changes the encoder, so a fine-tuning score mixes what pre-training 
 A probe freezes the encoder and trains only what sits on top of it on the same labelled data:
 
 * :func:`frozen_encoder_probe` (ACDC, FCL (Wu et al., MedIA 2022) section 5): the local fine-tuning protocol of one
-  site -- the same fold split and labelled patients (:func:`fedssl.train.protocol.site_fold` /
-  :func:`~fedssl.train.protocol.site_labelled`), the same validation patients of all sites pooled, the same
+  site -- the same fold split, labelled patients and pooled validation patients of all sites
+  (:func:`fedssl.train.protocol.local_split`), the same
   optimiser, schedule, batches and augmentations (:class:`fedssl.train.segmentation.SegmentationTrainer`) -- with the
   U-Net's encoder frozen: its parameters do not require gradients and are not in the optimiser, and its modules
   stay in eval mode (MONAI's BasicUNet normalises with instance norm, which keeps no running statistics; a
@@ -36,7 +36,7 @@ from fedssl.eval.features import vit_features
 from fedssl.eval.segmentation import ACDC_CLASSES, dice_per_volume, mean_dice
 from fedssl.models.unet import ENCODER_MODULES
 from fedssl.models.vit import ViTClassifier, load_pretrained_encoder
-from fedssl.train.protocol import group_by_patient, site_fold, site_labelled
+from fedssl.train.protocol import local_split
 from fedssl.train.segmentation import SegmentationTrainer, init_unet, steps_per_epoch
 
 
@@ -81,20 +81,6 @@ class DecoderTrainer(SegmentationTrainer):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.scheduler.lr_lambdas[0])
 
 
-def _probe_split(site_volumes: Mapping[str, Sequence[Volume]], site: str, n_labelled: int, fold: int,
-                 n_folds: int, split_seed: int) -> tuple[list[str], list[Volume], list[str], list[Volume]]:
-    """(labelled patients of ``site``, their volumes, validation patients of all sites, their volumes): the local
-    protocol's split (:func:`fedssl.train.protocol.local_finetune`)."""
-    if site not in site_volumes:
-        raise ValueError(f"site={site!r} is not among the sites {sorted(site_volumes)}")
-    patients = {s: group_by_patient(site_volumes[s]) for s in sorted(site_volumes)}
-    split = {s: site_fold(list(p), s, fold, n_folds=n_folds, split_seed=split_seed) for s, p in patients.items()}
-    train_ids = site_labelled(split[site][0], site, n_labelled, split_seed=split_seed)
-    val_ids = [pid for s in sorted(split) for pid in split[s][1]]
-    val_vols = [v for s in sorted(split) for pid in split[s][1] for v in patients[s][pid]]
-    return train_ids, [v for pid in train_ids for v in patients[site][pid]], val_ids, val_vols
-
-
 def frozen_encoder_probe(site_volumes: Mapping[str, Sequence[Volume]], init: object, *, site: str, n_labelled: int,
                          fold: int, features: Sequence[int], epochs: int, batch_size: int = 10, lr: float = 5e-4,
                          seed: int = 0, device: str | torch.device = "cpu", max_steps_per_epoch: int | None = None,
@@ -109,7 +95,8 @@ def frozen_encoder_probe(site_volumes: Mapping[str, Sequence[Volume]], init: obj
     The decoder's initial weights come from ``seed`` (identical for every ``init``), the batches and augmentations
     from ``site_seed(seed, site)``, so two encoders probed with the same arguments see the same data in the same
     order and start from the same decoder."""
-    train_ids, train_vols, val_ids, val_vols = _probe_split(site_volumes, site, n_labelled, fold, n_folds, split_seed)
+    train_ids, train_vols, val_ids, val_vols = local_split(site_volumes, site, n_labelled, fold, n_folds=n_folds,
+                                                           split_seed=split_seed)
     model = FrozenEncoderUNet(init_unet(init, features=features, seed=seed))
     total = epochs * steps_per_epoch(train_vols, batch_size, max_steps_per_epoch)
     trainer = DecoderTrainer(model, lr=lr, batch_size=batch_size, total_steps=total, seed=site_seed(seed, site),

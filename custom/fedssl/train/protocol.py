@@ -99,6 +99,20 @@ def _pooled_validation(
     return ids, vols
 
 
+def local_split(site_volumes: Mapping[str, Sequence[Volume]], site: str, n_labelled: int, fold: int, *,
+                n_folds: int = 5, split_seed: int = 0) -> tuple[list[str], list[Volume], list[str], list[Volume]]:
+    """The local protocol's data for one site: (its ``n_labelled`` annotated patients of ``fold``, their volumes,
+    the fold's validation patients of ALL sites, their volumes) -- what :func:`local_finetune` trains and
+    validates that site on, for reuse by other evaluations of the same split (the frozen-encoder probe)."""
+    patients = _site_patients(site_volumes)
+    if site not in patients:
+        raise ValueError(f"site={site!r} is not among the sites {sorted(patients)}")
+    split = _fold_split(patients, fold, n_folds, split_seed)
+    val_ids, val_vols = _pooled_validation(patients, split)
+    train_ids = site_labelled(split[site][0], site, n_labelled, split_seed=split_seed)
+    return train_ids, _volumes_of(patients[site], train_ids), val_ids, val_vols
+
+
 def _dice_fields(model: nn.Module, volumes: Sequence[Volume], device: str | torch.device) -> dict:
     summary = mean_dice(dice_per_volume(model, volumes, device=device))
     out = {"dice": summary["mean"]}

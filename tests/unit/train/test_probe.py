@@ -137,3 +137,17 @@ def test_linear_probe_uses_the_fine_tuning_split_and_a_frozen_encoder(records, m
     assert out["accuracy"] == expected and out["n_test"] == len(yt)
     again = linear_probe(records, pretrained, method="fed-mae", **VIT)
     assert again == out  # seeded: the same numbers
+
+
+def test_local_split_is_the_local_protocols_split_and_refuses_an_unknown_site():
+    from fedssl.train.protocol import local_finetune, local_split
+
+    vols = site_volumes()
+    train_ids, train_vols, val_ids, val_vols = local_split(vols, "site-2", 2, 1)
+    (row,) = local_finetune(vols, {"r": "random"}, n_labelled=[2], folds=[1], features=TINY_FEATURES, epochs=1,
+                            batch_size=2, sites=["site-2"])
+    assert (train_ids, val_ids) == (row["train_patients"], row["val_patients"])
+    assert len(train_vols) == row["n_train_volumes"] == 4 and len(val_vols) == row["n_val_volumes"]
+    assert all(v.patient_id in train_ids for v in train_vols)
+    with pytest.raises(ValueError, match="site='site-9' is not among the sites"):
+        local_split(vols, "site-9", 1, 0)

@@ -3,21 +3,25 @@
 :func:`write_synthetic_acdc` writes cardiac cine phantoms as ``patientNNN/`` folders that
 :mod:`fedssl.data.acdc` reads unchanged (``Info.cfg``, ``patientNNN_4d.nii.gz``,
 ``patientNNN_frameXX.nii.gz`` and ``patientNNN_frameXX_gt.nii.gz`` for the ED and ES frames).
-The phantom carries the structure FCL exploits:
+The phantom carries the structure FCL exploits and the difficulty of the real task (calibrated on random init,
+README "Calibrated synthetic data and the papers' tables"):
 
-* anatomy: LV blood pool (bright disc), myocardium ring (dark grey) around it, RV blood pool
-  (bright crescent wrapped around the septum, with a thin unlabelled free wall), inside a
-  textured body ellipse; labels 0 bg / 1 RV / 2 MYO / 3 LV are painted with the same geometry
-  as the image, so they are consistent with it;
-* along the slice axis (base at slice 0, apex at the last slice) the LV and RV shrink smoothly,
-  the RV vanishes near the apex, the heart drifts slightly: slice partitions mean something;
-* along the cine axis the cavities contract from ED (frame 1) to ES (frame ``max(1, T//3) + 1``)
-  and relax back, with the myocardium thickening (area conserved);
-* per patient: random heart size, position, orientation, pathology group (NOR/MINF/DCM/HCM/RV,
-  cycled, changing cavity size / wall thickness / contraction), anisotropic spacing (in-plane
-  uniform 1.3-1.7 mm, slices 5-10 mm) stored in the NIfTI affine and zooms, int16 data;
-* per site: intensity scale/offset, contrast gamma, smooth bias field and Rician noise level
-  differ, so the sites are non-IID.
+* anatomy: LV blood pool, myocardium ring around it, RV blood pool (a crescent wrapped around the septum, with a
+  thin unlabelled free wall), inside a thorax of similar intensities (chest wall fat and muscle, lungs, spine,
+  descending aorta, the liver rising into the apical slices, great vessels at the base), epicardial fat patches,
+  trabeculae and papillary muscles inside the cavity (counted as cavity, as ACDC's contours do), non-circular
+  cavities; labels 0 bg / 1 RV / 2 MYO / 3 LV are drawn with the geometry of the image;
+* along the slice axis (base at slice 0) the LV and RV shrink to an apical cap; per patient the stack may start
+  above the valve plane (atrial slices, bright blood, unlabelled) and end past the apex; partial volume across
+  each thick slice (three positions averaged); breath-hold misalignment between slices;
+* along the cine axis the cavities contract from ED (frame 1) to ES (frame ``max(1, T//3) + 1``) and relax back,
+  with the myocardium thickening (area conserved);
+* per patient: heart size, position, orientation and the view's in-plane rotation, pathology group
+  (NOR/MINF/DCM/HCM/RV, cycled: MINF a thinned akinetic sector, HCM septal hypertrophy, DCM / RV dilated),
+  anisotropic spacing (in-plane 1.3-1.7 mm, slices 5-10 mm) in the NIfTI affine and zooms, int16 data;
+* per site: intensity scale/offset, contrast gamma, coil bias field and Rician noise level differ (non-IID);
+* ``difficulty`` scales the nuisances (noise, bias field, misalignment, trabeculae, slow-flow darkening, view
+  rotation, texture); 0 is the clean anatomy.
 
 :func:`link_site_folders` builds the federated ``site-k/patientNNN`` view of a real ACDC
 ``training/`` folder with symlinks, using :func:`fedssl.core.partition.split_patients`.

@@ -23,7 +23,13 @@ from fedssl.data.acdc import (
     preprocess_volume,
     read_info_cfg,
 )
-from fedssl.data.acdc_synthetic import DEFAULT_DIFFICULTY, _phantom, link_site_folders, write_synthetic_acdc
+from fedssl.data.acdc_synthetic import (
+    DEFAULT_DIFFICULTY,
+    _patient_scan,
+    _phantom,
+    link_site_folders,
+    write_synthetic_acdc,
+)
 from fedssl.data.volume import Volume
 
 SHAPE = (40, 40)
@@ -153,6 +159,22 @@ def test_difficulty_scales_the_nuisances_and_keeps_the_default(tmp_path: Path) -
     write_synthetic_acdc(tmp_path / "named", n_patients=1, n_sites=1, per_site_folders=False, seed=5,
                          shape=(48, 48), n_frames=3, slices_range=(6, 6), difficulty=DEFAULT_DIFFICULTY)
     assert np.array_equal(_raw(tmp_path / "default", "patient001"), _raw(tmp_path / "named", "patient001"))
+
+
+def test_patient_scan_conditions_vary_with_difficulty_and_leave_the_anatomy() -> None:
+    """Per-patient scan conditions (contrast curve, noise, blood and myocardial signal) are neutral at difficulty 0,
+    spread within their documented ranges as the difficulty rises, and change the image, never the labels."""
+    assert _patient_scan(0, 1, 0.0) == {"gamma": 1.0, "noise": 1.0, "blood": 1.0, "myo": 0.0}
+    scans = [_patient_scan(0, num, 1.5) for num in range(1, 41)]
+    gammas = np.array([s["gamma"] for s in scans])
+    assert np.all((gammas >= np.exp(-0.375)) & (gammas <= np.exp(0.375))) and gammas.std() > 0.1
+    assert all(0.82 <= s["blood"] <= 1.0 and abs(s["myo"]) <= 0.06 for s in scans)
+    assert _patient_scan(0, 7, 1.5) == _patient_scan(0, 7, 1.5)  # deterministic per (seed, patient)
+    plain = _phantom(np.random.default_rng([9, 1]), (48, 48), 6, 3, "NOR", 1.0)
+    darker = _phantom(np.random.default_rng([9, 1]), (48, 48), 6, 3, "NOR", 1.0, {"blood": 0.8, "myo": 0.05})
+    assert np.array_equal(plain[1], darker[1]) and plain[2] == darker[2]
+    lv = plain[1] == 3
+    assert darker[0][lv].mean() < plain[0][lv].mean() - 0.1  # the LV blood is darker in the image
 
 
 @pytest.mark.parametrize("bad", [-0.1, 3.5, "hard", True, float("nan")])

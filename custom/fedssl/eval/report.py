@@ -81,6 +81,26 @@ def pretraining_verdict(rows: Sequence[Mapping[str, Any]], method: str, baseline
             f"{len(sites)} sites -> pre-training {word}")
 
 
+def accuracy_verdict(method: str, accuracy: float, baseline: str, baseline_accuracy: float, n_test: int) -> str:
+    """One line: did ``method`` beat ``baseline`` on the same held-out test set of ``n_test`` images beyond the
+    test set's sampling error?
+
+    Both accuracies come from one run each, so the only spread available is the binomial standard error of the
+    difference, sqrt(a(1-a)/n + b(1-b)/n); "helped" when the difference exceeds twice it, "hurt" when it is below
+    minus twice it, otherwise "within the spread".  Seed-to-seed variation is not in it (the tables runner's
+    ``--seeds`` measures that)."""
+    if isinstance(n_test, bool) or not isinstance(n_test, int) or n_test <= 0:
+        raise ValueError(f"n_test={n_test!r}: must be the positive number of test images both accuracies were measured on")
+    for name, value in ((method, accuracy), (baseline, baseline_accuracy)):
+        if not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+            raise ValueError(f"accuracy of {name}={value!r}: must be a number in [0, 1]")
+    a, b = float(accuracy), float(baseline_accuracy)
+    diff, se = a - b, float(np.sqrt(a * (1.0 - a) / n_test + b * (1.0 - b) / n_test))
+    word = "helped" if diff > 2.0 * se else "hurt" if diff < -2.0 * se else "within the spread (no clear effect)"
+    return (f"{method} vs {baseline}: test accuracy {diff:+.3f} (2 x binomial SE {2.0 * se:.3f}, {n_test} test "
+            f"images, one seed) -> pre-training {word}")
+
+
 def format_table(summary: Sequence[Mapping[str, Any]]) -> str:
     """Plain-text table like the paper's: one row per (mode, method), one column per N, cells
     ``"0.712 +- 0.031"`` (``"-"`` where a combination was not run)."""

@@ -25,6 +25,7 @@ import json
 import os
 import time
 
+from fedssl.eval.report import accuracy_verdict
 from fedssl.ops.jobs import REPO_ROOT
 from fedssl.ops.simulate import run_simulation
 
@@ -128,6 +129,16 @@ VARIANTS: dict[str, dict] = {
 }
 
 
+def verdicts(rows: list[dict]) -> list[str]:
+    """One :func:`~fedssl.eval.report.accuracy_verdict` line per pre-trained method against "ViT scratch" (none
+    without a scratch row or a test accuracy)."""
+    base = next((r for r in rows if r["method"] == "ViT scratch"), None)
+    if base is None or base["accuracy"] is None:
+        return []
+    return [accuracy_verdict(r["method"], r["accuracy"], base["method"], base["accuracy"], int(r["n_test"]))
+            for r in rows if r is not base and r["accuracy"] is not None and r.get("n_test")]
+
+
 def check_methods(methods) -> str:
     """The data set shared by ``methods`` (keys of :data:`VARIANTS`); raises naming the fix otherwise."""
     methods = list(methods)
@@ -219,6 +230,7 @@ def run_sslfl_demo(out: str, *, methods=("fedmae",), n_images: int = 2800, image
         "partition": {"sites": counts, "test": partition["test"]["class_counts"]},
         "pretraining": pretraining,
         "finetuning": rows,
+        "verdicts": verdicts(rows),
         "demo_wall_time_s": round(time.time() - t0, 1),
     }
     with open(os.path.join(out, "sslfl_demo_summary.json"), "w") as f:
@@ -227,6 +239,8 @@ def run_sslfl_demo(out: str, *, methods=("fedmae",), n_images: int = 2800, image
     print()
     print("Test metrics of the global model selected on the sites' validation splits (mean over sites):")
     print(format_table(rows))
+    for line in summary["verdicts"]:
+        print(line)
     print(f"\nsummary: {os.path.join(out, 'sslfl_demo_summary.json')}; plot: {os.path.join(out, 'sslfl_demo.png')}")
     _say(t0, "demo finished")
     return summary

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fedssl.eval.report import format_table, pretraining_verdict, summarise, write_report
+from fedssl.eval.report import accuracy_verdict, format_table, pretraining_verdict, summarise, write_report
 
 
 def _row(mode, method, n, fold, site, dice):
@@ -101,3 +101,18 @@ def test_pretraining_verdict_pairs_sites_at_the_smallest_common_n():
     rows = [_vrow("FCL", 1, "a", 0.1), _vrow("random", 1, "a", 0.3), _vrow("FCL", 1, "b", 0.2), _vrow("random", 1, "b", 0.4)]
     assert pretraining_verdict(rows, "FCL").endswith("-0.200 +- 0.000 Dice over 2 sites -> pre-training hurt")
     assert "no local fine-tuning at a common N" in pretraining_verdict([_vrow("FCL", 1, "a", 0.1)], "FCL")
+
+
+def test_accuracy_verdict_uses_twice_the_binomial_standard_error():
+    # a = 0.70, b = 0.60, n = 400: SE = sqrt(0.21/400 + 0.24/400) = sqrt(0.001125) = 0.03354; 2 SE = 0.0671 < 0.10
+    line = accuracy_verdict("Fed-MAE", 0.70, "ViT scratch", 0.60, 400)
+    assert line == ("Fed-MAE vs ViT scratch: test accuracy +0.100 (2 x binomial SE 0.067, 400 test images, one seed) "
+                    "-> pre-training helped")
+    # n = 100: 2 SE = 0.134 > 0.10 -> within the spread; reversed -> still within; a large loss -> hurt
+    assert accuracy_verdict("A", 0.70, "B", 0.60, 100).endswith("within the spread (no clear effect)")
+    assert accuracy_verdict("A", 0.60, "B", 0.70, 100).endswith("within the spread (no clear effect)")
+    assert accuracy_verdict("A", 0.50, "B", 0.90, 100).endswith("-> pre-training hurt")
+    with pytest.raises(ValueError, match="n_test=0"):
+        accuracy_verdict("A", 0.5, "B", 0.5, 0)
+    with pytest.raises(ValueError, match=r"accuracy of A=1\.5"):
+        accuracy_verdict("A", 1.5, "B", 0.5, 10)

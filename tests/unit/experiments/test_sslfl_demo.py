@@ -6,7 +6,15 @@ import os
 
 import pytest
 
-from fedssl.experiments.sslfl_demo import FINETUNE_SETS, PRETRAIN_SETS, VARIANTS, balance_retina, check_methods, format_table
+from fedssl.experiments.sslfl_demo import (
+    FINETUNE_SETS,
+    PRETRAIN_SETS,
+    VARIANTS,
+    balance_retina,
+    check_methods,
+    format_table,
+    verdicts,
+)
 from fedssl.ops.jobs import REPO_ROOT, build_job
 
 
@@ -59,3 +67,11 @@ def test_fedmae_ks_demo_splits_derm_into_iid_shards_as_the_paper(tmp_path):
     sizes = sorted(sum(v["class_counts"].values()) for v in partition["sites"].values())
     n_test = sum(partition["test"]["class_counts"].values())
     assert sum(sizes) == 100 - n_test and sizes[-1] - sizes[0] <= 1  # near-equal shards of the training images
+
+
+def test_verdicts_compare_each_pretrained_row_with_scratch():
+    rows = [{"method": "Fed-MAE", "accuracy": 0.70, "n_test": 400.0}, {"method": "Fed-BEiT", "accuracy": None, "n_test": 400},
+            {"method": "ViT scratch", "accuracy": 0.60, "n_test": 400}]
+    assert verdicts(rows) == ["Fed-MAE vs ViT scratch: test accuracy +0.100 (2 x binomial SE 0.067, 400 test images, "
+                              "one seed) -> pre-training helped"]
+    assert verdicts(rows[:1]) == []  # no scratch row: nothing to compare with

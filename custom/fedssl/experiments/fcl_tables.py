@@ -49,7 +49,7 @@ from fedssl.experiments.fcl_finetune import (
 )
 from fedssl.experiments.diagnostics import diagnose_acdc, format_diagnostics
 from fedssl.experiments.table7 import JOBS, ROWS
-from fedssl.experiments.table_runner import CellStore, check_run_config, run_cells, write_table
+from fedssl.experiments.table_runner import CellStore, check_run_config, plain_json, run_cells, write_table
 from fedssl.ops.jobs import load_profile
 from fedssl.ops.simulate import run_simulation, server_run_dir
 from fedssl.train.protocol import centralised_finetune, local_finetune
@@ -151,15 +151,6 @@ def init_worker(data_root: str, settings: dict) -> None:
     load_sites(data_root, settings)
 
 
-def _plain(value):
-    """Numpy scalars -> Python numbers, recursively, so a row is JSON for the cell store."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value.item() if hasattr(value, "item") and not isinstance(value, (str, bytes)) else value
-
-
 def finetune_one(key: dict, init: str, data_root: str, settings: dict) -> dict:
     """One local (one site) or centralised fine-tuning run; the protocol's result row."""
     sites = load_sites(data_root, settings)
@@ -170,7 +161,7 @@ def finetune_one(key: dict, init: str, data_root: str, settings: dict) -> dict:
         (row,) = local_finetune(sites, {key["method"]: start}, sites=[key["site"]], **kw)
     else:
         (row,) = centralised_finetune(sites, {key["method"]: start}, **kw)
-    return _plain(row)
+    return plain_json(row)
 
 
 def federated_one(key: dict, init: str, workspace: str, *, data_root: str, n_sites: int, profile: str,
@@ -184,7 +175,7 @@ def federated_one(key: dict, init: str, workspace: str, *, data_root: str, n_sit
                        data_root=os.path.join(data_root, "{site}"), profile=profile, sets=sets, echo=False)
     rows = evaluate_federated(s["global_model"], load_sites(data_root, settings), method=key["method"],
                               n_labelled=key["n_labelled"], fold=key["fold"], settings=settings)
-    return {"rows": _plain(rows), "wall_time_s": s["simulator_wall_time_s"]}
+    return {"rows": plain_json(rows), "wall_time_s": s["simulator_wall_time_s"]}
 
 
 def _finetune_cell(key: dict, *, inits: dict, data_root: str, settings: dict) -> dict:
@@ -298,7 +289,7 @@ def diagnose_one(method: str, pretrained: dict, *, data_root: str, settings: dic
     and bank fill per round from its run summary, feature spread and frozen-encoder probe (N=1, fold 0) of its
     global model (Local CL: :data:`LOCAL_CL_SHARED`'s own encoder) against a random encoder."""
     state = load_global_state(init_path(method, pretrained, None))
-    return _plain(diagnose_acdc(method, pretrained["summary"], state, load_sites(data_root, settings), settings))
+    return plain_json(diagnose_acdc(method, pretrained["summary"], state, load_sites(data_root, settings), settings))
 
 
 def _diagnostics(out: str, pre: dict, store: CellStore, *, data_root: str, settings: dict, say) -> str:

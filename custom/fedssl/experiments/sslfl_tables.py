@@ -13,6 +13,13 @@ FLARE simulator at the profile's settings (``bench`` by default):
   model (Fed-BEiT with BEiT's layer scale 0.1) or from random initialisation (ViT scratch); the test accuracy is
   that of the global model selected on the sites' validation splits (FinalEvaluation's ``test_metrics.json``).
 
+* diagnostics cells (issue 14 item 4): per pre-training, the loss per round, the spread of the encoder's mean-pooled
+  patch tokens against a random ViT's and a linear probe of both on each site's labelled images
+  (:func:`fedssl.experiments.diagnostics.diagnose_vit`, with the fine-tuning job's ViT at the profile's settings),
+  printed under the table with one verdict line per pre-trained method and split against ViT scratch
+  (:func:`fedssl.eval.report.accuracy_verdict`: the difference against twice its binomial standard error on the
+  shared test set).
+
 Cells run through :mod:`fedssl.experiments.table_runner` (``cells.jsonl`` in the output folder: an interrupted run
 resumes at the first unfinished cell; progress lines with ETA) and the table is written as JSON / CSV / TXT / PNG
 with the paper's Table II beside it (labelled as the paper's).  Every number is read back from a run's files.
@@ -27,10 +34,13 @@ import time
 from typing import Callable, Optional
 
 from fedssl.core.checks import require, require_int
+from fedssl.data.images import load_image_records
 from fedssl.eval.paper_tables import SSLFL_SOURCE, sslfl_paper_rows
+from fedssl.eval.report import accuracy_verdict
+from fedssl.experiments.diagnostics import diagnose_vit, format_diagnostics
 from fedssl.experiments.sslfl_demo import VARIANTS, balance_retina
-from fedssl.experiments.table_runner import CellStore, check_run_config, run_cells, write_table
-from fedssl.ops.jobs import REPO_ROOT, load_profile
+from fedssl.experiments.table_runner import CellStore, check_run_config, plain_json, run_cells, write_table
+from fedssl.ops.jobs import REPO_ROOT, component_specs, configured_job, load_profile
 from fedssl.ops.simulate import run_simulation
 
 #: SSL-FL sec. IV-B1: Dirichlet alpha of Split-1 (IID), Split-2 (moderate) and Split-3 (severe non-IID)
@@ -44,6 +54,8 @@ METHODS = {
                 "finetune_sets": VARIANTS["fedbeit"]["finetune_sets"]},
 }
 FINETUNE_JOB = "sslfl_retina_finetune"
+#: settings that only pick cells (each cell's key holds them): a re-run may add splits, methods or seeds to a folder
+SELECTORS = ("splits", "methods", "seeds")
 #: method -> its row label in :data:`fedssl.eval.paper_tables.SSLFL_METHODS` (SSL-FL Table II)
 PAPER_LABELS = {"scratch": "scratch", "fedmae": "Fed-MAE", "fedbeit": "Fed-BEiT"}
 PAPER_SOURCE = SSLFL_SOURCE.format(table="II") + " (ViT-B, 9,000 Kaggle DR images)"
@@ -157,6 +169,62 @@ def run_cell(key: dict, out: str, settings: dict, parts: dict, store: CellStore,
             "wall_time_s": run["simulator_wall_time_s"], "test_metrics": path}
 
 
+#: the fine-tuning trainer's arguments the diagnostics' ViT and probe take over
+VIT_KEYS = ("dataset", "image_size", "patch_size", "embed_dim", "depth", "num_heads", "layer_scale", "val_fraction",
+            "seed", "device")
+
+
+def vit_settings(settings: dict, method: str, seed: int = 0) -> dict:
+    """The ViT of ``method``'s fine-tuning (``jobs/sslfl_retina_finetune`` at the table's profile, with the method's
+    overrides, e.g. Fed-BEiT's layer scale) as :func:`~fedssl.experiments.diagnostics.diagnose_vit` takes it, plus
+    the trainer's ``label_fraction``."""
+    files = configured_job(os.path.join(REPO_ROOT, "jobs", FINETUNE_JOB), settings["profile"],
+                           [*METHODS[method]["finetune_sets"], *_seed_sets("finetune", method, seed)])
+    trainer = next(c for c in component_specs(files["app/config/config_fed_client.json"]) if c["id"] == "cls_trainer")
+    return {**{k: trainer["args"][k] for k in VIT_KEYS}, "label_fraction": trainer["args"]["label_fraction"]}
+
+
+def diagnostics_cells(settings: dict) -> list[dict]:
+    """One diagnostics cell per pre-training cell."""
+    return [{**k, "stage": "diagnostics"} for k in pretrain_cells(settings)]
+
+
+def diagnose_cell(key: dict, out: str, settings: dict, parts: dict, store: CellStore) -> dict:
+    """:func:`~fedssl.experiments.diagnostics.diagnose_vit` of one pre-training: its rounds (the run's summary.json),
+    the global model's spread and linear probe on every site of the split, against a random ViT's."""
+    method, split, seed = key["method"], key["split"], key["seed"]
+    pre_key = {"stage": "pretrain", "method": method, "split": split, "seed": seed}
+    model = store.get(pre_key)["global_model"]
+    summary = os.path.join(_workspace(out, pre_key), "server", "simulate_job", "summary.json")
+    root = parts[(seed, split)]
+    records = {site: load_image_records(os.path.join(root, site), "retina", site=site)
+               for site in sorted(os.listdir(root)) if site.startswith("site-")}
+    vit = vit_settings(settings, method, seed)
+    label_fraction = vit.pop("label_fraction")
+    d = diagnose_vit(f"{METHODS[method]['label']} (Split-{split}, seed {seed})",
+                     summary if os.path.isfile(summary) else None, model, records, vit, label_fraction=label_fraction)
+    return plain_json(d)
+
+
+def table_verdicts(settings: dict, results: dict) -> list[str]:
+    """Per split and seed, one :func:`~fedssl.eval.report.accuracy_verdict` line per pre-trained method against ViT
+    scratch on the same test set (none where scratch or the method has not run)."""
+    lines = []
+    for seed in settings["seeds"]:
+        for split in settings["splits"]:
+            base = results.get(("scratch", split, seed))
+            if base is None or base.get("accuracy") is None:
+                continue
+            for method in settings["methods"]:
+                r = results.get((method, split, seed))
+                if method == "scratch" or r is None or r.get("accuracy") is None or not r.get("n_test"):
+                    continue
+                lines.append(f"Split-{split}, seed {seed}: " + accuracy_verdict(
+                    METHODS[method]["label"], r["accuracy"], METHODS["scratch"]["label"], base["accuracy"],
+                    int(r["n_test"])))
+    return lines
+
+
 def _mean_std(values: list[float]) -> tuple[Optional[float], Optional[float]]:
     """Mean and sample std (None for a single value) of percentages."""
     if not values:
@@ -189,12 +257,15 @@ def paper_rows(settings: dict) -> list[dict]:
             for r in sslfl_paper_rows("II", [PAPER_LABELS[m]]) if r["column"] in columns]
 
 
-def run_sslfl_table(out: str, settings: dict, say: Callable[[str], None] = print, simulate=run_simulation) -> dict:
-    """Run (or resume) the table's cells into ``out`` and write ``sslfl_retina_table.{json,csv,txt,png}``."""
+def run_sslfl_table(out: str, settings: dict, say: Callable[[str], None] = print, simulate=run_simulation,
+                    diagnose=diagnose_cell) -> dict:
+    """Run (or resume) the table's cells into ``out`` and write ``sslfl_retina_table.{json,csv,txt,png}`` (the
+    diagnostics block appended to the text).  ``simulate`` / ``diagnose`` stand in for the simulator and
+    :func:`diagnose_cell` in tests."""
     t0 = time.time()
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
-    check_run_config(out, settings)
+    check_run_config(out, {k: v for k, v in settings.items() if k not in SELECTORS})
     store = CellStore(os.path.join(out, "cells.jsonl"))
     parts = {}
     for seed in settings["seeds"]:
@@ -210,6 +281,9 @@ def run_sslfl_table(out: str, settings: dict, say: Callable[[str], None] = print
     fine = finetune_cells(settings)
     done = run_cells(fine, cell, store, say=say, label="SSL-FL retina fine-tuning")
     results = {(k["method"], k["split"], k["seed"]): r for k, r in zip(fine, done)}
+    diag_keys = diagnostics_cells(settings)
+    diags = run_cells(diag_keys, lambda key: diagnose(key, out, settings, parts, store), store, say=say,
+                      label="diagnostics (spread, linear probe)") if diag_keys else []
     rows = summary_rows(settings, results)
     n_seeds = len(settings["seeds"])
     notes = [f"synthetic retina: {settings['n_images']} images written ({settings['image_px']} px), balanced subset, "
@@ -217,12 +291,16 @@ def run_sslfl_table(out: str, settings: dict, say: Callable[[str], None] = print
              f"profile {settings['profile']}; test accuracy (%) of the validation-selected global model, mean"
              + (f" +- std over n={n_seeds} seeds" if n_seeds > 1 else " of n=1 seed (no std)"),
              "numbers are not comparable with the paper's in absolute terms (tiny ViT, synthetic data); the paper's "
-             "block is its Table II"]
+             "block is its Table II", *table_verdicts(settings, results)]
     extra = {"settings": settings, "cells": [{"key": k, "result": r} for k, r in zip(fine, done)],
-             "wall_time_s": round(time.time() - t0, 1)}
+             "diagnostics": diags, "wall_time_s": round(time.time() - t0, 1)}
     paths = write_table(out, "sslfl_retina_table", rows, title="SSL-FL retina table (Table II): test accuracy (%)",
                         paper=paper_rows(settings), paper_source=PAPER_SOURCE, score="accuracy (%)", notes=notes,
                         extra=extra, digits=2)
+    diag_text = format_diagnostics(diags) if diags else ""
+    if diag_text:
+        with open(paths["txt"], "a") as f:
+            f.write("\n" + diag_text + "\n")
     with open(paths["txt"]) as f:
         say(f.read().rstrip())
-    return {"rows": rows, "paths": paths, "wall_time_s": extra["wall_time_s"]}
+    return {"rows": rows, "paths": paths, "diagnostics": diags, "wall_time_s": extra["wall_time_s"]}

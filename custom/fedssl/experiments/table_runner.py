@@ -150,6 +150,15 @@ class CellStore:
         return list(self._cells.values())
 
 
+def plain_json(value: Any) -> Any:
+    """Numpy / torch scalars -> Python numbers, recursively, so a cell's result is JSON for the cell store."""
+    if isinstance(value, dict):
+        return {k: plain_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_json(v) for v in value]
+    return value.item() if hasattr(value, "item") and not isinstance(value, (str, bytes)) else value
+
+
 def check_run_config(out: str, config: Mapping[str, Any]) -> None:
     """The settings a table run's cells are computed with, recorded in ``out/run_config.json`` on the first run; a
     re-run into the same folder must use the same ones (cells of other settings would otherwise be mixed into one

@@ -43,6 +43,21 @@ class FakeSimulator:
                 "rounds": [{"mean_loss": 1.0}, {"mean_loss": 0.5}]}
 
 
+class FakeDiagnose:
+    """Stands in for diagnose_cell: records the cells it is asked for and returns a diagnostics dict by hand."""
+
+    def __init__(self):
+        self.keys: list[dict] = []
+
+    def __call__(self, key, out, settings, parts, store):
+        self.keys.append(dict(key))
+        store.get({**key, "stage": "pretrain"})  # the pre-training it diagnoses has run
+        return {"method": f"{key['method']} split {key['split']}", "rounds": [],
+                "spread": {"what": "pooled tokens", "value": 0.002, "random": 0.05, "reference": 0.14},
+                "probe": {"metric": "accuracy", "setting": "label fraction 1", "pretrained": 0.6, "pretrained_std": 0.0,
+                          "random": 0.7, "random_std": 0.0, "n_sites": 5}}
+
+
 def test_cells_one_pretraining_per_split_and_method_then_every_finetuning():
     s = st.table_settings("bench", seeds=[0, 1])
     pre, fine = st.pretrain_cells(s), st.finetune_cells(s)
@@ -51,6 +66,7 @@ def test_cells_one_pretraining_per_split_and_method_then_every_finetuning():
     assert {c["method"] for c in pre} == {"fedmae", "fedbeit"}  # ViT scratch has nothing to pre-train
     assert fine[:3] == [{"stage": "finetune", "method": m, "split": 1, "seed": 0} for m in ("scratch", "fedmae", "fedbeit")]
     assert st.pretrain_cells(st.table_settings("bench", methods=["scratch"])) == []
+    assert st.diagnostics_cells(s) == [{**k, "stage": "diagnostics"} for k in pre]
     # SSL-FL sec. IV-B1: Split-1 / 2 / 3 = Dirichlet alpha 100 / 1.0 / 0.5
     assert st.SPLIT_ALPHA == {1: 100.0, 2: 1.0, 3: 0.5}
 
@@ -69,13 +85,21 @@ def test_settings_are_checked_naming_the_setting():
 def test_resume_after_a_failed_cell_runs_only_the_unfinished_cells(tmp_path):
     settings = st.table_settings("bench", splits=[3], methods=["scratch", "fedmae"], **TINY)
     lines: list[str] = []
-    failing = FakeSimulator(fail_at=2)  # 1: Fed-MAE pre-training, 2: ViT scratch fine-tuning dies
+    failing, diagnose = FakeSimulator(fail_at=2), FakeDiagnose()  # 1: Fed-MAE pre-training, 2: scratch fine-tuning dies
     with pytest.raises(RuntimeError, match="simulator died"):
-        st.run_sslfl_table(str(tmp_path), settings, say=lines.append, simulate=failing)
-    assert any("FAILED" in m for m in lines)
+        st.run_sslfl_table(str(tmp_path), settings, say=lines.append, simulate=failing, diagnose=diagnose)
+    assert any("FAILED" in m for m in lines) and diagnose.keys == []
     again = FakeSimulator()
-    out = st.run_sslfl_table(str(tmp_path), settings, say=lines.append, simulate=again)
+    out = st.run_sslfl_table(str(tmp_path), settings, say=lines.append, simulate=again, diagnose=diagnose)
     assert [c["job"] for c in again.calls] == [st.FINETUNE_JOB, st.FINETUNE_JOB]  # pre-training not re-run
+    assert diagnose.keys == [{"stage": "diagnostics", "method": "fedmae", "split": 3, "seed": 0}]
+    text = open(out["paths"]["txt"]).read()
+    # the diagnostics block under the table, and the verdict against scratch: 0.75 vs 0.625 on 12 images,
+    # 2 x sqrt(.75 * .25 / 12 + .625 * .375 / 12) = 0.375 > 0.125 -> within the spread
+    assert "fedmae split 3:" in text and "encoder collapsed (spread 0.002, random encoder 0.050)" in text
+    assert ("Split-3, seed 0: Fed-MAE vs ViT scratch: test accuracy +0.125 (2 x binomial SE 0.375, 12 test images, "
+            "one seed) -> pre-training within the spread") in text
+    assert json.load(open(out["paths"]["json"]))["extra"]["diagnostics"][0]["method"] == "fedmae split 3"
     assert any("1 already done" in m for m in lines)
     # Fed-MAE fine-tunes from its split's pre-trained global model; scratch from random init; Split-3's sites
     pre_model = failing.calls[0]["workspace"] + "/server/simulate_job/FL_global_model.pt"
@@ -88,12 +112,18 @@ def test_resume_after_a_failed_cell_runs_only_the_unfinished_cells(tmp_path):
     assert rows[("Fed-MAE", "Split3")]["mean"] == pytest.approx(75.0) and rows[("Fed-MAE", "Split3")]["std"] is None
     # a third run finds everything done and runs nothing
     third = FakeSimulator()
-    st.run_sslfl_table(str(tmp_path), settings, say=lines.append, simulate=third)
-    assert third.calls == []
+    st.run_sslfl_table(str(tmp_path), settings, say=lines.append, simulate=third, diagnose=diagnose)
+    assert third.calls == [] and len(diagnose.keys) == 1
     # resuming into the folder with other settings is refused before anything runs
-    with pytest.raises(ValueError, match="run_config.json.*splits"):
-        st.run_sslfl_table(str(tmp_path), {**settings, "splits": [1, 3]}, say=lines.append, simulate=third)
+    with pytest.raises(ValueError, match="run_config.json.*n_images=120 \\(now 140\\)"):
+        st.run_sslfl_table(str(tmp_path), {**settings, "n_images": 140}, say=lines.append, simulate=third)
     assert third.calls == []
+    # adding a split only picks more cells: it resumes and runs only the new split's
+    fourth = FakeSimulator()
+    st.run_sslfl_table(str(tmp_path), {**settings, "splits": [1, 3]}, say=lines.append, simulate=fourth,
+                       diagnose=diagnose)
+    assert [(c["job"], c["workspace"].rsplit("_", 2)[-2]) for c in fourth.calls] == [
+        ("sslfl_mae_retina", "split1"), (st.FINETUNE_JOB, "split1"), (st.FINETUNE_JOB, "split1")]
 
 
 def test_table_files_carry_the_paper_numbers_beside_and_std_over_seeds(tmp_path):
@@ -105,7 +135,7 @@ def test_table_files_carry_the_paper_numbers_beside_and_std_over_seeds(tmp_path)
             self.ACCURACY = {"scratch": next(accs)}
             return super().__call__(*a, **kw)
 
-    out = st.run_sslfl_table(str(tmp_path), settings, say=lambda m: None, simulate=Seeded())
+    out = st.run_sslfl_table(str(tmp_path), settings, say=lambda m: None, simulate=Seeded(), diagnose=FakeDiagnose())
     rows = {r["column"]: r for r in out["rows"]}
     assert rows["Split1"]["mean"] == pytest.approx(55.0) and rows["Split1"]["n"] == 2
     assert rows["Split1"]["std"] == pytest.approx(7.0710678)  # sample std of 50 and 60
@@ -117,6 +147,27 @@ def test_table_files_carry_the_paper_numbers_beside_and_std_over_seeds(tmp_path)
     assert "n=2 seeds" in text
     with open(out["paths"]["json"]) as f:
         assert [r["mean"] for r in json.load(f)["paper"]["rows"]] == [74.33, 64.13]
+
+
+def test_verdicts_per_split_against_scratch_by_hand():
+    s = st.table_settings("bench", splits=[1, 3])
+    results = {("scratch", 1, 0): {"accuracy": 0.625, "n_test": 1000}, ("fedmae", 1, 0): {"accuracy": 0.75, "n_test": 1000},
+               ("fedbeit", 1, 0): {"accuracy": 0.5, "n_test": 1000}, ("fedmae", 3, 0): {"accuracy": 0.9, "n_test": 1000}}
+    lines = st.table_verdicts(s, results)
+    # 2 x sqrt(.75 * .25 / 1000 + .625 * .375 / 1000) = 0.041; Fed-BEiT: 2 x sqrt((.25 + .234375) / 1000) = 0.044
+    assert lines == [
+        "Split-1, seed 0: Fed-MAE vs ViT scratch: test accuracy +0.125 (2 x binomial SE 0.041, 1000 test images, one "
+        "seed) -> pre-training helped",
+        "Split-1, seed 0: Fed-BEiT vs ViT scratch: test accuracy -0.125 (2 x binomial SE 0.044, 1000 test images, one "
+        "seed) -> pre-training hurt"]  # Split-3 has no scratch cell: no verdict
+
+
+def test_diagnostics_vit_is_the_finetuning_jobs_at_the_profile():
+    scratch, beit = st.vit_settings(st.table_settings("bench"), "scratch"), st.vit_settings(st.table_settings("bench"), "fedbeit")
+    assert (scratch["image_size"], scratch["patch_size"], scratch["embed_dim"], scratch["depth"]) == (32, 4, 48, 2)
+    assert scratch["layer_scale"] is None and beit["layer_scale"] == 0.1  # BEiT's layer scale in its fine-tuning
+    assert scratch["dataset"] == "retina" and scratch["label_fraction"] == 1.0
+    assert st.vit_settings(st.table_settings("bench"), "fedmae", seed=3)["seed"] == 3
 
 
 def test_cli_tables_parses_and_passes_the_settings(tmp_path, monkeypatch):
@@ -144,4 +195,7 @@ def test_end_to_end_one_split_scratch_and_fedmae_one_round_each(tmp_path):
     assert set(rows) == {("ViT scratch", "Split3"), ("Fed-MAE", "Split3")}
     assert all(0.0 <= r["mean"] <= 100.0 and r["n"] == 1 for r in rows.values())
     cells = [json.loads(line) for line in open(tmp_path / "cells.jsonl")]
-    assert [c["key"]["stage"] for c in cells] == ["pretrain", "finetune", "finetune"]
+    assert [c["key"]["stage"] for c in cells] == ["pretrain", "finetune", "finetune", "diagnostics"]
+    diag = out["diagnostics"][0]
+    assert diag["probe"]["n_sites"] == 3 and len(diag["rounds"]) == 1  # every site probed; the run's one round
+    assert "frozen-encoder probe accuracy" in open(out["paths"]["txt"]).read()

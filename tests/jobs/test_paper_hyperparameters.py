@@ -324,6 +324,29 @@ FEDMAE_PINS = [
     Pin("fedmae_derm_finetune", "server", "scatter_and_gather", "min_clients", 10, VBD + ": 10 clients"),
 ]
 
+# ---------------------------------------------------------------- FedCLF (seed 001, sec. III and V-A)
+VA = "FedCLF sec.V-A Training details"
+VAD = "FedCLF sec.V-A Datasets / Federated setting"
+FEDCLF_PINS = [
+    Pin("fedclf_derm", "client", "fedclf_trainer", "method", "moco", "FedCLF sec.III-B: MoCo main + momentum model"),
+    Pin("fedclf_derm", "client", "fedclf_trainer", "queue", "fe_neg", "FedCLF sec.III-D eq.5: Q_CL from Q_r, remote only"),
+    Pin("fedclf_derm", "client", "fedclf_trainer", "federated", True, VA + ": FedAvg"),
+    Pin("fedclf_derm", "client", "fedclf_trainer", "batch_size", 128, VA + ": batch size 128"),
+    Pin("fedclf_derm", "client", "fedclf_trainer", "lr", 0.03, VA + ": initial lr 0.03, cosine"),
+    Pin("fedclf_derm", "client", "fedclf_trainer", "width", 64, VAD + ": ResNet-18"),
+    Pin("fedclf_derm", "client", "fedclf_trainer", "proj_dim", 128, VAD + ": 2-layer MLP to 128-d"),
+    Pin("fedclf_derm", "client", "fedclf_trainer", "max_steps_per_round", 0, VA + ": 1 local epoch"),
+    Pin("fedclf_derm", "client", "fedclf_trainer", "tau", 0.2, "MoCo v2 (paper silent)"),
+    Pin("fedclf_derm", "client", "fedclf_trainer", "momentum", 0.999, "MoCo v2 (paper silent)"),
+    Pin("fedclf_derm", "server", "model", "width", 64, VAD + ": ResNet-18"),
+    Pin("fedclf_derm", "server", "model", "proj_dim", 128, VAD + ": 128-d"),
+    Pin("fedclf_derm", "server", "aggregator", "collectors", ["bank_collector"], "FedCLF sec.III-C eq.2: banks exchanged"),
+    Pin("fedclf_derm", "server", "bank_shuttle", "bank_size", 9 * 4096, "FedCLF eq.2: Q_r = the 9 other devices' banks"),
+    Pin("fedclf_derm", "server", "scatter_and_gather", "num_rounds", 100, VA + ": 100 communication rounds"),
+    Pin("fedclf_derm", "server", "scatter_and_gather", "min_clients", 10, VAD + ": 10 devices, active ratio 1.0"),
+    Pin("fedclf_derm", "meta", "", "min_clients", 10, VAD + ": 10 devices"),
+]
+
 # ---------------------------------------------------------------- Surgical aggregation (seed 002, ML4H 2024, sec. 2.3)
 CS = "Surgical sec.2.3 Centralized setup (same hyper-parameters for all models)"
 FD = "Surgical sec.2.3 Federated setup"
@@ -379,6 +402,11 @@ def test_fedmae_ks_paper_settings(pin):
     check(pin)
 
 
+@pytest.mark.parametrize("pin", FEDCLF_PINS, ids=_ids(FEDCLF_PINS))
+def test_fedclf_paper_settings(pin):
+    check(pin)
+
+
 @pytest.mark.parametrize("pin", SURGICAL_PINS, ids=_ids(SURGICAL_PINS))
 def test_surgical_paper_settings(pin):
     check(pin)
@@ -395,6 +423,6 @@ def test_fixed_optimiser_constants(path, attr, paper, cite):
 
 def test_every_job_has_a_table():
     """A new job folder must get its paper's pins here (or an explicit reason it has none)."""
-    pinned = {p.job for p in FCL_PINS + SSLFL_PINS + FEDMAE_PINS + SURGICAL_PINS}
+    pinned = {p.job for p in FCL_PINS + SSLFL_PINS + FEDMAE_PINS + FEDCLF_PINS + SURGICAL_PINS}
     jobs = {d for d in os.listdir(JOBS_DIR) if exists(d)}
     assert jobs - pinned == set(), f"job folders without paper pins: {sorted(jobs - pinned)}"

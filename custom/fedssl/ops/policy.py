@@ -45,6 +45,7 @@ COMPONENT_CLASSES = (
     "fedssl.flare.byol_executor.BYOLExecutor",
     "fedssl.flare.classifier_executor.ClassifierExecutor",
     "fedssl.flare.fcl_executor.FCLExecutor",
+    "fedssl.flare.fedclf_executor.FedCLFExecutor",
     "fedssl.flare.mim_executor.MIMExecutor",
     "fedssl.flare.multilabel_executor.MultiLabelExecutor",
     "fedssl.flare.segmentation_executor.SegmentationExecutor",
@@ -72,6 +73,7 @@ COMPONENT_CLASSES = (
     "fedssl.flare.surgical_registration.ClassRegistration",
     # models the server configs name for the persistors
     "fedssl.models.densenet.MultiLabelDenseNet",
+    "fedssl.models.resnet.PretrainingResNet",
     "fedssl.models.unet.BYOLUNetEncoder",
     "fedssl.models.unet.MoCoUNetEncoder",
     "fedssl.models.unet.UNet2D",

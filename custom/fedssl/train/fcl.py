@@ -18,22 +18,22 @@ each site is reproducible.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from fedssl.core.fcl import FCLConfig, FCLTrainer
 from fedssl.core.seeds import site_seed
-from fedssl.core.trainer import RoundStats, check_stop, detached, load_checked
+from fedssl.core.trainer import RoundStats, check_stop
 from fedssl.data.acdc import PartitionSampleDataset
 from fedssl.data.transforms import augment_views
 from fedssl.data.volume import Volume
+from fedssl.train.pretraining import WrappedPretrainer
 from fedssl.models.unet import PAPER_FEATURES, MoCoUNetEncoder
 
 
-class FCLLocalTrainer:
+class FCLLocalTrainer(WrappedPretrainer):
     """One site's FCL pre-training (a ``LocalTrainer``); paper settings as defaults (FCL (Wu et al., MedIA 2022) section 5).
 
     Build order (it fixes every random draw): the partition dataset (site seed), the batch check, the config,
@@ -41,6 +41,10 @@ class FCLLocalTrainer:
     bank).  ``state_dict`` = the FCLTrainer's (model, optimiser, bank, generator, config): what a restarted
     client resumes from.
     """
+
+    method_name = "FCL"
+    finetune_hint = "fedssl.experiments.fcl_finetune"
+    global_name = "the global MoCo model"
 
     def __init__(self, volumes: Sequence[Volume], *, num_rounds: int, n_partitions: int = 4,
                  features: Sequence[int] = PAPER_FEATURES, proj_dim: int = 128, batch_size: int = 32, lr: float = 0.05,
@@ -113,19 +117,3 @@ class FCLLocalTrainer:
                    "lr_end": out["lr_end"], "remote_features": n_remote, "bank_filled": out["bank_filled"],
                    "bank_fill": out["bank_filled"] / self.trainer.bank.capacity, "feature_std": out["feature_std"]}
         return RoundStats(loss=out["loss"], steps=out["steps"], samples=len(self.dataset), metrics=metrics, curve=curve)
-
-    def evaluate(self, split: str = "val") -> dict[str, Any]:
-        raise ValueError(f"split={split!r}: FCL pre-training reads unlabelled images only; evaluate the encoder by "
-                         "fine-tuning it (fedssl.experiments.fcl_finetune)")
-
-    def state_dict(self) -> dict:
-        return self.trainer.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.trainer.load_state_dict(dict(state))
-
-    def global_state(self) -> dict[str, torch.Tensor]:
-        return detached(self.model.state_dict())
-
-    def load_global(self, state: Mapping[str, Any], keep_local: Sequence[str] = ()) -> list[str]:
-        return load_checked(self.model, state, "the global MoCo model", keep_local)

@@ -1,0 +1,167 @@
+"""ResNet-18 backbones for FedCLF ("Federated Self-Supervised Learning for Dermatological Disease Diagnosis",
+FedCLF / FedMAE-KS, section V-A: "ResNet-18 as the backbone model, and ... a 2-layer MLP projection head to project
+the representations to 128-dimensional features").
+
+* :class:`ResNetEncoder`: torchvision's ResNet-18 without its classifier: images ``[B, 3, H, W]`` -> pooled
+  representations ``[B, 512]`` (``width`` scales every stage for CPU profiles: 64 = the paper's ResNet-18);
+* :class:`ProjectionNet`: encoder + 2-layer MLP head (Linear-ReLU-Linear, MoCo v2's) to ``proj_dim``, L2-normalised;
+* :class:`PretrainingResNet`: the global model of each pre-training method: MoCo's main and momentum networks
+  (FedCLF, FedMoCo, Local CL), SimCLR's network (FedSimCLR) or an encoder with a 4-way rotation head (FedRotation,
+  Gidaris et al., ICLR 2018);
+* :class:`ResNetClassifier`: the fine-tuning model, encoder + linear classifier; :func:`encoder_state_from` picks
+  the encoder out of any of the pre-training states above.
+
+Every model draws its initial weights from its own ``seed`` (:func:`fedssl.models.seeding.seeded`), so the server's
+initial global model and every site's are the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torchvision.models.resnet import BasicBlock, ResNet
+
+from fedssl.core.checks import require_choice, require_int
+from fedssl.models.seeding import seeded
+
+#: ResNet-18's stage widths are width x (1, 2, 4, 8); 64 is torchvision's ResNet-18
+PAPER_WIDTH = 64
+#: MoCo v2's projection head: hidden width = the representation width
+PAPER_PROJ_DIM = 128
+#: the pre-training global-state prefixes whose ``encoder.*`` entries are the backbone fine-tuning starts from
+ENCODER_PREFIXES = ("main.encoder.", "encoder.")
+
+
+def require_resnet_args(component: str, width: object, proj_dim: object | None = None) -> None:
+    """ValueError naming ``component``, the argument and the fix for a bad width / projection width."""
+    require_int(component, "width", width, 4, f"use a positive stage width (paper: ResNet-18 = {PAPER_WIDTH})")
+    if proj_dim is not None:
+        require_int(component, "proj_dim", proj_dim, 1, f"use the projection width (paper: {PAPER_PROJ_DIM})")
+
+
+class ResNetEncoder(nn.Module):
+    """ResNet-18 (torchvision's BasicBlock layout [2, 2, 2, 2]) up to the global average pool: ``[B, 8 * width]``."""
+
+    def __init__(self, width: int = PAPER_WIDTH):
+        super().__init__()
+        require_resnet_args(type(self).__name__, width)
+        net = ResNet(BasicBlock, [2, 2, 2, 2]) if width == PAPER_WIDTH else _narrow_resnet(width)
+        net.fc = nn.Identity()
+        self.net = net
+        self.width = width
+        self.out_dim = 8 * width
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _narrow_resnet(width: int) -> ResNet:
+    """torchvision's ResNet with stage widths width x (1, 2, 4, 8) (its constructor fixes 64)."""
+    net = ResNet(BasicBlock, [2, 2, 2, 2])
+    net.inplanes = width
+    net.conv1 = nn.Conv2d(3, width, kernel_size=7, stride=2, padding=3, bias=False)
+    net.bn1 = nn.BatchNorm2d(width)
+    net.layer1 = net._make_layer(BasicBlock, width, 2)
+    net.layer2 = net._make_layer(BasicBlock, 2 * width, 2, stride=2)
+    net.layer3 = net._make_layer(BasicBlock, 4 * width, 2, stride=2)
+    net.layer4 = net._make_layer(BasicBlock, 8 * width, 2, stride=2)
+    for m in net.modules():  # torchvision's initialisation
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(m, nn.BatchNorm2d):
+            nn.init.constant_(m.weight, 1)
+            nn.init.constant_(m.bias, 0)
+    return net
+
+
+class ProjectionNet(nn.Module):
+    """Encoder + 2-layer MLP projection head -> L2-normalised ``[B, proj_dim]`` features."""
+
+    def __init__(self, width: int = PAPER_WIDTH, proj_dim: int = PAPER_PROJ_DIM):
+        super().__init__()
+        self.encoder = ResNetEncoder(width)
+        d = self.encoder.out_dim
+        self.head = nn.Sequential(nn.Linear(d, d), nn.ReLU(inplace=True), nn.Linear(d, proj_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.head(self.encoder(x)), dim=1)
+
+
+class RotationEncoder(nn.Module):
+    """Holds the encoder under ``encoder.*`` (as :class:`ProjectionNet` does), so every pre-training model's
+    backbone is ``main.encoder.*``."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.encoder = ResNetEncoder(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x)
+
+
+#: pre-training networks: "moco" (FedCLF, FedMoCo, Local CL), "simclr" (FedSimCLR), "rotation" (FedRotation)
+PRETRAINING_METHODS = ("moco", "simclr", "rotation")
+
+
+class PretrainingResNet(nn.Module):
+    """The global model of a pre-training method, one class so that a variant is an argument of the job:
+
+    * ``"moco"``: MoCo's main and momentum networks (FedCLF Fig. 3; keys ``main.*``, ``momentum.*``; both federated;
+      the momentum network starts as a copy of the main one and is never trained by gradients);
+    * ``"simclr"``: encoder + projection head (``main.*``);
+    * ``"rotation"``: encoder (``main.encoder.*``) + linear 4-way rotation classifier (``rotation_head.*``).
+
+    ``forward``: MoCo / SimCLR the main network's normalised features, Rotation the rotation logits."""
+
+    def __init__(self, method: str = "moco", width: int = PAPER_WIDTH, proj_dim: int = PAPER_PROJ_DIM,
+                 seed: int | None = 0):
+        super().__init__()
+        name = type(self).__name__
+        require_choice(name, "method", method, PRETRAINING_METHODS)
+        require_resnet_args(name, width, proj_dim)
+        self.method, self.width, self.proj_dim, self.seed = method, width, proj_dim, seed
+        with seeded(seed):
+            if method == "rotation":
+                self.main = RotationEncoder(width)
+                self.rotation_head = nn.Linear(self.main.encoder.out_dim, 4)
+            else:
+                self.main = ProjectionNet(width, proj_dim)
+            if method == "moco":
+                self.momentum = ProjectionNet(width, proj_dim)
+        if method == "moco":
+            self.momentum.load_state_dict(self.main.state_dict())
+            for p in self.momentum.parameters():
+                p.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rotation_head(self.main(x)) if self.method == "rotation" else self.main(x)
+
+
+class ResNetClassifier(nn.Module):
+    """Fine-tuning model: ResNet-18 encoder + linear classifier (``encoder.*``, ``fc.*``)."""
+
+    def __init__(self, num_classes: int = 5, width: int = PAPER_WIDTH, seed: int | None = 0):
+        super().__init__()
+        require_int(type(self).__name__, "num_classes", num_classes, 2, "use the number of classes (FedCLF: 5)")
+        require_resnet_args(type(self).__name__, width)
+        self.num_classes, self.width, self.seed = num_classes, width, seed
+        with seeded(seed):
+            self.encoder = ResNetEncoder(width)
+            self.fc = nn.Linear(self.encoder.out_dim, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.encoder(x))
+
+
+def encoder_state_from(state: Mapping[str, object]) -> dict[str, torch.Tensor]:
+    """The backbone (``ResNetEncoder`` keys ``net.*``) of a pre-training global state (MoCo / SimCLR / Rotation:
+    ``main.encoder.*``) or of a classifier / encoder state (``encoder.*``); ValueError if it holds none."""
+    for prefix in ENCODER_PREFIXES:
+        found = {k[len(prefix):]: torch.as_tensor(v) for k, v in state.items() if k.startswith(prefix)}
+        if found:
+            return found
+    raise ValueError(f"the state has no ResNet encoder (keys starting with {list(ENCODER_PREFIXES)}; it has e.g. "
+                     f"{sorted(state)[:3]}); pass a FedCLF / FedMoCo / FedSimCLR / FedRotation global model")

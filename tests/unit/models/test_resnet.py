@@ -1,0 +1,68 @@
+"""ResNet-18 backbones of FedCLF: the paper's ResNet-18 layout, the pre-training models' keys, seeding, and the
+encoder picked out of every pre-training state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchvision
+
+from fedssl.models.resnet import PretrainingResNet, ResNetClassifier, ResNetEncoder, encoder_state_from
+
+torch.set_num_threads(1)
+
+
+def test_width_64_is_torchvisions_resnet18_without_its_classifier():
+    ours = ResNetEncoder(64)
+    theirs = torchvision.models.resnet18()
+    expected = {k: tuple(v.shape) for k, v in theirs.state_dict().items() if not k.startswith("fc.")}
+    assert {k[len("net."):]: tuple(v.shape) for k, v in ours.state_dict().items()} == expected
+    assert ours(torch.zeros(1, 3, 64, 64)).shape == (1, 512)
+
+
+def test_narrow_resnet_keeps_the_layout_with_narrower_stages():
+    enc = ResNetEncoder(8)
+    assert enc.out_dim == 64 and enc(torch.zeros(2, 3, 32, 32)).shape == (2, 64)
+    assert enc.net.layer3[0].conv1.weight.shape == (32, 16, 3, 3)  # 4 x width from 2 x width
+    with pytest.raises(ValueError, match="width=2"):
+        ResNetEncoder(2)
+
+
+def test_pretraining_models_keys_and_outputs():
+    moco = PretrainingResNet("moco", width=8, proj_dim=16)
+    keys = set(moco.state_dict())
+    assert {k.split(".")[0] for k in keys} == {"main", "momentum"}
+    assert all(torch.equal(v, moco.state_dict()["momentum." + k[5:]]) for k, v in moco.state_dict().items()
+               if k.startswith("main."))  # the momentum network starts as a copy
+    assert not any(p.requires_grad for p in moco.momentum.parameters())
+    z = moco(torch.randn(3, 3, 32, 32))
+    assert z.shape == (3, 16) and torch.allclose(z.norm(dim=1), torch.ones(3), atol=1e-5)
+    assert {k.split(".")[0] for k in PretrainingResNet("simclr", width=8, proj_dim=16).state_dict()} == {"main"}
+    rot = PretrainingResNet("rotation", width=8)
+    assert {k.split(".")[0] for k in rot.state_dict()} == {"main", "rotation_head"}
+    assert rot(torch.randn(2, 3, 32, 32)).shape == (2, 4)
+    with pytest.raises(ValueError, match="method='byol'"):
+        PretrainingResNet("byol")
+
+
+def test_initial_weights_come_from_the_seed_and_leave_the_global_rng_alone():
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    a = PretrainingResNet("moco", width=8, proj_dim=16, seed=3)
+    assert torch.equal(torch.rand(1), before)  # construction did not draw from the global RNG
+    b = PretrainingResNet("moco", width=8, proj_dim=16, seed=3)
+    c = PretrainingResNet("moco", width=8, proj_dim=16, seed=4)
+    assert all(torch.equal(a.state_dict()[k], b.state_dict()[k]) for k in a.state_dict())
+    assert not torch.equal(a.main.head[0].weight, c.main.head[0].weight)
+
+
+@pytest.mark.parametrize("method", ["moco", "simclr", "rotation"])
+def test_encoder_of_any_pretraining_state_loads_into_the_classifier(method):
+    pre = PretrainingResNet(method, width=8, proj_dim=16, seed=1)
+    clf = ResNetClassifier(5, width=8, seed=2)
+    clf.encoder.load_state_dict(encoder_state_from(pre.state_dict()))
+    assert torch.equal(clf.encoder.net.conv1.weight, pre.main.encoder.net.conv1.weight)
+    assert encoder_state_from(clf.state_dict()).keys() == clf.encoder.state_dict().keys()
+    with pytest.raises(ValueError, match="no ResNet encoder"):
+        encoder_state_from({"fc.weight": torch.zeros(1)})

@@ -345,6 +345,17 @@ FEDCLF_PINS = [
     Pin("fedclf_derm", "server", "scatter_and_gather", "num_rounds", 100, VA + ": 100 communication rounds"),
     Pin("fedclf_derm", "server", "scatter_and_gather", "min_clients", 10, VAD + ": 10 devices, active ratio 1.0"),
     Pin("fedclf_derm", "meta", "", "min_clients", 10, VAD + ": 10 devices"),
+    Pin("fedclf_derm_finetune", "client", "cls_trainer", "lr", 1e-4, VA + ": federated fine-tuning lr 1e-4"),
+    Pin("fedclf_derm_finetune", "client", "cls_trainer", "batch_size", 128, VA + ": federated fine-tuning batch 128"),
+    Pin("fedclf_derm_finetune", "client", "cls_trainer", "weight_decay", 0.0, VA + ": Adam"),
+    Pin("fedclf_derm_finetune", "client", "cls_trainer", "local_epochs", 1, VA + ": 1 local epoch per round"),
+    Pin("fedclf_derm_finetune", "client", "cls_trainer", "label_fraction", 0.1, "FedCLF Table II: L = 10% (first column)"),
+    Pin("fedclf_derm_finetune", "client", "cls_trainer", "width", 64, VAD + ": ResNet-18"),
+    Pin("fedclf_derm_finetune", "server", "model", "num_classes", 5, VAD + ": BCC, DF, MEL, NV, SCC"),
+    Pin("fedclf_derm_finetune", "server", "scatter_and_gather", "num_rounds", 100, VA + ": 100 rounds federated fine-tuning"),
+    Pin("fedclf_derm_finetune", "server", "scatter_and_gather", "min_clients", 10, VAD + ": 10 devices"),
+    Pin("fedclf_derm_finetune", "server", "model_selector", "key_metric", "val_balanced_accuracy",
+        VAD + ": mean recall is the primary metric"),
 ]
 
 # ---------------------------------------------------------------- Surgical aggregation (seed 002, ML4H 2024, sec. 2.3)

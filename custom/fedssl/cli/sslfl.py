@@ -9,11 +9,11 @@ import os
 import time
 
 from fedssl.cli import COUNT, FRACTION, NON_NEGATIVE, NON_NEGATIVE_REAL, POSITIVE, SEED, Verb, add_family
-from fedssl.data.images import DATASETS
+from fedssl.data.images import SSLFL_DATASETS
 
 
 def _synth_args(s) -> None:
-    s.add_argument("dataset", choices=list(DATASETS))
+    s.add_argument("dataset", choices=list(SSLFL_DATASETS))
     s.add_argument("out")
     s.add_argument("--images", type=COUNT, default=2000, help="total number of images")
     s.add_argument("--size", type=COUNT, default=64, help="image height in pixels")
@@ -46,7 +46,7 @@ PARTITION_DEFAULTS = {"sites": None, "alpha": 0.5, "split": "dirichlet", "releas
 
 
 def _partition_args(s) -> None:
-    s.add_argument("dataset", choices=list(DATASETS))
+    s.add_argument("dataset", choices=list(SSLFL_DATASETS))
     s.add_argument("src", help="the full data set in its real layout (covidfl / derm_mel: SSL-FL's release)")
     s.add_argument("out")
     s.add_argument("--job", default=None, metavar="NAME|PATH",
@@ -153,7 +153,7 @@ def _tables(a) -> None:
 
 
 def _vit_opts(s) -> None:
-    s.add_argument("--dataset", default="retina", choices=list(DATASETS))
+    s.add_argument("--dataset", default="retina", choices=list(SSLFL_DATASETS))
     s.add_argument("--tiny", action="store_true", help="tiny ViT (32 px, patch 4, width 48, depth 2) on CPU")
     s.add_argument("--layer-scale", type=POSITIVE, default=None, help="0.1 for a Fed-BEiT encoder")
     s.add_argument("--device", default=None)

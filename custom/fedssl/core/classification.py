@@ -231,6 +231,8 @@ class ClassifierTrainer:
         label_smoothing: float = 0.0,
         layer_decay: float = 1.0,
         head_prefix: str = "head.",
+        milestones: Sequence[float] = (),
+        gamma: float = 0.1,
         device: torch.device | str = "cpu",
         seed: int = 0,
     ):
@@ -249,6 +251,9 @@ class ClassifierTrainer:
                 ``l`` = 0 for the stem (``encoder.cls_token``, ``encoder.pos_embed``, ``encoder.patch_embed.*``),
                 ``i + 1`` for ``encoder.blocks.<i>.*`` and ``L + 1`` (full lr) for everything else (``fc_norm``,
                 ``head``); 1.0 = one learning rate for all.
+            milestones, gamma: a step schedule instead of warm-up + cosine when ``milestones`` is not empty: ``lr``
+                times ``gamma`` for every milestone (in rounds / epochs) passed (FedCLF's local fine-tuning: x0.2 at
+                epochs 12 and 16).  A constant lr is ``milestones=[total_rounds]``.
         """
         if not isinstance(getattr(model, HEAD_STEPS, None), torch.Tensor):
             raise ValueError(f"{type(model).__name__} has no {HEAD_STEPS!r} buffer; register one "
@@ -257,15 +262,17 @@ class ClassifierTrainer:
         if not head:
             raise ValueError(f"{type(model).__name__} has no parameters named {head_prefix}*; set head_prefix")
         if (lr <= 0 or total_rounds < 1 or warmup_rounds < 0 or fedprox_mu < 0 or not 0 <= label_smoothing < 1
-                or not 0 < layer_decay <= 1):
+                or not 0 < layer_decay <= 1 or not 0 < gamma <= 1 or any(m <= 0 for m in milestones)):
             raise ValueError(f"invalid trainer settings: lr={lr}, total_rounds={total_rounds}, warmup_rounds={warmup_rounds}, "
-                             f"fedprox_mu={fedprox_mu}, label_smoothing={label_smoothing}, layer_decay={layer_decay}")
+                             f"fedprox_mu={fedprox_mu}, label_smoothing={label_smoothing}, layer_decay={layer_decay}, "
+                             f"milestones={list(milestones)}, gamma={gamma}")
         self.device = torch.device(device)
         self.model = model.to(self.device)
         self.lr, self.total_rounds, self.warmup_rounds, self.min_lr = lr, total_rounds, warmup_rounds, min_lr
         self.fedprox_mu, self.label_smoothing, self.head_prefix = fedprox_mu, label_smoothing, head_prefix
         self.seed = seed
         self.layer_decay = layer_decay
+        self.milestones, self.gamma = sorted(float(m) for m in milestones), float(gamma)
         groups: dict[tuple[int, bool], dict] = {}
         n_layers = vit_depth(model) + 1
         for name, p in model.named_parameters():
@@ -289,6 +296,8 @@ class ClassifierTrainer:
                         for k, v in params.items() if k in dict(self.model.named_parameters())}
 
     def lr_at(self, progress: float) -> float:
+        if self.milestones:
+            return self.lr * self.gamma ** sum(progress >= m for m in self.milestones)
         return warmup_cosine(progress, self.lr, self.warmup_rounds, self.total_rounds, self.min_lr)
 
     def train_round(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], round_idx: int, n_steps: int,

@@ -32,7 +32,7 @@ from typing import Optional, Union
 
 from fedssl.core.dirichlet import dirichlet_split, iid_split
 from fedssl.data.images import (
-    DATASETS,
+    SSLFL_DATASETS,
     ImageDataError,
     ImageRecord,
     _read_csv,
@@ -164,8 +164,8 @@ def write_site_folders(src_root: PathLike, dataset: str, out: PathLike, n_sites:
     Returns:
         The partition.json content.
     """
-    if dataset not in DATASETS:
-        raise ValueError(f"dataset={dataset!r}: use one of {list(DATASETS)}")
+    if dataset not in SSLFL_DATASETS:
+        raise ValueError(f"dataset={dataset!r}: use one of {list(SSLFL_DATASETS)}")
     if split not in SPLITS:
         raise ValueError(f"split={split!r}: use one of {list(SPLITS)} (dirichlet: SSL-FL; iid: FedMAE-KS)")
     if not (isinstance(test_fraction, (int, float)) and 0.0 < test_fraction < 1.0):

@@ -51,7 +51,7 @@ import numpy as np
 from fedssl.core.dirichlet import SSLFL_COVIDFL_SUB_SITES, real_site_split
 from fedssl.data.images import (
     COVIDFL_CLASSES,
-    DATASETS,
+    SSLFL_DATASETS,
     DERM_CLASSES,
     DERM_CSV,
     DERM_DIR,
@@ -622,14 +622,14 @@ def render(dataset: str, cls: Union[int, str], source: dict, rng: np.random.Gene
         return _render_derm(str(cls), source, rng, size)
     if dataset == "covidfl":
         return _render_covidfl(str(cls), source, rng, size)
-    raise ValueError(f"dataset={dataset!r}: use one of {list(DATASETS)}")
+    raise ValueError(f"dataset={dataset!r}: use one of {list(SSLFL_DATASETS)}")
 
 
 # --------------------------------------------------------------------------------------------------------------
 # writer
 
 
-def _allocate(n: int, mix, minimum: int = 0) -> list[int]:
+def allocate_counts(n: int, mix, minimum: int = 0) -> list[int]:
     """Largest-remainder counts of ``n`` items over ``mix`` (entries with mix > 0 get >= ``minimum``)."""
     mix = np.asarray(mix, dtype=float)
     mix = mix / mix.sum()
@@ -647,7 +647,7 @@ def _allocate(n: int, mix, minimum: int = 0) -> list[int]:
     return counts.tolist()
 
 
-def _save(img: np.ndarray, path: str, grey: bool = False) -> None:
+def save_image(img: np.ndarray, path: str, grey: bool = False) -> None:
     from PIL import Image
 
     a = np.clip(img * 255.0 + 0.5, 0, 255).astype(np.uint8)
@@ -677,18 +677,18 @@ def _write_covidfl(out: Path, n_images: int, params: list[dict], rng: np.random.
     """COVID-FL in SSL-FL's release layout: per-site 80/20 split, ``12_clients/split_real`` client lists."""
     _release_root(out)
     sites = COVIDFL_SITES[: len(params)]
-    site_n = _allocate(n_images, [wt for _, _, wt in sites], minimum=2 * len(COVIDFL_CLASSES))
+    site_n = allocate_counts(n_images, [wt for _, _, wt in sites], minimum=2 * len(COVIDFL_CLASSES))
     labels: dict[str, str] = {}
     phases: dict[str, list[str]] = {"train": [], "test": []}
     train_src: list[str] = []
     i = 0
     for s, ((name, mix, _), n_site) in enumerate(zip(sites, site_n)):
-        site_labels = rng.permutation(np.repeat(np.arange(3), _allocate(n_site, mix, minimum=2)))
+        site_labels = rng.permutation(np.repeat(np.arange(3), allocate_counts(n_site, mix, minimum=2)))
         test = _held_out(site_labels, COVIDFL_TEST_FRACTION, seed + s)
         for j, c in enumerate(site_labels):
             image, phase = f"{name}_{j:05d}.png", "test" if j in test else "train"
             g = np.random.default_rng([seed, i, 3])
-            _save(render("covidfl", COVIDFL_CLASSES[c], params[s], g, image_size), str(out / phase / image), grey=True)
+            save_image(render("covidfl", COVIDFL_CLASSES[c], params[s], g, image_size), str(out / phase / image), grey=True)
             labels[image] = COVIDFL_CLASSES[c]
             phases[phase].append(image)
             images[f"{phase}/{image}"] = name
@@ -710,7 +710,7 @@ def _write_derm_mel(out: Path, n_images: int, params: list[dict], rng: np.random
     n_mel = n_images // 2
     benign_mix = [0.0 if c == "MEL" else m for c, m in zip(DERM_CLASSES, DERM_CLASS_MIX)]
     isic = np.concatenate([np.zeros(n_mel, int), np.repeat(np.arange(len(DERM_CLASSES)),
-                                                            _allocate(n_images - n_mel, benign_mix))])
+                                                            allocate_counts(n_images - n_mel, benign_mix))])
     isic = rng.permutation(isic)
     mel = isic == DERM_CLASSES.index("MEL")
     test = _held_out(mel.astype(int), DERM_MEL_TEST_FRACTION, seed)
@@ -720,7 +720,7 @@ def _write_derm_mel(out: Path, n_images: int, params: list[dict], rng: np.random
     for i, (c, s) in enumerate(zip(isic, src)):
         image, phase = f"ISIC_{i:07d}.jpg", "test" if i in test else "train"
         g = np.random.default_rng([seed, i, 4])
-        _save(render("derm_mel", DERM_CLASSES[c], params[s], g, image_size), str(out / phase / image))
+        save_image(render("derm_mel", DERM_CLASSES[c], params[s], g, image_size), str(out / phase / image))
         labels[image] = DERM_MEL_CLASSES[int(mel[i])]
         phases[phase].append(image)
         images[f"{phase}/{image}"] = f"clinic-{s + 1}"
@@ -766,8 +766,8 @@ def write_synthetic_images(root: PathLike, dataset: str, n_images: int, seed: in
         derm_mel add ``test_fraction``, covidfl ``clients`` (client -> training images of split_real); retina
         adds ``difficulty``.
     """
-    if dataset not in DATASETS:
-        raise ValueError(f"dataset={dataset!r}: use one of {list(DATASETS)}")
+    if dataset not in SSLFL_DATASETS:
+        raise ValueError(f"dataset={dataset!r}: use one of {list(SSLFL_DATASETS)}")
     difficulty = check_difficulty(dataset, difficulty)
     if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 16:
         raise ValueError(f"image_size={image_size!r}: must be an integer >= 16")
@@ -794,7 +794,7 @@ def write_synthetic_images(root: PathLike, dataset: str, n_images: int, seed: in
         if csv_path.exists():
             raise ValueError(f"{csv_path} already exists; write into an empty folder")
         img_dir.mkdir(exist_ok=True)
-        counts = _allocate(n_images, RETINA_LEVEL_MIX, minimum=1 if n_images >= 20 else 0)
+        counts = allocate_counts(n_images, RETINA_LEVEL_MIX, minimum=1 if n_images >= 20 else 0)
         if sum(counts[1:]) < 2:
             counts[0] -= 2 - sum(counts[1:])
             counts[2] += 2 - sum(counts[1:])
@@ -805,7 +805,7 @@ def write_synthetic_images(root: PathLike, dataset: str, n_images: int, seed: in
             eye = "left" if i % 2 == 0 else "right"
             name = f"{10 + i // 2}_{eye}"
             g = np.random.default_rng([seed, i, 1])
-            _save(render("retina", int(lv), params[s], g, image_size, eye=eye, difficulty=difficulty),
+            save_image(render("retina", int(lv), params[s], g, image_size, eye=eye, difficulty=difficulty),
                   str(img_dir / f"{name}.jpeg"))
             rows.append((name, int(lv)))
             images[f"{RETINA_DIR}/{name}.jpeg"] = f"camera-{s + 1}"
@@ -821,14 +821,14 @@ def write_synthetic_images(root: PathLike, dataset: str, n_images: int, seed: in
         if csv_path.exists():
             raise ValueError(f"{csv_path} already exists; write into an empty folder")
         img_dir.mkdir(exist_ok=True)
-        counts = _allocate(n_images, DERM_CLASS_MIX, minimum=2)
+        counts = allocate_counts(n_images, DERM_CLASS_MIX, minimum=2)
         labels = rng.permutation(np.repeat(np.arange(len(DERM_CLASSES)), counts))
         src = rng.integers(0, n_sources, size=n_images)
         rows = []
         for i, (c, s) in enumerate(zip(labels, src)):
             name = f"ISIC_{i:07d}"
             g = np.random.default_rng([seed, i, 2])
-            _save(render("derm", DERM_CLASSES[c], params[s], g, image_size), str(img_dir / f"{name}.jpg"))
+            save_image(render("derm", DERM_CLASSES[c], params[s], g, image_size), str(img_dir / f"{name}.jpg"))
             onehot = ["1.0" if j == c else "0.0" for j in range(len(ISIC_COLUMNS))]
             rows.append([name] + onehot)
             images[f"{DERM_DIR}/{name}.jpg"] = f"clinic-{s + 1}"

@@ -22,6 +22,10 @@ Layouts read (one folder per FLARE site, the same layout as the public data set)
   ``pneumonia``, ``normal`` (case-insensitive; ``covid-19``/``covid19`` accepted for covid). Sites may miss
   classes (SSL-FL: BIMCV holds only COVID-19 images). The full data set is SSL-FL's release
   (:mod:`fedssl.data.sslfl_release`), cut into such site folders by ``fedssl sslfl partition``.
+* ``derm5`` (FedCLF's five classes: BCC, DF, MEL, NV, SCC; "Federated Self-Supervised Learning for Dermatological
+  Disease Diagnosis", sec. V-A) split folder: ``root/<class>/<image>`` with class folders ``BCC``, ``DF``, ``MEL``,
+  ``NV``, ``SCC`` (case-insensitive); a device folder holds ``train``, ``val`` and ``test`` such folders, as
+  :func:`fedssl.data.fedclf_devices.build_devices` writes them from ISIC 2019, AtlasDerm, Dermnet and DarkDerm.
 * ``derm_mel`` (SSL-FL's "Derm": melanoma vs benign, ISIC 2017/2019/2020) site folder: ``root/<class>/<image>``
   with class folders ``benign``, ``melanoma``; the full data set is SSL-FL's release, as for COVID-FL.
 
@@ -57,10 +61,12 @@ from torch.utils.data import Dataset
 
 __all__ = [
     "DATASETS",
+    "SSLFL_DATASETS",
     "RETINA_CLASSES",
     "DERM_CLASSES",
     "COVIDFL_CLASSES",
     "DERM_MEL_CLASSES",
+    "DERM5_CLASSES",
     "ISIC_COLUMNS",
     "ImageDataError",
     "ImageRecord",
@@ -79,7 +85,10 @@ __all__ = [
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-DATASETS: tuple[str, ...] = ("retina", "derm", "covidfl", "derm_mel")
+DATASETS: tuple[str, ...] = ("retina", "derm", "covidfl", "derm_mel", "derm5")
+#: the data sets of SSL-FL and FedMAE-KS (synthetic writer, partitioner); derm5 has its own
+#: (:mod:`fedssl.data.fedclf_devices`, :mod:`fedssl.data.fedclf_synthetic`)
+SSLFL_DATASETS: tuple[str, ...] = ("retina", "derm", "covidfl", "derm_mel")
 RETINA_CLASSES: list[str] = ["no_dr", "dr"]
 #: the ISIC 2019 ground-truth columns, in file order
 ISIC_COLUMNS: tuple[str, ...] = ("MEL", "NV", "BCC", "AK", "BKL", "DF", "VASC", "SCC", "UNK")
@@ -88,10 +97,13 @@ DERM_CLASSES: list[str] = list(ISIC_COLUMNS[:8])
 COVIDFL_CLASSES: list[str] = ["covid", "pneumonia", "normal"]
 #: SSL-FL's Derm task: label 1 = melanoma (malignant), 0 = benign
 DERM_MEL_CLASSES: list[str] = ["benign", "melanoma"]
+#: FedCLF's five classes, the intersection of ISIC 2019, AtlasDerm, Dermnet and DarkDerm (label = index)
+DERM5_CLASSES: list[str] = ["BCC", "DF", "MEL", "NV", "SCC"]
 #: class-folder names (lower case) -> label, per data set read from ``<class>/<image>`` site folders
 _FOLDER_CLASSES = {
     "covidfl": {"covid": 0, "covid-19": 0, "covid19": 0, "covid_19": 0, "pneumonia": 1, "normal": 2},
     "derm_mel": {"benign": 0, "melanoma": 1},
+    "derm5": {c.lower(): i for i, c in enumerate(DERM5_CLASSES)},
 }
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 
@@ -105,8 +117,10 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 #: eval resize: shorter side = ceil(image_size / CROP_PCT), then centre crop image_size
 CROP_PCT = 0.875
-PRETRAIN_SCALE = {"retina": (0.2, 1.0), "derm": (0.2, 1.0), "covidfl": (0.4, 1.0), "derm_mel": (0.2, 1.0)}
-FINETUNE_SCALE = {"retina": (0.6, 1.0), "derm": (0.6, 1.0), "covidfl": (0.8, 1.2), "derm_mel": (0.6, 1.0)}
+PRETRAIN_SCALE = {"retina": (0.2, 1.0), "derm": (0.2, 1.0), "covidfl": (0.4, 1.0), "derm_mel": (0.2, 1.0),
+                  "derm5": (0.2, 1.0)}
+FINETUNE_SCALE = {"retina": (0.6, 1.0), "derm": (0.6, 1.0), "covidfl": (0.8, 1.2), "derm_mel": (0.6, 1.0),
+                  "derm5": (0.6, 1.0)}
 CROP_RATIO = (3.0 / 4.0, 4.0 / 3.0)
 COLOR_JITTER = 0.4
 FINETUNE_ROTATION_DEG = 10.0
@@ -145,16 +159,17 @@ def _check_dataset(dataset: str) -> str:
 def class_names(dataset: str) -> list[str]:
     """Class names in label order: retina ``["no_dr", "dr"]``; derm the 8 ISIC 2019 diagnostic classes
     ``MEL, NV, BCC, AK, BKL, DF, VASC, SCC``; covidfl ``["covid", "pneumonia", "normal"]``; derm_mel
-    ``["benign", "melanoma"]``."""
+    ``["benign", "melanoma"]``; derm5 ``["BCC", "DF", "MEL", "NV", "SCC"]``."""
     return list({"retina": RETINA_CLASSES, "derm": DERM_CLASSES, "covidfl": COVIDFL_CLASSES,
-                 "derm_mel": DERM_MEL_CLASSES}[_check_dataset(dataset)])
+                 "derm_mel": DERM_MEL_CLASSES, "derm5": DERM5_CLASSES}[_check_dataset(dataset)])
 
 
 def layout_paths(dataset: str) -> tuple[Optional[str], Optional[str], str]:
     """``(csv name, image folder, image extension)`` of a dataset's layout; covidfl / derm_mel site folders
     are class folders (no CSV)."""
     return {"retina": (RETINA_CSV, RETINA_DIR, ".jpeg"), "derm": (DERM_CSV, DERM_DIR, ".jpg"),
-            "covidfl": (None, None, ".png"), "derm_mel": (None, None, ".jpg")}[_check_dataset(dataset)]
+            "covidfl": (None, None, ".png"), "derm_mel": (None, None, ".jpg"),
+            "derm5": (None, None, ".png")}[_check_dataset(dataset)]
 
 
 def _check_root(root: PathLike, dataset: str, site: str) -> str:

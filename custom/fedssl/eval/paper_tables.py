@@ -11,6 +11,11 @@
   Medical Imaging 2023.  Table II: test accuracy (%) of federated fine-tuning on Retina, columns Central,
   Split1-3 (rows None = ViT from scratch, Fed-BEiT, Fed-MAE); Table VII: Retina Split-1 with 10 / 30 / 70 / 100 %
   of the labels.  The paper gives no standard deviations there (std None).
+- FedCLF: Y. Wu, D. Zeng, Z. Wang, Y. Sheng, L. Yang, A. J. James, Y. Shi, J. Hu, "Federated Self-Supervised
+  Learning for Dermatological Disease Diagnosis" (journal extension of the ICCAD 2021 paper).  Tables I (local
+  fine-tuning) and II (federated fine-tuning): mean recall and mean precision (%) over the 10 devices' test sets,
+  columns L = 10 / 20 / 40 / 80 % labels per device; Fig. 6 (ablation, federated fine-tuning at L = 10 %): mean
+  recall W/o FE 44.72, FE 47.45, FE+Neg 48.03 (the text gives recall only).  No standard deviations.
 """
 
 from __future__ import annotations
@@ -82,6 +87,48 @@ SSLFL_TABLE_VII: dict[str, tuple[float, ...]] = {
 }
 #: bundle label -> SSL-FL paper row name (Table II; Table VII names the scratch row "Rand. init.")
 SSLFL_METHODS = {"scratch": "None", "Fed-BEiT": "Fed-BEiT", "Fed-MAE": "Fed-MAE"}
+
+
+FEDCLF_SOURCE = "FedCLF, Wu et al., Federated Self-Supervised Learning for Dermatological Disease Diagnosis, {table}"
+FEDCLF_FRACTIONS = (10, 20, 40, 80)
+#: paper row -> ((recall, precision) at L = 10, 20, 40, 80 %)
+FEDCLF_TABLES: dict[str, dict[str, tuple[tuple[float, float], ...]]] = {
+    "I": {
+        "Random Init.": ((21.56, 17.35), (23.13, 20.79), (24.88, 23.69), (23.92, 26.06)),
+        "Local CL": ((26.57, 26.54), (28.82, 28.20), (31.46, 30.49), (34.27, 30.71)),
+        "FedRotation": ((23.45, 25.27), (25.05, 25.05), (29.39, 28.48), (32.87, 28.15)),
+        "FedSimCLR": ((30.11, 31.25), (32.77, 31.67), (35.50, 33.09), (37.58, 33.85)),
+        "FedCLF": ((30.41, 33.54), (34.41, 32.96), (37.03, 34.95), (39.25, 35.02)),
+    },
+    "II": {
+        "Random Init.": ((43.15, 38.97), (45.63, 40.41), (50.73, 44.66), (55.61, 46.35)),
+        "Local CL": ((43.41, 39.59), (45.69, 41.39), (50.35, 45.58), (55.47, 47.70)),
+        "FedRotation": ((43.18, 39.57), (44.36, 40.27), (50.69, 44.10), (54.27, 46.70)),
+        "FedSimCLR": ((45.89, 41.44), (48.92, 43.39), (54.17, 46.71), (58.64, 48.27)),
+        "FedCLF": ((48.03, 42.87), (51.50, 45.71), (55.13, 48.73), (59.23, 50.21)),
+    },
+}
+#: Fig. 6: federated fine-tuning at L = 10 %, mean recall (%) per ablation
+FEDCLF_FIG6 = {"W/o FE": 44.72, "FE": 47.45, "FE+Neg": 48.03}
+
+
+def fedclf_paper_rows(table: str, metric: str = "recall", methods=None) -> list[dict]:
+    """FedCLF's Table ``"I"`` or ``"II"`` (``metric`` "recall" or "precision", %) or ``"Fig6"`` (recall at L = 10 %)
+    as :func:`fcl_paper_rows` gives them (std None), for ``methods`` (paper row names, default all)."""
+    if table == "Fig6":
+        if metric != "recall":
+            raise ValueError("FedCLF Fig. 6: the text gives mean recall only")
+        return [{"table": "FedCLF Fig. 6", "method": m, "column": "L=10%", "mean": v, "std": None, "n": None}
+                for m, v in FEDCLF_FIG6.items() if methods is None or m in methods]
+    if table not in FEDCLF_TABLES or metric not in ("recall", "precision"):
+        raise ValueError(f"FedCLF table {table!r} / metric {metric!r}: use 'I', 'II' or 'Fig6' and 'recall' or 'precision'")
+    values = FEDCLF_TABLES[table]
+    unknown = [m for m in methods or () if m not in values]
+    if unknown:
+        raise ValueError(f"methods {unknown} are not rows of FedCLF Table {table}; use some of {list(values)}")
+    k = 0 if metric == "recall" else 1
+    return [{"table": f"FedCLF Table {table}", "method": m, "column": f"L={f}%", "mean": v[i][k], "std": None, "n": 10}
+            for m, v in values.items() if methods is None or m in methods for i, f in enumerate(FEDCLF_FRACTIONS)]
 
 
 def fcl_paper_rows(table: int, methods=None, n_labelled=FCL_N) -> list[dict]:

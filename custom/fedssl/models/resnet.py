@@ -17,6 +17,7 @@ initial global model and every site's are the same.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 import torch
@@ -24,8 +25,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchvision.models.resnet import BasicBlock, ResNet
 
-from fedssl.core.checks import require_choice, require_int
+from fedssl.core.checks import require, require_choice, require_int
+from fedssl.core.classification import HEAD_STEPS
+from fedssl.core.digest import file_sha256
 from fedssl.models.seeding import seeded
+from fedssl.models.vit_classifier import read_checkpoint
 
 #: ResNet-18's stage widths are width x (1, 2, 4, 8); 64 is torchvision's ResNet-18
 PAPER_WIDTH = 64
@@ -141,16 +145,36 @@ class PretrainingResNet(nn.Module):
 
 
 class ResNetClassifier(nn.Module):
-    """Fine-tuning model: ResNet-18 encoder + linear classifier (``encoder.*``, ``fc.*``)."""
+    """Fine-tuning model: ResNet-18 encoder + linear classifier (``encoder.*``, ``fc.*``), with the ``head_steps``
+    buffer that counts optimiser steps on the classifier (a model whose head was never trained is not evaluated).
 
-    def __init__(self, num_classes: int = 5, width: int = PAPER_WIDTH, seed: int | None = 0):
+    ``pretrained_path``: a pre-training global model (``FL_global_model.pt`` of jobs/fedclf_derm and its variants),
+    or a classifier / encoder state; its encoder is loaded, the classifier stays freshly initialised; "" = random
+    init.  What the model starts from is recorded in ``initial_weights`` for the server's persistor."""
+
+    def __init__(self, num_classes: int = 5, width: int = PAPER_WIDTH, pretrained_path: str = "", seed: int | None = 0):
         super().__init__()
-        require_int(type(self).__name__, "num_classes", num_classes, 2, "use the number of classes (FedCLF: 5)")
-        require_resnet_args(type(self).__name__, width)
-        self.num_classes, self.width, self.seed = num_classes, width, seed
+        name = type(self).__name__
+        require_int(name, "num_classes", num_classes, 2, "use the number of classes (FedCLF: 5)")
+        require_resnet_args(name, width)
+        require(isinstance(pretrained_path, str) and (not pretrained_path or os.path.isfile(pretrained_path)), name,
+                "pretrained_path", pretrained_path, 'give an existing pre-training global model file, or "" (random init)')
+        self.num_classes, self.width, self.pretrained_path, self.seed = num_classes, width, pretrained_path, seed
         with seeded(seed):
             self.encoder = ResNetEncoder(width)
             self.fc = nn.Linear(self.encoder.out_dim, num_classes)
+        self.register_buffer(HEAD_STEPS, torch.zeros((), dtype=torch.long))
+        self.initial_weights: dict = {"init": "random", "path": "", "sha256": ""}
+        if pretrained_path:
+            self.load_encoder(read_checkpoint(pretrained_path), pretrained_path)
+            self.initial_weights = {"init": "checkpoint", "path": pretrained_path, "sha256": file_sha256(pretrained_path)}
+
+    def load_encoder(self, state: Mapping[str, object], source: str) -> None:
+        """The encoder of a pre-training / classifier state (:func:`encoder_state_from`), shapes checked."""
+        try:
+            self.encoder.load_state_dict(encoder_state_from(state))
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(f"{source}: its encoder does not fit this ResNet (width {self.width}): {e}") from None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(self.encoder(x))

@@ -46,6 +46,7 @@ COMPONENT_CLASSES = (
     "fedssl.flare.classifier_executor.ClassifierExecutor",
     "fedssl.flare.fcl_executor.FCLExecutor",
     "fedssl.flare.fedclf_executor.FedCLFExecutor",
+    "fedssl.flare.resnet_classifier_executor.ResNetClassifierExecutor",
     "fedssl.flare.mim_executor.MIMExecutor",
     "fedssl.flare.multilabel_executor.MultiLabelExecutor",
     "fedssl.flare.segmentation_executor.SegmentationExecutor",
@@ -74,6 +75,7 @@ COMPONENT_CLASSES = (
     # models the server configs name for the persistors
     "fedssl.models.densenet.MultiLabelDenseNet",
     "fedssl.models.resnet.PretrainingResNet",
+    "fedssl.models.resnet.ResNetClassifier",
     "fedssl.models.unet.BYOLUNetEncoder",
     "fedssl.models.unet.MoCoUNetEncoder",
     "fedssl.models.unet.UNet2D",

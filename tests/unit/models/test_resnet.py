@@ -66,3 +66,17 @@ def test_encoder_of_any_pretraining_state_loads_into_the_classifier(method):
     assert encoder_state_from(clf.state_dict()).keys() == clf.encoder.state_dict().keys()
     with pytest.raises(ValueError, match="no ResNet encoder"):
         encoder_state_from({"fc.weight": torch.zeros(1)})
+
+
+def test_classifier_loads_the_encoder_of_a_pretraining_file_and_records_it(tmp_path):
+    pre = PretrainingResNet("moco", width=8, proj_dim=16, seed=7)
+    path = tmp_path / "FL_global_model.pt"
+    torch.save({"model": pre.state_dict()}, path)  # PTFileModelPersistor's format
+    clf = ResNetClassifier(5, width=8, pretrained_path=str(path), seed=0)
+    assert torch.equal(clf.encoder.net.layer4[1].conv2.weight, pre.main.encoder.net.layer4[1].conv2.weight)
+    assert clf.initial_weights["init"] == "checkpoint" and len(clf.initial_weights["sha256"]) == 64
+    assert int(clf.head_steps) == 0 and ResNetClassifier(5, width=8).initial_weights["init"] == "random"
+    with pytest.raises(ValueError, match="does not fit this ResNet"):
+        ResNetClassifier(5, width=16, pretrained_path=str(path))
+    with pytest.raises(ValueError, match="pretrained_path="):
+        ResNetClassifier(5, width=8, pretrained_path=str(tmp_path / "missing.pt"))

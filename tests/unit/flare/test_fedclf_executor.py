@@ -1,0 +1,87 @@
+"""FedCLFExecutor on a tiny device folder: one real train task per switch (what leaves the device), the remote bank
+reaching the queue, Local CL's empty upload, and the refusals of a bad configuration."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from nvflare.apis.dxo import DXO, DataKind, from_shareable
+from nvflare.apis.signal import Signal
+from PIL import Image
+
+from fedssl.flare.constants import BANK_FEATURES, BANK_PARTITIONS, REMOTE_FEATURES, SITE_RECORD_META
+from fedssl.flare.fedclf_executor import FedCLFExecutor
+from fedssl.models.resnet import PretrainingResNet
+from tests.unit.flare.fakes import FakeEngine, context
+
+torch.set_num_threads(1)
+ARGS = dict(dataset="derm_mel", image_size=16, width=4, proj_dim=8, batch_size=4, bank_size=16, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def device(tmp_path_factory):
+    """A device folder with a class-folder train split (12 images)."""
+    root = tmp_path_factory.mktemp("device-1")
+    rng = np.random.default_rng(0)
+    for cls in ("benign", "melanoma"):
+        (root / "train" / cls).mkdir(parents=True)
+        for i in range(6):
+            Image.fromarray(rng.integers(0, 255, (20, 24, 3), dtype=np.uint8)).save(root / "train" / cls / f"{i}.png")
+    return str(root)
+
+
+def task(method="moco", round_idx=0, remote=None):
+    weights = {k: v.numpy() for k, v in PretrainingResNet(method, 4, 8).state_dict().items()}
+    meta = {} if remote is None else {REMOTE_FEATURES: remote}
+    s = DXO(DataKind.WEIGHTS, data=weights, meta=meta).to_shareable()
+    s.set_header("current_round", round_idx)
+    s.set_header("num_rounds", 2)
+    return s
+
+
+def run(executor, tmp_path, shareable):
+    return from_shareable(executor.execute("train", shareable, context(site="device-1", engine=FakeEngine(tmp_path)),
+                                           Signal()))
+
+
+def test_fedclf_uploads_its_bank_and_trains_on_remote_negatives_only(device, tmp_path):
+    ex = FedCLFExecutor(data_root=device, **ARGS)
+    remote = np.eye(8, dtype=np.float32)[np.arange(10) % 8]
+    out = run(ex, tmp_path, task(remote=remote))
+    assert out.data_kind == DataKind.WEIGHTS and out.get_meta_prop("num_samples") == 12
+    feats, parts = out.get_meta_prop(BANK_FEATURES), out.get_meta_prop(BANK_PARTITIONS)
+    assert feats.shape == (16, 8) and (parts == 0).sum() == 12  # 3 steps x 4 momentum features filled
+    record = out.get_meta_prop(SITE_RECORD_META)
+    assert record["queue_remote_fraction"] == 1.0 and record["bank_filled"] == 12 and record["images"] == 12
+    metrics = [json.loads(line) for line in open(tmp_path / "fedclf_metrics.jsonl")]
+    assert metrics[0]["remote_features"] == 10 and metrics[0]["queue_size"] == 10
+
+
+@pytest.mark.parametrize("switch", [{"queue": "none"}, {"method": "simclr", "queue": "none"},
+                                    {"method": "rotation", "queue": "none"}])
+def test_without_feature_exchange_no_feature_leaves_the_device(device, tmp_path, switch):
+    ex = FedCLFExecutor(data_root=device, **{**ARGS, **switch})
+    out = run(ex, tmp_path, task(switch.get("method", "moco"), remote=np.eye(8, dtype=np.float32)))
+    assert out.get_meta_prop(BANK_FEATURES) is None and out.data  # weights, no bank
+    metrics = [json.loads(line) for line in open(tmp_path / "fedclf_metrics.jsonl")]
+    assert metrics[0]["remote_features"] == 0  # a remote bank that arrives anyway is not used
+
+
+def test_local_cl_uploads_nothing(device, tmp_path):
+    ex = FedCLFExecutor(data_root=device, federated=False, queue="none", **ARGS)
+    out = run(ex, tmp_path, task())
+    assert not out.data and out.get_meta_prop(BANK_FEATURES) is None
+
+
+def test_bad_configuration_is_refused_naming_the_argument():
+    with pytest.raises(ValueError, match="queue='fe_neg'.*Local CL"):
+        FedCLFExecutor(federated=False)
+    with pytest.raises(ValueError, match="queue='fe'.*only method='moco'"):
+        FedCLFExecutor(method="rotation", queue="fe")
+    with pytest.raises(ValueError, match="split='all'"):
+        FedCLFExecutor(split="all")
+    with pytest.raises(ValueError, match="width=3"):
+        FedCLFExecutor(width=3)

@@ -1,0 +1,77 @@
+"""ResNet-18 fine-tuning for FedCLF (fedssl.train.resnet_classifier): the step schedule, the labelled subset, the
+LocalTrainer seam reused from the ViT trainer, and Table I's protocol selecting the epoch on validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedssl.core.trainer import LocalTrainer
+from fedssl.data.image_synthetic import write_synthetic_images
+from fedssl.data.images import load_image_records
+from fedssl.models.resnet import PretrainingResNet
+from fedssl.train import resnet_classifier as rc
+from fedssl.train.resnet_classifier import ResNetClassifierLocalTrainer, local_finetune_device
+
+torch.set_num_threads(1)
+
+TINY = dict(dataset="derm", image_size=16, width=4, batch_size=8, eval_batch_size=16)
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory):
+    root = tmp_path_factory.mktemp("derm")
+    write_synthetic_images(root, "derm", n_images=40, seed=0, image_size=20)
+    recs = load_image_records(root, "derm", site="device-1")
+    return recs[:24], recs[24:32], recs[32:]
+
+
+def test_step_schedule_and_labelled_subset(split):
+    train, val, _ = split
+    t = ResNetClassifierLocalTrainer(train, val, num_rounds=20, site="device-1", milestones=(12, 16), gamma=0.2,
+                                     label_fraction=0.5, lr=1e-3, **TINY)
+    assert isinstance(t, LocalTrainer)
+    lr = t.trainer.lr_at
+    assert lr(0) == pytest.approx(1e-3) and lr(11.9) == pytest.approx(1e-3)
+    assert lr(12) == pytest.approx(2e-4) and lr(16) == pytest.approx(4e-5)  # x0.2 at 12 and 16
+    assert 10 <= len(t.train_set) <= 14  # about half of each class of 24 images
+    flat = ResNetClassifierLocalTrainer(train, val, num_rounds=5, site="device-1", **TINY)
+    assert flat.trainer.lr_at(4.9) == pytest.approx(1e-4)  # federated: constant 1e-4
+    # Adam: the optimiser is AdamW without decay
+    assert all(g["weight_decay"] == 0.0 for g in flat.trainer.optimizer.param_groups)
+
+
+def test_round_trains_the_head_then_validates(split):
+    train, val, test = split
+    t = ResNetClassifierLocalTrainer(train, val, num_rounds=2, site="device-1", **TINY)
+    assert not t.head_trained
+    stats = t.train_round(0)
+    assert t.head_trained and stats.samples == 24 and stats.steps == 3
+    m = t.evaluate("val")
+    assert m["n"] == 8 and 0 <= m["balanced_accuracy"] <= 1
+    with pytest.raises(ValueError, match="no validation image"):
+        ResNetClassifierLocalTrainer(train, [], num_rounds=1, site="device-3", **TINY)
+
+
+def test_local_protocol_tests_the_epoch_best_on_validation(split, monkeypatch):
+    train, val, test = split
+    scores = iter([0.2, 0.7, 0.4])  # validation mean recall per epoch: the second epoch is best
+    real = ResNetClassifierLocalTrainer.evaluate
+    seen = {}
+
+    def fake_evaluate(self, which="val", source=""):
+        out = real(self, which, source)
+        if which == "val":
+            out["balanced_accuracy"] = next(scores)
+            seen.setdefault("states", []).append({k: v.clone() for k, v in self.model.state_dict().items()})
+        else:
+            seen["tested"] = {k: v.clone() for k, v in self.model.state_dict().items()}
+        return out
+
+    monkeypatch.setattr(rc.ResNetClassifierLocalTrainer, "evaluate", fake_evaluate)
+    pre = PretrainingResNet("moco", width=4, proj_dim=8, seed=9).state_dict()
+    out = local_finetune_device(train, val, test, init=pre, site="device-1", label_fraction=1.0, epochs=3,
+                                milestones=(2,), **TINY)
+    assert out["best_epoch"] == 1 and out["val"]["balanced_accuracy"] == 0.7
+    assert all(torch.equal(seen["tested"][k], seen["states"][1][k]) for k in seen["tested"])
+    assert out["test"]["n"] == 8 and "per_class" not in out["test"]

@@ -1,4 +1,4 @@
-"""``fedssl`` command line: ``fedssl <family> <verb>`` for the method families (fcl, sslfl, surgical: synthetic
+"""``fedssl`` command line: ``fedssl <family> <verb>`` for the method families (fcl, sslfl, fedclf, surgical: synthetic
 data, demos, fine-tuning, reports) and the generic job verbs (job, simulate, site-local, deploy-local, submit)."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import torch
 
 #: modules that add their own subcommands: each defines ``register(sub)`` (sub = argparse subparsers); a method
 #: family registers ``fedssl <family> <verb>`` (and the verbs' deprecated flat aliases) with :func:`add_family`
-COMMAND_MODULES: tuple[str, ...] = ("fedssl.cli.fcl", "fedssl.cli.sslfl", "fedssl.cli.surgical", "fedssl.cli.ops")
+COMMAND_MODULES: tuple[str, ...] = ("fedssl.cli.fcl", "fedssl.cli.sslfl", "fedssl.cli.fedclf", "fedssl.cli.surgical",
+                                     "fedssl.cli.ops")
 
 
 @dataclass(frozen=True)

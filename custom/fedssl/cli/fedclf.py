@@ -1,0 +1,68 @@
+"""``fedssl fedclf ...``: FedCLF's dermatology devices ("Federated Self-Supervised Learning for Dermatological
+Disease Diagnosis", sec. V-A): synthetic stand-ins of the four public sources, and the 10 device folders built from
+the real (or synthetic) sources."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from fedssl.cli import COUNT, NON_NEGATIVE_REAL, SEED, Verb, add_family
+
+SOURCE_FLAGS = (("isic", "ISIC 2019 training set (ground-truth CSV + ISIC_2019_Training_Input/)"),
+                ("atlasderm", "AtlasDerm class-per-folder tree"), ("dermnet", "Dermnet class-per-folder tree"),
+                ("darkderm", "DarkDerm class-per-folder tree"))
+
+
+def _synth_args(s) -> None:
+    s.add_argument("out", help="folder for isic2019/, atlasderm/, dermnet/, darkderm/")
+    s.add_argument("--isic-images", type=COUNT, default=2000, help="ISIC five-class images (the paper's: 21,587)")
+    s.add_argument("--size", type=COUNT, default=80, help="image height in pixels (width 4/3 of it)")
+    s.add_argument("--seed", type=SEED, default=0)
+    s.add_argument("--difficulty", type=NON_NEGATIVE_REAL, default=None,
+                   help="acquisition nuisance (lesion contrast / (1 + d), more noise and blur); default: calibrated")
+
+
+def _synth(a) -> None:
+    from fedssl.data.fedclf_synthetic import write_synthetic_derm_sources
+
+    t = time.perf_counter()
+    info = write_synthetic_derm_sources(a.out, n_isic=a.isic_images, seed=a.seed, image_size=a.size,
+                                        difficulty=a.difficulty)
+    print(f"wrote the four synthetic sources under {os.path.abspath(a.out)} in {time.perf_counter() - t:.1f} s")
+    for source, v in info.items():
+        if source != "settings":
+            print(f"  {source}: {sum(v['class_counts'].values())} images {v['class_counts']}")
+
+
+def _devices_args(s) -> None:
+    s.add_argument("out", help="folder for site-1 ... site-10 (train/val/test class folders) and devices.json")
+    for flag, text in SOURCE_FLAGS:
+        s.add_argument(f"--{flag}", required=True, help=text)
+    s.add_argument("--seed", type=SEED, default=0, help="seeds the ISIC shards and the 60/20/20 splits")
+    s.add_argument("--short-edge", type=COUNT, default=72, help="shorter image edge in pixels (paper: 72)")
+
+
+def _devices(a) -> None:
+    from fedssl.data.fedclf_devices import build_devices
+
+    t = time.perf_counter()
+    report = build_devices(a.out, a.isic, a.atlasderm, a.dermnet, a.darkderm, seed=a.seed, short_edge=a.short_edge)
+    print(f"10 devices under {os.path.abspath(a.out)} in {time.perf_counter() - t:.1f} s (devices.json has the counts)")
+    for site, d in report["devices"].items():
+        counts = {split: sum(c.values()) for split, c in d["counts"].items()}
+        print(f"  {site}: {d['source']}, {d['images']} images, {counts}")
+    for source, info in report["skipped"].items():
+        print(f"  {source}: skipped {info}")
+
+
+VERBS = (
+    Verb("synth", "synthetic ISIC 2019 / AtlasDerm / Dermnet / DarkDerm in the layouts the real sets ship in",
+         _synth_args, _synth),
+    Verb("devices", "the paper's 10 devices (7 ISIC shards + AtlasDerm, Dermnet, DarkDerm), 5 classes, 60/20/20, "
+                    "72 px shorter edge", _devices_args, _devices),
+)
+
+
+def register(sub) -> None:
+    add_family(sub, "fedclf", "FedCLF dermatology devices: synthetic sources, device folders", VERBS)

@@ -1,0 +1,24 @@
+"""``fedssl fedclf synth`` and ``fedssl fedclf devices``: the synthetic sources, then the 10 device folders."""
+
+import json
+
+import pytest
+
+from fedssl.cli import main
+
+
+def test_synth_then_devices(tmp_path, capsys):
+    assert main(["fedclf", "synth", str(tmp_path / "raw"), "--isic-images", "70", "--size", "24"]) == 0
+    raw = tmp_path / "raw"
+    assert main(["fedclf", "devices", str(tmp_path / "dev"), "--isic", str(raw / "isic2019"), "--atlasderm",
+                 str(raw / "atlasderm"), "--dermnet", str(raw / "dermnet"), "--darkderm", str(raw / "darkderm"),
+                 "--short-edge", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "site-10: DarkDerm" in out and "skipped_categories" in out
+    report = json.loads((tmp_path / "dev" / "devices.json").read_text())
+    assert len(report["devices"]) == 10 and report["settings"]["short_edge"] == 16
+
+
+def test_devices_needs_every_source(tmp_path):
+    with pytest.raises(SystemExit):
+        main(["fedclf", "devices", str(tmp_path / "dev"), "--isic", str(tmp_path)])

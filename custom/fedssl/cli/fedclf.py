@@ -56,13 +56,34 @@ def _devices(a) -> None:
         print(f"  {source}: skipped {info}")
 
 
+def _tables_args(s) -> None:
+    from fedssl.experiments.fedclf_tables import FRACTIONS, METHODS, TABLES
+
+    s.add_argument("--out", required=True, help="output folder: cells.jsonl (resume), tableI/II_{recall,precision}.*")
+    s.add_argument("--tables", type=int, nargs="+", choices=list(TABLES), default=None)
+    s.add_argument("--methods", nargs="+", choices=list(METHODS), default=None)
+    s.add_argument("--fractions", type=float, nargs="+", choices=list(FRACTIONS), default=None)
+    s.add_argument("--profile", default="bench")
+    s.add_argument("--data-root", default=None, help="device folders (fedssl fedclf devices); default: synthetic")
+    s.add_argument("--workers", type=COUNT, default=1, help="processes for Table I's local fine-tuning cells")
+
+
+def _tables(a) -> None:
+    from fedssl.experiments.fedclf_tables import run_fedclf_tables, table_settings
+
+    settings = table_settings(a.profile, tables=a.tables, methods=a.methods, fractions=a.fractions)
+    run_fedclf_tables(a.out, settings, data_root=a.data_root, workers=a.workers, say=lambda m: print(m, flush=True))
+
+
 VERBS = (
     Verb("synth", "synthetic ISIC 2019 / AtlasDerm / Dermnet / DarkDerm in the layouts the real sets ship in",
          _synth_args, _synth),
     Verb("devices", "the paper's 10 devices (7 ISIC shards + AtlasDerm, Dermnet, DarkDerm), 5 classes, 60/20/20, "
                     "72 px shorter edge", _devices_args, _devices),
+    Verb("tables", "FedCLF Tables I (local) and II (federated fine-tuning) and Fig. 6 beside the paper's; resumable",
+         _tables_args, _tables),
 )
 
 
 def register(sub) -> None:
-    add_family(sub, "fedclf", "FedCLF dermatology devices: synthetic sources, device folders", VERBS)
+    add_family(sub, "fedclf", "FedCLF dermatology: synthetic sources, device folders, Tables I / II", VERBS)

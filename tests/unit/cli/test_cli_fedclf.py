@@ -22,3 +22,15 @@ def test_synth_then_devices(tmp_path, capsys):
 def test_devices_needs_every_source(tmp_path):
     with pytest.raises(SystemExit):
         main(["fedclf", "devices", str(tmp_path / "dev"), "--isic", str(tmp_path)])
+
+
+def test_tables_verb_passes_the_settings(tmp_path, monkeypatch):
+    from fedssl.experiments import fedclf_tables as ft
+
+    seen = {}
+    monkeypatch.setattr(ft, "run_fedclf_tables", lambda out, settings, **kw: seen.update(out=out, s=settings, **kw))
+    assert main(["fedclf", "tables", "--out", str(tmp_path), "--tables", "2", "--methods", "random", "fedclf",
+                 "--fractions", "0.1", "--workers", "2"]) == 0
+    assert seen["s"]["tables"] == [2] and seen["s"]["methods"] == ["random", "fedclf"] and seen["workers"] == 2
+    with pytest.raises(SystemExit):
+        main(["fedclf", "tables", "--out", str(tmp_path), "--fractions", "0.3"])

@@ -1,0 +1,281 @@
+"""FedCLF's Tables I (local fine-tuning) and II (federated fine-tuning) and the Fig. 6 ablation ("Federated
+Self-Supervised Learning for Dermatological Disease Diagnosis", sec. V-A) on the 10 dermatology devices.
+
+One pre-training run per method (``jobs/fedclf_derm`` and its switches, :data:`METHODS`) in the FLARE simulator,
+then per label fraction L (10 / 20 / 40 / 80 % of each device's training images):
+
+* Table I cells, one per (method, L, device): :func:`fedssl.train.resnet_classifier.local_finetune_device` from the
+  method's global encoder (Local CL: the device's own), Table I's protocol (Adam, batch 256, lr 1e-4, 20 epochs,
+  x0.2 at epochs 12 and 16; the profile's ``tables.fedclf.local`` may shorten it), best epoch on validation;
+* Table II cells, one per (method, L): ``jobs/fedclf_derm_finetune`` in the simulator (Local CL: device 1's own
+  encoder), the validation-selected global model tested on every device.
+
+Each table is written for mean recall and for mean precision (mean +- std over the 10 devices' test sets) with the
+paper's numbers beside it (labelled as the paper's); Fig. 6 is Table II's L = 10 % recall of W/o FE (FedMoCo), FE
+and FE+Neg (FedCLF).  A verdict line compares FedCLF with random init at the smallest L, paired by device.  Cells
+run through :mod:`fedssl.experiments.table_runner` (resume, progress with ETA); data: the device folders under
+``data_root`` or, by default, synthetic sources written and built under ``out/data``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from fedssl.core.checks import require, require_int
+from fedssl.data.fedclf_devices import build_devices, load_device
+from fedssl.data.fedclf_synthetic import SOURCES, write_synthetic_derm_sources
+from fedssl.eval.paper_tables import FEDCLF_SOURCE, fedclf_paper_rows
+from fedssl.experiments.fcl_finetune import load_global_state
+from fedssl.experiments.table_runner import CellStore, check_run_config, plain_json, run_cells, write_table
+from fedssl.ops.jobs import REPO_ROOT, component_specs, configured_job, load_profile
+from fedssl.ops.simulate import run_simulation
+from fedssl.train.resnet_classifier import local_finetune_device
+
+N_DEVICES = 10
+PRETRAIN_JOB, FINETUNE_JOB = "fedclf_derm", "fedclf_derm_finetune"
+_NO_BANKS = "server.aggregator.collectors=[]"
+#: method -> label, the paper's row (Tables I / II) or Fig. 6 bar, and the pre-training job's overrides (None: random)
+METHODS: dict[str, dict] = {
+    "random": {"label": "Random Init.", "paper": "Random Init.", "sets": None},
+    "local_cl": {"label": "Local CL", "paper": "Local CL",
+                 "sets": ["client.fedclf_trainer.federated=false", "client.fedclf_trainer.queue=none",
+                          'server.aggregator.exclude_patterns=["*"]', _NO_BANKS]},
+    "fedrotation": {"label": "FedRotation", "paper": "FedRotation",
+                    "sets": ["server.model.method=rotation", "client.fedclf_trainer.method=rotation",
+                             "client.fedclf_trainer.queue=none", _NO_BANKS]},
+    "fedsimclr": {"label": "FedSimCLR", "paper": "FedSimCLR",
+                  "sets": ["server.model.method=simclr", "client.fedclf_trainer.method=simclr",
+                           "client.fedclf_trainer.queue=none", _NO_BANKS]},
+    "fedmoco": {"label": "FedMoCo (W/o FE)", "fig6": "W/o FE", "sets": ["client.fedclf_trainer.queue=none", _NO_BANKS]},
+    "fe": {"label": "FE (eq. 4)", "fig6": "FE", "sets": ["client.fedclf_trainer.queue=fe"]},
+    "fedclf": {"label": "FedCLF", "paper": "FedCLF", "fig6": "FE+Neg", "sets": []},
+}
+FRACTIONS = (0.1, 0.2, 0.4, 0.8)
+TABLES = (1, 2)
+METRICS = {"recall": "balanced_accuracy", "precision": "macro_precision"}
+#: the runner's settings when the profile's ``tables.fedclf`` leaves them out
+DEFAULTS = {"n_isic": 2000, "image_px": 80, "difficulty": None, "seed": 0, "methods": list(METHODS),
+            "fractions": list(FRACTIONS), "tables": list(TABLES), "pretrain_rounds": None, "finetune_rounds": None,
+            "local": {}}
+#: settings that only pick cells (their cells' keys hold them): a re-run may add some to a folder
+SELECTORS = ("methods", "fractions", "tables")
+
+
+def table_settings(profile: str = "bench", **overrides) -> dict:
+    """:data:`DEFAULTS` < the profile's ``"tables": {"fedclf": {...}}`` < ``overrides`` (None ignored), checked."""
+    from_profile = load_profile(profile).get("tables", {}).get("fedclf", {}) if profile else {}
+    unknown = sorted(set(from_profile) - set(DEFAULTS))
+    require(not unknown, f"profile {profile!r} tables.fedclf", "keys", unknown, f"use keys of {sorted(DEFAULTS)}")
+    s = {**DEFAULTS, **from_profile, **{k: v for k, v in overrides.items() if v is not None}, "profile": profile}
+    for name, allowed in (("methods", list(METHODS)), ("fractions", list(FRACTIONS)), ("tables", list(TABLES))):
+        vals = list(s[name])
+        require(bool(vals) and all(v in allowed for v in vals) and len(set(vals)) == len(vals), "fedclf tables",
+                name, vals, f"use distinct values from {allowed}")
+        s[name] = vals
+    require_int("fedclf tables", "n_isic", s["n_isic"], 15, "use at least 15 synthetic ISIC images")
+    for name in ("pretrain_rounds", "finetune_rounds"):
+        if s[name] is not None:
+            require_int("fedclf tables", name, s[name], 1, "use a positive integer, or null for the profile's")
+    return s
+
+
+def pretrain_cells(s: dict) -> list[dict]:
+    return [{"stage": "pretrain", "method": m} for m in s["methods"] if METHODS[m]["sets"] is not None]
+
+
+def local_cells(s: dict) -> list[dict]:
+    return [{"stage": "local", "method": m, "fraction": f, "site": f"site-{k}"} for f in s["fractions"]
+            for m in s["methods"] for k in range(1, N_DEVICES + 1)] if 1 in s["tables"] else []
+
+
+def federated_cells(s: dict) -> list[dict]:
+    return [{"stage": "federated", "method": m, "fraction": f} for f in s["fractions"]
+            for m in s["methods"]] if 2 in s["tables"] else []
+
+
+def prepare_devices(out: str, s: dict, say: Callable[[str], None]) -> str:
+    """Synthetic sources (once) and the 10 device folders under ``out/data``; returns the devices folder."""
+    raw, devices = os.path.join(out, "data", "raw"), os.path.join(out, "data", "devices")
+    if not all(os.path.isdir(os.path.join(raw, src)) for src in SOURCES):
+        say(f"writing synthetic dermatology sources ({s['n_isic']} ISIC images, {s['image_px']} px) -> {raw}")
+        write_synthetic_derm_sources(raw, n_isic=s["n_isic"], seed=s["seed"], image_size=s["image_px"],
+                                     difficulty=s["difficulty"])
+    build_devices(devices, *(os.path.join(raw, src) for src in SOURCES), seed=s["seed"])
+    return devices
+
+
+def _job_sets(s: dict, stage: str) -> list[str]:
+    rounds = s[f"{stage}_rounds"]
+    return [f"server.scatter_and_gather.min_clients={N_DEVICES}"] + (
+        [f"server.scatter_and_gather.num_rounds={rounds}"] if rounds is not None else [])
+
+
+def pretrain(key: dict, out: str, devices: str, s: dict, simulate=run_simulation) -> dict:
+    """One pre-training run; its global model, summary and each device's checkpoint (Local CL's encoders)."""
+    ws = os.path.join(out, "ws", f"pretrain_{key['method']}")
+    run = simulate(os.path.join(REPO_ROOT, "jobs", PRETRAIN_JOB), ws, n_sites=N_DEVICES,
+                   data_root=os.path.join(devices, "{site}"), profile=s["profile"], echo=False,
+                   sets=[*_job_sets(s, "pretrain"), *METHODS[key["method"]]["sets"]])
+    sites = {f"site-{k}": os.path.join(ws, f"site-{k}", "simulate_job", "fedclf_client_state.pt")
+             for k in range(1, N_DEVICES + 1)}
+    return {"global_model": run["global_model"], "wall_time_s": run.get("simulator_wall_time_s"),
+            "bytes_per_site_per_round": run.get("bytes_per_site_per_round"), "site_states": sites}
+
+
+def init_state(method: str, pretrained: Mapping | None, site: str) -> dict | None:
+    """The state a fine-tuning starts from: None (random), the global model, or Local CL's device's own model."""
+    if pretrained is None:
+        return None
+    path = pretrained["site_states"][site] if method == "local_cl" else pretrained["global_model"]
+    return load_global_state(path)
+
+
+def local_settings(s: dict) -> dict:
+    """The ResNet of the fine-tuning job at the profile (width, crop) and Table I's protocol (profile-shortened)."""
+    files = configured_job(os.path.join(REPO_ROOT, "jobs", FINETUNE_JOB), s["profile"])
+    args = next(c for c in component_specs(files["app/config/config_fed_client.json"]) if c["id"] == "cls_trainer")["args"]
+    base = {"dataset": args["dataset"], "image_size": args["image_size"], "width": args["width"],
+            "eval_batch_size": args["eval_batch_size"], "max_steps_per_epoch": args["max_steps_per_epoch"],
+            "seed": args["seed"], "device": "cuda" if torch.cuda.is_available() else "cpu"}
+    return {**base, "epochs": 20, "milestones": [12, 16], "batch_size": 256, "lr": 1e-4, **s["local"]}
+
+
+def local_one(key: dict, devices: str, s: dict, pretrained: Mapping) -> dict:
+    """One Table I cell (a device's local fine-tuning at one L)."""
+    site = key["site"]
+    splits = [load_device(devices, site, split) for split in ("train", "val", "test")]
+    kw = local_settings(s)
+    row = local_finetune_device(*splits, init=init_state(key["method"], pretrained.get(key["method"]), site),
+                                site=site, label_fraction=key["fraction"], **kw)
+    return plain_json(row)
+
+
+def federated_one(key: dict, out: str, devices: str, s: dict, pretrained: Mapping, simulate=run_simulation) -> dict:
+    """One Table II cell: federated fine-tuning in the simulator, the selected model tested on every device."""
+    tag = f"{key['method']}_L{int(round(100 * key['fraction']))}"
+    init = ""
+    if key["method"] != "random":
+        init = pretrained[key["method"]]["global_model"]
+        if key["method"] == "local_cl":  # Local CL has no shared model: device 1's own encoder
+            init = os.path.join(out, "ws", "local_cl_site-1.pt")
+            torch.save({"model": init_state("local_cl", pretrained["local_cl"], "site-1")}, init)
+    run = simulate(os.path.join(REPO_ROOT, "jobs", FINETUNE_JOB), os.path.join(out, "ws", f"ft_{tag}"),
+                   n_sites=N_DEVICES, data_root=os.path.join(devices, "{site}"), profile=s["profile"], echo=False,
+                   sets=[*_job_sets(s, "finetune"), f"server.model.pretrained_path={init}",
+                         f"client.cls_trainer.label_fraction={key['fraction']}"])
+    with open(os.path.join(run["workspace"], "server", "simulate_job", "test_metrics.json")) as f:
+        report = json.load(f)
+    per_site = {site: {m: v.get(m) for m in METRICS.values()} for site, v in report["sites"].items()}
+    return {"sites": per_site, "model": report.get("model"), "wall_time_s": run.get("simulator_wall_time_s")}
+
+
+def per_device(results: Mapping, stage: str) -> dict[tuple[str, float], dict[str, dict[str, float]]]:
+    """{(method, L): {site: {metric: value}}} of the finished cells of one stage."""
+    out: dict = {}
+    for key, r in results.items():
+        if key[0] != stage:
+            continue
+        _, method, fraction, site = key
+        if stage == "local":
+            out.setdefault((method, fraction), {})[site] = {m: r["test"][v] for m, v in METRICS.items()}
+        else:
+            for s, vals in r["sites"].items():
+                out.setdefault((method, fraction), {})[s] = {m: vals[v] for m, v in METRICS.items()}
+    return out
+
+
+def summary_rows(values: Mapping, table: str, metric: str) -> list[dict]:
+    """mean +- std (population, over devices) in %, one row per (method, L)."""
+    rows = []
+    for (method, fraction), sites in values.items():
+        vals = [100.0 * v[metric] for v in sites.values() if v[metric] is not None]
+        if vals:
+            rows.append({"table": table, "method": METHODS[method]["label"], "column": f"L={int(round(100 * fraction))}%",
+                         "mean": float(np.mean(vals)), "std": float(np.std(vals)), "n": len(vals)})
+    return rows
+
+
+def verdict(values: Mapping, table: str, method: str = "fedclf", baseline: str = "random") -> str:
+    """FedCLF vs random init at the smallest L both ran, mean recall paired by device: helped / hurt when the mean
+    difference is beyond its std over devices."""
+    common = sorted({f for m, f in values if m == method} & {f for m, f in values if m == baseline})
+    if not common:
+        return f"{METHODS[method]['label']} vs {METHODS[baseline]['label']} ({table}): no common L"
+    f = common[0]
+    a, b = values[(method, f)], values[(baseline, f)]
+    diffs = np.array([100.0 * (a[s]["recall"] - b[s]["recall"]) for s in sorted(set(a) & set(b))])
+    mean, std = float(diffs.mean()), float(diffs.std())
+    word = "helped" if mean > std else "hurt" if mean < -std else "within the spread (no clear effect)"
+    return (f"{METHODS[method]['label']} vs {METHODS[baseline]['label']}, {table} at L={int(round(100 * f))}%: "
+            f"{mean:+.2f} +- {std:.2f} mean recall (points) over {len(diffs)} devices -> pre-training {word}")
+
+
+def _paper(table: str, metric: str, methods: Sequence[str]) -> list[dict]:
+    rows = fedclf_paper_rows(table, metric, [METHODS[m]["paper"] for m in methods if METHODS[m].get("paper")])
+    label = {METHODS[m]["paper"]: METHODS[m]["label"] for m in methods if METHODS[m].get("paper")}
+    return [{**r, "method": label[r["method"]]} for r in rows]
+
+
+def write_tables(out: str, s: dict, results: Mapping, say: Callable[[str], None]) -> dict:
+    written = {}
+    for table, stage, roman in ((1, "local", "I"), (2, "federated", "II")):
+        values = per_device(results, stage)
+        if table not in s["tables"] or not values:
+            continue
+        notes = [f"profile {s['profile']}; {stage} fine-tuning; mean +- std over the {N_DEVICES} devices' test sets",
+                 verdict(values, f"Table {roman}")]
+        for metric in METRICS:
+            name = f"table{roman}_{metric}"
+            written[name] = write_table(out, name, summary_rows(values, f"Table {roman}", metric),
+                                        title=f"FedCLF Table {roman}: {stage} fine-tuning, mean {metric} (%)",
+                                        paper=_paper(roman, metric, s["methods"]),
+                                        paper_source=FEDCLF_SOURCE.format(table=f"Table {roman}"), score=f"{metric} (%)",
+                                        notes=notes, digits=2)
+            with open(written[name]["txt"]) as f:
+                say(f.read().rstrip())
+        fig = {k: v for k, v in values.items() if METHODS[k[0]].get("fig6") and k[1] == 0.1}
+        if stage == "federated" and fig:
+            rows = summary_rows(fig, "Fig. 6", "recall")
+            paper = [{**r, "method": next(METHODS[m]["label"] for m in METHODS if METHODS[m].get("fig6") == r["method"])}
+                     for r in fedclf_paper_rows("Fig6")]
+            written["fig6"] = write_table(out, "fig6_recall", rows, title="FedCLF Fig. 6: ablation, federated L=10%",
+                                          paper=paper, paper_source=FEDCLF_SOURCE.format(table="Fig. 6"),
+                                          score="recall (%)", digits=2)
+    return written
+
+
+def run_fedclf_tables(out: str, settings: dict, *, data_root: str | None = None, workers: int = 1,
+                      say: Callable[[str], None] = print, simulate=run_simulation) -> dict:
+    """Run (or resume) the cells of the chosen tables into ``out`` and write their files."""
+    t0 = time.time()
+    out = os.path.abspath(out)
+    os.makedirs(out, exist_ok=True)
+    check_run_config(out, {**{k: v for k, v in settings.items() if k not in SELECTORS}, "data_root": data_root})
+    devices = os.path.abspath(data_root) if data_root else prepare_devices(out, settings, say)
+    store = CellStore(os.path.join(out, "cells.jsonl"))
+    pre = pretrain_cells(settings)
+    done = run_cells(pre, lambda key: pretrain(key, out, devices, settings, simulate), store, say=say,
+                     label="FedCLF pre-training (FLARE simulator)")
+    pretrained = {k["method"]: r for k, r in zip(pre, done)}
+    results = {}
+    cells = local_cells(settings)
+    if cells:
+        fn = functools.partial(local_one, devices=devices, s=settings, pretrained=pretrained)
+        rows = run_cells(cells, fn, store, say=say, workers=workers, cost=lambda key: key["fraction"],
+                         label="Table I cells (local fine-tuning)")
+        results.update({("local", k["method"], k["fraction"], k["site"]): r for k, r in zip(cells, rows)})
+    cells = federated_cells(settings)
+    if cells:
+        rows = run_cells(cells, lambda key: federated_one(key, out, devices, settings, pretrained, simulate), store,
+                         say=say, label="Table II cells (federated fine-tuning, FLARE simulator)")
+        results.update({("federated", k["method"], k["fraction"], None): r for k, r in zip(cells, rows)})
+    written = write_tables(out, settings, results, say)
+    say(f"FedCLF tables done in {time.time() - t0:.0f} s; files under {out}")
+    return written

@@ -1,0 +1,104 @@
+"""The FedCLF tables runner (fedssl.experiments.fedclf_tables) with a fake simulator and a fake local protocol:
+cells, the inits each cell starts from, rows by hand, the verdict, files with the paper's numbers, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from fedssl.experiments import fedclf_tables as ft
+from fedssl.models.resnet import PretrainingResNet
+
+torch.set_num_threads(1)
+
+RECALL = {"random": 0.40, "local_cl": 0.42, "fedclf": 0.50}
+
+
+class FakeSimulator:
+    """Writes what a finished run leaves: a pre-training global model and the devices' checkpoints, or a fine-tuning
+    test report whose mean recall per device depends on the method it started from."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, job_dir, workspace, *, n_sites, data_root, profile, sets, echo):
+        self.calls.append({"job": os.path.basename(job_dir), "workspace": workspace, "sets": list(sets)})
+        run_dir = os.path.join(workspace, "server", "simulate_job")
+        os.makedirs(run_dir, exist_ok=True)
+        model = os.path.join(run_dir, "FL_global_model.pt")
+        if job_dir.endswith(ft.PRETRAIN_JOB):
+            torch.save({"model": PretrainingResNet("moco", 4, 8, seed=len(self.calls)).state_dict()}, model)
+            for k in range(1, n_sites + 1):
+                os.makedirs(os.path.join(workspace, f"site-{k}", "simulate_job"), exist_ok=True)
+                torch.save({"trainer": {"model": PretrainingResNet("moco", 4, 8, seed=100 + k).state_dict()}},
+                           os.path.join(workspace, f"site-{k}", "simulate_job", "fedclf_client_state.pt"))
+        else:
+            init = next(s.split("=", 1)[1] for s in sets if s.startswith("server.model.pretrained_path="))
+            method = "random" if not init else "local_cl" if "local_cl" in init else "fedclf"
+            sites = {f"site-{k}": {"balanced_accuracy": RECALL[method] + 0.01 * k, "macro_precision": 0.3}
+                     for k in range(1, n_sites + 1)}
+            with open(os.path.join(run_dir, "test_metrics.json"), "w") as f:
+                json.dump({"sites": sites, "model": "best"}, f)
+        return {"global_model": model, "workspace": workspace, "simulator_wall_time_s": 1.0}
+
+
+@pytest.fixture
+def fake_local(monkeypatch):
+    seen = []
+
+    def local(train, val, test, *, init, site, label_fraction, **kw):
+        k = int(site.split("-")[1])
+        kind = "random" if init is None else "own" if torch.equal(
+            init["main.head.0.weight"], PretrainingResNet("moco", 4, 8, seed=100 + k).state_dict()["main.head.0.weight"]) \
+            else "global"
+        seen.append((site, kind, label_fraction, kw["epochs"]))
+        base = {"random": 0.40, "own": 0.42, "global": 0.45}[kind]
+        return {"site": site, "test": {"balanced_accuracy": base + 0.01 * (k % 2), "macro_precision": 0.3}}
+
+    monkeypatch.setattr(ft, "local_finetune_device", local)
+    monkeypatch.setattr(ft, "load_device", lambda root, site, split: [])
+    return seen
+
+
+def test_cells_per_table():
+    s = ft.table_settings("bench")
+    assert len(ft.pretrain_cells(s)) == 6  # every method but random init pre-trains
+    assert len(ft.local_cells(s)) == 4 * 7 * 10 and len(ft.federated_cells(s)) == 4 * 7
+    assert ft.local_cells(ft.table_settings("bench", tables=[2])) == []
+    with pytest.raises(ValueError, match="fractions="):
+        ft.table_settings("bench", fractions=[0.3])
+
+
+def test_runner_inits_rows_verdict_and_resume(tmp_path, fake_local):
+    s = ft.table_settings("bench", methods=["random", "local_cl", "fedclf"], fractions=[0.1], local={"epochs": 2})
+    sim = FakeSimulator()
+    lines = []
+    written = ft.run_fedclf_tables(str(tmp_path / "out"), s, data_root=str(tmp_path), say=lines.append, simulate=sim)
+    jobs = [c["job"] for c in sim.calls]
+    assert jobs == [ft.PRETRAIN_JOB] * 2 + [ft.FINETUNE_JOB] * 3
+    # Table I: random init from nothing, Local CL from each device's own encoder, FedCLF from the global model
+    kinds = {(site, kind) for site, kind, _, _ in fake_local}
+    assert ("site-3", "own") in kinds and ("site-3", "global") in kinds and ("site-3", "random") in kinds
+    assert {e for *_, e in fake_local} == {2} and {f for _, _, f, _ in fake_local} == {0.1}
+    # Table II: Local CL fine-tunes from device 1's own encoder, exported as a model file
+    local_cl = next(c for c in sim.calls[2:] if "local_cl_site-1.pt" in " ".join(c["sets"]))
+    assert "client.cls_trainer.label_fraction=0.1" in local_cl["sets"]
+    # rows by hand: Table I recall for FedCLF = mean of 45 / 46 over 10 devices = 45.5 +- 0.5
+    with open(written["tableI_recall"]["json"]) as f:
+        t1 = json.load(f)
+    row = next(r for r in t1["rows"] if r["method"] == "FedCLF")
+    assert row["mean"] == pytest.approx(45.5) and row["std"] == pytest.approx(0.5) and row["n"] == 10
+    assert any(r["method"] == "FedCLF" and r["mean"] == 30.41 for r in t1["paper"]["rows"])  # the paper's Table I
+    # Table II: 50 + k vs 40 + k per device: +10.00 +- 0.00 -> helped
+    text = open(written["tableII_recall"]["txt"]).read()
+    assert "FedCLF vs Random Init., Table II at L=10%: +10.00 +- 0.00 mean recall (points) over 10 devices -> " \
+           "pre-training helped" in text
+    assert os.path.isfile(written["fig6"]["png"])
+    # resume: nothing runs again
+    again = FakeSimulator()
+    fake_local.clear()
+    ft.run_fedclf_tables(str(tmp_path / "out"), s, data_root=str(tmp_path), say=lines.append, simulate=again)
+    assert again.calls == [] and fake_local == []

@@ -34,6 +34,8 @@ from fedssl.data.acdc import load_site
 from fedssl.data.acdc_synthetic import write_synthetic_acdc
 from fedssl.data.cxr import CXRDataset, load_cxr_site
 from fedssl.data.cxr_synthetic import write_synthetic_nih
+from fedssl.data.fedclf_devices import build_devices
+from fedssl.data.fedclf_synthetic import SOURCES, write_synthetic_derm_sources
 from fedssl.data.image_sites import write_site_folders
 from fedssl.data.image_synthetic import write_synthetic_images
 from fedssl.data.images import ImageDataset, load_image_records
@@ -51,12 +53,13 @@ SITES = ["site-1", "site-2"]
 DATASET = {"fcl_acdc": "acdc", "fcl_acdc_finetune": "acdc", "fclopt_acdc": "acdc", "fedmae_derm": "derm",
            "fedmae_derm_finetune": "derm", "sslfl_beit_retina": "retina", "sslfl_mae_retina": "retina",
            "sslfl_retina_finetune": "retina", "surgical_cxr": "cxr", "sslfl_mae_covidfl": "covidfl",
-           "sslfl_covidfl_finetune": "covidfl", "sslfl_mae_derm": "derm_mel", "sslfl_derm_finetune": "derm_mel"}
+           "sslfl_covidfl_finetune": "covidfl", "sslfl_mae_derm": "derm_mel", "sslfl_derm_finetune": "derm_mel",
+           "fedclf_derm": "derm5", "fedclf_derm_finetune": "derm5"}
 #: data sets published only in SSL-FL's release layout: sites are cut from a release by the partitioner
 RELEASES = ("covidfl", "derm_mel")
 IMAGE_SETS = ("retina", "derm", *RELEASES)
 #: on top of the quick profile: fewer steps (what is uploaded does not depend on how long a site trains)
-SPEED = {"fcl_trainer": {"max_steps_per_round": 2}, "byol_trainer": {"max_steps_per_round": 2},
+SPEED = {"fcl_trainer": {"max_steps_per_round": 2}, "fedclf_trainer": {"max_steps_per_round": 2}, "byol_trainer": {"max_steps_per_round": 2},
          "seg_trainer": {"local_epochs": 1, "max_steps_per_epoch": 2}, "mim_trainer": {"max_steps_per_round": 2},
          "cls_trainer": {"max_steps_per_epoch": 2}, "cxr_trainer": {"local_epochs": 1, "max_steps_per_epoch": 1,
                                                                    "n_bootstrap": 0}}
@@ -79,6 +82,9 @@ def data(tmp_path_factory):
                            release_split="", seed=0)
     write_synthetic_acdc(root / "acdc", n_patients=5, n_sites=1, seed=0, shape=(48, 48), n_frames=3,
                          slices_range=(4, 5))
+    # FedCLF devices (site-1 ... site-10, each with train / val / test class folders)
+    write_synthetic_derm_sources(str(root / "derm5_raw"), n_isic=200, seed=0, image_size=40)
+    build_devices(str(root / "derm5"), *(str(root / "derm5_raw" / s) for s in SOURCES), seed=0, short_edge=36)
     return root
 
 
@@ -91,6 +97,11 @@ def site_data(kind: str, root: Path, site: str, args: dict) -> SiteData:
             ds = ImageDataset(load_image_records(str(sub), kind, site=site), args["image_size"], "eval", kind)
             out.add_images(torch.stack([ds[i][0] for i in range(len(ds))]), args["patch_size"])
             out.add_files(str(sub))
+    elif kind == "derm5":  # a FedCLF device: its three splits
+        for split in ("train", "val", "test"):
+            ds = ImageDataset(load_image_records(str(folder / split), kind, site=site), args["image_size"], "eval", kind)
+            out.add_images(torch.stack([ds[i][0] for i in range(len(ds))]))
+        out.add_files(str(folder))
     elif kind == "acdc":
         for frames in ("ed_es", "all"):
             vols = load_site(str(folder), with_labels=False, target_spacing=args["target_spacing"],
@@ -236,7 +247,7 @@ ROUNDS = {"fcl_acdc": train_round, "fcl_acdc_finetune": train_round, "fclopt_acd
           "fedmae_derm": train_round, "fedmae_derm_finetune": classifier_round, "sslfl_beit_retina": beit_round,
           "sslfl_mae_retina": train_round, "sslfl_retina_finetune": classifier_round, "surgical_cxr": surgical_round,
           "sslfl_mae_covidfl": train_round, "sslfl_covidfl_finetune": classifier_round, "sslfl_mae_derm": train_round,
-          "sslfl_derm_finetune": classifier_round}
+          "sslfl_derm_finetune": classifier_round, "fedclf_derm": train_round, "fedclf_derm_finetune": classifier_round}
 
 
 def scanned(job: str, data: Path, tmp_path: Path) -> tuple[SiteRun, dict[str, list[str]]]:

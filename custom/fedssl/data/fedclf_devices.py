@@ -18,7 +18,9 @@ images), ``site-8`` (AtlasDerm), ``site-9`` (Dermnet) and ``site-10`` (DarkDerm)
 paper's devices -- each split 60/20/20 into ``train``, ``val`` and ``test`` (stratified per class, seeded) in the
 ``derm5`` class-folder layout, every image resized with bilinear interpolation so that its shorter edge is 72 px,
 aspect ratio kept, and saved as PNG; ``devices.json`` records the sources, the per-split class counts, the
-settings and what was skipped.  No image of one device is written into another's folder.
+settings and what was skipped.  No image of one device is written into another's folder.  The folders are written
+under ``<out>.partial`` and renamed to ``out`` when complete, so a build that stops (a corrupt image) leaves no
+half-built ``out``; the next build replaces the leftovers.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,6 +53,8 @@ ISIC_FIVE_CLASS_COUNTS = {"MEL": 4522, "NV": 12875, "BCC": 3323, "DF": 239, "SCC
 FRACTIONS = (0.6, 0.2, 0.2)
 SPLITS = ("train", "val", "test")
 SHORT_EDGE = 72
+#: an ISIC device needs an image in each of train / val / test
+MIN_PER_DEVICE = 3
 #: normalised category-folder name -> FedCLF class
 CATEGORY_ALIASES = {
     **dict.fromkeys(("bcc", "basalcellcarcinoma", "basalcellcarcinomas", "basalioma"), "BCC"),
@@ -151,22 +156,24 @@ def resize_short_edge(path: str, short_edge: int, site: str):
                              "remove the file") from None
 
 
-def _settings(seed: int, short_edge: int, fractions: Sequence[float], sources: dict) -> dict:
-    return {"seed": seed, "short_edge": short_edge, "fractions": list(fractions),
-            "sources": {k: os.path.abspath(v) for k, v in sources.items()}}
+def _settings(seed: int, short_edge: int, fractions: Sequence[float]) -> dict:
+    """What decides the devices' content (the sources' paths are recorded beside it: moving them changes nothing)."""
+    return {"seed": seed, "short_edge": short_edge, "fractions": list(fractions)}
 
 
 def build_devices(out: str, isic_root: str, atlas_root: str, dermnet_root: str, darkderm_root: str, *, seed: int = 0,
                   short_edge: int = SHORT_EDGE, fractions: Sequence[float] = FRACTIONS) -> dict:
     """Write the 10 device folders under ``out`` (see the module docstring) and return the ``devices.json`` report.
     A folder already built with the same settings is kept (its report returned); other settings are refused."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed={seed!r}: use a non-negative integer")
     if isinstance(short_edge, bool) or not isinstance(short_edge, int) or short_edge < 8:
         raise ValueError(f"short_edge={short_edge!r}: use the shorter edge in pixels (paper: 72)")
     if len(fractions) != 3 or any(f <= 0 for f in fractions) or abs(sum(fractions) - 1.0) > 1e-9:
         raise ValueError(f"fractions={list(fractions)!r}: use three positive train/val/test fractions summing to 1 "
                          "(paper: [0.6, 0.2, 0.2])")
     sources = {"ISIC 2019": isic_root, "AtlasDerm": atlas_root, "Dermnet": dermnet_root, "DarkDerm": darkderm_root}
-    settings = _settings(seed, short_edge, fractions, sources)
+    settings = _settings(seed, short_edge, fractions)
     report_path = os.path.join(out, "devices.json")
     if os.path.isfile(report_path):
         with open(report_path) as f:
@@ -176,15 +183,24 @@ def build_devices(out: str, isic_root: str, atlas_root: str, dermnet_root: str, 
                              "another folder or remove it")
         return report
     if os.path.isdir(out) and os.listdir(out):
-        raise ValueError(f"{out} is not empty and holds no devices.json; build the devices into an empty folder")
+        raise ValueError(f"{out} is not empty and holds no devices.json (a build that stopped part-way leaves none: "
+                         "remove the folder and build again), or build into an empty folder")
     isic, dropped = read_isic_five(isic_root)
+    if len(isic) < MIN_PER_DEVICE * N_ISIC_DEVICES:
+        raise ImageDataError(f"[source ISIC 2019] {len(isic)} images of the five classes in {isic_root}: too few for "
+                             f"{N_ISIC_DEVICES} devices with a train / val / test split each. Fix: at least "
+                             f"{MIN_PER_DEVICE * N_ISIC_DEVICES} five-class images (the real set has 21,587)")
     devices = [("ISIC 2019", shard) for shard in isic_shards(isic, N_ISIC_DEVICES, seed)]
     skipped = {"ISIC 2019": {"dropped_classes": dropped}}
     for source, root in zip(CLASS_TREE_SOURCES, (atlas_root, dermnet_root, darkderm_root)):
         records, info = read_class_tree(root, source)
         devices.append((source, records))
         skipped[source] = info
-    report: dict = {"settings": settings, "classes": list(DERM5_CLASSES), "skipped": skipped, "devices": {}}
+    report: dict = {"settings": settings, "sources": {k: os.path.abspath(v) for k, v in sources.items()},
+                    "classes": list(DERM5_CLASSES), "skipped": skipped, "devices": {}}
+    final, out = out, f"{os.path.abspath(out).rstrip(os.sep)}.partial"
+    if os.path.isdir(out):
+        shutil.rmtree(out)  # the leftovers of a build that stopped part-way
     for k, (source, records) in enumerate(devices, start=1):
         site = f"site-{k}"
         parts = split_device(records, seed * 1000 + k, fractions)
@@ -197,8 +213,11 @@ def build_devices(out: str, isic_root: str, atlas_root: str, dermnet_root: str, 
                 resize_short_edge(r.path, short_edge, site).save(os.path.join(folder, f"{i:05d}_{stem}.png"))
             counts[split] = {c: sum(r.label == i for r in members) for i, c in enumerate(DERM5_CLASSES)}
         report["devices"][site] = {"source": source, "images": len(records), "counts": counts}
-    with open(report_path, "w") as f:
+    with open(os.path.join(out, "devices.json"), "w") as f:
         json.dump(report, f, indent=2)
+    if os.path.isdir(final):
+        os.rmdir(final)  # empty (checked above)
+    os.rename(out, final)  # complete or not at all
     return report
 
 

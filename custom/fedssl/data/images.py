@@ -175,9 +175,11 @@ def layout_paths(dataset: str) -> tuple[Optional[str], Optional[str], str]:
 def _check_root(root: PathLike, dataset: str, site: str) -> str:
     r = os.path.abspath(os.fspath(root))
     if not os.path.isdir(r):
+        tools = ("`fedssl fedclf synth` and device folders with `fedssl fedclf devices`" if dataset == "derm5" else
+                 "`fedssl sslfl synth` and site folders with `fedssl sslfl partition`")
         raise _err(site, r, f"{dataset} data folder does not exist or is not a directory",
-                   "point the site's data_root at its data folder (write synthetic data with "
-                   "`fedssl sslfl synth` and site folders with `fedssl sslfl partition` if the real data is not here)")
+                   f"point the site's data_root at its data folder (write synthetic data with {tools} if the real "
+                   "data is not here)")
     return r
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 
-from fedssl.cli import COUNT, NON_NEGATIVE_REAL, SEED, Verb, add_family
+from fedssl.cli import COUNT, FRACTION, NON_NEGATIVE_REAL, SEED, Verb, add_family
 
 SOURCE_FLAGS = (("isic", "ISIC 2019 training set (ground-truth CSV + ISIC_2019_Training_Input/)"),
                 ("atlasderm", "AtlasDerm class-per-folder tree"), ("dermnet", "Dermnet class-per-folder tree"),
@@ -60,9 +60,9 @@ def _tables_args(s) -> None:
     from fedssl.experiments.fedclf_tables import FRACTIONS, METHODS, TABLES
 
     s.add_argument("--out", required=True, help="output folder: cells.jsonl (resume), tableI/II_{recall,precision}.*")
-    s.add_argument("--tables", type=int, nargs="+", choices=list(TABLES), default=None)
+    s.add_argument("--tables", type=COUNT, nargs="+", choices=list(TABLES), default=None)
     s.add_argument("--methods", nargs="+", choices=list(METHODS), default=None)
-    s.add_argument("--fractions", type=float, nargs="+", choices=list(FRACTIONS), default=None)
+    s.add_argument("--fractions", type=FRACTION, nargs="+", choices=list(FRACTIONS), default=None)
     s.add_argument("--profile", default="bench")
     s.add_argument("--data-root", default=None, help="device folders (fedssl fedclf devices); default: synthetic")
     s.add_argument("--workers", type=COUNT, default=1, help="processes for Table I's local fine-tuning cells")

@@ -63,7 +63,7 @@ METRICS = {"recall": "balanced_accuracy", "precision": "macro_precision"}
 #: the runner's settings when the profile's ``tables.fedclf`` leaves them out
 DEFAULTS = {"n_isic": 2000, "image_px": 80, "difficulty": None, "seed": 0, "methods": list(METHODS),
             "fractions": list(FRACTIONS), "tables": list(TABLES), "pretrain_rounds": None, "finetune_rounds": None,
-            "local": {}}
+            "pretrain_sets": [], "finetune_sets": [], "local": {}}
 #: settings that only pick cells (their cells' keys hold them): a re-run may add some to a folder
 SELECTORS = ("methods", "fractions", "tables")
 
@@ -83,6 +83,9 @@ def table_settings(profile: str = "bench", **overrides) -> dict:
     for name in ("pretrain_rounds", "finetune_rounds"):
         if s[name] is not None:
             require_int("fedclf tables", name, s[name], 1, "use a positive integer, or null for the profile's")
+    for name in ("pretrain_sets", "finetune_sets"):
+        require(isinstance(s[name], list) and all(isinstance(x, str) and "=" in x for x in s[name]), "fedclf tables",
+                name, s[name], 'use a list of --set overrides of the job, e.g. ["client.cls_trainer.local_epochs=2"]')
     return s
 
 
@@ -112,9 +115,10 @@ def prepare_devices(out: str, s: dict, say: Callable[[str], None]) -> str:
 
 
 def _job_sets(s: dict, stage: str) -> list[str]:
+    """The ``--set`` overrides of every run of one stage: all devices, the rounds, then ``<stage>_sets``."""
     rounds = s[f"{stage}_rounds"]
     return [f"server.scatter_and_gather.min_clients={N_DEVICES}"] + (
-        [f"server.scatter_and_gather.num_rounds={rounds}"] if rounds is not None else [])
+        [f"server.scatter_and_gather.num_rounds={rounds}"] if rounds is not None else []) + list(s[f"{stage}_sets"])
 
 
 def pretrain(key: dict, out: str, devices: str, s: dict, simulate=run_simulation) -> dict:
@@ -139,7 +143,7 @@ def init_state(method: str, pretrained: Mapping | None, site: str) -> dict | Non
 
 def local_settings(s: dict) -> dict:
     """The ResNet of the fine-tuning job at the profile (width, crop) and Table I's protocol (profile-shortened)."""
-    files = configured_job(os.path.join(REPO_ROOT, "jobs", FINETUNE_JOB), s["profile"])
+    files = configured_job(os.path.join(REPO_ROOT, "jobs", FINETUNE_JOB), s["profile"], sets=_job_sets(s, "finetune"))
     args = next(c for c in component_specs(files["app/config/config_fed_client.json"]) if c["id"] == "cls_trainer")["args"]
     base = {"dataset": args["dataset"], "image_size": args["image_size"], "width": args["width"],
             "eval_batch_size": args["eval_batch_size"], "max_steps_per_epoch": args["max_steps_per_epoch"],
@@ -279,3 +283,15 @@ def run_fedclf_tables(out: str, settings: dict, *, data_root: str | None = None,
     written = write_tables(out, settings, results, say)
     say(f"FedCLF tables done in {time.time() - t0:.0f} s; files under {out}")
     return written
+
+
+#: ``fedssl fedclf demo``: FedCLF vs FedMoCo vs random init, local and federated fine-tuning at L = 10 and 80 %, at
+#: the quick profile (its ``tables.fedclf`` holds the demo's data size, rounds and overrides)
+DEMO = {"methods": ["random", "fedmoco", "fedclf"], "fractions": [0.1, 0.8], "tables": [1, 2]}
+
+
+def run_fedclf_demo(out: str, *, workers: int = 2, profile: str = "quick", say: Callable[[str], None] = print,
+                    simulate=run_simulation) -> dict:
+    """The FedCLF demo: :func:`run_fedclf_tables` with :data:`DEMO`'s cells at ``profile`` (resumable like it)."""
+    return run_fedclf_tables(out, table_settings(profile, **DEMO), workers=workers, say=say, simulate=simulate)
+

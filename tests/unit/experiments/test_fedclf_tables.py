@@ -102,3 +102,34 @@ def test_runner_inits_rows_verdict_and_resume(tmp_path, fake_local):
     fake_local.clear()
     ft.run_fedclf_tables(str(tmp_path / "out"), s, data_root=str(tmp_path), say=lines.append, simulate=again)
     assert again.calls == [] and fake_local == []
+
+
+def test_stage_sets_reach_every_run_of_their_stage(tmp_path, fake_local):
+    s = ft.table_settings("bench", methods=["random", "fedclf"], fractions=[0.1], tables=[2], pretrain_rounds=3,
+                          pretrain_sets=["client.fedclf_trainer.batch_size=32"],
+                          finetune_sets=["client.cls_trainer.local_epochs=2"])
+    sim = FakeSimulator()
+    ft.run_fedclf_tables(str(tmp_path / "out"), s, data_root=str(tmp_path), say=lambda m: None, simulate=sim)
+    pre, *fine = sim.calls
+    assert pre["sets"][:3] == ["server.scatter_and_gather.min_clients=10", "server.scatter_and_gather.num_rounds=3",
+                               "client.fedclf_trainer.batch_size=32"]
+    assert all("client.cls_trainer.local_epochs=2" in c["sets"] for c in fine) and len(fine) == 2
+    assert all("client.fedclf_trainer.batch_size=32" not in c["sets"] for c in fine)
+    # Table I's model shape follows the fine-tuning job with the same overrides
+    assert ft.local_settings(ft.table_settings("bench", finetune_sets=["shape.width=4"]))["width"] == 4
+    with pytest.raises(ValueError, match="finetune_sets"):
+        ft.table_settings("bench", finetune_sets=["local_epochs"])
+
+
+def test_demo_runs_its_cells_at_the_quick_profile(tmp_path, fake_local, monkeypatch):
+    seen = {}
+
+    def tables(out, settings, **kw):
+        seen.update(settings)
+        return {}
+
+    monkeypatch.setattr(ft, "run_fedclf_tables", tables)
+    ft.run_fedclf_demo(str(tmp_path))
+    assert seen["profile"] == "quick" and seen["methods"] == ["random", "fedmoco", "fedclf"]
+    assert seen["fractions"] == [0.1, 0.8] and seen["tables"] == [1, 2]
+    assert len(ft.local_cells(seen)) == 3 * 2 * 10 and len(ft.federated_cells(seen)) == 6

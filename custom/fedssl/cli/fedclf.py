@@ -64,6 +64,8 @@ def _tables_args(s) -> None:
     s.add_argument("--methods", nargs="+", choices=list(METHODS), default=None)
     s.add_argument("--fractions", type=FRACTION, nargs="+", choices=list(FRACTIONS), default=None)
     s.add_argument("--profile", default="bench")
+    s.add_argument("--seed", type=SEED, default=None,
+                   help="seed of the synthetic sources and the device splits (default: the profile's; one --out per seed)")
     s.add_argument("--data-root", default=None, help="device folders (fedssl fedclf devices); default: synthetic")
     s.add_argument("--workers", type=COUNT, default=1, help="processes for Table I's local fine-tuning cells")
 
@@ -71,7 +73,7 @@ def _tables_args(s) -> None:
 def _tables(a) -> None:
     from fedssl.experiments.fedclf_tables import run_fedclf_tables, table_settings
 
-    settings = table_settings(a.profile, tables=a.tables, methods=a.methods, fractions=a.fractions)
+    settings = table_settings(a.profile, tables=a.tables, methods=a.methods, fractions=a.fractions, seed=a.seed)
     run_fedclf_tables(a.out, settings, data_root=a.data_root, workers=a.workers, say=lambda m: print(m, flush=True))
 
 

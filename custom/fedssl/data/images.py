@@ -549,18 +549,28 @@ class ImageDataset(Dataset):
         return x
 
 
+def batch_bounds(n: int, batch_size: int, drop_last: bool = False, fold_single: bool = False) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each mini-batch of ``n`` items.  ``fold_single``: a last batch of one item joins the
+    batch before it (BatchNorm cannot train on one item whose features are 1 x 1)."""
+    stop = n - n % batch_size if drop_last else n
+    bounds = [(start, min(start + batch_size, stop)) for start in range(0, stop, batch_size)]
+    if fold_single and len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
+        bounds[-2:] = [(bounds[-2][0], bounds[-1][1])]
+    return bounds
+
+
 def batches(dataset: Dataset, batch_size: int, seed: int, epoch: int,
-            drop_last: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            drop_last: bool = False, fold_single: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Shuffled mini-batches ``(x [B, ...], y LongTensor [B])`` of ``dataset`` for one epoch, in the main
     process (no DataLoader workers). The order depends only on ``(seed, epoch)``; datasets with a
-    ``set_epoch`` method get ``epoch`` first, so their augmentation is reproducible too."""
+    ``set_epoch`` method get ``epoch`` first, so their augmentation is reproducible too.  ``fold_single``: see
+    :func:`batch_bounds`."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r}: must be a positive integer")
     if hasattr(dataset, "set_epoch"):
         dataset.set_epoch(epoch)
     n = len(dataset)
     order = np.random.default_rng([int(seed), int(epoch)]).permutation(n)
-    stop = n - n % batch_size if drop_last else n
-    for start in range(0, stop, batch_size):
-        items = [dataset[int(i)] for i in order[start : start + batch_size]]
+    for start, stop in batch_bounds(n, batch_size, drop_last, fold_single):
+        items = [dataset[int(i)] for i in order[start:stop]]
         yield torch.stack([x for x, _ in items]), torch.tensor([int(y) for _, y in items], dtype=torch.long)

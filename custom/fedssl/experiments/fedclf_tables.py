@@ -114,11 +114,17 @@ def prepare_devices(out: str, s: dict, say: Callable[[str], None]) -> str:
     return devices
 
 
+#: the component that trains on the sites, per stage (its ``seed`` and the server model's follow the run's seed)
+_TRAINER = {"pretrain": "fedclf_trainer", "finetune": "cls_trainer"}
+
+
 def _job_sets(s: dict, stage: str) -> list[str]:
-    """The ``--set`` overrides of every run of one stage: all devices, the rounds, then ``<stage>_sets``."""
+    """The ``--set`` overrides of every run of one stage: all devices, the rounds, the run's seed (model init and
+    the sites' sampling, as well as the data), then ``<stage>_sets``."""
     rounds = s[f"{stage}_rounds"]
     return [f"server.scatter_and_gather.min_clients={N_DEVICES}"] + (
-        [f"server.scatter_and_gather.num_rounds={rounds}"] if rounds is not None else []) + list(s[f"{stage}_sets"])
+        [f"server.scatter_and_gather.num_rounds={rounds}"] if rounds is not None else []) + [
+        f"server.model.seed={s['seed']}", f"client.{_TRAINER[stage]}.seed={s['seed']}", *s[f"{stage}_sets"]]
 
 
 def pretrain(key: dict, out: str, devices: str, s: dict, simulate=run_simulation) -> dict:

@@ -16,7 +16,6 @@ seed (every site builds the same model, and the server's broadcast replaces it a
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -29,6 +28,7 @@ from fedssl.data.images import (
     DATASETS,
     ImageDataset,
     ImageRecord,
+    batch_bounds,
     batches,
     class_histogram,
     class_names,
@@ -144,7 +144,7 @@ class ClassifierLocalTrainer:
         return int(self.model.head_steps) > 0
 
     def steps_per_epoch(self) -> int:
-        n = math.ceil(len(self.train_set) / self.batch_size)
+        n = len(batch_bounds(len(self.train_set), self.batch_size, fold_single=True))
         return min(n, self.max_steps_per_epoch) if self.max_steps_per_epoch else n
 
     def train_round(self, round_idx: int, should_stop: Callable[[], bool] | None = None) -> RoundStats:
@@ -161,7 +161,8 @@ class ClassifierLocalTrainer:
 
         for epoch in range(self.local_epochs):
             progress = round_idx + epoch / self.local_epochs
-            data = batches(self.train_set, self.batch_size, seed=self.data_seed, epoch=round_idx * self.local_epochs + epoch)
+            data = batches(self.train_set, self.batch_size, seed=self.data_seed, epoch=round_idx * self.local_epochs + epoch,
+                           fold_single=True)
             losses.append(trainer.train_round(data, progress, n_steps=n_steps * self.local_epochs,
                                               max_steps=self.max_steps_per_epoch or None, abort=stop))
             curve += [{"loss": x} for x in trainer.last_losses]

@@ -21,6 +21,7 @@ from fedssl.data.images import (
     ImageDataError,
     ImageDataset,
     ImageRecord,
+    batch_bounds,
     batches,
     class_histogram,
     class_names,
@@ -324,3 +325,16 @@ def test_batches_shuffle_per_epoch_and_cover_everything(data):
     assert not torch.equal(x0, x1)
     with pytest.raises(ValueError, match="batch_size"):
         next(batches(d, 0, seed=0, epoch=0))
+    # a last batch of one image joins the one before it (BatchNorm cannot train on one 1 x 1 feature map)
+    folded = list(batches(d, 3, seed=0, epoch=0, fold_single=True))
+    assert [len(y) for _, y in folded] == [3, 3, 4]
+    assert sorted(torch.cat([y for _, y in folded]).tolist()) == sorted(r.label for r in recs)
+    assert [len(y) for _, y in batches(d, 4, seed=0, epoch=0, fold_single=True)] == [4, 4, 2]
+
+
+def test_batch_bounds_by_hand():
+    assert batch_bounds(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert batch_bounds(9, 4, fold_single=True) == [(0, 4), (4, 9)]
+    assert batch_bounds(9, 4) == [(0, 4), (4, 8), (8, 9)]
+    assert batch_bounds(1, 4, fold_single=True) == [(0, 1)]  # nothing to join: one batch of one
+    assert batch_bounds(9, 4, drop_last=True, fold_single=True) == [(0, 4), (4, 8)]

@@ -111,8 +111,8 @@ def test_stage_sets_reach_every_run_of_their_stage(tmp_path, fake_local):
     sim = FakeSimulator()
     ft.run_fedclf_tables(str(tmp_path / "out"), s, data_root=str(tmp_path), say=lambda m: None, simulate=sim)
     pre, *fine = sim.calls
-    assert pre["sets"][:3] == ["server.scatter_and_gather.min_clients=10", "server.scatter_and_gather.num_rounds=3",
-                               "client.fedclf_trainer.batch_size=32"]
+    assert pre["sets"] == ["server.scatter_and_gather.min_clients=10", "server.scatter_and_gather.num_rounds=3",
+                           "server.model.seed=0", "client.fedclf_trainer.seed=0", "client.fedclf_trainer.batch_size=32"]
     assert all("client.cls_trainer.local_epochs=2" in c["sets"] for c in fine) and len(fine) == 2
     assert all("client.fedclf_trainer.batch_size=32" not in c["sets"] for c in fine)
     # Table I's model shape follows the fine-tuning job with the same overrides
@@ -133,3 +133,11 @@ def test_demo_runs_its_cells_at_the_quick_profile(tmp_path, fake_local, monkeypa
     assert seen["profile"] == "quick" and seen["methods"] == ["random", "fedmoco", "fedclf"]
     assert seen["fractions"] == [0.1, 0.8] and seen["tables"] == [1, 2]
     assert len(ft.local_cells(seen)) == 3 * 2 * 10 and len(ft.federated_cells(seen)) == 6
+
+
+def test_the_seed_reaches_the_models_and_the_sites():
+    s = ft.table_settings("bench", seed=3)
+    for stage, trainer in (("pretrain", "fedclf_trainer"), ("finetune", "cls_trainer")):
+        sets = ft._job_sets(s, stage)
+        assert "server.model.seed=3" in sets and f"client.{trainer}.seed=3" in sets
+    assert ft.local_settings(s)["seed"] == 3

@@ -53,6 +53,16 @@ def test_round_trains_the_head_then_validates(split):
         ResNetClassifierLocalTrainer(train, [], num_rounds=1, site="device-3", **TINY)
 
 
+def test_a_labelled_set_one_over_the_batch_trains(split):
+    """17 labelled images at batch 8 leave one image over: at 16 px, the last ResNet stage is 1 x 1, where
+    BatchNorm cannot train on one image; it joins the batch before (two steps of 8 and 9)."""
+    train, val, _ = split
+    t = ResNetClassifierLocalTrainer(train[:17], val, num_rounds=1, site="device-1", **TINY)
+    assert len(t.train_set) == 17 and t.steps_per_epoch() == 2
+    stats = t.train_round(0)
+    assert stats.steps == 2
+
+
 def test_local_protocol_tests_the_epoch_best_on_validation(split, monkeypatch):
     train, val, test = split
     scores = iter([0.2, 0.7, 0.4])  # validation mean recall per epoch: the second epoch is best

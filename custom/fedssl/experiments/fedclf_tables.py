@@ -233,6 +233,40 @@ def _paper(table: str, metric: str, methods: Sequence[str]) -> list[dict]:
     return [{**r, "method": label[r["method"]]} for r in rows]
 
 
+def pretrain_diagnostics(out: str, methods: Sequence[str]) -> dict[str, dict]:
+    """Per pre-trained method, from its run summary: the mean loss over devices and the devices' mean feature
+    spread (std of the normalised momentum features; a collapse shows as ~0) at the first, middle and last round,
+    and the mean number of remote features in the negative queue at the last round."""
+    diag = {}
+    for m in methods:
+        path = os.path.join(out, "ws", f"pretrain_{m}", "server", "simulate_job", "summary.json")
+        if METHODS[m]["sets"] is None or not os.path.isfile(path):
+            continue
+        with open(path) as f:
+            rounds = json.load(f).get("rounds", [])
+        if not rounds:
+            continue
+        picks = [rounds[0], rounds[len(rounds) // 2], rounds[-1]]
+        means = [r.get("site_record_means", {}) for r in picks]
+        diag[m] = {"rounds": [r["round"] for r in picks], "loss": [r.get("mean_loss") for r in picks],
+                   "feature_spread": [x.get("feature_std") for x in means],
+                   "queue_remote_fraction": means[-1].get("queue_remote_fraction")}
+    return diag
+
+
+def diagnostics_text(diag: Mapping[str, dict]) -> str:
+    def fmt(vals, digits):
+        return " / ".join("-" if v is None else f"{v:.{digits}f}" for v in vals)
+
+    lines = ["Pre-training diagnostics (mean over devices; feature spread ~0 = collapse)"]
+    for m, d in diag.items():
+        lines.append(f"  {METHODS[m]['label']}: rounds {fmt(d['rounds'], 0)}: loss {fmt(d['loss'], 3)}; "
+                     f"feature spread {fmt(d['feature_spread'], 3)}"
+                     + ("" if d["queue_remote_fraction"] is None else
+                        f"; remote share of the negative queue {d['queue_remote_fraction']:.2f}"))
+    return "\n".join(lines)
+
+
 def write_tables(out: str, s: dict, results: Mapping, say: Callable[[str], None]) -> dict:
     written = {}
     for table, stage, roman in ((1, "local", "I"), (2, "federated", "II")):
@@ -287,6 +321,14 @@ def run_fedclf_tables(out: str, settings: dict, *, data_root: str | None = None,
                          say=say, label="Table II cells (federated fine-tuning, FLARE simulator)")
         results.update({("federated", k["method"], k["fraction"], None): r for k, r in zip(cells, rows)})
     written = write_tables(out, settings, results, say)
+    diag = pretrain_diagnostics(out, settings["methods"])
+    if diag:
+        with open(os.path.join(out, "diagnostics.json"), "w") as f:
+            json.dump(plain_json(diag), f, indent=2)
+        with open(os.path.join(out, "diagnostics.txt"), "w") as f:
+            f.write(diagnostics_text(diag) + "\n")
+        say(diagnostics_text(diag))
+        written["diagnostics"] = {"json": os.path.join(out, "diagnostics.json"), "txt": os.path.join(out, "diagnostics.txt")}
     say(f"FedCLF tables done in {time.time() - t0:.0f} s; files under {out}")
     return written
 

@@ -31,6 +31,10 @@ class FakeSimulator:
         model = os.path.join(run_dir, "FL_global_model.pt")
         if job_dir.endswith(ft.PRETRAIN_JOB):
             torch.save({"model": PretrainingResNet("moco", 4, 8, seed=len(self.calls)).state_dict()}, model)
+            rounds = [{"round": r, "mean_loss": 5.0 - 0.5 * r,
+                       "site_record_means": {"feature_std": 0.1 / 2 ** r, "queue_remote_fraction": 1.0}} for r in range(3)]
+            with open(os.path.join(run_dir, "summary.json"), "w") as f:
+                json.dump({"rounds": rounds}, f)
             for k in range(1, n_sites + 1):
                 os.makedirs(os.path.join(workspace, f"site-{k}", "simulate_job"), exist_ok=True)
                 torch.save({"trainer": {"model": PretrainingResNet("moco", 4, 8, seed=100 + k).state_dict()}},
@@ -97,6 +101,10 @@ def test_runner_inits_rows_verdict_and_resume(tmp_path, fake_local):
     assert "FedCLF vs Random Init., Table II at L=10%: +10.00 +- 0.00 mean recall (points) over 10 devices -> " \
            "pre-training helped" in text
     assert os.path.isfile(written["fig6"]["png"])
+    # diagnostics: first / middle / last round of each pre-training's summary
+    diag = open(written["diagnostics"]["txt"]).read()
+    assert "FedCLF: rounds 0 / 1 / 2: loss 5.000 / 4.500 / 4.000; feature spread 0.100 / 0.050 / 0.025; " \
+           "remote share of the negative queue 1.00" in diag and "Local CL: rounds" in diag
     # resume: nothing runs again
     again = FakeSimulator()
     fake_local.clear()

@@ -6,7 +6,7 @@ default (what FLARE would build).  Settings that are not job arguments (the opti
 pinned in ``CODE_PINS`` against the class that holds them.
 
 Papers (/work/shared/seeds): 004 FCL / FCLOpt (Wu et al., MedIA 2022), 000 SSL-FL (Yan et al., IEEE TMI 2023),
-001 FedMAE-KS (Wu et al., dermatology), 002 Surgical aggregation (Kulkarni et al., ML4H 2024).
+001 FedMAE-KS (Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis"), 002 Surgical aggregation (Kulkarni et al., ML4H 2024).
 
 Not pinned, because the paper does not state them (the job's value is the bundle's choice or the reference code's):
 

@@ -1,4 +1,4 @@
-"""Supervised fine-tuning of a classifier (SSL-FL SSL-FL (Yan et al., IEEE TMI 2023) sec. III-D) and the metrics every fine-tuning job reports.
+"""Supervised fine-tuning of a classifier (SSL-FL (Yan et al., IEEE TMI 2023) sec. III-D) and the metrics every fine-tuning job reports.
 
 Pure torch / numpy (no FLARE, no scikit-learn): the FLARE executor, the local fine-tuning protocol and the
 tests all call these.

@@ -112,6 +112,32 @@ FEDCLF_TABLES: dict[str, dict[str, tuple[tuple[float, float], ...]]] = {
 FEDCLF_FIG6 = {"W/o FE": 44.72, "FE": 47.45, "FE+Neg": 48.03}
 
 
+#: FedMAE-KS sec. V-B, Table III: local fine-tuning at 80 % labels on the full ISIC 2019 (8 classes, 10 random
+#: partitions); (family, paper row) -> values in the order of :data:`FEDMAE_TABLE3_METRICS` (%)
+FEDMAE_TABLE3_METRICS = ("Recall", "Precision", "F1", "Specificity", "AUC", "Accuracy")
+FEDMAE_TABLE3: dict[tuple[str, str], tuple[float, ...]] = {
+    ("CNN", "Random Init."): (32.65, 36.23, 33.93, 92.45, 74.64, 58.92),
+    ("CNN", "Local CL"): (32.93, 40.87, 34.99, 92.89, 75.70, 62.51),
+    ("CNN", "FedRotation"): (33.38, 33.49, 32.49, 92.45, 74.26, 59.47),
+    ("CNN", "FedSimCLR"): (35.12, 40.85, 37.09, 93.01, 77.07, 62.00),
+    ("CNN", "FedMoCo"): (34.36, 40.43, 36.31, 93.02, 76.93, 62.30),
+    ("CNN", "FedCLF"): (37.52, 44.23, 39.80, 93.22, 77.35, 63.38),
+    ("ViT", "Random Init."): (35.69, 38.15, 36.56, 92.69, 77.42, 59.70),
+    ("ViT", "FedMAE"): (41.31, 45.41, 42.76, 93.63, 80.71, 64.80),
+}
+
+
+def fedmae_table3_rows(rows=None) -> list[dict]:
+    """Table III of the FedCLF / FedMAE-KS paper as :func:`fcl_paper_rows` gives them (one row per method and metric,
+    std None; the paper averages 3 runs), for ``rows`` ((family, paper row) pairs, default all)."""
+    unknown = [r for r in rows or () if tuple(r) not in FEDMAE_TABLE3]
+    if unknown:
+        raise ValueError(f"rows {unknown} are not rows of Table III; use some of {list(FEDMAE_TABLE3)}")
+    return [{"table": "Table III", "method": f"{family}: {m}", "column": metric, "mean": v[i], "std": None, "n": 3}
+            for (family, m), v in FEDMAE_TABLE3.items() if rows is None or (family, m) in [tuple(r) for r in rows]
+            for i, metric in enumerate(FEDMAE_TABLE3_METRICS)]
+
+
 def fedclf_paper_rows(table: str, metric: str = "recall", methods=None) -> list[dict]:
     """FedCLF's Table ``"I"`` or ``"II"`` (``metric`` "recall" or "precision", %) or ``"Fig6"`` (recall at L = 10 %)
     as :func:`fcl_paper_rows` gives them (std None), for ``methods`` (paper row names, default all)."""

@@ -57,6 +57,16 @@ def summarise(rows: Sequence[Mapping[str, Any]]) -> list[dict]:
     return out
 
 
+def paired_difference(a: Mapping[Any, float], b: Mapping[Any, float]) -> tuple[float, float, int, str]:
+    """``a - b`` paired by key (site): mean, population std over the common keys, their count, and the word:
+    "helped" when the mean exceeds the std, "hurt" when it is below minus the std, otherwise "within the spread"."""
+    keys = sorted(set(a) & set(b), key=str)
+    diffs = np.array([float(a[k]) - float(b[k]) for k in keys], dtype=np.float64)
+    mean, std = float(diffs.mean()), float(diffs.std())
+    word = "helped" if mean > std else "hurt" if mean < -std else "within the spread (no clear effect)"
+    return mean, std, len(keys), word
+
+
 def pretraining_verdict(rows: Sequence[Mapping[str, Any]], method: str, baseline: str = "random", *,
                         mode: str = "local") -> str:
     """One line: did ``method`` beat ``baseline`` beyond the spread, at the smallest N both were run with?
@@ -73,12 +83,10 @@ def pretraining_verdict(rows: Sequence[Mapping[str, Any]], method: str, baseline
         return f"{method} vs {baseline}: no {mode} fine-tuning at a common N to compare"
     n = ns[0]
     a, b = per[(method, n)], per[(baseline, n)]
-    sites = sorted(set(a) & set(b), key=str)
-    diffs = np.array([np.mean(a[s]) - np.mean(b[s]) for s in sites], dtype=np.float64)
-    mean, std = float(diffs.mean()), float(diffs.std())
-    word = "helped" if mean > std else "hurt" if mean < -std else "within the spread (no clear effect)"
+    mean, std, n_sites, word = paired_difference({s: np.mean(v) for s, v in a.items()},
+                                                 {s: np.mean(v) for s, v in b.items()})
     return (f"{method} vs {baseline}, {mode} fine-tuning at N={n}: {mean:+.3f} +- {std:.3f} Dice over "
-            f"{len(sites)} sites -> pre-training {word}")
+            f"{n_sites} sites -> pre-training {word}")
 
 
 def accuracy_verdict(method: str, accuracy: float, baseline: str, baseline_accuracy: float, n_test: int) -> str:

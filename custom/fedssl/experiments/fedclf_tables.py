@@ -32,6 +32,7 @@ from fedssl.core.checks import require, require_int
 from fedssl.data.fedclf_devices import build_devices, load_device
 from fedssl.data.fedclf_synthetic import SOURCES, write_synthetic_derm_sources
 from fedssl.eval.paper_tables import FEDCLF_SOURCE, fedclf_paper_rows
+from fedssl.eval.report import paired_difference
 from fedssl.experiments.fcl_finetune import load_global_state
 from fedssl.experiments.table_runner import CellStore, check_run_config, plain_json, run_cells, write_table
 from fedssl.ops.jobs import REPO_ROOT, component_specs, configured_job, load_profile
@@ -153,6 +154,7 @@ def local_settings(s: dict) -> dict:
     args = next(c for c in component_specs(files["app/config/config_fed_client.json"]) if c["id"] == "cls_trainer")["args"]
     base = {"dataset": args["dataset"], "image_size": args["image_size"], "width": args["width"],
             "eval_batch_size": args["eval_batch_size"], "max_steps_per_epoch": args["max_steps_per_epoch"],
+            "depth": args["depth"],
             "seed": args["seed"], "device": "cuda" if torch.cuda.is_available() else "cpu"}
     return {**base, "epochs": 20, "milestones": [12, 16], "batch_size": 256, "lr": 1e-4, **s["local"]}
 
@@ -219,12 +221,10 @@ def verdict(values: Mapping, table: str, method: str = "fedclf", baseline: str =
     if not common:
         return f"{METHODS[method]['label']} vs {METHODS[baseline]['label']} ({table}): no common L"
     f = common[0]
-    a, b = values[(method, f)], values[(baseline, f)]
-    diffs = np.array([100.0 * (a[s]["recall"] - b[s]["recall"]) for s in sorted(set(a) & set(b))])
-    mean, std = float(diffs.mean()), float(diffs.std())
-    word = "helped" if mean > std else "hurt" if mean < -std else "within the spread (no clear effect)"
+    mean, std, n, word = paired_difference({s: 100.0 * v["recall"] for s, v in values[(method, f)].items()},
+                                           {s: 100.0 * v["recall"] for s, v in values[(baseline, f)].items()})
     return (f"{METHODS[method]['label']} vs {METHODS[baseline]['label']}, {table} at L={int(round(100 * f))}%: "
-            f"{mean:+.2f} +- {std:.2f} mean recall (points) over {len(diffs)} devices -> pre-training {word}")
+            f"{mean:+.2f} +- {std:.2f} mean recall (points) over {n} devices -> pre-training {word}")
 
 
 def _paper(table: str, metric: str, methods: Sequence[str]) -> list[dict]:

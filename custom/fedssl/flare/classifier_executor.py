@@ -1,4 +1,4 @@
-"""Client executor for federated fine-tuning of a ViT classifier (SSL-FL SSL-FL (Yan et al., IEEE TMI 2023) sec. III-D; FedMAE-KS FedCLF / FedMAE-KS (Wu et al., dermatology)).
+"""Client executor for federated fine-tuning of a ViT classifier (SSL-FL (Yan et al., IEEE TMI 2023) sec. III-D; FedMAE-KS, Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis").
 
 Task ``train`` (TrainerExecutor's round protocol, every round of ScatterAndGather):
 

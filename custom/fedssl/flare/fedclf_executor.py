@@ -33,7 +33,7 @@ from fedssl.train.fedclf import FedCLFLocalTrainer
 
 #: the executor arguments that go to the trainer as they are
 TRAINER_ARGS = ("method", "queue", "dataset", "image_size", "width", "proj_dim", "batch_size", "lr", "tau", "momentum",
-                "bank_size", "max_steps_per_round", "seed")
+                "bank_size", "max_steps_per_round", "seed", "depth")
 #: the site records the summary keeps (bounded numbers only)
 RECORD_KEYS = ("bank_filled", "bank_fill", "feature_std", "queue_remote_fraction", "rotation_accuracy")
 
@@ -46,30 +46,33 @@ class FedCLFExecutor(TrainerExecutor):
                  method: str = "moco", queue: str = "fe_neg", federated: bool = True, width: int = 64,
                  proj_dim: int = 128, batch_size: int = 128, lr: float = 0.03, tau: float = 0.2,
                  momentum: float = 0.999, bank_size: int = 4096, max_steps_per_round: int = 0, seed: int = 0,
-                 device: str = "auto"):
+                 device: str = "auto", depth: int = 18):
         """
         Args (paper settings as defaults, sec. V-A; MoCo v2's where the paper is silent):
             data_root: the device folder (``train/``, ``val/``, ``test/`` class folders); "" = site config /
                 FEDSSL_DATA_ROOT.  Pre-training reads ``<data_root>/<split>`` without labels.
+            split: "train" / "val" / "test", or "" = ``data_root`` itself (a partition site of ``fedssl sslfl
+                partition``, e.g. FedMAE-KS's ISIC 2019 shards for Table III's CNN rows).
             method: "moco" (FedCLF, FE, FedMoCo, Local CL), "simclr" (FedSimCLR) or "rotation" (FedRotation).
             queue: "fe_neg" (FedCLF, eq. 5), "fe" (eq. 4) or "none" (W/o FE: FedMoCo, Local CL, SimCLR, Rotation).
             federated: false = Local CL: nothing uploaded, the aggregate never loaded.
             image_size: the crop fed to the network (images are stored at 72 px shorter edge).
-            width: ResNet-18 stage width (64 = ResNet-18; smaller for CPU profiles).
+            width: ResNet stage width (64 = torchvision's; smaller for CPU profiles).
+            depth: 18 (FedCLF's ResNet-18) or 50 (ResNet-50, FedMAE-KS's CNN baselines).
             bank_size: K of the local bank Q_l.
             max_steps_per_round: 0 = one full local epoch; > 0 caps the steps (quick CPU profile).
         """
         super().__init__()
         name = type(self).__name__
         require(isinstance(data_root, str), name, "data_root", data_root, 'use a path string or ""')
-        require_choice(name, "split", split, ("train", "val", "test"))
+        require_choice(name, "split", split, ("train", "val", "test", ""))
         require_choice(name, "method", method, METHODS)
         require_choice(name, "queue", queue, QUEUE_MODES)
         require(isinstance(federated, bool), name, "federated", federated, "use true or false")
         require(federated or queue == "none", name, "queue", queue,
                 'Local CL (federated=false) exchanges nothing: use queue="none"')
         require_int(name, "image_size", image_size, 8, "use the crop size in pixels (images are 72 px high)")
-        require_resnet_args(name, width, proj_dim)
+        require_resnet_args(name, width, proj_dim, depth)
         require_int(name, "batch_size", batch_size, 2, "use a batch of at least 2 images (paper: 128)")
         require_int(name, "max_steps_per_round", max_steps_per_round, 0, "use 0 (full epoch) or a positive step count")
         require_int(name, "seed", seed, 0, "use a non-negative integer")
@@ -77,7 +80,7 @@ class FedCLFExecutor(TrainerExecutor):
         self.data_root, self.split, self.dataset, self.image_size = data_root, split, dataset, image_size
         self.method, self.queue, self.federated, self.width, self.proj_dim = method, queue, federated, width, proj_dim
         self.batch_size, self.lr, self.tau, self.momentum, self.bank_size = batch_size, lr, tau, momentum, bank_size
-        self.max_steps_per_round, self.seed, self.device = max_steps_per_round, seed, device
+        self.max_steps_per_round, self.seed, self.device, self.depth = max_steps_per_round, seed, device, depth
 
     @property
     def exchanges_features(self) -> bool:

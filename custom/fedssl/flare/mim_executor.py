@@ -1,4 +1,4 @@
-"""Client executor for masked-image-modelling pre-training: Fed-MAE / Fed-BEiT (SSL-FL, SSL-FL (Yan et al., IEEE TMI 2023)), FedMAE-KS (FedCLF / FedMAE-KS (Wu et al., dermatology)).
+"""Client executor for masked-image-modelling pre-training: Fed-MAE / Fed-BEiT (SSL-FL, Yan et al., IEEE TMI 2023), FedMAE-KS (Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis").
 
 Task ``train`` (TrainerExecutor's round protocol): load the global auto-encoder (keys a PartialModelExclusion held
 back and listed in the meta ``excluded_keys`` keep this site's values) -> :class:`fedssl.train.mim.MIMLocalTrainer`

@@ -1,6 +1,6 @@
 """Partial model exclusion: parameters matching name patterns never leave the site / never reach it.
 
-FedMAE's knowledge split (FedCLF / FedMAE-KS (Wu et al., dermatology), sec. IV) keeps the encoder class token local during training and
+FedMAE's knowledge split (Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis", sec. IV) keeps the encoder class token local during training and
 averages it once, at the end of the last round; FedBN keeps every batch-norm tensor local for good.
 Both are this one filter, configured by fnmatch patterns, used on both sides:
 

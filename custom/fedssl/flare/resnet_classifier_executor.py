@@ -30,11 +30,12 @@ class ResNetClassifierExecutor(ClassifierExecutor):
     def __init__(self, dataset: str = "derm5", data_root: str = "", image_size: int = 64, width: int = 64,
                  lr: float = 1e-4, batch_size: int = 128, local_epochs: int = 1, weight_decay: float = 0.0,
                  label_fraction: float = 0.1, max_steps_per_epoch: int = 0, eval_batch_size: int = 256, seed: int = 0,
-                 device: str = "auto"):
+                 device: str = "auto", depth: int = 18):
         """Args (paper settings as defaults):
             data_root: the device folder with ``train``, ``val``, ``test`` ("" = site config / FEDSSL_DATA_ROOT).
             label_fraction: L, the labelled fraction of the device's training images (paper: 0.1, 0.2, 0.4, 0.8).
             weight_decay: 0 = Adam (the paper's optimiser).
+            depth: 18 (FedCLF's ResNet-18) or 50 (ResNet-50, FedMAE-KS's CNN baselines).
             the rest: see :class:`~fedssl.train.resnet_classifier.ResNetClassifierLocalTrainer`.
         """
         args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
@@ -43,7 +44,7 @@ class ResNetClassifierExecutor(ClassifierExecutor):
         require_choice(name, "dataset", dataset, DATASETS)
         require(isinstance(data_root, str), name, "data_root", data_root, 'use a path string ({site} allowed) or ""')
         require_int(name, "image_size", image_size, 8, "use the crop size in pixels (images are 72 px high)")
-        require_resnet_args(name, width)
+        require_resnet_args(name, width, depth=depth)
         require(isinstance(lr, (int, float)) and lr > 0, name, "lr", lr, "use a positive learning rate (paper: 1e-4)")
         require_int(name, "batch_size", batch_size, 1, "use a positive batch size (paper: 128)")
         require_int(name, "local_epochs", local_epochs, 1, "use a positive number of epochs per round (paper: 1)")

@@ -1,4 +1,4 @@
-"""ResNet-18 backbones for FedCLF ("Federated Self-Supervised Learning for Dermatological Disease Diagnosis",
+"""ResNet-18 (and ResNet-50) backbones for FedCLF ("Federated Self-Supervised Learning for Dermatological Disease Diagnosis",
 FedCLF / FedMAE-KS, section V-A: "ResNet-18 as the backbone model, and ... a 2-layer MLP projection head to project
 the representations to 128-dimensional features").
 
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torchvision.models.resnet import BasicBlock, ResNet
+from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 
 from fedssl.core.checks import require, require_choice, require_int
 from fedssl.core.classification import HEAD_STEPS
@@ -33,45 +33,53 @@ from fedssl.models.vit_classifier import read_checkpoint
 
 #: ResNet-18's stage widths are width x (1, 2, 4, 8); 64 is torchvision's ResNet-18
 PAPER_WIDTH = 64
+#: ResNet depth -> torchvision's block and stage layout: 18 (FedCLF sec. V-A), 50 (the CNN baselines of FedMAE-KS's
+#: Tables III / IV, sec. V-B: "ResNet-50 is used as the backbone")
+DEPTHS = {18: (BasicBlock, (2, 2, 2, 2)), 50: (Bottleneck, (3, 4, 6, 3))}
+PAPER_DEPTH = 18
 #: MoCo v2's projection head: hidden width = the representation width
 PAPER_PROJ_DIM = 128
 #: the pre-training global-state prefixes whose ``encoder.*`` entries are the backbone fine-tuning starts from
 ENCODER_PREFIXES = ("main.encoder.", "encoder.")
 
 
-def require_resnet_args(component: str, width: object, proj_dim: object | None = None) -> None:
-    """ValueError naming ``component``, the argument and the fix for a bad width / projection width."""
+def require_resnet_args(component: str, width: object, proj_dim: object | None = None, depth: object = PAPER_DEPTH) -> None:
+    """ValueError naming ``component``, the argument and the fix for a bad width / projection width / depth."""
     require_int(component, "width", width, 4, f"use a positive stage width (paper: ResNet-18 = {PAPER_WIDTH})")
+    require(isinstance(depth, int) and not isinstance(depth, bool) and depth in DEPTHS, component, "depth", depth,
+            f"use one of {sorted(DEPTHS)} (FedCLF: 18; FedMAE-KS's CNN baselines: 50)")
     if proj_dim is not None:
         require_int(component, "proj_dim", proj_dim, 1, f"use the projection width (paper: {PAPER_PROJ_DIM})")
 
 
 class ResNetEncoder(nn.Module):
-    """ResNet-18 (torchvision's BasicBlock layout [2, 2, 2, 2]) up to the global average pool: ``[B, 8 * width]``."""
+    """torchvision's ResNet-18 (BasicBlock [2, 2, 2, 2]) or ResNet-50 (Bottleneck [3, 4, 6, 3], ``depth=50``) up to
+    the global average pool: ``[B, 8 * width * expansion]`` (512 / 2048 at the paper's width 64)."""
 
-    def __init__(self, width: int = PAPER_WIDTH):
+    def __init__(self, width: int = PAPER_WIDTH, depth: int = PAPER_DEPTH):
         super().__init__()
-        require_resnet_args(type(self).__name__, width)
-        net = ResNet(BasicBlock, [2, 2, 2, 2]) if width == PAPER_WIDTH else _narrow_resnet(width)
+        require_resnet_args(type(self).__name__, width, depth=depth)
+        block, layers = DEPTHS[depth]
+        net = ResNet(block, list(layers)) if width == PAPER_WIDTH else _narrow_resnet(width, block, layers)
         net.fc = nn.Identity()
         self.net = net
-        self.width = width
-        self.out_dim = 8 * width
+        self.width, self.depth = width, depth
+        self.out_dim = 8 * width * block.expansion
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
 
-def _narrow_resnet(width: int) -> ResNet:
+def _narrow_resnet(width: int, block=BasicBlock, layers=(2, 2, 2, 2)) -> ResNet:
     """torchvision's ResNet with stage widths width x (1, 2, 4, 8) (its constructor fixes 64)."""
-    net = ResNet(BasicBlock, [2, 2, 2, 2])
+    net = ResNet(block, list(layers))
     net.inplanes = width
     net.conv1 = nn.Conv2d(3, width, kernel_size=7, stride=2, padding=3, bias=False)
     net.bn1 = nn.BatchNorm2d(width)
-    net.layer1 = net._make_layer(BasicBlock, width, 2)
-    net.layer2 = net._make_layer(BasicBlock, 2 * width, 2, stride=2)
-    net.layer3 = net._make_layer(BasicBlock, 4 * width, 2, stride=2)
-    net.layer4 = net._make_layer(BasicBlock, 8 * width, 2, stride=2)
+    net.layer1 = net._make_layer(block, width, layers[0])
+    net.layer2 = net._make_layer(block, 2 * width, layers[1], stride=2)
+    net.layer3 = net._make_layer(block, 4 * width, layers[2], stride=2)
+    net.layer4 = net._make_layer(block, 8 * width, layers[3], stride=2)
     for m in net.modules():  # torchvision's initialisation
         if isinstance(m, nn.Conv2d):
             nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
@@ -84,9 +92,9 @@ def _narrow_resnet(width: int) -> ResNet:
 class ProjectionNet(nn.Module):
     """Encoder + 2-layer MLP projection head -> L2-normalised ``[B, proj_dim]`` features."""
 
-    def __init__(self, width: int = PAPER_WIDTH, proj_dim: int = PAPER_PROJ_DIM):
+    def __init__(self, width: int = PAPER_WIDTH, proj_dim: int = PAPER_PROJ_DIM, depth: int = PAPER_DEPTH):
         super().__init__()
-        self.encoder = ResNetEncoder(width)
+        self.encoder = ResNetEncoder(width, depth)
         d = self.encoder.out_dim
         self.head = nn.Sequential(nn.Linear(d, d), nn.ReLU(inplace=True), nn.Linear(d, proj_dim))
 
@@ -98,9 +106,9 @@ class RotationEncoder(nn.Module):
     """Holds the encoder under ``encoder.*`` (as :class:`ProjectionNet` does), so every pre-training model's
     backbone is ``main.encoder.*``."""
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, depth: int = PAPER_DEPTH):
         super().__init__()
-        self.encoder = ResNetEncoder(width)
+        self.encoder = ResNetEncoder(width, depth)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.encoder(x)
@@ -121,20 +129,20 @@ class PretrainingResNet(nn.Module):
     ``forward``: MoCo / SimCLR the main network's normalised features, Rotation the rotation logits."""
 
     def __init__(self, method: str = "moco", width: int = PAPER_WIDTH, proj_dim: int = PAPER_PROJ_DIM,
-                 seed: int | None = 0):
+                 seed: int | None = 0, depth: int = PAPER_DEPTH):
         super().__init__()
         name = type(self).__name__
         require_choice(name, "method", method, PRETRAINING_METHODS)
-        require_resnet_args(name, width, proj_dim)
-        self.method, self.width, self.proj_dim, self.seed = method, width, proj_dim, seed
+        require_resnet_args(name, width, proj_dim, depth)
+        self.method, self.width, self.proj_dim, self.seed, self.depth = method, width, proj_dim, seed, depth
         with seeded(seed):
             if method == "rotation":
-                self.main = RotationEncoder(width)
+                self.main = RotationEncoder(width, depth)
                 self.rotation_head = nn.Linear(self.main.encoder.out_dim, 4)
             else:
-                self.main = ProjectionNet(width, proj_dim)
+                self.main = ProjectionNet(width, proj_dim, depth)
             if method == "moco":
-                self.momentum = ProjectionNet(width, proj_dim)
+                self.momentum = ProjectionNet(width, proj_dim, depth)
         if method == "moco":
             self.momentum.load_state_dict(self.main.state_dict())
             for p in self.momentum.parameters():
@@ -152,16 +160,18 @@ class ResNetClassifier(nn.Module):
     or a classifier / encoder state; its encoder is loaded, the classifier stays freshly initialised; "" = random
     init.  What the model starts from is recorded in ``initial_weights`` for the server's persistor."""
 
-    def __init__(self, num_classes: int = 5, width: int = PAPER_WIDTH, pretrained_path: str = "", seed: int | None = 0):
+    def __init__(self, num_classes: int = 5, width: int = PAPER_WIDTH, pretrained_path: str = "", seed: int | None = 0,
+                 depth: int = PAPER_DEPTH):
         super().__init__()
         name = type(self).__name__
         require_int(name, "num_classes", num_classes, 2, "use the number of classes (FedCLF: 5)")
-        require_resnet_args(name, width)
+        require_resnet_args(name, width, depth=depth)
         require(isinstance(pretrained_path, str) and (not pretrained_path or os.path.isfile(pretrained_path)), name,
                 "pretrained_path", pretrained_path, 'give an existing pre-training global model file, or "" (random init)')
         self.num_classes, self.width, self.pretrained_path, self.seed = num_classes, width, pretrained_path, seed
+        self.depth = depth
         with seeded(seed):
-            self.encoder = ResNetEncoder(width)
+            self.encoder = ResNetEncoder(width, depth)
             self.fc = nn.Linear(self.encoder.out_dim, num_classes)
         self.register_buffer(HEAD_STEPS, torch.zeros((), dtype=torch.long))
         self.initial_weights: dict = {"init": "random", "path": "", "sha256": ""}
@@ -174,7 +184,7 @@ class ResNetClassifier(nn.Module):
         try:
             self.encoder.load_state_dict(encoder_state_from(state))
         except (RuntimeError, ValueError) as e:
-            raise ValueError(f"{source}: its encoder does not fit this ResNet (width {self.width}): {e}") from None
+            raise ValueError(f"{source}: its encoder does not fit this ResNet (width {self.width}, depth {self.depth}): {e}") from None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(self.encoder(x))

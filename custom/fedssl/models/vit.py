@@ -1,4 +1,4 @@
-"""ViT models of SSL-FL (SSL-FL (Yan et al., IEEE TMI 2023)) and FedMAE (FedCLF / FedMAE-KS (Wu et al., dermatology) section IV), built from timm's VisionTransformer blocks.
+"""ViT models of SSL-FL (Yan et al., IEEE TMI 2023) and FedMAE (Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis" section IV), built from timm's VisionTransformer blocks.
 
 * :class:`MAEViT` - MAE (He et al. 2022): random masking of patch tokens, the ViT encoder sees only the
   visible tokens (+ class token), a lightweight ViT decoder gets the encoded tokens, a learnable mask token
@@ -16,7 +16,7 @@
 * :class:`ViTClassifier` - the fine-tuning network: the same encoder, average-pooled patch tokens ->
   ``fc_norm`` -> linear ``head`` (SSL-FL (Yan et al., IEEE TMI 2023) section III-D).
 
-Parameter names are a contract with the FLARE glue (FedMAE knowledge split and Table V of FedCLF / FedMAE-KS (Wu et al., dermatology) select
+Parameter names are a contract with the FLARE glue (FedMAE knowledge split and Table V of Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis" select
 tensors by pattern):
 
 * ``encoder.cls_token`` - the class embedding (the "local knowledge" of FedMAE-KS),

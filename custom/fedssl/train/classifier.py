@@ -1,4 +1,4 @@
-"""Federated fine-tuning of the ViT classifier on one site (SSL-FL SSL-FL (Yan et al., IEEE TMI 2023) sec. III-D; FedMAE-KS FedCLF / FedMAE-KS (Wu et al., dermatology)) as a
+"""Federated fine-tuning of the ViT classifier on one site (SSL-FL (Yan et al., IEEE TMI 2023) sec. III-D; FedMAE-KS, Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis") as a
 :class:`fedssl.core.trainer.LocalTrainer`.
 
 The site's images are split (stratified) into a training pool and a VALIDATION split (``train_val_split``,

@@ -1,4 +1,4 @@
-"""Masked-image-modelling pre-training of one site (Fed-MAE / Fed-BEiT, SSL-FL SSL-FL (Yan et al., IEEE TMI 2023); FedMAE-KS, FedCLF / FedMAE-KS (Wu et al., dermatology))
+"""Masked-image-modelling pre-training of one site (Fed-MAE / Fed-BEiT, SSL-FL (Yan et al., IEEE TMI 2023); FedMAE-KS, Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis")
 as a :class:`fedssl.core.trainer.LocalTrainer`, and the site's side of the federated k-means tokenizer.
 
 - :class:`MIMLocalTrainer`: the site's unlabelled images (:class:`fedssl.data.images.ImageDataset`, mode

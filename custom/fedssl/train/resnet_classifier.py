@@ -24,7 +24,7 @@ import torch
 from fedssl.core.classification import ClassifierTrainer
 from fedssl.core.seeds import site_seed
 from fedssl.data.images import ImageDataset, ImageRecord, class_histogram, class_names, select_labelled
-from fedssl.models.resnet import PAPER_WIDTH, ResNetClassifier
+from fedssl.models.resnet import PAPER_DEPTH, PAPER_WIDTH, ResNetClassifier
 from fedssl.train.classifier import ClassifierLocalTrainer
 
 #: FedCLF sec. V-A: local fine-tuning decays the lr by 0.2 at epochs 12 and 16 of 20
@@ -43,7 +43,7 @@ class ResNetClassifierLocalTrainer(ClassifierLocalTrainer):
                  dataset: str = "derm5", image_size: int = 64, width: int = PAPER_WIDTH, lr: float = 1e-4,
                  batch_size: int = 128, local_epochs: int = 1, milestones: Sequence[float] = (), gamma: float = LOCAL_GAMMA,
                  weight_decay: float = 0.0, label_fraction: float = 1.0, max_steps_per_epoch: int = 0,
-                 eval_batch_size: int = 256, seed: int = 0, device: str | torch.device = "cpu"):
+                 eval_batch_size: int = 256, seed: int = 0, device: str | torch.device = "cpu", depth: int = PAPER_DEPTH):
         if not val:
             raise ValueError(f"{site}: no validation image; the device's val split selects the model")
         self.site, self.dataset, self.image_size, self.seed = site, dataset, image_size, seed
@@ -55,7 +55,7 @@ class ResNetClassifierLocalTrainer(ClassifierLocalTrainer):
         self.train_set = ImageDataset(labelled, image_size, "finetune", dataset, site=site, seed=data_seed)
         self.val_set = ImageDataset(list(val), image_size, "eval", dataset, site=site)
         self.test_set: ImageDataset | None = None
-        model = ResNetClassifier(len(self.classes), width, seed=seed).to(device)
+        model = ResNetClassifier(len(self.classes), width, seed=seed, depth=depth).to(device)
         self.trainer = ClassifierTrainer(model, lr=lr, total_rounds=num_rounds, warmup_rounds=0, min_lr=0.0,
                                          weight_decay=weight_decay, layer_decay=1.0, head_prefix="fc.",
                                          milestones=list(milestones) or [num_rounds], gamma=gamma, device=device,

@@ -79,3 +79,19 @@ def test_fedclf_tables_as_typed_from_the_paper():
         fedclf_paper_rows("Fig6", "precision")
     with pytest.raises(ValueError, match="not rows of FedCLF Table I"):
         fedclf_paper_rows("I", methods=["FedMoCo"])
+
+
+def test_fedmae_table3_as_typed_from_the_paper():
+    from fedssl.eval.paper_tables import fedmae_table3_rows
+
+    rows = {(r["method"], r["column"]): r["mean"] for r in fedmae_table3_rows()}
+    assert len(rows) == 8 * 6
+    assert rows[("CNN: Random Init.", "Recall")] == 32.65 and rows[("CNN: FedCLF", "Precision")] == 44.23
+    assert rows[("CNN: FedMoCo", "Specificity")] == 93.02 and rows[("ViT: Random Init.", "AUC")] == 77.42
+    assert rows[("ViT: FedMAE", "Accuracy")] == 64.80 and rows[("CNN: FedSimCLR", "F1")] == 37.09
+    # the text's claims: FedMAE beats the best CNN baseline FedSimCLR by +5.67 F1 and +3.64 AUC
+    assert round(rows[("ViT: FedMAE", "F1")] - rows[("CNN: FedSimCLR", "F1")], 2) == 5.67
+    assert round(rows[("ViT: FedMAE", "AUC")] - rows[("CNN: FedSimCLR", "AUC")], 2) == 3.64
+    assert {r["method"] for r in fedmae_table3_rows([("ViT", "FedMAE")])} == {"ViT: FedMAE"}
+    with pytest.raises(ValueError, match="not rows of Table III"):
+        fedmae_table3_rows([("ViT", "FedCLF")])

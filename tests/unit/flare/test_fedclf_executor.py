@@ -33,8 +33,8 @@ def device(tmp_path_factory):
     return str(root)
 
 
-def task(method="moco", round_idx=0, remote=None):
-    weights = {k: v.numpy() for k, v in PretrainingResNet(method, 4, 8).state_dict().items()}
+def task(method="moco", round_idx=0, remote=None, depth=18):
+    weights = {k: v.numpy() for k, v in PretrainingResNet(method, 4, 8, depth=depth).state_dict().items()}
     meta = {} if remote is None else {REMOTE_FEATURES: remote}
     s = DXO(DataKind.WEIGHTS, data=weights, meta=meta).to_shareable()
     s.set_header("current_round", round_idx)
@@ -74,6 +74,17 @@ def test_local_cl_uploads_nothing(device, tmp_path):
     ex = FedCLFExecutor(data_root=device, federated=False, queue="none", **ARGS)
     out = run(ex, tmp_path, task())
     assert not out.data and out.get_meta_prop(BANK_FEATURES) is None
+
+
+def test_a_partition_site_is_read_from_its_own_folder_and_resnet50_trains(device, tmp_path):
+    """split="" reads data_root itself (a ``fedssl sslfl partition`` site: FedMAE-KS's Table III data); depth 50 is
+    the CNN baselines' ResNet-50 there."""
+    ex = FedCLFExecutor(data_root=f"{device}/train", split="", depth=50, **{**ARGS, "queue": "none"})
+    out = run(ex, tmp_path, task(depth=50))
+    assert out.get_meta_prop("num_samples") == 12
+    assert out.data["main.encoder.net.layer3.5.conv3.weight"].shape == (64, 16, 1, 1)  # Bottleneck: 4 x (4 x width)
+    with pytest.raises(ValueError, match="depth=34"):
+        FedCLFExecutor(depth=34)
 
 
 def test_bad_configuration_is_refused_naming_the_argument():

@@ -28,6 +28,32 @@ def test_narrow_resnet_keeps_the_layout_with_narrower_stages():
         ResNetEncoder(2)
 
 
+def test_depth_50_is_torchvisions_resnet50_without_its_classifier():
+    """FedMAE-KS sec. V-B: the CNN baselines of Tables III / IV use ResNet-50."""
+    ours = ResNetEncoder(64, depth=50)
+    theirs = torchvision.models.resnet50()
+    expected = {k: tuple(v.shape) for k, v in theirs.state_dict().items() if not k.startswith("fc.")}
+    assert {k[len("net."):]: tuple(v.shape) for k, v in ours.state_dict().items()} == expected
+    assert ours.out_dim == 2048
+
+
+def test_narrow_resnet50_keeps_the_bottleneck_layout_and_every_model_takes_the_depth():
+    enc = ResNetEncoder(8, depth=50)
+    assert enc.out_dim == 256 and enc(torch.zeros(2, 3, 32, 32)).shape == (2, 256)
+    assert len(enc.net.layer3) == 6 and enc.net.layer3[0].conv3.weight.shape == (128, 32, 1, 1)  # 4 x (4 x width)
+    moco = PretrainingResNet("moco", width=8, proj_dim=16, depth=50)
+    assert moco.main.head[0].in_features == 256 and moco(torch.zeros(2, 3, 32, 32)).shape == (2, 16)
+    rot = PretrainingResNet("rotation", width=8, proj_dim=16, depth=50)
+    assert rot.rotation_head.in_features == 256
+    cls = ResNetClassifier(8, width=8, depth=50)
+    cls.load_encoder(moco.state_dict(), "moco")
+    assert cls.fc.in_features == 256
+    with pytest.raises(ValueError, match="depth 50"):  # a ResNet-18 encoder does not fit
+        cls.load_encoder(PretrainingResNet("moco", width=8, proj_dim=16).state_dict(), "moco-18")
+    with pytest.raises(ValueError, match="depth=34.*18, 50"):
+        ResNetEncoder(8, depth=34)
+
+
 def test_pretraining_models_keys_and_outputs():
     moco = PretrainingResNet("moco", width=8, proj_dim=16)
     keys = set(moco.state_dict())

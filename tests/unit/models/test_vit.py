@@ -23,7 +23,7 @@ def test_mae_parameter_names_follow_the_contract(tiny_mae):
         assert k in keys
     sd = tiny_mae.state_dict()
     d, dd, p = TINY_VIT["embed_dim"], 32, TINY_VIT["patch_size"]
-    # Table V of FedCLF / FedMAE-KS (Wu et al., dermatology): "patch projection" = the encoder's input projection (pixels -> embed_dim) ...
+    # Table V of Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis": "patch projection" = the encoder's input projection (pixels -> embed_dim) ...
     assert match_keys(keys, ["encoder.patch_embed.*"]) == ["encoder.patch_embed.proj.weight", "encoder.patch_embed.proj.bias"]
     assert tuple(sd["encoder.patch_embed.proj.weight"].shape) == (d, 3, p, p)
     # ... "decoder projection" = the decoder's input projection (embed_dim -> decoder width)

@@ -51,3 +51,22 @@ def test_fedmoco_switch_sends_no_feature(devices, tmp_path):
     run = simulate("fedclf_derm", devices, tmp_path, "client.fedclf_trainer.queue=none", "server.aggregator.collectors=[]")
     assert run["rounds"][1]["site_record_means"]["queue_remote_fraction"] == 0.0
     assert "remote bank" not in open(run["log"]).read()
+
+
+def test_table3_cnn_pretraining_reads_partition_sites_at_resnet50(tmp_path):
+    """Table III's CNN rows: jobs/fedclf_derm on ``fedssl sslfl partition`` sites (8 ISIC classes, the site folder
+    itself, ``split=""``) with ResNet-50 (``shape.depth=50``), feature exchange on."""
+    from fedssl.data.image_sites import write_site_folders
+    from fedssl.data.image_synthetic import write_synthetic_images
+    from fedssl.experiments.fedmae_table3 import CNN_DATA_SETS
+    from fedssl.models.resnet import PretrainingResNet
+    from fedssl.models.vit_classifier import read_checkpoint
+
+    write_synthetic_images(str(tmp_path / "isic"), "derm", n_images=120, seed=0, image_size=40)
+    write_site_folders(str(tmp_path / "isic"), "derm", str(tmp_path / "parts"), n_sites=3, split="iid", seed=0)
+    run = run_simulation(os.path.join(JOBS, "fedclf_derm"), str(tmp_path / "ws"), n_sites=3,
+                         data_root=str(tmp_path / "parts" / "{site}"), profile="quick", echo=False,
+                         sets=[*CNN_DATA_SETS, "server.scatter_and_gather.num_rounds=1"])
+    assert run["rounds"][0]["aggregated_sites"] == 3
+    state = read_checkpoint(run["global_model"])
+    assert set(state) == set(PretrainingResNet("moco", 8, 32, depth=50).state_dict())

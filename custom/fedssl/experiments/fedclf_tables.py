@@ -34,7 +34,7 @@ from fedssl.data.fedclf_synthetic import SOURCES, write_synthetic_derm_sources
 from fedssl.eval.paper_tables import FEDCLF_SOURCE, fedclf_paper_rows
 from fedssl.eval.report import paired_difference
 from fedssl.experiments.fcl_finetune import load_global_state
-from fedssl.experiments.table_runner import CellStore, check_run_config, plain_json, run_cells, write_table
+from fedssl.experiments.table_runner import plain_json, run_cells, start_run, write_table
 from fedssl.ops.jobs import REPO_ROOT, component_specs, configured_job, load_profile
 from fedssl.ops.simulate import run_simulation
 from fedssl.train.resnet_classifier import local_finetune_device
@@ -299,11 +299,7 @@ def run_fedclf_tables(out: str, settings: dict, *, data_root: str | None = None,
                       say: Callable[[str], None] = print, simulate=run_simulation) -> dict:
     """Run (or resume) the cells of the chosen tables into ``out`` and write their files."""
     t0 = time.time()
-    out = os.path.abspath(out)
-    os.makedirs(out, exist_ok=True)
-    check_run_config(out, {**{k: v for k, v in settings.items() if k not in SELECTORS}, "data_root": data_root})
-    devices = os.path.abspath(data_root) if data_root else prepare_devices(out, settings, say)
-    store = CellStore(os.path.join(out, "cells.jsonl"))
+    out, devices, store = start_run(out, settings, SELECTORS, data_root, lambda o: prepare_devices(o, settings, say))
     pre = pretrain_cells(settings)
     done = run_cells(pre, lambda key: pretrain(key, out, devices, settings, simulate), store, say=say,
                      label="FedCLF pre-training (FLARE simulator)")

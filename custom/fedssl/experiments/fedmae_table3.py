@@ -42,7 +42,7 @@ from fedssl.eval.report import paired_difference
 from fedssl.experiments import fedclf_tables
 from fedssl.experiments.fcl_finetune import load_global_state
 from fedssl.experiments.sslfl_local import PAPER_LOCAL, finetune_site
-from fedssl.experiments.table_runner import CellStore, check_run_config, plain_json, run_cells, write_table
+from fedssl.experiments.table_runner import plain_json, run_cells, start_run, write_table
 from fedssl.ops.jobs import REPO_ROOT, component_specs, configured_job, load_profile
 from fedssl.ops.simulate import run_simulation
 from fedssl.train.resnet_classifier import local_finetune_device
@@ -219,11 +219,7 @@ def run_table3(out: str, settings: dict, *, data_root: str | None = None, worker
                say: Callable[[str], None] = print, simulate=run_simulation) -> dict:
     """Run (or resume) Table III's cells into ``out`` and write ``tableIII.{json,csv,txt,png}``."""
     t0 = time.time()
-    out = os.path.abspath(out)
-    os.makedirs(out, exist_ok=True)
-    check_run_config(out, {**{k: v for k, v in settings.items() if k not in SELECTORS}, "data_root": data_root})
-    parts = os.path.abspath(data_root) if data_root else prepare_partition(out, settings, say)
-    store = CellStore(os.path.join(out, "cells.jsonl"))
+    out, parts, store = start_run(out, settings, SELECTORS, data_root, lambda o: prepare_partition(o, settings, say))
     pre = [{"stage": "pretrain", "method": m} for m in settings["methods"] if METHODS[m]["sets"] is not None]
     done = run_cells(pre, lambda key: pretrain(key, out, parts, settings, simulate), store, say=say,
                      label="Table III pre-training (FLARE simulator)")

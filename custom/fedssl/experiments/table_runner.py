@@ -159,6 +159,18 @@ def plain_json(value: Any) -> Any:
     return value.item() if hasattr(value, "item") and not isinstance(value, (str, bytes)) else value
 
 
+def start_run(out: str, settings: Mapping[str, Any], selectors: Sequence[str], data_root: str | None,
+              prepare: Callable[[str], str]) -> tuple[str, str, CellStore]:
+    """The common start of a table run: ``out`` made absolute and created, its run_config checked (``settings``
+    less the cell ``selectors``, plus ``data_root``), the data folder (``data_root``, or ``prepare(out)`` that
+    writes synthetic data under ``out``) and the run's cell store.  Returns ``(out, data folder, store)``."""
+    out = os.path.abspath(out)
+    os.makedirs(out, exist_ok=True)
+    check_run_config(out, {**{k: v for k, v in settings.items() if k not in selectors}, "data_root": data_root})
+    root = os.path.abspath(data_root) if data_root else prepare(out)
+    return out, root, CellStore(os.path.join(out, "cells.jsonl"))
+
+
 def check_run_config(out: str, config: Mapping[str, Any]) -> None:
     """The settings a table run's cells are computed with, recorded in ``out/run_config.json`` on the first run; a
     re-run into the same folder must use the same ones (cells of other settings would otherwise be mixed into one

@@ -129,7 +129,7 @@ def pretrain(key: dict, out: str, parts: str, s: dict, simulate=run_simulation) 
     run = simulate(os.path.join(REPO_ROOT, "jobs", job), ws, n_sites=N_CLIENTS, data_root=os.path.join(parts, "{site}"),
                    profile=s["profile"], echo=False, sets=sets)
     sites = {f"site-{k}": os.path.join(ws, f"site-{k}", "simulate_job", "fedclf_client_state.pt")
-             for k in range(1, N_CLIENTS + 1)}
+             for k in range(1, N_CLIENTS + 1)} if METHODS[method]["family"] == "CNN" else {}
     return {"global_model": run["global_model"], "wall_time_s": run.get("simulator_wall_time_s"),
             "bytes_per_site_per_round": run.get("bytes_per_site_per_round"), "site_states": sites}
 

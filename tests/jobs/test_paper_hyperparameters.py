@@ -6,7 +6,9 @@ default (what FLARE would build).  Settings that are not job arguments (the opti
 pinned in ``CODE_PINS`` against the class that holds them.
 
 Papers (/work/shared/seeds): 004 FCL / FCLOpt (Wu et al., MedIA 2022), 000 SSL-FL (Yan et al., IEEE TMI 2023),
-001 FedMAE-KS (Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis"), 002 Surgical aggregation (Kulkarni et al., ML4H 2024).
+001 FedMAE-KS (Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis"), 002 Surgical aggregation (Kulkarni et al., ML4H 2024),
+003 FedDRA (Shuai, Wu, Tang and Shen, "Distributionally Robust Alignment for Medical Federated Vision-Language
+Pre-training Under Data Heterogeneity", TMLR).
 
 Not pinned, because the paper does not state them (the job's value is the bundle's choice or the reference code's):
 
@@ -30,6 +32,9 @@ Not pinned, because the paper does not state them (the job's value is the bundle
   symbols whose values the text of the paper lost (reference code: 1000 epochs with early stopping, E = 1,
   224 x 224); the head's hidden layer and dropout, augmentation magnitudes, FedAvg weighting of the backbone,
   bootstrap count.
+- FedDRA: gamma (the authors' code: 0.01 x the steps of a turn), the stage-1 steps (the code: 20), the
+  temperature (the code: 0.07), the MIMIC batch size (stated as a range, 288-388; the job uses 288), AdamW weight
+  decay, the held-out fraction for v_i.
 """
 
 from __future__ import annotations
@@ -384,6 +389,35 @@ SURGICAL_PINS = [
     Pin("surgical_cxr", "server", "model_selector", "negate_key_metric", True, FD + ": lower val BCE is better"),
 ]
 
+# ---------------------------------------------------------------- FedDRA (seed 003, sec. 4-5.1 and appendix)
+M = "FedDRA sec.5.1.1 / appendix (MIMIC-CXR)"
+O = "FedDRA sec.5.1.2 / appendix (ophthalmology)"
+B = "FedDRA sec.5.1.3: ViT-base + BERT-base, one extra block each as the alignment module"
+FEDDRA_PINS = [
+    Pin("feddra_mimic", "meta", "", "min_clients", 5, M + ": 5 clients by LDA (alpha 1)"),
+    Pin("feddra_mimic", "server", "scatter_and_gather", "num_rounds", 25, M + ": 25 communication turns"),
+    Pin("feddra_mimic", "server", "scatter_and_gather", "min_clients", 5, M + ": 5 clients"),
+    Pin("feddra_mimic", "server", "scatter_and_gather", "rho", 0.1, M + ": uncertainty radius rho = 0.1"),
+    Pin("feddra_mimic", "server", "scatter_and_gather", "two_stage", True, "FedDRA sec.4.2 / Algorithm 1: two stages"),
+    Pin("feddra_mimic", "server", "scatter_and_gather", "dro", True, "FedDRA sec.4.3: DRO client weights"),
+    Pin("feddra_mimic", "server", "aggregator", "weighting", "uniform", "FedDRA Algorithm 1 line 12: (1/N) sum"),
+    Pin("feddra_mimic", "server", "align_aggregator", "weighting", "uniform", "FedDRA Algorithm 1 line 7: (1/N) sum"),
+    Pin("feddra_mimic", "client", "feddra_trainer", "steps", 50, M + ": 50 batches sampled per turn"),
+    Pin("feddra_mimic", "client", "feddra_trainer", "lr", 2e-5, M + ": learning rate 2e-5"),
+    Pin("feddra_mimic", "client", "feddra_trainer", "mu", 5.0, M + ": mu = 5"),
+    Pin("feddra_mimic", "client", "feddra_trainer", "preset", "base", B),
+    Pin("feddra_mimic", "server", "model", "preset", "base", B),
+    Pin("feddra_mimic", "server", "model", "proj_dim", 128, "issue 16 / SPEC: shared 128-d embedding"),
+    Pin("feddra_retina", "meta", "", "min_clients", 2, O + ": MESSIDOR and BRSET, one client each"),
+    Pin("feddra_retina", "server", "scatter_and_gather", "num_rounds", 20, O + ": 20 communications"),
+    Pin("feddra_retina", "server", "scatter_and_gather", "rho", 0.5, O + ": rho = 0.5"),
+    Pin("feddra_retina", "client", "feddra_trainer", "steps", 20, O + ": 20 batches per communication"),
+    Pin("feddra_retina", "client", "feddra_trainer", "lr", 1e-5, O + ": learning rate 1e-5"),
+    Pin("feddra_retina", "client", "feddra_trainer", "mu", 1.0, O + ": mu = 1"),
+    Pin("feddra_retina", "client", "feddra_trainer", "batch_size", 100, O + ": batch size 100"),
+    Pin("feddra_retina", "client", "feddra_trainer", "colour", "rgb", O + ": colour fundus photographs"),
+]
+
 # ---------------------------------------------------------------- constants the job JSON cannot set
 CODE_PINS = [
     ("fedssl.core.fcl.FCLConfig", "sgd_momentum", 0.9, TD + ": SGD momentum 0.9"),
@@ -423,6 +457,11 @@ def test_surgical_paper_settings(pin):
     check(pin)
 
 
+@pytest.mark.parametrize("pin", FEDDRA_PINS, ids=_ids(FEDDRA_PINS))
+def test_feddra_paper_settings(pin):
+    check(pin)
+
+
 @pytest.mark.parametrize("path,attr,paper,cite", CODE_PINS, ids=[f"{p}.{a}={v!r} [{c}]" for p, a, v, c in CODE_PINS])
 def test_fixed_optimiser_constants(path, attr, paper, cite):
     module, _, name = path.rpartition(".")
@@ -434,6 +473,6 @@ def test_fixed_optimiser_constants(path, attr, paper, cite):
 
 def test_every_job_has_a_table():
     """A new job folder must get its paper's pins here (or an explicit reason it has none)."""
-    pinned = {p.job for p in FCL_PINS + SSLFL_PINS + FEDMAE_PINS + FEDCLF_PINS + SURGICAL_PINS}
+    pinned = {p.job for p in FCL_PINS + SSLFL_PINS + FEDMAE_PINS + FEDCLF_PINS + SURGICAL_PINS + FEDDRA_PINS}
     jobs = {d for d in os.listdir(JOBS_DIR) if exists(d)}
     assert jobs - pinned == set(), f"job folders without paper pins: {sorted(jobs - pinned)}"

@@ -16,7 +16,8 @@ import torch
 
 #: modules that add their own subcommands: each defines ``register(sub)`` (sub = argparse subparsers); a method
 #: family registers ``fedssl <family> <verb>`` (and the verbs' deprecated flat aliases) with :func:`add_family`
-COMMAND_MODULES: tuple[str, ...] = ("fedssl.cli.fcl", "fedssl.cli.sslfl", "fedssl.cli.fedclf", "fedssl.cli.surgical",
+COMMAND_MODULES: tuple[str, ...] = ("fedssl.cli.fcl", "fedssl.cli.sslfl", "fedssl.cli.fedclf", "fedssl.cli.feddra",
+                                     "fedssl.cli.surgical",
                                      "fedssl.cli.ops")
 
 

@@ -70,3 +70,17 @@ REFUSAL_PROP = "fedssl.refusal"
 #: weights the run starts from, ``{"init": "imagenet" | "random" | "checkpoint", "path": str, "sha256": str}``
 #: (path and digest empty for random init); RunSummary writes it to summary.json as ``init``
 INIT_PROP = "fedssl.init"
+
+# ---------------------------------------------------------------- FedDRA (feddra_controller, dro_weight_filter, feddra_executor)
+#: the stage-1 task of a communication turn (alignment modules and projections only); stage 2 is "train"
+ALIGN_TASK = "train_alignment"
+#: task meta: the stage a task runs ("align", "full_model", "fedavg"), whether DRO weighting is on, and, set per site
+#: by the DROWeightFilter only, that site's own weight lambda_i and the number of sites N
+STAGE_KEY, DRO_ON_KEY, DRO_WEIGHT_KEY, DRO_SITES_KEY = "feddra_stage", "dro_weighting", "dro_weight", "dro_sites"
+#: result meta of a stage-2 / FedAvg task: the site's held-out contrastive loss v_i
+DRO_LOSS_KEY = "dro_loss"
+#: the vocabulary exchange before round 0: each site's frequent-word counts, then the built vocabulary
+WORD_COUNTS_TASK, SET_VOCAB_TASK = "word_counts", "set_vocab"
+WORD_COUNTS_KEY, VOCAB_KEY, MIN_COUNT_KEY = "word_counts", "vocab", "min_count"
+#: sticky private FL-context property (server only): ``{"round": r, "weights": {site: lambda}}`` for the filter
+DRO_WEIGHTS_PROP = "fedssl.dro_weights"

@@ -46,6 +46,7 @@ COMPONENT_CLASSES = (
     "fedssl.flare.classifier_executor.ClassifierExecutor",
     "fedssl.flare.fcl_executor.FCLExecutor",
     "fedssl.flare.fedclf_executor.FedCLFExecutor",
+    "fedssl.flare.feddra_executor.FedDRAExecutor",
     "fedssl.flare.resnet_classifier_executor.ResNetClassifierExecutor",
     "fedssl.flare.mim_executor.MIMExecutor",
     "fedssl.flare.multilabel_executor.MultiLabelExecutor",
@@ -53,6 +54,7 @@ COMPONENT_CLASSES = (
     # filters (client and server); FeatureBankPerturbation is a site's privacy filter, also nameable by a job
     "fedssl.flare.backbone_exclusion.BackboneBNExclusion",
     "fedssl.flare.communication_meter.CommunicationMeter",
+    "fedssl.flare.dro_weight_filter.DROWeightFilter",
     "fedssl.flare.feature_bank_perturbation.FeatureBankPerturbation",
     "fedssl.flare.feature_bank_shuttle.FeatureBankShuttle",
     "fedssl.flare.head_slicer.HeadSlicer",
@@ -68,6 +70,8 @@ COMPONENT_CLASSES = (
     "fedssl.flare.run_summary.RunSummary",
     # controllers (server)
     "fedssl.flare.fclopt_controller.FCLOptController",
+    "fedssl.flare.feddra_controller.FedDRAController",
+    "fedssl.flare.federated_vocabulary.FederatedVocabulary",
     "fedssl.flare.federated_kmeans.FederatedKMeans",
     "fedssl.flare.final_evaluation.FinalEvaluation",
     "fedssl.flare.surgical_evaluation.SurgicalEvaluation",
@@ -82,6 +86,7 @@ COMPONENT_CLASSES = (
     "fedssl.models.vit.BEiTViT",
     "fedssl.models.vit.MAEViT",
     "fedssl.models.vit_classifier.FineTuneViT",
+    "fedssl.models.vlp.VisionLanguageModel",
     # FLARE components the jobs use (in FLARE 2.9's default list too; named so the jobs keep working
     # should a FLARE release drop them there)
     "nvflare.app_common.workflows.scatter_and_gather.ScatterAndGather",

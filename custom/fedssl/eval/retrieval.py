@@ -1,0 +1,148 @@
+"""In-domain image-text retrieval and image-text embedding similarity of a vision-language model (FedDRA).
+
+FedDRA: Z. Shuai, C. Wu, Z. Tang, L. Shen, "Distributionally Robust Alignment for Medical Federated Vision-Language
+Pre-training Under Data Heterogeneity", TMLR.  Sec. 5.1 (3) and appendix A.1.2 "Image retrieval": on the validation
+splits of the clients, "For each text in a batch of image-text pairs, we calculate similarities with images in the
+batch, then rank these similarities and retrieve the top-1 and top-5 images.  If the corresponding image of the
+text is in the selected set, it is correctly retrieved."  Tables 2-3 report the recall averaged over clients
+(Rec.@k) and the worst client's (Wst.@k): :func:`client_summary`.
+
+- :func:`text_to_image_recall`: R@k of text -> image retrieval by cosine similarity, over the whole split
+  (``batch_size=0``) or within consecutive batches of ``batch_size`` pairs (the paper's protocol).
+- :func:`matched_cosine`: mean cosine of the matched pairs, of the unmatched pairs, and their gap (the image-text
+  embedding similarity of the paper's Fig. 4(d-f)).
+
+Ranking rule (both modes): the rank of text ``i`` is the number of *other* images ``j`` in its gallery (the split or
+its batch) with ``cos(t_i, v_j) >= cos(t_i, v_i) - TIE_TOL``; a hit at k when that rank is < k.  Ties count against
+the hit (pessimistic), so an encoder that maps everything to one vector scores R@k = 0 whenever its gallery holds
+more than k images.  A gallery of B <= k images always contains the text's own image among its "top k" (k is in
+effect clipped to the gallery size), so such texts are hits: this is what the paper's protocol gives for a final
+batch smaller than k; pass ``drop_last=True`` to leave a final partial batch out instead.
+
+Similarities are computed in float64; the embeddings may be unnormalised (each row is L2-normalised first; a zero
+row has no direction and is an error).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from fedssl.core.checks import require, require_int
+
+__all__ = ["TIE_TOL", "text_to_image_recall", "matched_cosine", "client_summary"]
+
+#: cosines closer than this to the matched pair's count as ties (against the hit): float noise is not a win
+TIE_TOL = 1e-9
+_CHUNK = 1024  # texts ranked at once (keeps the similarity block at most 1024 x gallery)
+
+
+def _unit_pairs(component: str, z_img, z_txt) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate (N, D) matched embeddings and return them L2-normalised, float64, on the CPU."""
+    img = torch.as_tensor(z_img).detach().to("cpu", torch.float64)
+    txt = torch.as_tensor(z_txt).detach().to("cpu", torch.float64)
+    require(img.dim() == 2 and img.shape[0] >= 1 and img.shape[1] >= 1, component, "z_img", tuple(img.shape),
+            "pass image embeddings of shape (N, D), one row per image-text pair")
+    require(txt.shape == img.shape, component, "z_txt", tuple(txt.shape),
+            f"pass text embeddings of the image embeddings' shape {tuple(img.shape)}: row i of both is pair i")
+    for name, z in (("z_img", img), ("z_txt", txt)):
+        require(bool(torch.isfinite(z).all()), component, name, "non-finite values",
+                "the embeddings contain NaN/Inf; check the encoder's output")
+        norms = z.norm(dim=1)
+        zero = torch.nonzero(norms == 0).flatten().tolist()
+        require(not zero, component, name, f"zero rows {zero[:5]}",
+                "a zero embedding has no cosine similarity; check the encoder's output for those rows")
+    return img / img.norm(dim=1, keepdim=True), txt / txt.norm(dim=1, keepdim=True)
+
+
+def _check_ks(component: str, ks) -> tuple[int, ...]:
+    ks = tuple(ks)
+    require(len(ks) > 0 and len(set(ks)) == len(ks), component, "ks", ks, "pass distinct positive ints, e.g. (1, 5)")
+    for k in ks:
+        require_int(component, "ks", k, 1, "every k must be a positive int, e.g. ks=(1, 5)")
+    return ks
+
+
+def _ranks(img: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
+    """Pessimistic rank (0 = first) of each text's own image among the gallery ``img`` (row i matches text i)."""
+    out = []
+    for s in range(0, txt.shape[0], _CHUNK):
+        sims = txt[s:s + _CHUNK] @ img.T  # (c, G)
+        rows = torch.arange(sims.shape[0])
+        own = sims[rows, rows + s]
+        ahead = sims >= (own - TIE_TOL)[:, None]  # includes the own image itself
+        out.append(ahead.sum(dim=1) - 1)
+    return torch.cat(out)
+
+
+def text_to_image_recall(z_img, z_txt, ks: Sequence[int] = (1, 5), batch_size: int = 0, *,
+                         drop_last: bool = False) -> dict[str, float]:
+    """Text -> image recall at each k: the fraction of texts whose own image is among the k images most
+    cosine-similar to it.  ``{"R@1": ..., "R@5": ...}``, fractions in [0, 1].
+
+    ``batch_size=0``: every text is ranked against all N images of the split.  ``batch_size=B > 0`` (the paper's
+    protocol): the pairs are cut, in the given order, into consecutive batches of B, and each text is ranked
+    against the images of its own batch only; the final partial batch (N mod B pairs) is ranked within itself, or
+    left out with ``drop_last=True``.  Ties and galleries smaller than k: see the module docstring."""
+    component = "text_to_image_recall"
+    img, txt = _unit_pairs(component, z_img, z_txt)
+    ks = _check_ks(component, ks)
+    require_int(component, "batch_size", batch_size, 0,
+                "use 0 to rank over the whole split or a positive batch size (the paper ranks within batches)")
+    n = img.shape[0]
+    size = batch_size or n
+    stops = [s for s in range(0, n, size) if not (drop_last and batch_size and s + size > n)]
+    require(bool(stops), component, "batch_size", batch_size,
+            f"with drop_last=True a batch size above the {n} pairs leaves nothing to rank; lower it or keep the "
+            "last batch")
+    ranks = torch.cat([_ranks(img[s:s + size], txt[s:s + size]) for s in stops])
+    return {f"R@{k}": float((ranks < k).double().mean()) for k in ks}
+
+
+def matched_cosine(z_img, z_txt) -> dict[str, float]:
+    """``{"matched", "unmatched", "gap"}``: the mean cosine of the N matched pairs (row i of both), the mean over the
+    N (N - 1) unmatched pairs (text i, image j != i), and matched - unmatched (FedDRA Fig. 4(d-f): "the average
+    cosine similarity between image and text embeddings").  Needs N >= 2.  O(N D): the sum over all pairs is
+    ``(sum_i t_i) . (sum_j v_j)`` of the unit vectors."""
+    component = "matched_cosine"
+    img, txt = _unit_pairs(component, z_img, z_txt)
+    n = img.shape[0]
+    require(n >= 2, component, "z_img", tuple(img.shape), "pass at least 2 pairs: one pair has no unmatched pairs")
+    diag = (img * txt).sum(dim=1).sum()
+    total = txt.sum(dim=0) @ img.sum(dim=0)
+    matched = float(diag / n)
+    unmatched = float((total - diag) / (n * (n - 1)))
+    return {"matched": matched, "unmatched": unmatched, "gap": matched - unmatched}
+
+
+def client_summary(per_client: Mapping[str, Mapping[str, float]], keys: Sequence[str] = ("R@1", "R@5"), *,
+                   anonymous: bool = False) -> dict:
+    """Average over clients and the worst (lowest) client's value per key, as the paper's Rec.@k / Wst.@k:
+    ``{"avg_R@1", "worst_R@1", ..., "n_clients"}``, plus ``"worst_client_R@1"`` ... (the worst client's name, the
+    first in sorted name order on a tie) unless ``anonymous``.  Higher must be better for every key."""
+    component = "client_summary"
+    require(isinstance(per_client, Mapping) and len(per_client) > 0, component, "per_client", per_client,
+            "pass a non-empty dict client -> {metric: value}, e.g. text_to_image_recall per client")
+    keys = tuple(keys)
+    require(len(keys) > 0, component, "keys", keys, "name at least one metric, e.g. ('R@1', 'R@5')")
+    names = sorted(per_client, key=str)
+    out: dict = {}
+    for key in keys:
+        values = []
+        for name in names:
+            metrics = per_client[name]
+            require(key in metrics, component, "per_client", f"{name}: keys {sorted(metrics)}",
+                    f"every client needs {key!r} (or drop it from keys)")
+            value = float(metrics[key])
+            require(math.isfinite(value), component, "per_client", f"{name}[{key!r}]={value}", "values must be finite")
+            values.append(value)
+        worst = int(np.argmin(values))
+        out[f"avg_{key}"] = float(np.mean(values))
+        out[f"worst_{key}"] = values[worst]
+        if not anonymous:
+            out[f"worst_client_{key}"] = names[worst]
+    out["n_clients"] = len(names)
+    return out

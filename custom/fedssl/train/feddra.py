@@ -1,0 +1,222 @@
+"""FedDRA's site trainer: two-stage local training with a global anchor and a DRO-scaled step size.
+
+"Distributionally Robust Alignment for Medical Federated Vision-Language Pre-training Under Data Heterogeneity"
+(Shuai, Wu, Tang and Shen, TMLR), Algorithms 2-3.  One task of a communication turn, on one site:
+
+- ``set_stage(stage, weight_scale)``: "align" (stage 1: only the alignment blocks and projections train, the
+  encoders are frozen), "full_model" (stage 2: everything trains) or "fedavg" (plain FedAvg: one task per turn,
+  everything trains, no anchor unless ``mu`` > 0); ``weight_scale`` = N lambda_i, the DRO factor on the step size
+  (1 under uniform weights: plain training);
+- ``load_global``: the received model (stage 2 receives only the aggregated alignment part: the encoders did not
+  change in stage 1); with ``mu`` > 0 a frozen copy of it gives the anchors z* of eq. (1);
+- ``train_round``: ``steps`` batches sampled uniformly from the site's training pairs (paper: "randomly sample 50
+  batches of data for local training at each turn"), AdamW with a fresh state each task (as the authors' code,
+  which builds a new trainer per stage), learning rate ``lr x weight_scale``: the step size is scaled, not the
+  loss (the authors' code scales the loss, which Adam's normalisation undoes);
+- after a stage-2 or FedAvg task, ``v_i``: the contrastive loss of the site's local model on a held-out part of its
+  training pairs (Algorithm 1 lines 13-16), in fixed batches of the training batch size (the InfoNCE value depends
+  on the batch size, so every site measures at the same one);
+- ``evaluate``: text-to-image retrieval on the site's test split (R@1 / R@5 within fixed-size batches, the
+  paper's protocol, and over the whole split) and the cosine of matched vs unmatched image-text pairs (Fig. 4d-f).
+
+Only the alignment part is uploaded after stage 1 (:meth:`global_state`).  No text or image leaves the site.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedssl.core.checks import require, require_choice, require_int
+from fedssl.core.seeds import site_seed
+from fedssl.core.trainer import RoundStats, check_optimizer_state, detached, load_checked, stoppable
+from fedssl.core.vlp import STAGES, FedDRAConfig, trainable_names
+from fedssl.data.vlp import VLPDataset, VLPRecord
+from fedssl.data.vocab import tokenize
+from fedssl.eval.retrieval import matched_cosine, text_to_image_recall
+from fedssl.models.vlp import ALIGNMENT_PREFIXES, VisionLanguageModel
+
+#: the retrieval batch of the paper's protocol ("for each text in a batch of image-text pairs")
+RETRIEVAL_BATCH = 100
+
+
+def split_holdout(records: Sequence[VLPRecord], fraction: float, seed: int) -> tuple[list, list]:
+    """(fit, held-out) by study, deterministic in ``seed``; at least one study held out when fraction > 0."""
+    studies = sorted({r.study for r in records})
+    if fraction <= 0 or len(studies) < 2:
+        return list(records), []
+    rng = np.random.default_rng(seed)
+    n_hold = min(max(1, int(round(fraction * len(studies)))), len(studies) - 1)
+    held = {studies[i] for i in rng.permutation(len(studies))[:n_hold]}
+    return [r for r in records if r.study not in held], [r for r in records if r.study in held]
+
+
+class FedDRALocalTrainer:
+    def __init__(self, train_records: Sequence[VLPRecord], test_records: Sequence[VLPRecord], *, tokenizer,
+                 model_args: Mapping[str, Any], site: str = "site", batch_size: int = 32, lr: float = 2e-5,
+                 weight_decay: float = 0.05, mu: float = 5.0, tau: float = 0.07, align_steps: int = 20,
+                 steps: int = 50, holdout_fraction: float = 0.1, max_text_len: int = 128, seed: int = 0,
+                 retrieval_batch: int = RETRIEVAL_BATCH, augment: bool = True, colour: str = "grey",
+                 device: torch.device | str = "cpu"):
+        name = type(self).__name__
+        require(len(train_records) >= 2, name, "train_records", len(train_records),
+                f"{site} needs at least 2 image-report pairs to train")
+        require_int(name, "batch_size", batch_size, 2, "use a batch of at least 2 pairs (paper: 288-388)")
+        require_int(name, "align_steps", align_steps, 0, "use the stage-1 steps per turn (the authors' code: 20)")
+        require_int(name, "steps", steps, 1, "use the stage-2 / FedAvg steps per turn (paper: 50)")
+        require_int(name, "max_text_len", max_text_len, 8, "use a token budget of at least 8 (paper: 128)")
+        require_int(name, "retrieval_batch", retrieval_batch, 2, "use the retrieval batch (paper protocol: 100)")
+        require(isinstance(lr, (int, float)) and lr > 0, name, "lr", lr, "use a learning rate > 0 (paper: 2e-5)")
+        require(isinstance(holdout_fraction, (int, float)) and 0 <= holdout_fraction < 1, name, "holdout_fraction",
+                holdout_fraction, "use a fraction in [0, 1) of the training pairs for the DRO loss (0.1)")
+        self.cfg = FedDRAConfig(mu=mu, tau=tau)
+        self.site, self.seed, self.batch_size, self.lr, self.weight_decay = site, seed, batch_size, lr, weight_decay
+        self.align_steps, self.steps, self.max_text_len, self.retrieval_batch = align_steps, steps, max_text_len, retrieval_batch
+        self.device = torch.device(device)
+        self.tokenizer = tokenizer
+        self.model = VisionLanguageModel(**dict(model_args)).to(self.device)
+        size, chans = self.model.image_size, self.model.in_chans
+        own = site_seed(seed, site)
+        fit, held = split_holdout(train_records, holdout_fraction, own)
+        if len(fit) < 2:
+            fit, held = list(train_records), []
+        data = dict(channels=chans, seed=own, colour=colour, site=site)
+        self.fit = VLPDataset(fit, size, augment=augment, **data)
+        self.held = VLPDataset(held, size, augment=False, **data) if held else None
+        self.test = VLPDataset(list(test_records), size, augment=False, **data) if test_records else None
+        self.rng = np.random.default_rng(own)
+        self.stage, self.weight_scale = "fedavg", 1.0
+        self.anchor: VisionLanguageModel | None = None
+        self.tasks_done = 0
+        self.aligned_round = -1  # the turn of the last stage-1 task (stage 2 needs this turn's)
+
+    # ------------------------------------------------------------------ the seam
+    def set_stage(self, stage: str, weight_scale: float = 1.0) -> None:
+        require_choice(type(self).__name__, "stage", stage, STAGES)
+        require(isinstance(weight_scale, float) and 0 < weight_scale < float("inf"), type(self).__name__,
+                "weight_scale", weight_scale, "the DRO factor N lambda_i must be a finite number > 0")
+        self.stage, self.weight_scale = stage, weight_scale
+
+    def load_global(self, state: Mapping[str, Any], keep_local: Sequence[str] | bool = ()) -> list[str]:
+        if self.stage == "full_model":
+            kept = load_checked(self.model, state, f"{self.site}: the stage-2 download", keep_local=True)
+        else:
+            kept = load_checked(self.model, state, f"{self.site}: the global model", keep_local=keep_local)
+        self.anchor = None
+        if self.cfg.mu > 0:
+            self.anchor = copy.deepcopy(self.model).eval()
+            for p in self.anchor.parameters():
+                p.requires_grad_(False)
+        return [] if self.stage == "full_model" else kept
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        state = self.model.state_dict()
+        if self.stage == "align":
+            return detached(state, trainable_names(state.keys(), "align", ALIGNMENT_PREFIXES))
+        return detached(state)
+
+    def state_dict(self) -> dict:
+        return {"model": detached(self.model.state_dict()), "rng": self.rng.bit_generator.state,
+                "tasks_done": self.tasks_done, "aligned_round": self.aligned_round}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        load_checked(self.model, state["model"], f"{self.site}: the checkpoint")
+        self.rng.bit_generator.state = state["rng"]
+        self.tasks_done = int(state["tasks_done"])
+        self.aligned_round = int(state["aligned_round"])
+
+    # ------------------------------------------------------------------ training
+    def _tokens(self, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, mask = tokenize(self.tokenizer, list(texts), self.max_text_len)
+        return ids.to(self.device), mask.to(self.device)
+
+    def _batch(self, dataset: VLPDataset, indices) -> tuple[torch.Tensor, list[str]]:
+        items = [dataset[int(i)] for i in indices]
+        return torch.stack([im for im, _ in items]).to(self.device), [t for _, t in items]
+
+    def train_round(self, round_idx: int, should_stop: Callable[[], bool] | None = None) -> RoundStats:
+        names = trainable_names([n for n, _ in self.model.named_parameters()], self.stage, ALIGNMENT_PREFIXES)
+        train = set(names)
+        params = []
+        for n, p in self.model.named_parameters():
+            p.requires_grad_(n in train)
+            if n in train:
+                params.append(p)
+        lr = self.lr * self.weight_scale
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=self.weight_decay)
+        steps = self.align_steps if self.stage == "align" else self.steps
+        n, b = len(self.fit), min(self.batch_size, len(self.fit))
+        self.fit.set_epoch(self.tasks_done)
+        self.model.train()
+        totals: dict[str, float] = {}
+        losses = []
+        for _ in stoppable(range(steps), should_stop):
+            images, texts = self._batch(self.fit, self.rng.choice(n, size=b, replace=False))
+            ids, mask = self._tokens(texts)
+            z_img, z_txt = self.model(images, ids, mask)
+            anchors = (None, None)
+            if self.anchor is not None:
+                with torch.no_grad():
+                    anchors = self.anchor(images, ids, mask)
+            loss, terms = self.cfg.loss(z_img, z_txt, *anchors)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+            for k, v in terms.items():
+                totals[k] = totals.get(k, 0.0) + v
+        for p in self.model.parameters():
+            p.requires_grad_(True)
+        self.tasks_done += 1
+        metrics: dict[str, Any] = {k: v / max(len(losses), 1) for k, v in totals.items()}
+        metrics.update(stage=self.stage, lr=lr, weight_scale=self.weight_scale)
+        if self.stage != "align":
+            metrics.update(self.holdout_metrics())
+        return RoundStats(loss=float(np.mean(losses)) if losses else 0.0, steps=len(losses), samples=len(self.fit),
+                          metrics=metrics)
+
+    @torch.no_grad()
+    def embed(self, dataset: VLPDataset) -> tuple[torch.Tensor, torch.Tensor]:
+        """(z_img, z_txt) of every pair of ``dataset`` in order (eval mode)."""
+        self.model.eval()
+        zi, zt = [], []
+        for start in range(0, len(dataset), self.batch_size):
+            images, texts = self._batch(dataset, range(start, min(start + self.batch_size, len(dataset))))
+            a, b = self.model(images, *self._tokens(texts))
+            zi.append(a.cpu())
+            zt.append(b.cpu())
+        return torch.cat(zi), torch.cat(zt)
+
+    @torch.no_grad()
+    def holdout_metrics(self) -> dict[str, float]:
+        """v_i (``dro_loss``): the contrastive loss on the held-out pairs, in consecutive batches of the training batch
+        size (a final partial batch only when no full batch exists), and the cosine of matched / unmatched held-out
+        pairs (the paper's Fig. 4d-f, per turn); {} when nothing is held out."""
+        if self.held is None:
+            return {}
+        z_img, z_txt = self.embed(self.held)
+        b = min(self.batch_size, len(z_img))
+        values = [float(self.cfg.loss(z_img[s:s + b], z_txt[s:s + b])[1]["loss_mi"])
+                  for s in range(0, len(z_img) - b + 1, b)]
+        cos = matched_cosine(z_img, z_txt)
+        return {"dro_loss": float(np.mean(values)), "holdout_cos_matched": cos["matched"],
+                "holdout_cos_unmatched": cos["unmatched"]}
+
+    def evaluate(self, split: str = "test") -> dict[str, Any]:
+        dataset = {"test": self.test, "holdout": self.held}.get(split)
+        if dataset is None or len(dataset) < 2:
+            return {}
+        z_img, z_txt = self.embed(dataset)
+        out: dict[str, Any] = {"n_pairs": len(z_img)}
+        batch = min(self.retrieval_batch, len(z_img))
+        for k, v in text_to_image_recall(z_img, z_txt, ks=(1, 5), batch_size=batch).items():
+            out[k] = v
+        for k, v in text_to_image_recall(z_img, z_txt, ks=(1, 5), batch_size=0).items():
+            out[f"split_{k}"] = v
+        cos = matched_cosine(z_img, z_txt)
+        out.update(cos_matched=cos["matched"], cos_unmatched=cos["unmatched"])
+        return out

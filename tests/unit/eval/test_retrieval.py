@@ -1,0 +1,107 @@
+"""fedssl.eval.retrieval: ranks, recall, matched cosine and client summaries against hand-computed values."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedssl.eval.retrieval import client_summary, matched_cosine, text_to_image_recall
+
+# images on the four axes; texts hand-placed (unnormalised on purpose)
+IMG = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0]], dtype=torch.float64)
+TXT = torch.tensor([
+    [1.0, 0.1],   # own i0 first                                  -> rank 0 (whole), 0 (batch {0,1})
+    [1.0, 0.5],   # i0 beats own i1                               -> rank 1 (whole), 1 (batch {0,1})
+    [0.1, -1.0],  # i3 and i0 beat own i2                         -> rank 2 (whole), 1 (batch {2,3}: only i3)
+    [2.0, -2.0],  # own i3 ties i0 (cos 0.7071): counts against   -> rank 1 (whole), 0 (batch {2,3})
+], dtype=torch.float64)
+
+
+def test_whole_split_recall_by_hand():
+    # ranks [0, 1, 2, 1]
+    r = text_to_image_recall(IMG, TXT, ks=(1, 2, 3, 5))
+    assert r == {"R@1": 0.25, "R@2": 0.75, "R@3": 1.0, "R@5": 1.0}
+
+
+def test_batches_of_two_differ_from_whole_split():
+    # batches {0,1}, {2,3}: ranks [0, 1, 1, 0]
+    assert text_to_image_recall(IMG, TXT, ks=(1, 2), batch_size=2) == {"R@1": 0.5, "R@2": 1.0}
+    assert text_to_image_recall(IMG, TXT, ks=(1, 5), batch_size=2)["R@1"] != text_to_image_recall(IMG, TXT)["R@1"]
+
+
+def test_final_partial_batch_ranked_within_itself_or_dropped():
+    # batches {0,1,2}, {3}: ranks [0, 1, 1] and text 3 alone -> a hit at any k
+    assert text_to_image_recall(IMG, TXT, ks=(1,), batch_size=3) == {"R@1": 0.5}
+    assert text_to_image_recall(IMG, TXT, ks=(1,), batch_size=3, drop_last=True) == {"R@1": pytest.approx(1 / 3)}
+    # batch_size >= N is the whole split
+    assert text_to_image_recall(IMG, TXT, ks=(1, 2), batch_size=4) == text_to_image_recall(IMG, TXT, ks=(1, 2))
+    assert text_to_image_recall(IMG, TXT, ks=(1, 2), batch_size=9) == text_to_image_recall(IMG, TXT, ks=(1, 2))
+
+
+def test_constant_embedding_cannot_score_ties_are_pessimistic():
+    z = torch.ones(6, 3)
+    r = text_to_image_recall(z, z, ks=(1, 5, 6))
+    assert r == {"R@1": 0.0, "R@5": 0.0, "R@6": 1.0}  # every image ties: rank N - 1 = 5, a hit only when k >= N
+    assert text_to_image_recall(z, z, ks=(1, 2), batch_size=2) == {"R@1": 0.0, "R@2": 1.0}  # gallery of 2 <= k
+
+
+def test_scale_invariant_and_perfect_alignment():
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(10, 4, generator=g)
+    assert text_to_image_recall(z, 3.0 * z, ks=(1,)) == {"R@1": 1.0}
+    assert text_to_image_recall(np.asarray(IMG) * 7.0, TXT, ks=(1,)) == {"R@1": 0.25}  # numpy accepted
+
+
+def test_matched_cosine_by_hand():
+    # cos(t_i, v_j) with unit t: t0=(1,.1)/|.|, t1=(1,.5)/|.|, t2=(.1,-1)/|.|, t3=(1,-1)/sqrt2
+    a, b, c = 1 / math.sqrt(1.01), 1 / math.sqrt(1.25), 1 / math.sqrt(2)
+    cos = np.array([
+        [a, 0.1 * a, -a, -0.1 * a],
+        [b, 0.5 * b, -b, -0.5 * b],
+        [0.1 * a, -a, -0.1 * a, a],
+        [c, -c, -c, c],
+    ])
+    out = matched_cosine(IMG, TXT)
+    matched = np.trace(cos) / 4
+    unmatched = (cos.sum() - np.trace(cos)) / 12
+    assert out["matched"] == pytest.approx(matched, abs=1e-12)
+    assert out["unmatched"] == pytest.approx(unmatched, abs=1e-12)
+    assert out["gap"] == pytest.approx(matched - unmatched, abs=1e-12)
+    # numbers written out: matched = (a + .5b - .1a + c) / 4
+    assert out["matched"] == pytest.approx((0.9 * a + 0.5 * b + c) / 4, abs=1e-12)
+
+
+def test_matched_cosine_aligned_pairs():
+    z = torch.eye(3)
+    assert matched_cosine(z, 2 * z) == {"matched": 1.0, "unmatched": 0.0, "gap": 1.0}
+
+
+def test_client_summary_by_hand():
+    per = {"b": {"R@1": 0.3, "R@5": 0.7}, "a": {"R@1": 0.1, "R@5": 0.8}, "c": {"R@1": 0.5, "R@5": 0.6}}
+    s = client_summary(per)
+    assert s["avg_R@1"] == pytest.approx(0.3) and s["avg_R@5"] == pytest.approx(0.7)
+    assert s["worst_R@1"] == 0.1 and s["worst_R@5"] == 0.6
+    assert s["worst_client_R@1"] == "a" and s["worst_client_R@5"] == "c"
+    assert s["n_clients"] == 3
+    anon = client_summary(per, anonymous=True)
+    assert not any(k.startswith("worst_client") for k in anon) and anon["worst_R@1"] == 0.1
+
+
+@pytest.mark.parametrize("call, arg", [
+    (lambda: text_to_image_recall(IMG, TXT[:3]), "z_txt"),
+    (lambda: text_to_image_recall(IMG[0], TXT[0]), "z_img"),
+    (lambda: text_to_image_recall(IMG, TXT * float("nan")), "z_txt"),
+    (lambda: text_to_image_recall(IMG * 0, TXT), "z_img"),
+    (lambda: text_to_image_recall(IMG, TXT, ks=(0,)), "ks"),
+    (lambda: text_to_image_recall(IMG, TXT, ks=(1, 1)), "ks"),
+    (lambda: text_to_image_recall(IMG, TXT, batch_size=-1), "batch_size"),
+    (lambda: text_to_image_recall(IMG, TXT, batch_size=5, drop_last=True), "batch_size"),
+    (lambda: matched_cosine(IMG[:1], TXT[:1]), "z_img"),
+    (lambda: client_summary({}), "per_client"),
+    (lambda: client_summary({"a": {"R@1": 0.1}}), "per_client"),
+    (lambda: client_summary({"a": {"R@1": float("nan"), "R@5": 0.2}}), "per_client"),
+])
+def test_argument_errors_name_the_argument(call, arg):
+    with pytest.raises(ValueError, match=f"argument {arg}="):
+        call()

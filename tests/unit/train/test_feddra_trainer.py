@@ -1,0 +1,116 @@
+"""FedDRA's site trainer (fedssl.train.feddra): what each stage trains and uploads, the DRO step-size factor, the
+anchor and the held-out loss v_i, on a tiny synthetic MIMIC-CXR site."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fedssl.data.vlp import load_mimic_vlp
+from fedssl.data.vocab import build_wordpiece_vocab, make_tokenizer, merge_word_counts, site_word_counts
+from fedssl.models.vlp import ALIGNMENT_PREFIXES
+from fedssl.train.feddra import FedDRALocalTrainer, split_holdout
+
+torch.set_num_threads(1)
+MODEL = {"preset": "tiny", "vocab_size": 256}
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    from fedssl.data.vlp_synthetic import write_synthetic_mimic
+
+    root = tmp_path_factory.mktemp("mimic")
+    write_synthetic_mimic(str(root), n_patients=24, image_px=32, seed=0)
+    records, _ = load_mimic_vlp(str(root), site="site-1")
+    counts = site_word_counts([r.text for r in records], min_count=2)
+    tok = make_tokenizer(vocab=build_wordpiece_vocab(merge_word_counts([counts], min_count=2), 256))
+    return [r for r in records if r.split == "train"], [r for r in records if r.split == "test"], tok
+
+
+def trainer(site, **kw):
+    train, test, tok = site
+    args = dict(batch_size=4, align_steps=2, steps=2, lr=1e-3, max_text_len=32, holdout_fraction=0.2, augment=False)
+    args.update(kw)
+    return FedDRALocalTrainer(train, test, tokenizer=tok, model_args=MODEL, site="site-1", **args)
+
+
+def changed_parts(before, after):
+    return {k.split(".")[0] for k in after if not torch.equal(before[k], after[k])}
+
+
+def test_stage_one_trains_and_uploads_only_the_alignment_part(site):
+    tr = trainer(site)
+    start = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    tr.set_stage("align", 1.0)
+    tr.load_global(start)
+    stats = tr.train_round(0)
+    assert changed_parts(start, tr.model.state_dict()) == {"image_align", "text_align", "image_proj", "text_proj"}
+    up = tr.global_state()
+    assert up and all(k.startswith(ALIGNMENT_PREFIXES) for k in up)
+    assert set(up) == {k for k in start if k.startswith(ALIGNMENT_PREFIXES)}
+    assert "dro_loss" not in stats.metrics and stats.steps == 2
+    assert all(p.requires_grad for p in tr.model.parameters())  # the freeze does not outlive the task
+
+
+def test_stage_two_takes_a_partial_download_and_trains_everything(site):
+    tr = trainer(site)
+    start = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    aligned = {k: v + 0.01 for k, v in start.items() if k.startswith(ALIGNMENT_PREFIXES)}
+    tr.set_stage("full_model", 1.0)
+    tr.load_global(aligned)  # the stage-2 download: only the aggregated alignment part
+    assert torch.equal(tr.model.state_dict()[next(iter(aligned))], aligned[next(iter(aligned))])
+    stats = tr.train_round(0)
+    parts = changed_parts(start, tr.model.state_dict())
+    assert {"image_encoder", "text_encoder", "image_align", "text_align"} <= parts
+    assert set(tr.global_state()) == set(start)  # the whole model goes up
+    assert math.isfinite(stats.metrics["dro_loss"]) and stats.metrics["dro_loss"] > 0
+    assert -1 <= stats.metrics["holdout_cos_matched"] <= 1
+
+
+def test_the_dro_factor_scales_the_step_size(site):
+    tr = trainer(site)
+    tr.set_stage("fedavg", 1.5)
+    assert tr.train_round(0).metrics["lr"] == pytest.approx(1.5e-3)
+    with pytest.raises(ValueError, match="weight_scale"):
+        tr.set_stage("fedavg", float("inf"))
+
+
+def test_the_anchor_is_a_frozen_copy_of_the_received_model(site):
+    tr = trainer(site, mu=5.0)
+    received = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    tr.set_stage("fedavg", 1.0)
+    tr.load_global(received)
+    stats = tr.train_round(0)
+    # the anchor kept the received weights while the model moved; step 1 starts at the anchor (term 0)
+    anchor = tr.anchor.state_dict()
+    assert all(torch.equal(anchor[k], received[k]) for k in received)
+    assert not all(torch.equal(tr.model.state_dict()[k], received[k]) for k in received)
+    assert stats.metrics["loss_anchor"] > 0
+    assert not any(p.requires_grad for p in tr.anchor.parameters())
+    no_anchor = trainer(site, mu=0.0)
+    no_anchor.set_stage("fedavg", 1.0)
+    no_anchor.load_global(received)
+    assert no_anchor.anchor is None and "loss_anchor" not in no_anchor.train_round(0).metrics
+
+
+def test_holdout_is_by_study_and_deterministic(site):
+    train, _, _ = site
+    fit, held = split_holdout(train, 0.25, seed=3)
+    assert held and not {r.study for r in fit} & {r.study for r in held}
+    assert len(fit) + len(held) == len(train)
+    assert split_holdout(train, 0.25, seed=3) == (fit, held)
+    assert split_holdout(train, 0.25, seed=4) != (fit, held)
+
+
+def test_checkpoint_round_trip_keeps_the_stage_one_turn(site):
+    tr = trainer(site)
+    tr.aligned_round = 3
+    tr.set_stage("fedavg", 1.0)
+    tr.train_round(0)
+    state = tr.state_dict()
+    other = trainer(site)
+    other.load_state_dict(state)
+    assert other.aligned_round == 3 and other.tasks_done == 1
+    assert all(torch.equal(other.model.state_dict()[k], v) for k, v in tr.model.state_dict().items())

@@ -310,18 +310,34 @@ def load_nih(root: object, site: str = "?", check_images: bool = True) -> list[C
 
 
 # -------------------------------------------------------------------------------------------------- CheXpert
-def _binary(value: str, path: Path, row: int, column: str, site: str) -> int:
+def chexpert_value(value: str, path: Path, row: int, column: str, site: str, blanks: Sequence[str] = ("",),
+                   fix: str = "use the dataset's original label file", error=None) -> float | None:
+    """A CheXpert-style label cell: 1.0, 0.0 or -1.0, None when it is one of ``blanks``; anything else is a
+    CXRDataError naming the file, row, column and site."""
     v = value.strip()
-    if v == "":
-        return 0
+    if v in blanks:
+        return None
     try:
         f = float(v)
     except ValueError:
         f = float("nan")
     if f not in (1.0, 0.0, -1.0):
-        raise _err(site, path, f"label {column}={value!r} is not 1, 0, -1 or blank",
-                   "use the dataset's original label file", row)
-    return 1 if f == 1.0 else 0  # uncertain (-1) and blank -> negative (U-Zeros, as the paper)
+        raise (error or _err)(site, path, f"label {column}={value!r} is not 1, 0, -1 or blank", fix, row)
+    return f
+
+
+def checked_rows(header: Sequence[str], rows, path: Path, site: str, fix: str = "restore the CSV", error=None):
+    """Yield ``(line, fields)`` of ``rows``; a row with another number of fields than ``header`` is an error naming
+    the file, the line and the site (``error(site, path, problem, fix, line)``, default a CXRDataError)."""
+    for line, r in rows:
+        if len(r) != len(header):
+            raise (error or _err)(site, path, f"row has {len(r)} fields, the header {len(header)}", fix, line)
+        yield line, r
+
+
+def _binary(value: str, path: Path, row: int, column: str, site: str) -> int:
+    # uncertain (-1) and blank -> negative (U-Zeros, as the paper)
+    return 1 if chexpert_value(value, path, row, column, site) == 1.0 else 0
 
 
 def _resolve_chexpert_path(rp: Path, rel: str) -> list[Path]:

@@ -85,6 +85,8 @@ from fedssl.data.cxr import (
     MIMIC_METADATA,
     MIMIC_SPLIT,
     CXRDataError,
+    checked_rows,
+    chexpert_value,
     _check_root,
     _err as _cxr_err,
     _mimic_csv,
@@ -237,17 +239,9 @@ _NAN = ("", "nan", "NaN", "NAN")
 
 def _feddra_value(value: str, path: Path, row: int, column: str, site: str) -> int:
     """FedDRA's rule: any non-NaN value (1, 0 or -1) -> 1, NaN / blank -> 0."""
-    v = value.strip()
-    if v in _NAN:
-        return 0
-    try:
-        f = float(v)
-    except ValueError:
-        f = float("nan")
-    if f not in (1.0, 0.0, -1.0):
-        raise _err(site, path, f"label {column}={value!r} is not 1, 0, -1 or blank",
-                   "use the dataset's original mimic-cxr-2.0.0-chexpert.csv", row)
-    return 1
+    v = chexpert_value(value, path, row, column, site, blanks=_NAN,
+                       fix="use the dataset's original mimic-cxr-2.0.0-chexpert.csv", error=_err)
+    return 0 if v is None else 1
 
 
 def _report_path(reports_root: Path, subject: str, study: str) -> Path:
@@ -295,19 +289,14 @@ def load_mimic_vlp(root: object, site: str = "?", check_images: bool = True,
     header, rows = _read_rows(lab_path, site)
     pos = _require_columns(header, ("subject_id", "study_id") + FEDDRA_FINDINGS, lab_path, site)
     labels: dict[tuple[str, str], tuple[int, ...]] = {}
-    for line, r in rows:
-        if len(r) != len(header):
-            raise _err(site, lab_path, f"row has {len(r)} fields, the header {len(header)}",
-                       "restore the label file", line)
+    for line, r in checked_rows(header, rows, lab_path, site, "restore the label file", error=_err):
         key = (r[pos["subject_id"]].strip(), r[pos["study_id"]].strip())
         labels[key] = tuple(_feddra_value(r[pos[c]], lab_path, line, c, site) for c in FEDDRA_FINDINGS)
     sp_path = _mimic_csv(rp, MIMIC_SPLIT, site)
     sh, srows = _read_rows(sp_path, site)
     spos = _require_columns(sh, ("dicom_id", "split"), sp_path, site)
     split_of: dict[str, str] = {}
-    for line, r in srows:
-        if len(r) != len(sh):
-            raise _err(site, sp_path, f"row has {len(r)} fields, the header {len(sh)}", "restore the split file", line)
+    for line, r in checked_rows(sh, srows, sp_path, site, "restore the split file", error=_err):
         s = r[spos["split"]].strip()
         if s not in ("train", "validate", "test"):
             raise _err(site, sp_path, f"split {s!r} is not train, validate or test", "restore the split file", line)
@@ -319,10 +308,7 @@ def load_mimic_vlp(root: object, site: str = "?", check_images: bool = True,
                              "skipped_no_labels", "skipped_no_report", "skipped_no_sections")}
     texts: dict[tuple[str, str], str | None | bool] = {}  # study -> text, None (no sections), False (no report)
     out: list[VLPRecord] = []
-    for line, r in mrows:
-        if len(r) != len(mh):
-            raise _err(site, md_path, f"row has {len(r)} fields, the header {len(mh)}", "restore the metadata file",
-                       line)
+    for line, r in checked_rows(mh, mrows, md_path, site, "restore the metadata file", error=_err):
         dicom, subject, study = (r[mpos[c]].strip() for c in ("dicom_id", "subject_id", "study_id"))
         view = r[mpos["ViewPosition"]].strip().upper()
         if view not in _FRONTAL:
@@ -555,10 +541,7 @@ def load_manifest(path: object, root: object | None, site: str = "?", check_imag
 
     cache: dict[Path, str | None] = {}
     out = []
-    for line, r in rows:
-        if len(r) != len(MANIFEST_COLUMNS):
-            raise _err(site, mp, f"row has {len(r)} fields, the header {len(MANIFEST_COLUMNS)}",
-                       "rewrite the manifest", line)
+    for line, r in checked_rows(MANIFEST_COLUMNS, rows, mp, site, "rewrite the manifest", error=_err):
         image, source, split, patient, study, lab = (x.strip() for x in r)
         if split not in SPLITS:
             raise _err(site, mp, f"split {split!r} is not train or test", "rewrite the manifest", line)
@@ -710,9 +693,7 @@ def load_messidor2(root: object, site: str = "?", seed: int = 0, test_fraction: 
         raise _err(site, rp, "no image (.png/.jpg/.jpeg/.tif) under IMAGES/ or messidor-2/preprocess/",
                    "unpack the MESSIDOR-2 images next to messidor_data.csv")
     skipped, recs = 0, []
-    for line, r in rows:
-        if len(r) != len(header):
-            raise _err(site, csv_path, f"row has {len(r)} fields, the header {len(header)}", "restore the CSV", line)
+    for line, r in checked_rows(header, rows, csv_path, site, "restore the CSV", error=_err):
         image_id = r[pos["image_id"]].strip()
         if not image_id:
             raise _err(site, csv_path, "empty image_id", "every row needs an image_id", line)
@@ -764,9 +745,7 @@ def load_brset(root: object, site: str = "?", seed: int = 0, test_fraction: floa
     if check_images and not img_dir.is_dir():
         raise _err(site, img_dir, "BRSET image folder not found", "unpack fundus_photos/ next to the label file")
     recs = []
-    for line, r in rows:
-        if len(r) != len(header):
-            raise _err(site, csv_path, f"row has {len(r)} fields, the header {len(header)}", "restore the CSV", line)
+    for line, r in checked_rows(header, rows, csv_path, site, "restore the CSV", error=_err):
         image_id, patient = r[pos["image_id"]].strip(), r[pos["patient_id"]].strip()
         if not image_id or not patient:
             raise _err(site, csv_path, "empty image_id or patient_id", "every row needs both", line)
@@ -810,9 +789,7 @@ def load_rsna_pneumonia(root: object, site: str = "?", check_images: bool = True
     header, rows = _read_rows(csv_path, site)
     pos = _require_columns(header, ("patientId", "Target"), csv_path, site)
     target: dict[str, int] = {}
-    for line, r in rows:
-        if len(r) != len(header):
-            raise _err(site, csv_path, f"row has {len(r)} fields, the header {len(header)}", "restore the CSV", line)
+    for line, r in checked_rows(header, rows, csv_path, site, "restore the CSV", error=_err):
         pid = r[pos["patientId"]].strip()
         if not pid:
             raise _err(site, csv_path, "empty patientId", "restore the CSV", line)

@@ -60,7 +60,7 @@ SWITCHES: dict[str, dict[str, Any]] = {
 LOCAL = ("decentralised", "centralised")
 VARIANTS = tuple(SWITCHES) + LOCAL
 #: the demo's settings (2-core CPU, about 2-3 minutes per federated cell)
-DEMO = {"n_clients": 5, "alpha": 1.0, "n_patients": 400, "image_px": 64, "preset": "small", "vocab_size": 1024,
+DEMO = {"n_clients": 5, "alpha": 1.0, "n_patients": 1000, "image_px": 64, "preset": "small", "vocab_size": 1024,
         "turns": 6, "align_steps": 6, "steps": 15, "batch_size": 32, "lr": 2e-4, "mu": 5.0, "rho": 0.1, "gamma": 0.5,
         "max_text_len": 64, "ood_images": 300, "probe_fractions": [0.01, 0.1]}
 
@@ -285,6 +285,27 @@ def format_results(rows: Sequence[Mapping[str, Any]], variants: Sequence[str]) -
     return "\n".join(lines)
 
 
+def per_client_lines(results: Sequence[Mapping[str, Any]], seed: int) -> list[str]:
+    """Per-client R@1 / R@5 (%) of every variant at ``seed``, and the DRO weights per turn."""
+    cells = [r for r in results if r["seed"] == seed]
+    if not cells:
+        return []
+    sites = sorted({s for r in cells for s in r["clients"]}, key=lambda x: (len(x), x))
+    lines = [f"per client, seed {seed}: R@1 / R@5 (%)", "| variant | " + " | ".join(sites) + " |",
+             "|---|" + "---|" * len(sites)]
+    for r in cells:
+        c = r["clients"]
+        lines.append(f"| {r['variant']} | " + " | ".join(
+            f"{100 * c[s]['R@1']:.1f} / {100 * c[s]['R@5']:.1f}" if s in c else "n/a" for s in sites) + " |")
+    for r in cells:
+        if r["lambda"]:
+            lines.append(f"DRO weights per turn ({r['variant']}):")
+            for t in r["lambda"]:
+                lines.append(f"  turn {t['turn']}: " + ", ".join(f"{s} {w:.3f}" for s, w in sorted(
+                    t["lambda"].items(), key=lambda kv: (len(kv[0]), kv[0]))))
+    return lines + [""]
+
+
 def paired_worst(rows: Sequence[Mapping[str, Any]], a: str, b: str, key: str = "worst_R@1") -> dict | None:
     """``a - b`` of ``key`` paired by seed: mean, std, n, and whether the mean exceeds the spread."""
     by = {(r["variant"], r["seed"]): r[key] for r in rows}
@@ -332,9 +353,11 @@ def run(out: str, variants: Sequence[str] = ("fedavg", "feddra"), seeds: Sequenc
     lines = [f"FedDRA on synthetic MIMIC-CXR ({settings['n_clients']} clients, LDA alpha {settings['alpha']}, "
              f"{settings['turns']} turns, preset {settings['preset']}); text-to-image recall (%) on the clients' test "
              "splits, few-shot linear-probe accuracy (%) on the OOD sets; mean +- std over seeds", "", table, ""]
+    lines += per_client_lines(results, seeds[0])
     for name, v in verdicts.items():
         if v:
-            verdict = "beyond the spread" if v["beyond_spread"] else "within the spread"
+            verdict = ("one seed: no spread" if v["n"] < 2 else
+                       "beyond the spread" if v["beyond_spread"] else "within the spread")
             lines.append(f"{name}: {100 * v['diff']:+.1f} +- {100 * v['std']:.1f} points over {v['n']} seed(s), {verdict}")
     lines.append(f"\nwall time {format_duration(time.time() - t0)}")
     text = "\n".join(lines)

@@ -42,7 +42,7 @@ from fedssl.train.feddra import FedDRALocalTrainer
 VOCAB_FILE = "feddra_vocab.txt"
 #: the executor arguments that build the site's VisionLanguageModel (the server's ``model`` takes the same)
 MODEL_KEYS = ("preset", "vocab_size", "proj_dim", "image_size", "in_chans", "text_weights", "image_weights")
-TRAINER_ARGS = ("batch_size", "lr", "weight_decay", "mu", "tau", "align_steps", "steps", "holdout_fraction",
+TRAINER_ARGS = ("batch_size", "lr", "weight_decay", "mu", "tau", "align_steps", "steps", "holdout_fraction", "dro_batch",
                 "max_text_len", "seed", "colour")
 
 
@@ -57,7 +57,8 @@ class FedDRAExecutor(TrainerExecutor):
                  image_weights: str = "", tokenizer_path: str = "",
                  colour: str = "grey", batch_size: int = 32, lr: float = 2e-5, weight_decay: float = 0.05,
                  mu: float = 5.0, tau: float = 0.07, align_steps: int = 20, steps: int = 50,
-                 holdout_fraction: float = 0.1, max_text_len: int = 128, min_word_count: int = 5, seed: int = 0,
+                 holdout_fraction: float = 0.1, dro_batch: int = 16, max_text_len: int = 128, min_word_count: int = 5,
+                 seed: int = 0,
                  device: str = "auto"):
         """
         Args (paper settings as defaults: MIMIC-CXR, sec. 5.1 and appendix):
@@ -69,7 +70,8 @@ class FedDRAExecutor(TrainerExecutor):
             colour: "grey" (chest X-rays) or "rgb" (fundus photographs).
             mu: anchor weight (paper: 5; 0 = no anchor); tau: InfoNCE temperature (the authors' code: 0.07).
             align_steps / steps: batches of stage 1 (the authors' code: 20) and stage 2 (paper: 50) per turn.
-            holdout_fraction: training pairs held out for v_i (DRO's client loss).
+            holdout_fraction: training pairs held out for v_i (DRO's client loss), at least ``dro_batch`` of them.
+            dro_batch: the batch of v_i, the same on every site (InfoNCE depends on it).
             min_word_count: the fewest occurrences on this site for a word to be counted in the vocabulary exchange.
         """
         super().__init__()
@@ -88,6 +90,7 @@ class FedDRAExecutor(TrainerExecutor):
         self.in_chans, self.text_weights, self.image_weights = in_chans, text_weights, image_weights
         self.colour, self.batch_size, self.lr, self.weight_decay, self.mu, self.tau = colour, batch_size, lr, weight_decay, mu, tau
         self.align_steps, self.steps, self.holdout_fraction = align_steps, steps, holdout_fraction
+        self.dro_batch = dro_batch
         self.max_text_len, self.min_word_count, self.seed, self.device = max_text_len, min_word_count, seed, device
         self._records = None
 

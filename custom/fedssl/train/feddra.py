@@ -14,8 +14,8 @@
   which builds a new trainer per stage), learning rate ``lr x weight_scale``: the step size is scaled, not the
   loss (the authors' code scales the loss, which Adam's normalisation undoes);
 - after a stage-2 or FedAvg task, ``v_i``: the contrastive loss of the site's local model on a held-out part of its
-  training pairs (Algorithm 1 lines 13-16), in fixed batches of the training batch size (the InfoNCE value depends
-  on the batch size, so every site measures at the same one);
+  training pairs (Algorithm 1 lines 13-16), in batches of ``dro_batch`` pairs on every site: InfoNCE grows with the
+  batch size (ln B at chance), so a site measured at a larger batch would look worse only for having more data;
 - ``evaluate``: text-to-image retrieval on the site's test split (R@1 / R@5 within fixed-size batches, the
   paper's protocol, and over the whole split) and the cosine of matched vs unmatched image-text pairs (Fig. 4d-f).
 
@@ -44,14 +44,24 @@ from fedssl.models.vlp import ALIGNMENT_PREFIXES, VisionLanguageModel
 RETRIEVAL_BATCH = 100
 
 
-def split_holdout(records: Sequence[VLPRecord], fraction: float, seed: int) -> tuple[list, list]:
-    """(fit, held-out) by study, deterministic in ``seed``; at least one study held out when fraction > 0."""
+def split_holdout(records: Sequence[VLPRecord], fraction: float, seed: int, min_pairs: int = 0) -> tuple[list, list]:
+    """(fit, held-out) by study, deterministic in ``seed``: ``fraction`` of the studies, but at least enough studies
+    for ``min_pairs`` pairs (and at least one) while one study is left to train on; nothing when fraction is 0."""
     studies = sorted({r.study for r in records})
     if fraction <= 0 or len(studies) < 2:
         return list(records), []
     rng = np.random.default_rng(seed)
-    n_hold = min(max(1, int(round(fraction * len(studies)))), len(studies) - 1)
-    held = {studies[i] for i in rng.permutation(len(studies))[:n_hold]}
+    size = {st: 0 for st in studies}
+    for r in records:
+        size[r.study] += 1
+    order = [studies[i] for i in rng.permutation(len(studies))]
+    target = max(1, int(round(fraction * len(studies))))
+    held, pairs = set(), 0
+    for st in order[:-1]:
+        if len(held) >= target and pairs >= min_pairs:
+            break
+        held.add(st)
+        pairs += size[st]
     return [r for r in records if r.study not in held], [r for r in records if r.study in held]
 
 
@@ -59,7 +69,8 @@ class FedDRALocalTrainer:
     def __init__(self, train_records: Sequence[VLPRecord], test_records: Sequence[VLPRecord], *, tokenizer,
                  model_args: Mapping[str, Any], site: str = "site", batch_size: int = 32, lr: float = 2e-5,
                  weight_decay: float = 0.05, mu: float = 5.0, tau: float = 0.07, align_steps: int = 20,
-                 steps: int = 50, holdout_fraction: float = 0.1, max_text_len: int = 128, seed: int = 0,
+                 steps: int = 50, holdout_fraction: float = 0.1, dro_batch: int = 16, max_text_len: int = 128,
+                 seed: int = 0,
                  retrieval_batch: int = RETRIEVAL_BATCH, augment: bool = True, colour: str = "grey",
                  device: torch.device | str = "cpu"):
         name = type(self).__name__
@@ -68,6 +79,7 @@ class FedDRALocalTrainer:
         require_int(name, "batch_size", batch_size, 2, "use a batch of at least 2 pairs (paper: 288-388)")
         require_int(name, "align_steps", align_steps, 0, "use the stage-1 steps per turn (the authors' code: 20)")
         require_int(name, "steps", steps, 1, "use the stage-2 / FedAvg steps per turn (paper: 50)")
+        require_int(name, "dro_batch", dro_batch, 2, "use the batch of the held-out loss v_i, the same on every site (16)")
         require_int(name, "max_text_len", max_text_len, 8, "use a token budget of at least 8 (paper: 128)")
         require_int(name, "retrieval_batch", retrieval_batch, 2, "use the retrieval batch (paper protocol: 100)")
         require(isinstance(lr, (int, float)) and lr > 0, name, "lr", lr, "use a learning rate > 0 (paper: 2e-5)")
@@ -81,7 +93,8 @@ class FedDRALocalTrainer:
         self.model = VisionLanguageModel(**dict(model_args)).to(self.device)
         size, chans = self.model.image_size, self.model.in_chans
         own = site_seed(seed, site)
-        fit, held = split_holdout(train_records, holdout_fraction, own)
+        self.dro_batch = dro_batch
+        fit, held = split_holdout(train_records, holdout_fraction, own, min_pairs=dro_batch)
         if len(fit) < 2:
             fit, held = list(train_records), []
         data = dict(channels=chans, seed=own, colour=colour, site=site)
@@ -193,13 +206,14 @@ class FedDRALocalTrainer:
 
     @torch.no_grad()
     def holdout_metrics(self) -> dict[str, float]:
-        """v_i (``dro_loss``): the contrastive loss on the held-out pairs, in consecutive batches of the training batch
-        size (a final partial batch only when no full batch exists), and the cosine of matched / unmatched held-out
+        """v_i (``dro_loss``): the contrastive loss on the held-out pairs, in consecutive batches of ``dro_batch`` pairs,
+        the same on every site (InfoNCE grows with the batch: ln B at chance), the remainder left out (a smaller batch
+        only when the site holds fewer pairs), and the cosine of matched / unmatched held-out
         pairs (the paper's Fig. 4d-f, per turn); {} when nothing is held out."""
         if self.held is None:
             return {}
         z_img, z_txt = self.embed(self.held)
-        b = min(self.batch_size, len(z_img))
+        b = min(self.dro_batch, len(z_img))
         values = [float(self.cfg.loss(z_img[s:s + b], z_txt[s:s + b])[1]["loss_mi"])
                   for s in range(0, len(z_img) - b + 1, b)]
         cos = matched_cosine(z_img, z_txt)

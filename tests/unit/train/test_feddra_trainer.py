@@ -31,7 +31,8 @@ def site(tmp_path_factory):
 
 def trainer(site, **kw):
     train, test, tok = site
-    args = dict(batch_size=4, align_steps=2, steps=2, lr=1e-3, max_text_len=32, holdout_fraction=0.2, augment=False)
+    args = dict(batch_size=4, align_steps=2, steps=2, lr=1e-3, max_text_len=32, holdout_fraction=0.2, dro_batch=3,
+                augment=False)
     args.update(kw)
     return FedDRALocalTrainer(train, test, tokenizer=tok, model_args=MODEL, site="site-1", **args)
 
@@ -102,6 +103,17 @@ def test_holdout_is_by_study_and_deterministic(site):
     assert len(fit) + len(held) == len(train)
     assert split_holdout(train, 0.25, seed=3) == (fit, held)
     assert split_holdout(train, 0.25, seed=4) != (fit, held)
+    # a small site still holds out enough pairs for one v_i batch of the common size
+    few, many = split_holdout(train, 0.01, seed=3, min_pairs=8)
+    assert len(many) >= 8 and len(split_holdout(train, 0.01, seed=3)[1]) < 8
+
+
+def test_v_i_is_measured_in_batches_of_dro_batch_whatever_the_site_size(site):
+    tr = trainer(site, dro_batch=3)
+    z = torch.nn.functional.normalize(torch.randn(len(tr.held), 8, generator=torch.Generator().manual_seed(0)), dim=1)
+    tr.embed = lambda dataset: (z, z)  # identical pairs: the loss is that of 3-pair batches, not of the whole hold-out
+    expected = [float(tr.cfg.loss(z[s:s + 3], z[s:s + 3])[1]["loss_mi"]) for s in range(0, len(z) - 2, 3)]
+    assert tr.holdout_metrics()["dro_loss"] == pytest.approx(sum(expected) / len(expected))
 
 
 def test_checkpoint_round_trip_keeps_the_stage_one_turn(site):

@@ -37,7 +37,7 @@ from fedssl.core.dro import chi2_divergence
 from fedssl.data.vlp import VLPDataset, VLPRecord, load_covidx, load_manifest, load_mimic_vlp, load_rsna_pneumonia, \
     write_client_manifests
 from fedssl.data.vocab import build_wordpiece_vocab, make_tokenizer, merge_word_counts, site_word_counts
-from fedssl.eval.feddra_report import cosine_per_turn_png, lambda_trajectory_png
+from fedssl.eval.feddra_report import cosine_per_turn_png, format_table3, lambda_trajectory_png
 from fedssl.eval.retrieval import client_summary
 from fedssl.experiments.fcl_finetune import load_global_state
 from fedssl.experiments.table_runner import format_duration, run_cells, start_run
@@ -285,6 +285,24 @@ def format_results(rows: Sequence[Mapping[str, Any]], variants: Sequence[str]) -
     return "\n".join(lines)
 
 
+def table3_text(rows: Sequence[Mapping[str, Any]], variants: Sequence[str]) -> str:
+    """The federated variants as the paper's Table 3 (values over seeds), followed by the paper's own rows."""
+    out = []
+    for v in variants:
+        rs = [r for r in rows if r["variant"] == v]
+        if v not in SWITCHES or not rs:
+            continue
+        sw = SWITCHES[v]
+        row = {"variant": v, "two_stage": sw["two_stage"], "anchor": sw["mu"] != 0.0, "dro": sw["dro"]}
+        for key, col in (("avg_R@1", "avg_R@1"), ("avg_R@5", "avg_R@5"), ("worst_R@1", "worst_R@1"),
+                         ("worst_R@5", "worst_R@5"), ("rsna_1%", "rsna_1%_acc"), ("rsna_10%", "rsna_10%_acc"),
+                         ("covidx_1%", "covidx_1%_acc"), ("covidx_10%", "covidx_10%_acc")):
+            vals = [r[col] for r in rs if r.get(col) is not None]
+            row[key] = vals if vals else None
+        out.append(row)
+    return format_table3(out) if out else ""
+
+
 def per_client_lines(results: Sequence[Mapping[str, Any]], seed: int) -> list[str]:
     """Per-client R@1 / R@5 (%) of every variant at ``seed``, and the DRO weights per turn."""
     cells = [r for r in results if r["seed"] == seed]
@@ -353,6 +371,7 @@ def run(out: str, variants: Sequence[str] = ("fedavg", "feddra"), seeds: Sequenc
     lines = [f"FedDRA on synthetic MIMIC-CXR ({settings['n_clients']} clients, LDA alpha {settings['alpha']}, "
              f"{settings['turns']} turns, preset {settings['preset']}); text-to-image recall (%) on the clients' test "
              "splits, few-shot linear-probe accuracy (%) on the OOD sets; mean +- std over seeds", "", table, ""]
+    lines += [table3_text(rows, variants), ""]
     lines += per_client_lines(results, seeds[0])
     for name, v in verdicts.items():
         if v:

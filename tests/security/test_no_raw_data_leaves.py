@@ -39,8 +39,15 @@ from fedssl.data.fedclf_synthetic import SOURCES, write_synthetic_derm_sources
 from fedssl.data.image_sites import write_site_folders
 from fedssl.data.image_synthetic import write_synthetic_images
 from fedssl.data.images import ImageDataset, load_image_records
-from fedssl.flare.constants import BACKBONE_KEY, CLASSES_KEY, GLOBAL_CLASSES_KEY, METHOD_KEY, MODE_KEY
+from fedssl.flare.constants import (ALIGN_TASK, BACKBONE_KEY, CLASSES_KEY, DRO_ON_KEY, DRO_SITES_KEY, DRO_WEIGHT_KEY,
+                                    GLOBAL_CLASSES_KEY, METHOD_KEY, MODE_KEY, SET_VOCAB_TASK, STAGE_KEY, VOCAB_KEY,
+                                    WORD_COUNTS_KEY, WORD_COUNTS_TASK)
+from fedssl.data.vlp import (VLPDataset, load_brset, load_manifest, load_messidor2, load_mimic_vlp,
+                             write_client_manifests, write_source_manifests)
+from fedssl.data.vlp_synthetic import write_synthetic_brset, write_synthetic_messidor2, write_synthetic_mimic
+from fedssl.data.vocab import build_wordpiece_vocab
 from fedssl.models.densenet import is_bn_key
+from fedssl.models.vlp import ALIGNMENT_PREFIXES, VLP_PRESETS
 from fedssl.ops.jobs import REPO_ROOT, build_job
 from tests.security.raw_data import SiteData, leaks
 from tests.unit.flare.fakes import FakeEngine, context
@@ -54,14 +61,16 @@ DATASET = {"fcl_acdc": "acdc", "fcl_acdc_finetune": "acdc", "fclopt_acdc": "acdc
            "fedmae_derm_finetune": "derm", "sslfl_beit_retina": "retina", "sslfl_mae_retina": "retina",
            "sslfl_retina_finetune": "retina", "surgical_cxr": "cxr", "sslfl_mae_covidfl": "covidfl",
            "sslfl_covidfl_finetune": "covidfl", "sslfl_mae_derm": "derm_mel", "sslfl_derm_finetune": "derm_mel",
-           "fedclf_derm": "derm5", "fedclf_derm_finetune": "derm5"}
+           "fedclf_derm": "derm5", "fedclf_derm_finetune": "derm5", "feddra_mimic": "vlp_mimic",
+           "feddra_retina": "vlp_retina"}
 #: data sets published only in SSL-FL's release layout: sites are cut from a release by the partitioner
 RELEASES = ("covidfl", "derm_mel")
 IMAGE_SETS = ("retina", "derm", *RELEASES)
 #: on top of the quick profile: fewer steps (what is uploaded does not depend on how long a site trains)
 SPEED = {"fcl_trainer": {"max_steps_per_round": 2}, "fedclf_trainer": {"max_steps_per_round": 2}, "byol_trainer": {"max_steps_per_round": 2},
          "seg_trainer": {"local_epochs": 1, "max_steps_per_epoch": 2}, "mim_trainer": {"max_steps_per_round": 2},
-         "cls_trainer": {"max_steps_per_epoch": 2}, "cxr_trainer": {"local_epochs": 1, "max_steps_per_epoch": 1,
+         "cls_trainer": {"max_steps_per_epoch": 2}, "feddra_trainer": {"align_steps": 1, "steps": 1},
+         "cxr_trainer": {"local_epochs": 1, "max_steps_per_epoch": 1,
                                                                    "n_bootstrap": 0}}
 
 
@@ -85,6 +94,15 @@ def data(tmp_path_factory):
     # FedCLF devices (site-1 ... site-10, each with train / val / test class folders)
     write_synthetic_derm_sources(str(root / "derm5_raw"), n_isic=200, seed=0, image_size=40)
     build_devices(str(root / "derm5"), *(str(root / "derm5_raw" / s) for s in SOURCES), seed=0, short_edge=36)
+    # FedDRA: synthetic MIMIC-CXR cut into two LDA clients; MESSIDOR-2 and BRSET as one client each
+    write_synthetic_mimic(str(root / "vlp_mimic_raw"), n_patients=40, image_px=32, seed=0)
+    write_client_manifests(load_mimic_vlp(str(root / "vlp_mimic_raw"), site="raw")[0], str(root / "vlp_mimic"),
+                           n_clients=len(SITES), alpha=1.0, seed=0, min_per_client=5)
+    write_synthetic_messidor2(str(root / "vlp_retina_raw" / "messidor2"), n_images=24, image_px=32, seed=0)
+    write_synthetic_brset(str(root / "vlp_retina_raw" / "brset"), n_images=24, image_px=32, seed=1)
+    write_source_manifests({"site-1": load_messidor2(str(root / "vlp_retina_raw" / "messidor2"), site="site-1")[0],
+                            "site-2": load_brset(str(root / "vlp_retina_raw" / "brset"), site="site-2")[0]},
+                           str(root / "vlp_retina"))
     return root
 
 
@@ -102,6 +120,12 @@ def site_data(kind: str, root: Path, site: str, args: dict) -> SiteData:
             ds = ImageDataset(load_image_records(str(folder / split), kind, site=site), args["image_size"], "eval", kind)
             out.add_images(torch.stack([ds[i][0] for i in range(len(ds))]))
         out.add_files(str(folder))
+    elif kind.startswith("vlp_"):  # a FedDRA site: its manifest's images, as the model sees them and as stored
+        recs = load_manifest(str(folder / "manifest.csv"), None, site=site)
+        ds = VLPDataset(recs, args["image_size"], channels=3, colour=args["colour"], site=site)
+        out.add_images(torch.stack([ds[i][0] for i in range(len(ds))]), VLP_PRESETS[args["preset"]]["patch_size"])
+        for r in recs:
+            out.add_files(os.path.dirname(r.image))
     elif kind == "acdc":
         for frames in ("ed_es", "all"):
             vols = load_site(str(folder), with_labels=False, target_spacing=args["target_spacing"],
@@ -243,11 +267,36 @@ def beit_round(run: SiteRun, site: str = "site-1") -> None:
     train_round(run, site)
 
 
+def feddra_round(run: SiteRun, site: str = "site-1") -> None:
+    """The vocabulary exchange (word counts up, the vocabulary down), stage 1 and stage 2 of a DRO turn (the site's
+    weight as DROWeightFilter sends it), FinalEvaluation's test task; no upload may hold a report, a sentence, or
+    a word seen in fewer reports than the threshold."""
+    counts = from_shareable(run.send(site, WORD_COUNTS_TASK, DXO(DataKind.METRICS, data={}).to_shareable())).data
+    counts = counts[WORD_COUNTS_KEY]
+    vocab = build_wordpiece_vocab(counts, run.args["vocab_size"])
+    run.send(site, SET_VOCAB_TASK, DXO(DataKind.METRICS, data={}, meta={VOCAB_KEY: vocab}).to_shareable())
+    weights = run.global_weights()
+    dro = {DRO_ON_KEY: True, DRO_WEIGHT_KEY: 0.5, DRO_SITES_KEY: len(SITES)}
+    rounds = run.num_rounds()
+    run.send(site, ALIGN_TASK, weights_task(weights, {STAGE_KEY: "align", **dro}, num_rounds=rounds))
+    aligned = {k: v for k, v in weights.items() if k.startswith(ALIGNMENT_PREFIXES)}
+    run.send(site, "train", weights_task(aligned, {STAGE_KEY: "full_model", **dro}, num_rounds=rounds))
+    run.send(site, "test", weights_task(weights, {"model_source": "last"}))
+    texts = [r.text.lower() for r in load_manifest(str(Path(run.args["data_root"].replace("{site}", site))
+                                                           / "manifest.csv"), None, site=site)]
+    sent = json.dumps([{k: v for k, v in from_shareable(reply).get_meta_props().items() if isinstance(v, (str, dict, list))}
+                       for _, reply in run.uploads[site]] + [counts], default=str).lower()
+    assert not any(t in sent for t in texts)  # no report / caption
+    floor = max(run.args["min_word_count"], 1)
+    assert all(sum(w in t for t in texts) >= floor for w in counts)  # only words in >= min_word_count reports
+
+
 ROUNDS = {"fcl_acdc": train_round, "fcl_acdc_finetune": train_round, "fclopt_acdc": fclopt_round,
           "fedmae_derm": train_round, "fedmae_derm_finetune": classifier_round, "sslfl_beit_retina": beit_round,
           "sslfl_mae_retina": train_round, "sslfl_retina_finetune": classifier_round, "surgical_cxr": surgical_round,
           "sslfl_mae_covidfl": train_round, "sslfl_covidfl_finetune": classifier_round, "sslfl_mae_derm": train_round,
-          "sslfl_derm_finetune": classifier_round, "fedclf_derm": train_round, "fedclf_derm_finetune": classifier_round}
+          "sslfl_derm_finetune": classifier_round, "fedclf_derm": train_round, "fedclf_derm_finetune": classifier_round,
+          "feddra_mimic": feddra_round, "feddra_retina": feddra_round}
 
 
 def scanned(job: str, data: Path, tmp_path: Path) -> tuple[SiteRun, dict[str, list[str]]]:

@@ -68,7 +68,7 @@ def _split(a) -> None:
 
 def _demo_args(s) -> None:
     s.add_argument("--out", default="runs/feddra_demo", help="output folder (resumable: finished cells are kept)")
-    s.add_argument("--ablations", action="store_true", help="also the three Table 3 ablations (about +8 min)")
+    s.add_argument("--ablations", action="store_true", help="also the three Table 3 ablations (about +25 min)")
     s.add_argument("--seed", type=SEED, default=0)
 
 
@@ -101,7 +101,7 @@ VERBS = (
     Verb("split", "the paper's client split into per-site manifests: MIMIC-CXR by LDA over the 2^5 finding code, or "
                   "one retina source per client", _split_args, _split),
     Verb("demo", "FedAvg vs FedDRA (and the Table 3 ablations) on synthetic MIMIC-CXR in the FLARE simulator: per-client "
-                 "R@1/R@5, average and worst client, DRO weights per turn (about 10 min on 2 cores)", _demo_args, _demo),
+                 "R@1/R@5, average and worst client, DRO weights per turn (12-15 min on 2 shared cores)", _demo_args, _demo),
     Verb("table", "Table 3 (and FedAvg, decentralised, centralised) over seeds with spread; resumable",
          _table_args, _table),
 )

@@ -51,10 +51,10 @@ class FederatedVocabulary(Controller):
         self.vocab: list[str] = []
 
     def start_controller(self, fl_ctx: FLContext) -> None:
-        pass
+        """Nothing to prepare: the vocabulary is built inside control_flow (Controller requires the hook)."""
 
     def stop_controller(self, fl_ctx: FLContext) -> None:
-        pass
+        """Nothing to release: the vocabulary file is written before the last task (Controller requires the hook)."""
 
     def process_result_of_unknown_task(self, client, task_name, client_task_id, result, fl_ctx) -> None:
         self.log_warning(fl_ctx, f"late result for task {task_name} from {client.name} ignored")

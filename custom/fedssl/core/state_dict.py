@@ -55,35 +55,93 @@ def check_contribution(
 
 
 def update_ratio(reference: Mapping[str, object], contribution: Mapping[str, np.ndarray]) -> float:
-    """``||x - g|| / max(||g||, 1)`` over the float tensors of ``contribution`` (in float64, no overflow)."""
+    """``||x - g|| / max(||g||, 1)`` over the float tensors of ``contribution``.
+
+    Each tensor's squared norm is a BLAS dot product in the tensor's own precision, summed in float64; an
+    update so large that its square overflows gives ``inf`` (and is refused by the caller's bound)."""
     diff, base = 0.0, 0.0
-    for k, x in contribution.items():
-        if x.dtype.kind != "f":
-            continue
-        g = to_numpy(reference[k]).astype(np.float64)
-        diff += float(np.sum((x.astype(np.float64) - g) ** 2))
-        base += float(np.sum(g**2))
-    return float(np.sqrt(diff) / max(np.sqrt(base), 1.0))
+    with np.errstate(over="ignore", invalid="ignore"):
+        for k, x in contribution.items():
+            if x.dtype.kind != "f":
+                continue
+            g = to_numpy(reference[k]).astype(x.dtype, copy=False).ravel()
+            d = (x.ravel() - g)
+            diff += float(np.dot(d, d))
+            base += float(np.dot(g, g))
+    return float(np.sqrt(diff) / max(np.sqrt(base), 1.0)) if np.isfinite(diff) else float("inf")
+
+
+class RunningAverage:
+    """``sum_i w_i x_i / sum_i w_i`` accumulated one contribution at a time, as contributions arrive.
+
+    Only the float64 running sum is held (two bytes of state per byte of a float32 model), never a site's
+    tensors, so the server's memory does not grow with the number of sites (FLARE's in-time accumulating
+    aggregator does the same).  The float64 sum makes the result independent of the arrival order up to the
+    final rounding to the model's dtype.  Integer buffers (e.g. BatchNorm ``num_batches_tracked``) are averaged
+    in float64 and rounded back.  The first contribution fixes the key set and shapes; a later one that differs
+    is refused (ValueError) before anything is added.
+    """
+
+    def __init__(self) -> None:
+        self._sum: dict[str, np.ndarray] = {}
+        self._dtype: dict[str, np.dtype] = {}
+        self._spare: dict[str, np.ndarray] = {}  # last round's float64 buffers, reused by the next round
+        self.total_weight = 0.0
+        self.count = 0
+
+    def clear(self) -> None:
+        """Start a new average, keeping the float64 buffers for the next one (a server aggregates the same
+        model every round: allocating ~2 bytes per parameter afresh each round costs more than the sums)."""
+        self._spare.update(self._sum)
+        self._sum, self._dtype, self.total_weight, self.count = {}, {}, 0.0, 0
+
+    def add(self, state: Mapping[str, object], weight: float) -> None:
+        w = float(weight)
+        if not (np.isfinite(w) and w >= 0):
+            raise ValueError(f"weight {weight!r} must be a finite number >= 0")
+        arrays = {k: to_numpy(v) for k, v in state.items()}
+        if self.count and set(arrays) != set(self._sum):
+            missing, extra = sorted(set(self._sum) - set(arrays))[:3], sorted(set(arrays) - set(self._sum))[:3]
+            raise ValueError(f"contribution keys differ from the first one's (missing {missing}, unexpected {extra})")
+        for k, a in arrays.items():
+            if self.count and a.shape != self._sum[k].shape:
+                raise ValueError(f"{k!r} has shape {a.shape}, the first contribution's is {self._sum[k].shape}")
+        scale = np.float64(w)  # a numpy float64 scalar promotes a float32 tensor to float64 (a Python float would not)
+        for k, a in arrays.items():
+            if not self.count:
+                spare = self._spare.pop(k, None)
+                out = spare if spare is not None and spare.shape == a.shape else np.empty(a.shape, np.float64)
+                self._sum[k], self._dtype[k] = np.multiply(a, scale, out=out), a.dtype  # 0-d stays an array
+            else:
+                self._sum[k] += a * scale
+        self.total_weight += w
+        self.count += 1
+
+    def result(self) -> dict[str, np.ndarray]:
+        """The weighted mean of every key, in the first contribution's dtypes."""
+        if self.count == 0 or self.total_weight <= 0:
+            raise ValueError(f"weights must not all be zero and at least one state is needed (got {self.count} states, "
+                             f"total weight {self.total_weight:g})")
+        out: dict[str, np.ndarray] = {}
+        for k, acc in self._sum.items():
+            dtype = self._dtype[k]
+            if dtype.kind in "iub":
+                out[k] = np.rint(acc / self.total_weight).astype(dtype)
+            else:  # divided straight into the model's dtype: no float64 temporary of the whole model
+                out[k] = np.empty(acc.shape, dtype)
+                np.divide(acc, self.total_weight, out=out[k], casting="same_kind")
+        return out
 
 
 def weighted_average(states: Sequence[Mapping[str, object]], weights: Sequence[float]) -> dict[str, np.ndarray]:
-    """sum_i w_i x_i / sum_i w_i for every key (buffers included); inputs are never modified.
-
-    Integer buffers (e.g. BatchNorm ``num_batches_tracked``) are averaged in float64 and rounded back.
-    """
+    """sum_i w_i x_i / sum_i w_i for every key (buffers included), through :class:`RunningAverage`; inputs are
+    never modified."""
     if len(states) == 0 or len(states) != len(weights):
         raise ValueError(f"need one weight per state, got {len(states)} states and {len(weights)} weights")
-    w = np.asarray(weights, dtype=np.float64)
-    if np.any(~np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
-        raise ValueError(f"weights {w.tolist()} must be finite, non-negative and not all zero")
-    w = w / w.sum()
-    out: dict[str, np.ndarray] = {}
-    for k in states[0]:
-        arrays = [to_numpy(s[k]) for s in states]
-        acc = sum(wi * a.astype(np.float64) for wi, a in zip(w, arrays))
-        dtype = arrays[0].dtype
-        out[k] = np.rint(acc).astype(dtype) if dtype.kind in "iub" else acc.astype(dtype)
-    return out
+    running = RunningAverage()
+    for state, w in zip(states, weights):
+        running.add(state, w)
+    return running.result()
 
 
 def match_keys(keys: Iterable[str], patterns: Sequence[str]) -> list[str]:

@@ -7,7 +7,9 @@ to arrive.  Each contribution must come from a registered client of the run, for
 tensors are cast to the global model's dtypes before any check (``fedssl.core.state_dict.check_contribution``),
 must be finite and within ``max_update_ratio`` of the global model; its weight (``num_samples`` / steps) must be
 a whole number in ``[1, max_weight]``, and a site's ``num_samples`` may not change during a run; every meta
-value read (loss, counts) is type-checked.  A rejected site is logged ("REJECTED ...", naming it) and left out
+value read (loss, counts) is type-checked.  Accepted tensors go straight into a running weighted sum
+(``fedssl.core.state_dict.RunningAverage``, float64): no site's model is held, so the server's memory does not
+grow with the number of sites.  A rejected site is logged ("REJECTED ...", naming it) and left out
 of the round; nothing a site sends raises out of ``accept``.
 
 Extra per-site payloads of the result meta are the business of *collectors* (server components named in
@@ -32,7 +34,7 @@ from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.app_event_type import AppEventType
 
 from fedssl.core.checks import require, require_choice
-from fedssl.core.state_dict import ContributionError, check_contribution, round_key_set, weighted_average
+from fedssl.core.state_dict import ContributionError, RunningAverage, check_contribution, round_key_set
 from fedssl.core.untrusted import as_count, as_finite_float
 from fedssl.flare.constants import AGGREGATED_SITES, COLLECTED, REFUSAL_PROP, ROUND_PLAN_PROP, ROUND_STATS_PROP
 
@@ -53,21 +55,24 @@ def check_bounds(component: str, max_weight: object, max_update_ratio: object) -
 
 class RoundAggregator(Aggregator):
     """Per-round bookkeeping shared by the bundle's aggregators (FedAvgAggregator, SurgicalAggregator):
-    who may contribute, the checked weight and loss of each contribution, and the accepted states by site."""
+    who may contribute, the checked weight and loss of each contribution, and the running weighted sum of the
+    accepted tensors (plus the few a subclass must keep per site, e.g. surgical head rows)."""
 
     def __init__(self, weighting: str, max_weight: float, max_update_ratio: float):
         super().__init__()
         self.weighting = weighting
         self.max_weight = max_weight
         self.max_update_ratio = max_update_ratio
-        self._states: dict[str, dict] = {}
+        self._running = RunningAverage()
+        self._retained: dict[str, dict] = {}  # site -> the tensors ``keep`` was told to hold per site
         self._weights: dict[str, float] = {}
         self._losses: dict[str, float] = {}
         self._declared: dict[str, int] = {}  # site -> num_samples it declared with its first accepted result
         self._num_rounds: int | None = None
 
     def reset(self, fl_ctx: FLContext) -> None:
-        self._states, self._weights, self._losses = {}, {}, {}
+        self._running.clear()
+        self._retained, self._weights, self._losses = {}, {}, {}
 
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
         if event_type == AppEventType.ROUND_STARTED:  # fired from the workflow's context, which holds NUM_ROUNDS
@@ -98,7 +103,7 @@ class RoundAggregator(Aggregator):
             self.refused(fl_ctx, site, ContributionError(
                 f"{site} sent a result for round {str(contribution_round)[:20]} during round {current_round}"))
             return None
-        if site in self._states:
+        if site in self._weights:
             self.log_warning(fl_ctx, f"{site} already contributed to round {current_round}; duplicate discarded")
             return None
         return site
@@ -133,14 +138,20 @@ class RoundAggregator(Aggregator):
                                     "a site's dataset size is fixed for a run")
         return float(n)
 
-    def keep(self, site: str, data: dict, weight: float, dxo: DXO) -> bool:
+    def keep(self, site: str, data: dict, weight: float, dxo: DXO, retain: tuple = ()) -> bool:
         """Record an accepted contribution and its training loss (a real number if reported); returns True.
-        Raises ContributionError (before recording anything) when the loss is not a finite number."""
+        Its tensors are added to the running weighted sum, except the keys in ``retain``, held for this site
+        (small tensors that are not averaged key by key).  Raises ContributionError (before recording anything)
+        when the loss is not a finite number or the tensors do not fit the round's running sum."""
         loss = dxo.get_meta_prop("loss")
         loss = None if loss is None else as_finite_float(loss, "loss", site)
+        try:
+            self._running.add({k: v for k, v in data.items() if k not in retain}, weight)
+        except ValueError as e:
+            raise ContributionError(f"{site}: {e}") from None
         if self.weighting == "num_samples":
             self._declared.setdefault(site, int(weight))
-        self._states[site] = data
+        self._retained[site] = {k: data[k] for k in retain}
         self._weights[site] = weight
         if loss is not None:
             self._losses[site] = loss
@@ -158,11 +169,19 @@ class RoundAggregator(Aggregator):
     def round_sites(self, fl_ctx: FLContext) -> tuple[list[str], int]:
         """(sorted sites that contributed to this round, number of clients of the run); with no contribution
         the run is stopped (system panic) and the list is empty."""
-        sites = sorted(self._states)
+        sites = sorted(self._weights)
         n_clients = len(fl_ctx.get_engine().get_clients()) if fl_ctx.get_engine() else len(sites)
         if not sites:
             self.system_panic("no valid contribution this round: nothing to aggregate", fl_ctx)
         return sites, n_clients
+
+    def round_average(self) -> dict:
+        """The weighted mean of this round's accepted tensors (empty when contributions carried none)."""
+        return self._running.result() if self._running.count and self._running.total_weight > 0 else {}
+
+    def retained(self, site: str) -> dict:
+        """The tensors of ``site`` kept aside by ``keep(..., retain=...)`` this round."""
+        return self._retained[site]
 
     def publish_round_stats(self, fl_ctx: FLContext, sites: list[str]) -> None:
         """Per-site losses for AFTER_AGGREGATION listeners (RunSummary), in memory only: never in the aggregate."""
@@ -282,7 +301,7 @@ class FedAvgAggregator(RoundAggregator):
         sites, n_clients = self.round_sites(fl_ctx)
         if not sites:
             return Shareable()
-        avg = weighted_average([self._states[s] for s in sites], [self._weights[s] for s in sites])
+        avg = self.round_average()
         self.log_info(fl_ctx, f"aggregated {len(sites)}/{n_clients} sites, weights ({self.weighting}): "
                       + ", ".join(f"{self._weights[s]:g}" for s in sites))
         self.publish_round_stats(fl_ctx, sites)

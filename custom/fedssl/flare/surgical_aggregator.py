@@ -29,7 +29,7 @@ from nvflare.app_common.abstract.model import ModelLearnableKey
 from nvflare.app_common.app_constant import AppConstants
 
 from fedssl.core.checks import require, require_choice
-from fedssl.core.state_dict import ContributionError, check_contribution, to_numpy, update_ratio, weighted_average
+from fedssl.core.state_dict import ContributionError, check_contribution, to_numpy, update_ratio
 from fedssl.core.surgical import aggregated_keys, classes_from_meta, is_head_key, merge_heads
 from fedssl.flare.constants import CLASSES_KEY
 from fedssl.flare.constants import AGGREGATED_SITES
@@ -117,7 +117,8 @@ class SurgicalAggregator(RoundAggregator):
                 raise ContributionError("no global model in the FL context; the aggregator runs inside ScatterAndGather")
             dxo = self.checked_dxo(shareable, site)
             data, weight = self._check(dxo, site, reg, global_model[ModelLearnableKey.WEIGHTS])
-            return self.keep(site, data, weight, dxo)
+            heads = (f"{self.head}.weight", f"{self.head}.bias") if reg.method == "surgical" and data else ()
+            return self.keep(site, data, weight, dxo, retain=heads)  # surgical heads: merged per class below
         except Exception as e:  # noqa: BLE001 -- one site's payload never ends the round (refused() names the type)
             return self.refused(fl_ctx, site, e)
 
@@ -128,20 +129,15 @@ class SurgicalAggregator(RoundAggregator):
             return Shareable()
         reg = get_registry(fl_ctx, type(self).__name__)
         global_weights = fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)[ModelLearnableKey.WEIGHTS]
-        backbone, heads = expected_keys(list(global_weights), reg, self.head)
-        weights = [self._weights[s] for s in sites]
-        out: dict[str, np.ndarray] = {}
-        if backbone:
-            out.update(weighted_average([{k: self._states[s][k] for k in backbone} for s in sites], weights))
+        _, heads = expected_keys(list(global_weights), reg, self.head)
+        out: dict[str, np.ndarray] = dict(self.round_average())  # backbone, and the heads unless surgical
         wk, bk = f"{self.head}.weight", f"{self.head}.bias"
         if heads and reg.method == "surgical":
             out[wk], out[bk] = merge_heads(
-                {s: (self._states[s][wk], self._states[s][bk]) for s in sites},
+                {s: (self.retained(s)[wk], self.retained(s)[bk]) for s in sites},
                 {s: reg.classes_of(s) for s in sites}, list(reg.global_classes),
                 global_head=(global_weights[wk], global_weights[bk]),
                 weights=None if self.weighting == "uniform" else dict(self._weights))
-        elif heads:
-            out.update(weighted_average([{k: self._states[s][k] for k in heads} for s in sites], weights))
         self.log_info(fl_ctx, f"aggregated {len(sites)}/{n_clients} sites ({reg.method}, backbone {reg.backbone}, "
                               f"{self.weighting} weights): {len(out)} tensors updated")
         self.publish_round_stats(fl_ctx, sites)

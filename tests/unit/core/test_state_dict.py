@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedssl.core.state_dict import ContributionError, check_contribution, ema_update, match_keys, merge_into, weighted_average
+from fedssl.core.state_dict import (ContributionError, RunningAverage, check_contribution, ema_update, match_keys, merge_into,
+                                    weighted_average)
 
 
 def test_weighted_average_by_hand():
@@ -15,10 +16,63 @@ def test_weighted_average_by_hand():
 
 
 def test_weighted_average_rejects_bad_weights():
-    with pytest.raises(ValueError, match=r"weights \[0\.0\] must be finite, non-negative and not all zero"):
+    with pytest.raises(ValueError, match="weights must not all be zero"):
         weighted_average([{"w": np.zeros(1)}], [0])
+    with pytest.raises(ValueError, match=r"weight -1 must be a finite number >= 0"):
+        weighted_average([{"w": np.zeros(1)}, {"w": np.zeros(1)}], [2, -1])
     with pytest.raises(ValueError, match="need one weight per state, got 1 states and 2 weights"):
         weighted_average([{"w": np.zeros(1)}], [1, 2])
+
+
+def test_running_average_holds_no_contribution_and_matches_by_hand():
+    run = RunningAverage()
+    a, b, c = (np.array([1.0, 2.0], np.float32), np.array([4.0, 8.0], np.float32), np.array([0.5, 0.0], np.float32))
+    run.add({"w": a}, 1)
+    run.add({"w": b}, 2)
+    a[:] = 100.0  # the caller reuses its buffer: the running sum kept no reference to it
+    run.add({"w": torch.from_numpy(c)}, 1)
+    # (1 * [1, 2] + 2 * [4, 8] + 1 * [0.5, 0]) / 4 = [2.375, 4.5]
+    np.testing.assert_allclose(run.result()["w"], [2.375, 4.5])
+    assert run.count == 3 and run.total_weight == 4.0
+
+
+def test_running_average_is_order_independent_to_the_last_bit():
+    rng = np.random.default_rng(0)
+    states = [{"w": rng.normal(size=1000).astype(np.float32)} for _ in range(20)]
+    weights = rng.integers(1, 500, size=20).tolist()
+    fwd, rev = RunningAverage(), RunningAverage()
+    for s, w in zip(states, weights):
+        fwd.add(s, w)
+    for s, w in zip(states[::-1], weights[::-1]):
+        rev.add(s, w)
+    assert np.array_equal(fwd.result()["w"], rev.result()["w"])
+
+
+def test_running_average_clear_starts_afresh_and_reuses_its_buffers():
+    run = RunningAverage()
+    run.add({"w": np.array([1.0, 3.0], np.float32)}, 1)
+    run.add({"w": np.array([3.0, 5.0], np.float32)}, 1)
+    np.testing.assert_allclose(run.result()["w"], [2.0, 4.0])
+    run.clear()  # next round: nothing of the last one may leak into the new mean
+    run.add({"w": np.array([10.0, 20.0], np.float32)}, 4)
+    np.testing.assert_allclose(run.result()["w"], [10.0, 20.0])
+    assert run.count == 1 and run.total_weight == 4.0
+    run.clear()  # 0-d tensors (a BatchNorm step count) reuse their buffer too
+    run.add({"n": np.array(7, np.int64)}, 1)
+    run.clear()
+    run.add({"n": np.array(3, np.int64)}, 1)
+    assert int(run.result()["n"]) == 3
+
+
+def test_running_average_refuses_a_different_contribution_before_adding():
+    run = RunningAverage()
+    run.add({"w": np.ones(2), "b": np.ones(1)}, 1)
+    with pytest.raises(ValueError, match=r"missing \['b'\]"):
+        run.add({"w": np.full(2, 9.0)}, 1)
+    with pytest.raises(ValueError, match=r"'b' has shape \(2,\)"):
+        run.add({"w": np.full(2, 9.0), "b": np.ones(2)}, 1)  # "w" is checked and fits: nothing may be added yet
+    np.testing.assert_allclose(run.result()["w"], [1.0, 1.0])
+    assert run.count == 1
 
 
 def test_check_contribution_keys_shapes_nan():

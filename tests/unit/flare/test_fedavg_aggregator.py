@@ -176,3 +176,41 @@ def test_excluded_keys_are_refused_outside_the_last_round_and_for_good_without_a
     # a non-excluded key can never be left out
     assert not FedAvgAggregator(exclude_patterns=["b"]).accept(
         contribution("site-3", {"b": np.zeros(1, np.float32)}, {"num_samples": 1}), c)
+
+
+def _peak_traced_bytes(tmp_path, n_sites, size=200_000):
+    """Peak memory traced while FedAvgAggregator takes ``n_sites`` contributions (each built, accepted, dropped,
+    as ScatterAndGather frees a result once accepted) and aggregates them."""
+    import tracemalloc
+
+    glob = {"w": np.ones(size, np.float32)}
+    c = context(engine=FakeEngine(tmp_path, n_clients=n_sites),
+                props={AppConstants.GLOBAL_MODEL: make_model_learnable(glob, {}), AppConstants.CURRENT_ROUND: 0})
+    agg = FedAvgAggregator(weighting="uniform")
+    tracemalloc.start()
+    for i in range(1, n_sites + 1):
+        assert agg.accept(contribution(f"site-{i}", {"w": np.full(size, 1 + i / 100, np.float32)}), c)
+    out = from_shareable(agg.aggregate(c)).data["w"]
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    np.testing.assert_allclose(out[:3], [1 + (n_sites + 1) / 200] * 3, rtol=1e-6)  # 1 + mean(1..n) / 100
+    return peak
+
+
+def test_server_memory_does_not_grow_with_the_number_of_sites(tmp_path):
+    # a running sum holds one float64 copy of the model whatever the number of sites; holding every site's
+    # model would make 12 sites cost ~6x what 2 sites cost
+    two, twelve = _peak_traced_bytes(tmp_path / "a", 2), _peak_traced_bytes(tmp_path / "b", 12)
+    assert twelve < 1.2 * two, (two, twelve)
+
+
+def test_a_new_round_forgets_the_last_rounds_contributions(tmp_path):
+    agg = FedAvgAggregator(weighting="uniform")
+    c0 = ctx(tmp_path)
+    assert agg.accept(contribution("site-1", {"w": np.array([2.0, 2.0], np.float32), "b": np.ones(1, np.float32)}), c0)
+    np.testing.assert_allclose(from_shareable(agg.aggregate(c0)).data["w"], [2.0, 2.0])
+    agg.reset(c0)  # ScatterAndGather resets the aggregator at the start of every round
+    c1 = ctx(tmp_path, round_idx=1)
+    assert agg.accept(contribution("site-1", {"w": np.array([0.5, 1.0], np.float32), "b": np.zeros(1, np.float32)},
+                                   round_idx=1), c1)  # the same site may contribute again in a new round
+    np.testing.assert_allclose(from_shareable(agg.aggregate(c1)).data["w"], [0.5, 1.0])

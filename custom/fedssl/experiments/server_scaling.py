@@ -1,0 +1,174 @@
+"""Server scaling: time and peak memory of one aggregation as the number of sites grows.
+
+``fedssl bench aggregation`` feeds the bundle's :class:`~fedssl.flare.fedavg_aggregator.FedAvgAggregator` (the
+class every FedAvg-style job's server runs) ``n`` contributions of a ViT-B/16-sized model (timm
+``vit_base_patch16_224``, 86.6 M parameters, float32) through its public ``accept`` / ``aggregate``, exactly as
+ScatterAndGather does: each contribution is built, accepted and dropped before the next arrives (FLARE frees a
+task result once the aggregator accepted it).  Each ``n`` runs in a fresh Python process, so its peak resident
+set size (``ru_maxrss``) is its own.  Reported per ``n``:
+
+Two rounds run back to back; the figures are the second's (every round after the first reuses the running
+sum's buffers), the first's are under ``first_round``:
+
+- ``accept_s``: mean seconds per contribution in ``accept`` (key / shape / dtype / finite / update-ratio checks,
+  then the running sum);
+- ``aggregate_s``: seconds in ``aggregate`` (the mean out of the running sum);
+- ``peak_rss_mb`` and ``extra_rss_mb`` (peak minus the process with the global model and one contribution
+  built, before the aggregator saw anything).
+
+``mode="held"`` measures the former design for comparison: every checked contribution is held until the round
+closes and then averaged (``fedssl.core.state_dict.weighted_average``), which is what makes memory grow with
+the number of sites.  The stand-in engine below only names the run's clients; nothing else of FLARE is faked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+SITES = (2, 5, 10, 20)
+MODES = ("running", "held")
+
+
+#: model name -> timm architecture: the paper-size ViT-B/16 (86.6 M parameters) and a tiny one for tests
+MODELS = {"vit_b16": "vit_base_patch16_224", "tiny": "vit_tiny_patch16_224"}
+
+
+def vit_state(model: str = "vit_b16", seed: int = 0) -> dict[str, np.ndarray]:
+    """A ViT state dict (timm, 1000 classes, random init) as float32 numpy arrays."""
+    import timm
+    import torch
+
+    if model not in MODELS:
+        raise ValueError(f"server scaling: model={model!r}; use one of {sorted(MODELS)}")
+    torch.manual_seed(seed)
+    model = timm.create_model(MODELS[model], pretrained=False)
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+class _Client:
+    def __init__(self, name: str):
+        self.name = name
+
+
+class _Engine:
+    """What the aggregator asks of FLARE's engine here: the run's clients; no components, no event listeners."""
+
+    def __init__(self, sites: list[str]):
+        self.sites = sites
+
+    def get_clients(self) -> list[_Client]:
+        return [_Client(s) for s in self.sites]
+
+    def get_component(self, component_id: str) -> None:
+        return None
+
+    def fire_event(self, event_type: str, fl_ctx) -> None:
+        return None
+
+
+def _max_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: kilobytes
+
+
+def measure_one(n_sites: int, mode: str = "running", seed: int = 0, model: str = "vit_b16") -> dict:
+    """One aggregation of ``n_sites`` ViT-B contributions (run it in a fresh process for a meaningful peak RSS)."""
+    from nvflare.apis.dxo import DXO, DataKind, from_shareable
+    from nvflare.apis.fl_constant import ReservedKey
+    from nvflare.apis.fl_context import FLContext
+    from nvflare.app_common.abstract.model import make_model_learnable
+    from nvflare.app_common.app_constant import AppConstants
+
+    from fedssl.core.state_dict import check_contribution, weighted_average
+    from fedssl.flare.fedavg_aggregator import FedAvgAggregator
+
+    if mode not in MODES:
+        raise ValueError(f"server scaling: mode={mode!r}; use one of {list(MODES)}")
+    global_model = vit_state(model, seed)
+    n_params = int(sum(v.size for v in global_model.values()))
+    sites = [f"site-{i}" for i in range(1, n_sites + 1)]
+    ctx = FLContext()
+    ctx.set_prop(ReservedKey.ENGINE, _Engine(sites), private=True, sticky=False)
+    ctx.set_prop(AppConstants.GLOBAL_MODEL, make_model_learnable(global_model, {}), private=True, sticky=False)
+    ctx.set_prop(AppConstants.CURRENT_ROUND, 0, private=True, sticky=False)
+
+    def contribution(i: int):
+        """Site i's model: the global model scaled by (1 + i / 1000) (a distinct, bounded update)."""
+        s = DXO(DataKind.WEIGHTS, data={k: v * np.float32(1 + i / 1000) for k, v in global_model.items()},
+                meta={"num_samples": 10 + i}).to_shareable()
+        s.set_peer_props({ReservedKey.IDENTITY_NAME: sites[i]})
+        s.add_cookie(AppConstants.CONTRIBUTION_ROUND, 0)
+        return s
+
+    probe = contribution(0)  # the baseline holds the global model and one contribution in flight
+    del probe
+    base_rss = _max_rss_mb()
+    agg, rounds = FedAvgAggregator(weighting="num_samples"), []
+    for round_idx in range(2):  # round 0 allocates the running sum; round 1 reuses it, as every later round does
+        agg.reset(ctx)
+        held, accept_s = [], 0.0
+        for i in range(n_sites):
+            s = contribution(i)
+            t0 = time.perf_counter()
+            if mode == "running":
+                if not agg.accept(s, ctx):
+                    raise RuntimeError(f"server scaling: the aggregator refused {sites[i]}")
+            else:
+                held.append(check_contribution(global_model, from_shareable(s).data, sites[i], max_update_ratio=10.0))
+            accept_s += time.perf_counter() - t0
+            del s
+        t0 = time.perf_counter()
+        if mode == "running":
+            out = from_shareable(agg.aggregate(ctx)).data
+        else:
+            out = weighted_average(held, [10 + i for i in range(n_sites)])
+        aggregate_s = time.perf_counter() - t0
+        del held
+        expected = 1 + sum((10 + i) * i for i in range(n_sites)) / sum(10 + i for i in range(n_sites)) / 1000
+        key = "blocks.0.attn.qkv.weight"
+        np.testing.assert_allclose(out[key], global_model[key] * expected, rtol=1e-5, atol=1e-7)
+        del out
+        rounds.append({"accept_s": round(accept_s / n_sites, 3), "aggregate_s": round(aggregate_s, 3),
+                       "round_s": round(accept_s + aggregate_s, 2)})
+    peak = _max_rss_mb()
+    return {"mode": mode, "sites": n_sites, "model": model, "parameters": n_params,
+            "model_mb": round(sum(v.nbytes for v in global_model.values()) / 2**20, 1),
+            "first_round": rounds[0], **rounds[1], "peak_rss_mb": round(peak, 1), "extra_rss_mb": round(peak - base_rss, 1)}
+
+
+def run_scaling(out: str | None = None, sites=SITES, modes=("running",), seed: int = 0, model: str = "vit_b16") -> list[dict]:
+    """Every (mode, n) in its own process; prints a table and writes the rows (and the machine) to ``out``."""
+    rows = []
+    for mode in modes:
+        for n in sites:
+            cmd = [sys.executable, "-m", "fedssl.experiments.server_scaling", str(int(n)), mode, str(int(seed)), model]
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"server scaling: {mode} with {n} sites failed:\n{done.stderr[-2000:]}")
+            row = json.loads(done.stdout.strip().splitlines()[-1])
+            rows.append(row)
+            print(f"{mode:<8} {n:>3} sites: accept {row['accept_s']:.2f} s/site, aggregate {row['aggregate_s']:.2f} s, "
+                  f"round {row['round_s']:.1f} s (first round {row['first_round']['round_s']:.1f} s), peak RSS "
+                  f"{row['peak_rss_mb']:.0f} MB (+{row['extra_rss_mb']:.0f} MB over model + one contribution)", flush=True)
+    for mode in modes:
+        mine = [r for r in rows if r["mode"] == mode]
+        if len(mine) > 1:
+            ratio = max(r["peak_rss_mb"] for r in mine) / min(r["peak_rss_mb"] for r in mine)
+            print(f"{mode}: peak RSS from {mine[0]['sites']} to {mine[-1]['sites']} sites grows {ratio:.2f}x")
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump({"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                                   "python": platform.python_version()}, "rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":  # one measurement per process: python -m fedssl.experiments.server_scaling N MODE SEED MODEL
+    print(json.dumps(measure_one(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4])))

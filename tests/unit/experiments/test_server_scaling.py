@@ -1,0 +1,30 @@
+import json
+
+import numpy as np
+import pytest
+
+from fedssl.cli import main
+from fedssl.experiments.server_scaling import measure_one, vit_state
+
+
+def test_one_measurement_aggregates_correctly_and_reports_two_rounds():
+    row = measure_one(3, "running", model="tiny")  # raises if the aggregate is not the weighted mean
+    assert row["sites"] == 3 and row["parameters"] == sum(v.size for v in vit_state("tiny").values())
+    assert row["accept_s"] > 0 and row["aggregate_s"] > 0 and set(row["first_round"]) == {"accept_s", "aggregate_s", "round_s"}
+    held = measure_one(2, "held", model="tiny")
+    assert held["mode"] == "held"
+
+
+def test_cli_runs_each_count_in_its_own_process(tmp_path, capsys):
+    out = tmp_path / "scaling.json"
+    main(["bench", "aggregation", "--model", "tiny", "--sites", "2", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["sites"] for r in rows] == [2] and rows[0]["peak_rss_mb"] > 0
+    assert "running    2 sites: accept" in capsys.readouterr().out
+
+
+def test_unknown_model_and_mode_are_refused():
+    with pytest.raises(ValueError, match="model='vit_h'"):
+        vit_state("vit_h")
+    with pytest.raises(ValueError, match="mode='all'"):
+        measure_one(2, "all", model="tiny")

@@ -1,4 +1,5 @@
-"""``fedssl bench ...``: what federation costs -- server aggregation time and memory as sites are added."""
+"""``fedssl bench ...``: what federation costs -- server aggregation time and memory as sites are added, and the
+bytes the wire switches save against the score they cost."""
 
 from __future__ import annotations
 
@@ -20,11 +21,31 @@ def _aggregation(a) -> None:
     run_scaling(a.out, sites=a.sites, modes=a.modes, seed=a.seed, model=a.model)
 
 
+def _wire_args(s) -> None:
+    s.add_argument("--out", required=True, help="folder for data, workspaces, cells/ and wire_cost.json (resumable)")
+    s.add_argument("--methods", nargs="+", default=["fcl", "fedmae"], choices=["fcl", "fedmae"])
+    s.add_argument("--settings", nargs="+", default=["none", "float16", "adaquant", "float16+banks"],
+                   choices=["none", "float16", "adaquant", "float16+banks", "blockwise8", "normfloat4"],
+                   help="wire settings; blockwise8 / normfloat4 need a GPU (FLARE runs them on CUDA)")
+    s.add_argument("--repeats", type=COUNT, default=2, help="runs of 'none' (seeds 0..R-1): the run-to-run spread")
+    s.add_argument("--pre-rounds", type=COUNT, default=4)
+    s.add_argument("--ft-rounds", type=COUNT, default=4)
+
+
+def _wire(a) -> None:
+    from fedssl.experiments.wire_cost import run_wire_cost
+
+    run_wire_cost(a.out, methods=a.methods, settings=a.settings, repeats=a.repeats, pre_rounds=a.pre_rounds,
+                  ft_rounds=a.ft_rounds)
+
+
 VERBS = (
     Verb("aggregation", "server scaling: time and peak memory of aggregating 2..20 ViT-B/16 contributions "
                         "(FedAvgAggregator, one process per count)", _aggregation_args, _aggregation),
+    Verb("wire", "bytes per round against score for the wire switches (FLARE quantisation filters, float16 banks): "
+                 "FCL and Fed-MAE pre-training + fine-tuning at the quick profile", _wire_args, _wire),
 )
 
 
 def register(sub) -> None:
-    add_family(sub, "bench", "cost of federation: server aggregation scaling", VERBS)
+    add_family(sub, "bench", "cost of federation: server aggregation scaling, bytes on the wire", VERBS)

@@ -286,7 +286,10 @@ def load_profile(profile: str, _seen: tuple[str, ...] = ()) -> dict:
 #: the part of a profile / ``--set`` that names the job's model shape once (``shape.image_size=64``): it applies
 #: to every component of the job, client and server, that takes the argument
 SHAPE = "shape"
-PARTS = ("meta", SHAPE, *CONFIG_FILES)
+#: the part that switches what travels in fewer bytes, for both directions (``--set wire.weights=float16``)
+WIRE = "wire"
+PARTS = ("meta", SHAPE, WIRE, *CONFIG_FILES)
+SCALAR_PARTS = ("meta", SHAPE, WIRE)  # PART.KEY=VALUE, no component id
 
 
 def profile_overrides(profile: dict, job_name: str) -> dict:
@@ -300,7 +303,7 @@ def profile_overrides(profile: dict, job_name: str) -> dict:
                 raise ValueError(f"profile, job {key!r}: {part!r} must be one of {list(PARTS)} and hold an object")
             target = merged.setdefault(part, {})
             for comp_id, args in comps.items():
-                if part in ("meta", SHAPE):
+                if part in SCALAR_PARTS:
                     target[comp_id] = args
                 elif not isinstance(args, dict):
                     raise ValueError(f"profile, job {key!r}: {part}.{comp_id} must be an object of argument: value")
@@ -321,6 +324,78 @@ def apply_shape(configs: dict[str, dict], shape: dict, where: str, touched: _Tou
             touched.set(comp, arg, value, where)
 
 
+#: wire.KEY -> the values it takes: model weights through FLARE's quantisation filters, feature banks in float16
+WIRE_CHOICES = {"weights": ("float16", "blockwise8", "float4", "normfloat4", "adaquant"), "banks": ("float16",)}
+METER_PATH = "fedssl.flare.communication_meter.CommunicationMeter"
+_QUANTIZATION = "fedssl.flare.quantization"
+
+
+def _meter_index(filters: list) -> int | None:
+    return next((i for i, f in enumerate(filters) if isinstance(f, dict) and f.get("path") == METER_PATH), None)
+
+
+def _client_entry(entries: list, tasks: list[str]) -> list:
+    """The filter list of the client entry for exactly ``tasks``, or of a new entry for them; a task already in
+    another entry is an error (FLARE takes one filter list per task)."""
+    for entry in entries:
+        if sorted(entry.get("tasks", [])) == sorted(tasks):
+            return entry.setdefault("filters", [])
+        if set(entry.get("tasks", [])) & set(tasks):
+            raise ValueError(f"client filters cover tasks {entry.get('tasks')} and the server meters {tasks}: "
+                             "the wire switch needs the same task groups on both sides")
+    entries.append({"tasks": list(tasks), "filters": []})
+    return entries[-1]["filters"]
+
+
+def apply_wire(configs: dict[str, dict], wire: dict, where: str) -> None:
+    """Put the wire filters into the app, for every task group the server's communication meters count.
+
+    ``weights``: the quantiser (:class:`fedssl.flare.quantization.Quantizer`) last on the sending side, just
+    before the server's download meter; the dequantiser first on the receiving side, just after the server's
+    upload meter.  ``banks``: :class:`~fedssl.flare.quantization.BankPrecision` before the quantiser.  The meters
+    then count the bytes that travel."""
+    for key, value in wire.items():
+        if key not in WIRE_CHOICES:
+            raise ValueError(f"{where}: wire key {key!r} is unknown; use {sorted(WIRE_CHOICES)} "
+                             "(e.g. --set wire.weights=float16)")
+        if value not in WIRE_CHOICES[key]:
+            raise ValueError(f"{where}: wire.{key}={value!r}; use one of {list(WIRE_CHOICES[key])}")
+    server, client = configs.get("server"), configs.get("client")
+    if server is None or client is None:
+        raise ValueError(f"{where}: the wire switch needs both the server and the client config in this app")
+
+    def sending() -> list[dict]:
+        out = [{"id": "wire_banks", "path": f"{_QUANTIZATION}.BankPrecision", "args": {"precision": wire["banks"]}}] \
+            if "banks" in wire else []
+        if "weights" in wire:
+            out.append({"id": "wire_quantizer", "path": f"{_QUANTIZATION}.Quantizer",
+                        "args": {"quantization_type": wire["weights"]}})
+        return out
+
+    def receiving() -> list[dict]:
+        return [{"id": "wire_dequantizer", "path": f"{_QUANTIZATION}.Dequantizer",
+                 "args": {"quantization_type": wire["weights"]}}] if "weights" in wire else []
+
+    downloads, uploads = [], []  # the task groups of the server's download / upload meters
+    for entry in server.get("task_data_filters", []):
+        i = _meter_index(entry.get("filters", []))
+        if i is not None:
+            entry["filters"][i:i] = sending()
+            downloads.append(list(entry.get("tasks", [])))
+    for entry in server.get("task_result_filters", []):
+        i = _meter_index(entry.get("filters", []))
+        if i is not None:
+            entry["filters"][i + 1:i + 1] = receiving()
+            uploads.append(list(entry.get("tasks", [])))
+    if not downloads or not uploads:
+        raise ValueError(f"{where}: the wire switch finds the exchanged tasks by the server's communication meters "
+                         f"({METER_PATH}) of both directions; this app has {'none' if not downloads + uploads else 'one'}")
+    for tasks in downloads:  # what the site receives: the dequantiser first
+        _client_entry(client.setdefault("task_data_filters", []), tasks)[0:0] = receiving()
+    for tasks in uploads:  # what the site sends: banks, then the quantiser, last
+        _client_entry(client.setdefault("task_result_filters", []), tasks).extend(sending())
+
+
 def parse_set(expr: str) -> tuple[str, str, str, Any]:
     """``client.fcl_trainer.lr=0.1`` -> ("client", "fcl_trainer", "lr", 0.1); ``meta.min_clients=3`` and
     ``shape.image_size=64`` (every component of the job that takes image_size) too.  The value is JSON; text
@@ -333,11 +408,11 @@ def parse_set(expr: str) -> tuple[str, str, str, Any]:
     except json.JSONDecodeError:
         value = raw
     parts = lhs.split(".")
-    if parts[0] in ("meta", SHAPE) and len(parts) == 2:
+    if parts[0] in SCALAR_PARTS and len(parts) == 2:
         return parts[0], "", parts[1], value
     if len(parts) != 3 or parts[0] not in CONFIG_FILES:
-        raise ValueError(f"--set {expr!r}: expected server.ID.ARG=VALUE, client.ID.ARG=VALUE, shape.ARG=VALUE or "
-                         "meta.KEY=VALUE")
+        raise ValueError(f"--set {expr!r}: expected server.ID.ARG=VALUE, client.ID.ARG=VALUE, shape.ARG=VALUE, "
+                         "wire.KEY=VALUE or meta.KEY=VALUE")
     return parts[0], parts[1], parts[2], value
 
 
@@ -345,7 +420,7 @@ def _sets_overrides(sets: list[str]) -> dict:
     from_sets: dict = {}
     for expr in sets:
         part, comp_id, arg, value = parse_set(expr)
-        if part in ("meta", SHAPE):
+        if part in SCALAR_PARTS:
             from_sets.setdefault(part, {})[arg] = value
         else:
             from_sets.setdefault(part, {}).setdefault(comp_id, {})[arg] = value
@@ -386,6 +461,9 @@ def _configured_app(job_dir: str, app: str, job_name: str, from_profile: dict, f
         for comp_id, args in from_sets.get(part, {}).items():
             override_args(config, comp_id, args, f"{where}/{CONFIG_FILES[part]} (--set)", touched)
     touched.check_binds()
+    wire = {**from_profile.get(WIRE, {}), **from_sets.get(WIRE, {})}
+    if wire:
+        apply_wire(configs, wire, where)
     return {rels[part]: config for part, config in configs.items()}
 
 

@@ -54,6 +54,9 @@ COMPONENT_CLASSES = (
     # filters (client and server); FeatureBankPerturbation is a site's privacy filter, also nameable by a job
     "fedssl.flare.backbone_exclusion.BackboneBNExclusion",
     "fedssl.flare.communication_meter.CommunicationMeter",
+    "fedssl.flare.quantization.Quantizer",
+    "fedssl.flare.quantization.Dequantizer",
+    "fedssl.flare.quantization.BankPrecision",
     "fedssl.flare.dro_weight_filter.DROWeightFilter",
     "fedssl.flare.feature_bank_perturbation.FeatureBankPerturbation",
     "fedssl.flare.feature_bank_shuttle.FeatureBankShuttle",

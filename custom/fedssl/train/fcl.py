@@ -87,7 +87,8 @@ class FCLLocalTrainer(WrappedPretrainer):
         if features is None:
             self.remote = None
             return
-        f, p = torch.as_tensor(np.asarray(features)), torch.as_tensor(np.asarray(partitions))
+        f = torch.as_tensor(np.asarray(features, dtype=np.float32))  # float16 when banks travel in half precision
+        p = torch.as_tensor(np.asarray(partitions))
         if f.ndim != 2 or f.shape[1] != self.model.proj_dim or tuple(p.shape) != (f.shape[0],):
             raise ValueError(f"the remote bank has features {tuple(f.shape)} and partitions {tuple(p.shape)}; "
                              f"expected [M, {self.model.proj_dim}] and [M]")

@@ -234,3 +234,52 @@ def test_a_cycle_of_extends_is_an_error(tmp_path):
     (tmp_path / "b.json").write_text(json.dumps({"extends": str(tmp_path / "a.json")}))
     with pytest.raises(ValueError, match="cycle"):
         load_profile(str(tmp_path / "a.json"))
+
+
+def _filter_ids(config: dict, chain: str) -> list:
+    return [(sorted(e["tasks"]), [f["id"] for f in e["filters"]]) for e in config.get(chain, [])]
+
+
+@pytest.mark.parametrize("job", sorted(os.listdir(os.path.join(REPO_ROOT, "jobs"))))
+def test_the_wire_switch_puts_the_filters_between_the_meters_and_the_rest_in_every_job(job):
+    files = configured_job(os.path.join(REPO_ROOT, "jobs", job), sets=["wire.weights=float16"])
+    server = next(v for k, v in files.items() if k.endswith("config_fed_server.json"))
+    client = next(v for k, v in files.items() if k.endswith("config_fed_client.json"))
+    data = {tuple(t): ids for t, ids in _filter_ids(client, "task_data_filters")}
+    result = {tuple(t): ids for t, ids in _filter_ids(client, "task_result_filters")}
+    downloads = uploads = 0
+    for tasks, ids in _filter_ids(server, "task_data_filters"):
+        meter = next((i for i in ids if i.startswith("meter_download")), None)
+        if meter:  # the quantiser right before the download meter: the meter counts what travels
+            assert ids[ids.index(meter) - 1] == "wire_quantizer" and data[tuple(tasks)][0] == "wire_dequantizer"
+            downloads += 1
+    for tasks, ids in _filter_ids(server, "task_result_filters"):
+        if "meter_upload" in ids:  # the dequantiser right after the upload meter, before anything reads the weights
+            assert ids[ids.index("meter_upload") + 1] == "wire_dequantizer" and result[tuple(tasks)][-1] == "wire_quantizer"
+            uploads += 1
+    assert downloads and uploads
+
+
+def test_wire_settings_are_checked_and_banks_precede_the_quantiser():
+    files = configured_job(FCL, sets=["wire.weights=adaquant", "wire.banks=float16"])
+    server = files["app/config/config_fed_server.json"]
+    assert _filter_ids(server, "task_data_filters") == [(["train"], ["bank_shuttle", "wire_banks", "wire_quantizer",
+                                                                     "meter_download"])]
+    client = files["app/config/config_fed_client.json"]
+    assert _filter_ids(client, "task_result_filters") == [(["train"], ["wire_banks", "wire_quantizer"])]
+    quantizer = client["task_result_filters"][0]["filters"][1]
+    assert quantizer["args"] == {"quantization_type": "adaquant"}
+    with pytest.raises(ValueError, match=r"wire.weights='int3'; use one of \['float16'"):
+        configured_job(FCL, sets=["wire.weights=int3"])
+    with pytest.raises(ValueError, match="wire key 'bank' is unknown"):
+        configured_job(FCL, sets=["wire.bank=float16"])
+
+
+def test_the_wire_switch_needs_the_meters(tmp_path):
+    job = tmp_path / "bare"
+    os.makedirs(job / "app" / "config")
+    (job / "meta.json").write_text(json.dumps({"name": "bare"}))
+    for part in ("server", "client"):
+        (job / "app" / "config" / f"config_fed_{part}.json").write_text(json.dumps({"format_version": 2}))
+    with pytest.raises(ValueError, match="finds the exchanged tasks by the server's communication meters"):
+        configured_job(str(job), sets=["wire.weights=float16"])

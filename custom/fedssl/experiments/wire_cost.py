@@ -1,0 +1,183 @@
+"""Bytes against score: the wire switches (``--set wire.weights=...`` / ``wire.banks=float16``) at the quick profile.
+
+``fedssl bench wire`` runs, for each method and each wire setting, the whole pipeline with that setting on both
+jobs, in the FLARE simulator on synthetic data:
+
+- ``fcl``: FCL pre-training (``fcl_acdc``, feature exchange on) -> federated fine-tuning (``fcl_acdc_finetune``,
+  N labelled patients per site) from the pre-trained encoder -> Dice of the global model on every site's
+  held-out fold (mean over sites, foreground classes);
+- ``fedmae``: Fed-MAE pre-training (``sslfl_mae_retina``) -> federated fine-tuning (``sslfl_retina_finetune``)
+  -> test accuracy of the selected global model.
+
+Bytes are the communication meter's (mean per site per round, both jobs, each direction).  The run-to-run spread
+is measured, not assumed: the setting ``none`` (nothing changed on the wire) runs ``repeats`` times with
+different seeds, and a setting's score change is within the spread when it lies inside the range of those runs.
+Each finished cell is written to ``cells/<method>__<setting>__<repeat>.json`` and is not run again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+
+from fedssl.ops.jobs import REPO_ROOT
+from fedssl.ops.simulate import run_simulation
+
+JOBS = os.path.join(REPO_ROOT, "jobs")
+#: setting name -> its --set overrides (applied to both jobs of the pipeline)
+SETTINGS: dict[str, list[str]] = {
+    "none": [],
+    "float16": ["wire.weights=float16"],
+    "adaquant": ["wire.weights=adaquant"],
+    "float16+banks": ["wire.weights=float16", "wire.banks=float16"],
+    "blockwise8": ["wire.weights=blockwise8"],
+    "normfloat4": ["wire.weights=normfloat4"],
+}
+METHODS = ("fcl", "fedmae")
+N_SITES = 3
+
+
+def _say(t0: float, msg: str) -> None:
+    print(f"[{time.time() - t0:7.1f} s] {msg}", flush=True)
+
+
+def _bytes(run: dict) -> dict:
+    b = run.get("bytes_per_site_per_round") or {}
+    return {"upload": float(b.get("upload", 0.0)), "download": float(b.get("download", 0.0))}
+
+
+def _fcl_data(out: str) -> str:
+    from fedssl.data.acdc_synthetic import write_synthetic_acdc
+
+    data = os.path.join(out, "data", "acdc")
+    if not os.path.isdir(data):
+        write_synthetic_acdc(data, n_patients=10 * N_SITES, n_sites=N_SITES, seed=0)
+    return data
+
+
+def _fedmae_data(out: str) -> str:
+    from fedssl.data.image_sites import write_site_folders
+    from fedssl.data.image_synthetic import write_synthetic_images
+
+    src, parts = os.path.join(out, "data", "retina_full"), os.path.join(out, "data", "retina_sites")
+    if not os.path.isfile(os.path.join(parts, "partition.json")):
+        write_synthetic_images(src, "retina", n_images=900, seed=0, image_size=32)
+        write_site_folders(src, "retina", parts, n_sites=N_SITES, alpha=0.5, seed=0)
+    return parts
+
+
+def run_cell(out: str, method: str, setting: str, seed: int, pre_rounds: int, ft_rounds: int) -> dict:
+    """One pipeline (pre-training then federated fine-tuning) with ``setting`` on the wire."""
+    from fedssl.experiments.fcl_finetune import evaluate_federated, export_unet_init, load_labelled_sites, protocol_settings
+
+    wire = SETTINGS[setting]
+    ws = os.path.join(out, "ws", f"{method}__{setting}__{seed}")
+    seed_sets = [f"client.{'fcl_trainer' if method == 'fcl' else 'mim_trainer'}.seed={seed}"]
+    if method == "fcl":
+        data = _fcl_data(out)
+        pre = run_simulation(os.path.join(JOBS, "fcl_acdc"), ws + "_pre", n_sites=N_SITES,
+                             data_root=os.path.join(data, "{site}"), profile="quick", echo=False,
+                             sets=[f"server.scatter_and_gather.num_rounds={pre_rounds}", *seed_sets, *wire])
+        settings = protocol_settings("quick")
+        init = export_unet_init(pre["global_model"], ws + "_unet_init.pt", settings["features"])
+        ft = run_simulation(os.path.join(JOBS, "fcl_acdc_finetune"), ws + "_ft", n_sites=N_SITES,
+                            data_root=os.path.join(data, "{site}"), profile="quick", echo=False,
+                            sets=[f"server.scatter_and_gather.num_rounds={ft_rounds}", "client.seg_trainer.n_labelled=2",
+                                  f"client.seg_trainer.seed={seed}",
+                                  f"server.persistor.source_ckpt_file_full_name={init}", *wire])
+        rows = evaluate_federated(ft["global_model"], load_labelled_sites(data, settings), method=setting, n_labelled=2,
+                                  fold=0, settings=settings)
+        score, per_site = float(np.mean([r["dice"] for r in rows])), {r["site"]: r["dice"] for r in rows}
+        metric = "dice"
+    else:
+        from fedssl.experiments.sslfl_demo import _test_row
+
+        parts = _fedmae_data(out)
+        pre = run_simulation(os.path.join(JOBS, "sslfl_mae_retina"), ws + "_pre", n_sites=N_SITES,
+                             data_root=os.path.join(parts, "{site}"), profile="quick", echo=False,
+                             sets=[f"server.scatter_and_gather.num_rounds={pre_rounds}", *seed_sets, *wire])
+        ft = run_simulation(os.path.join(JOBS, "sslfl_retina_finetune"), ws + "_ft", n_sites=N_SITES,
+                            data_root=os.path.join(parts, "{site}"), profile="quick", echo=False,
+                            sets=[f"server.scatter_and_gather.num_rounds={ft_rounds}", f"client.cls_trainer.seed={seed}",
+                                  "client.cls_trainer.val_fraction=0.2",
+                                  f"server.model.pretrained_path={pre['global_model']}", *wire])
+        row = _test_row(setting, ft)
+        score, per_site, metric = float(row["accuracy"]), {}, "accuracy"
+    return {"method": method, "setting": setting, "seed": seed, "metric": metric, "score": score, "per_site": per_site,
+            "pretraining_bytes": _bytes(pre), "finetuning_bytes": _bytes(ft),
+            "wall_time_s": round(float(pre["simulator_wall_time_s"]) + float(ft["simulator_wall_time_s"]), 1)}
+
+
+def summarise(cells: list[dict]) -> list[dict]:
+    """One row per (method, setting): mean score, bytes and their ratio to ``none``, and whether the score change
+    lies within the range of the ``none`` repeats."""
+    rows = []
+    for method in dict.fromkeys(c["method"] for c in cells):
+        mine = [c for c in cells if c["method"] == method]
+        base = [c for c in mine if c["setting"] == "none"]
+        lo = min((c["score"] for c in base), default=None)
+        hi = max((c["score"] for c in base), default=None)
+        base_bytes = (np.mean([c["pretraining_bytes"]["upload"] + c["pretraining_bytes"]["download"] for c in base])
+                      if base else None)
+        for setting in dict.fromkeys(c["setting"] for c in mine):
+            cs = [c for c in mine if c["setting"] == setting]
+            score = float(np.mean([c["score"] for c in cs]))
+            pre_b = float(np.mean([c["pretraining_bytes"]["upload"] + c["pretraining_bytes"]["download"] for c in cs]))
+            ft_b = float(np.mean([c["finetuning_bytes"]["upload"] + c["finetuning_bytes"]["download"] for c in cs]))
+            rows.append({"method": method, "setting": setting, "runs": len(cs), "metric": cs[0]["metric"],
+                         "score": round(score, 4), "scores": [round(c["score"], 4) for c in cs],
+                         "pretraining_mb_per_site_round": round(pre_b / 1e6, 3),
+                         "finetuning_mb_per_site_round": round(ft_b / 1e6, 3),
+                         "bytes_ratio_vs_none": round(base_bytes / pre_b, 2) if base_bytes and pre_b else None,
+                         "within_none_range": (lo <= score <= hi) if lo is not None and setting != "none" else None,
+                         "none_range": [round(lo, 4), round(hi, 4)] if lo is not None else None})
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'method':<7} {'wire':<14} {'runs':>4} {'score':>7} {'pre-train MB':>13} {'fine-tune MB':>13} "
+            f"{'x fewer':>8}  within 'none' range")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        within = "" if r["within_none_range"] is None else ("yes" if r["within_none_range"] else "no")
+        ratio = "" if r["bytes_ratio_vs_none"] is None else f"{r['bytes_ratio_vs_none']:.2f}"
+        lines.append(f"{r['method']:<7} {r['setting']:<14} {r['runs']:>4} {r['score']:>7.3f} "
+                     f"{r['pretraining_mb_per_site_round']:>13.3f} {r['finetuning_mb_per_site_round']:>13.3f} "
+                     f"{ratio:>8}  {within} {r['metric']}")
+    return "\n".join(lines)
+
+
+def run_wire_cost(out: str, methods=METHODS, settings=("none", "float16", "adaquant", "float16+banks"), repeats: int = 2,
+                  pre_rounds: int = 4, ft_rounds: int = 4) -> list[dict]:
+    """Every (method, setting) once, ``none`` ``repeats`` times (seeds 0..repeats-1); resumable; prints the table
+    and writes ``wire_cost.json`` (cells and summary)."""
+    unknown = [s for s in settings if s not in SETTINGS] + [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"bench wire: unknown {unknown}; settings {sorted(SETTINGS)}, methods {list(METHODS)}")
+    out = os.path.abspath(out)
+    os.makedirs(os.path.join(out, "cells"), exist_ok=True)
+    plan = [(m, s, seed) for m in methods for s in settings for seed in (range(repeats) if s == "none" else [0])]
+    t0, cells = time.time(), []
+    for i, (method, setting, seed) in enumerate(plan, 1):
+        path = os.path.join(out, "cells", f"{method}__{setting}__{seed}.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                cells.append(json.load(f))
+            continue
+        _say(t0, f"cell {i}/{len(plan)}: {method}, wire {setting}, seed {seed}")
+        cell = run_cell(out, method, setting, seed, pre_rounds, ft_rounds)
+        with open(path + ".tmp", "w") as f:
+            json.dump(cell, f, indent=1)
+        os.replace(path + ".tmp", path)
+        cells.append(cell)
+        _say(t0, f"  {cell['metric']} {cell['score']:.3f}, pre-training {sum(cell['pretraining_bytes'].values()) / 1e6:.2f} "
+                 f"MB per site per round, {cell['wall_time_s']} s")
+    rows = summarise(cells)
+    with open(os.path.join(out, "wire_cost.json"), "w") as f:
+        json.dump({"settings": {"pre_rounds": pre_rounds, "ft_rounds": ft_rounds, "repeats": repeats, "sites": N_SITES,
+                                "profile": "quick"}, "cells": cells, "summary": rows}, f, indent=1)
+    print(format_table(rows))
+    return rows

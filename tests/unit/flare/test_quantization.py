@@ -1,0 +1,107 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
+from nvflare.apis.shareable import Shareable
+from nvflare.app_common.decomposers import common_decomposers
+
+from fedssl.flare.communication_meter import COMM_FILE, CommunicationMeter
+from fedssl.flare.constants import BANK_FEATURES, REMOTE_FEATURES
+from fedssl.flare.quantization import BankPrecision, Dequantizer, Quantizer
+from tests.unit.flare.fakes import FakeEngine, context
+
+common_decomposers.register()
+
+
+def weights():
+    return {"conv.weight": np.array([[0.1, -2.5], [3.0e-5, 7.0]], np.float32),
+            "bn.num_batches_tracked": np.array(12, np.int64)}
+
+
+def shareable(data=None, meta=None):
+    return DXO(DataKind.WEIGHTS, data=data if data is not None else weights(), meta=meta or {"num_samples": 4}).to_shareable()
+
+
+def roundtrip(kind, s, tmp_path):
+    ctx = context(peer_site="site-1", engine=FakeEngine(tmp_path))
+    sent = Quantizer(kind).process(s, ctx)
+    wire = Shareable.from_bytes(sent.to_bytes())  # what the receiver deserialises
+    return sent, Dequantizer(kind).process(wire, ctx)
+
+
+def test_float16_leaves_integer_buffers_and_restores_float32(tmp_path):
+    sent, back = roundtrip("float16", shareable(), tmp_path)
+    q = from_shareable(sent)
+    assert q.data["conv.weight"].dtype == np.float16 and q.data["bn.num_batches_tracked"].dtype == np.int64
+    assert q.get_meta_prop("source_datatype") == {"conv.weight": "float32"}  # the int buffer is not FLARE's business
+    out = from_shareable(back)
+    assert out.data["conv.weight"].dtype == np.float32 and int(out.data["bn.num_batches_tracked"]) == 12
+    np.testing.assert_array_equal(out.data["conv.weight"], weights()["conv.weight"].astype(np.float16).astype(np.float32))
+    assert out.get_meta_prop("num_samples") == 4 and out.get_meta_prop("quant_state") is None
+
+
+def test_adaquant_roundtrip_is_close(tmp_path):
+    rng = np.random.default_rng(0)
+    data = {"w": rng.normal(size=(64, 64)).astype(np.float32), "n": np.array(3, np.int64)}
+    _, back = roundtrip("adaquant", shareable(dict(data)), tmp_path)
+    out = from_shareable(back).data
+    assert out["w"].dtype == np.float32 and out["w"].shape == (64, 64) and int(out["n"]) == 3
+    assert np.abs(out["w"] - data["w"]).max() < 0.1 * np.abs(data["w"]).max()
+
+
+def test_a_shared_broadcast_is_never_edited_and_each_site_keeps_its_meta(tmp_path):
+    shared = weights()  # the server's broadcast: several sites' DXOs hold this one dict
+    q, ctx = Quantizer("float16"), context(peer_site="site-1", engine=FakeEngine(tmp_path))
+    a = from_shareable(q.process(shareable(shared, {"dro_weight": 0.3}), ctx))
+    b = from_shareable(q.process(shareable(shared, {"dro_weight": 0.7}), ctx))
+    assert shared["conv.weight"].dtype == np.float32  # FLARE's ModelQuantizer writes float16 into the shared dict
+    assert (a.get_meta_prop("dro_weight"), b.get_meta_prop("dro_weight")) == (0.3, 0.7)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU FLARE's 8- and 4-bit quantisers run")
+def test_gpu_only_types_are_refused_without_a_gpu():
+    with pytest.raises(ValueError, match="blockwise8.*runs on CUDA.*use \"float16\" or \"adaquant\""):
+        Quantizer("blockwise8")
+    with pytest.raises(ValueError, match="quantization_type"):
+        Quantizer("int3")
+
+
+def test_dequantizer_refuses_what_its_sender_cannot_produce(tmp_path):
+    ctx = context(peer_site="site-1", engine=FakeEngine(tmp_path))
+    sent = from_shareable(Quantizer("float16").process(shareable(), ctx))
+
+    def tampered(**meta):
+        d = DXO(DataKind.WEIGHTS, data=dict(sent.data), meta={**sent.meta, **meta})
+        return d
+
+    dq = Dequantizer("float16")
+    with pytest.raises(ValueError, match="of type 'adaquant'; this job quantises with 'float16'"):
+        dq.check(tampered(**{MetaKey.PROCESSED_ALGORITHM: "adaquant"}))
+    with pytest.raises(ValueError, match="'bn.num_batches_tracked' of source type 'int64'"):
+        dq.check(tampered(source_datatype={"conv.weight": "float32", "bn.num_batches_tracked": "int64"}))
+    with pytest.raises(ValueError, match="'ghost'"):
+        dq.check(tampered(source_datatype={"ghost": "float32"}))
+    with pytest.raises(ValueError, match="malformed quantisation state"):
+        dq.check(tampered(quant_state={"conv.weight": ["not", "a", "dict"]}))
+    dq.check(sent)  # the genuine payload passes
+    plain = shareable()  # a payload that was not quantised passes unchanged
+    assert from_shareable(dq.process(plain, ctx)).data["conv.weight"].dtype == np.float32
+
+
+def test_banks_travel_in_float16_and_the_meter_counts_the_smaller_payload(tmp_path):
+    bank = np.random.default_rng(0).normal(size=(256, 32)).astype(np.float32)
+    ctx = context(peer_site="site-1", engine=FakeEngine(tmp_path))
+    meter = CommunicationMeter("upload")
+    big = {"w": np.zeros((64, 64), np.float32)}
+    meter.process(shareable(dict(big), {BANK_FEATURES: bank, "num_samples": 4}), ctx)
+    small = Quantizer("float16").process(BankPrecision().process(shareable(dict(big), {BANK_FEATURES: bank, "num_samples": 4}), ctx), ctx)
+    meter.process(small, ctx)
+    plain, wired = (json.loads(line) for line in (tmp_path / COMM_FILE).read_text().splitlines())
+    # 256 x 32 bank values and 64 x 64 weights: 2 bytes fewer each
+    assert plain["features"] - wired["features"] == 256 * 32 * 2
+    assert plain["weights"] - wired["weights"] == 64 * 64 * 2
+    assert from_shareable(small).get_meta_prop(BANK_FEATURES).dtype == np.float16
+    down = BankPrecision().process(shareable(dict(big), {REMOTE_FEATURES: bank}), ctx)
+    assert from_shareable(down).get_meta_prop(REMOTE_FEATURES).dtype == np.float16

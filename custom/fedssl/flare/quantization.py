@@ -6,6 +6,9 @@ feature banks.
 
 - integer and boolean tensors (BatchNorm ``num_batches_tracked``, index buffers) travel as they are: FLARE's
   quantiser refuses any tensor that is not float32 / float16 / bfloat16, so a U-Net or DenseNet could not use it;
+- under adaquant, a float tensor whose range is so small that FLARE's level count rounds to 0 travels as it is:
+  FLARE 2.9 turns it into NaN on dequantisation (measured: FCL pre-training, every site's contribution refused
+  in round 0 because of momentum-encoder batch-norm biases);
 - what arrives is checked before FLARE's dequantiser reads it (it comes from a site, or from the server): the
   quantisation type is one the job configured, every quantised key names a tensor of the payload with a float
   source type, and the quantisation state is a dict of arrays per key.  A payload that was not quantised passes
@@ -32,6 +35,7 @@ from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
 from nvflare.apis.filter import Filter
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
+from nvflare.app_opt.pt.quantization.ada_quant import AdaQuantizer
 from nvflare.app_opt.pt.quantization.dequantizer import ModelDequantizer
 from nvflare.app_opt.pt.quantization.quantizer import ModelQuantizer
 
@@ -75,11 +79,26 @@ class Quantizer(ModelQuantizer):
         return out
 
     def quantization(self, params: dict, fl_ctx: FLContext):
-        floats = {k: v for k, v in params.items() if _is_float(v)}
+        floats = {k: v for k, v in params.items() if _is_float(v) and not self.degenerate(v)}
         quantized, quant_state, source_datatype = super().quantization(floats, fl_ctx)
         out = {k: v for k, v in params.items() if k not in floats}  # integer / bool tensors as they are
         out.update(quantized)
         return out, quant_state, source_datatype
+
+
+    def degenerate(self, value) -> bool:
+        """True for a tensor FLARE 2.9's adaquant cannot round-trip: a range (max - min) so small that its level
+        count rounds to 0, and dequantisation divides 0 by 0 (NaN).  Such tensors (e.g. batch-norm biases a few
+        momentum steps from zero) travel unquantised; they are tiny."""
+        if self.quantization_type != "adaquant":
+            return False
+        t = torch.as_tensor(value).detach().to(torch.float64).reshape(-1).cpu()
+        if t.numel() == 0:
+            return True
+        shifted = t - t.min()
+        levels = AdaQuantizer().get_number_of_quantization_levels(element_size=torch.as_tensor(value).element_size(),
+                                                                   values_tensor=shifted)
+        return levels is not None and levels[0] != 0.0 and levels[1] == 0
 
 
 class Dequantizer(ModelDequantizer):

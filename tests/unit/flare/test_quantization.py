@@ -51,6 +51,16 @@ def test_adaquant_roundtrip_is_close(tmp_path):
     assert np.abs(out["w"] - data["w"]).max() < 0.1 * np.abs(data["w"]).max()
 
 
+def test_adaquant_keeps_tensors_it_cannot_roundtrip_finite(tmp_path):
+    # range 2e-5: FLARE 2.9's adaquant computes 0 levels and dequantises to NaN (0 / 0)
+    tiny = np.array([0.0, 1e-5, 2e-5, 0.0] * 4, np.float32)
+    _, back = roundtrip("adaquant", shareable({"bn.bias": tiny.copy(), "w": np.linspace(-1, 1, 64, dtype=np.float32)}),
+                        tmp_path)
+    out = from_shareable(back).data
+    np.testing.assert_array_equal(out["bn.bias"], tiny)  # sent as it was
+    assert np.isfinite(out["w"]).all() and np.abs(out["w"] - np.linspace(-1, 1, 64)).max() < 0.05
+
+
 def test_a_shared_broadcast_is_never_edited_and_each_site_keeps_its_meta(tmp_path):
     shared = weights()  # the server's broadcast: several sites' DXOs hold this one dict
     q, ctx = Quantizer("float16"), context(peer_site="site-1", engine=FakeEngine(tmp_path))

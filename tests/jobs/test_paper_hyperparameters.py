@@ -427,6 +427,20 @@ CODE_PINS = [
     ("fedssl.core.mim.MIMTrainer", "betas", (0.9, 0.999), PT + ": AdamW beta1 0.9, beta2 0.999"),
 ]
 
+NN = "nnU-Net (Isensee et al., Nature Methods 2021), 3D full resolution"
+I17 = "issue 17 / acdc_seg3d description"
+SEG3D_PINS = [  # the FCL paper's segmentation is 2D; the 3D job takes nnU-Net's settings and FCL's federation
+    Pin("acdc_seg3d", "meta", "", "min_clients", 10, "FCL (MedIA 2022) sec. 5: 10 sites of ACDC"),
+    Pin("acdc_seg3d", "server", "scatter_and_gather", "num_rounds", 200, "FCL sec. 5: 200 rounds of fine-tuning"),
+    Pin("acdc_seg3d", "server", "model", "filters", [32, 64, 128, 256, 320, 320], NN + ": 32 doubling, capped at 320"),
+    Pin("acdc_seg3d", "server", "model", "pixdim", [1.25, 1.25, 10.0], I17 + ": ACDC in-plane 1.25 mm (FCL), 10 mm slices"),
+    Pin("acdc_seg3d", "server", "model", "num_classes", 3, "ACDC: RV, MYO, LV"),
+    Pin("acdc_seg3d", "client", "seg3d_trainer", "filters", [32, 64, 128, 256, 320, 320], NN),
+    Pin("acdc_seg3d", "client", "seg3d_trainer", "batch_size", 2, NN + ": batch 2"),
+    Pin("acdc_seg3d", "client", "seg3d_trainer", "local_epochs", 1, "FCL sec. 5: 1 local epoch per round"),
+    Pin("acdc_seg3d", "client", "seg3d_trainer", "amp", True, NN + ": mixed precision"),
+]
+
 
 def _ids(pins: list[Pin]) -> list[str]:
     return [p.id for p in pins]
@@ -462,6 +476,11 @@ def test_feddra_paper_settings(pin):
     check(pin)
 
 
+@pytest.mark.parametrize("pin", SEG3D_PINS, ids=_ids(SEG3D_PINS))
+def test_seg3d_settings(pin):
+    check(pin)
+
+
 @pytest.mark.parametrize("path,attr,paper,cite", CODE_PINS, ids=[f"{p}.{a}={v!r} [{c}]" for p, a, v, c in CODE_PINS])
 def test_fixed_optimiser_constants(path, attr, paper, cite):
     module, _, name = path.rpartition(".")
@@ -473,6 +492,6 @@ def test_fixed_optimiser_constants(path, attr, paper, cite):
 
 def test_every_job_has_a_table():
     """A new job folder must get its paper's pins here (or an explicit reason it has none)."""
-    pinned = {p.job for p in FCL_PINS + SSLFL_PINS + FEDMAE_PINS + FEDCLF_PINS + SURGICAL_PINS + FEDDRA_PINS}
+    pinned = {p.job for p in FCL_PINS + SSLFL_PINS + FEDMAE_PINS + FEDCLF_PINS + SURGICAL_PINS + FEDDRA_PINS + SEG3D_PINS}
     jobs = {d for d in os.listdir(JOBS_DIR) if exists(d)}
     assert jobs - pinned == set(), f"job folders without paper pins: {sorted(jobs - pinned)}"

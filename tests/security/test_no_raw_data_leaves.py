@@ -32,6 +32,7 @@ from nvflare.app_common.app_constant import AppConstants
 from fedssl.core.surgical import classes_to_meta, slice_head_state
 from fedssl.data.acdc import load_site
 from fedssl.data.acdc_synthetic import write_synthetic_acdc
+from fedssl.data.seg3d import list_items, load_volumes
 from fedssl.data.cxr import CXRDataset, load_cxr_site
 from fedssl.data.cxr_synthetic import write_synthetic_nih
 from fedssl.data.fedclf_devices import build_devices
@@ -62,13 +63,14 @@ DATASET = {"fcl_acdc": "acdc", "fcl_acdc_finetune": "acdc", "fclopt_acdc": "acdc
            "sslfl_retina_finetune": "retina", "surgical_cxr": "cxr", "sslfl_mae_covidfl": "covidfl",
            "sslfl_covidfl_finetune": "covidfl", "sslfl_mae_derm": "derm_mel", "sslfl_derm_finetune": "derm_mel",
            "fedclf_derm": "derm5", "fedclf_derm_finetune": "derm5", "feddra_mimic": "vlp_mimic",
-           "feddra_retina": "vlp_retina"}
+           "feddra_retina": "vlp_retina", "acdc_seg3d": "acdc3d"}
 #: data sets published only in SSL-FL's release layout: sites are cut from a release by the partitioner
 RELEASES = ("covidfl", "derm_mel")
 IMAGE_SETS = ("retina", "derm", *RELEASES)
 #: on top of the quick profile: fewer steps (what is uploaded does not depend on how long a site trains)
 SPEED = {"fcl_trainer": {"max_steps_per_round": 2}, "fedclf_trainer": {"max_steps_per_round": 2}, "byol_trainer": {"max_steps_per_round": 2},
-         "seg_trainer": {"local_epochs": 1, "max_steps_per_epoch": 2}, "mim_trainer": {"max_steps_per_round": 2},
+         "seg_trainer": {"local_epochs": 1, "max_steps_per_epoch": 2},
+         "seg3d_trainer": {"local_epochs": 1, "max_steps_per_epoch": 1}, "mim_trainer": {"max_steps_per_round": 2},
          "cls_trainer": {"max_steps_per_epoch": 2}, "feddra_trainer": {"align_steps": 1, "steps": 1},
          "cxr_trainer": {"local_epochs": 1, "max_steps_per_epoch": 1,
                                                                    "n_bootstrap": 0}}
@@ -91,6 +93,7 @@ def data(tmp_path_factory):
                            release_split="", seed=0)
     write_synthetic_acdc(root / "acdc", n_patients=5, n_sites=1, seed=0, shape=(48, 48), n_frames=3,
                          slices_range=(4, 5))
+    os.symlink(root / "acdc", root / "acdc3d")  # the same sites, read by the 3D pipeline
     # FedCLF devices (site-1 ... site-10, each with train / val / test class folders)
     write_synthetic_derm_sources(str(root / "derm5_raw"), n_isic=200, seed=0, image_size=40)
     build_devices(str(root / "derm5"), *(str(root / "derm5_raw" / s) for s in SOURCES), seed=0, short_edge=36)
@@ -126,6 +129,10 @@ def site_data(kind: str, root: Path, site: str, args: dict) -> SiteData:
         out.add_images(torch.stack([ds[i][0] for i in range(len(ds))]), VLP_PRESETS[args["preset"]]["patch_size"])
         for r in recs:
             out.add_files(os.path.dirname(r.image))
+    elif kind == "acdc3d":  # the volumes as the 3D network sees them (resampled, scaled), slice by slice, and the files
+        vols = load_volumes(list_items("acdc", str(folder), site), "acdc", args["pixdim"], args["roi_size"], site)
+        out.add_images(torch.cat([v["image"][0].permute(2, 0, 1)[:, None] for v in vols]))
+        out.add_files(str(folder))
     elif kind == "acdc":
         for frames in ("ed_es", "all"):
             vols = load_site(str(folder), with_labels=False, target_spacing=args["target_spacing"],
@@ -296,7 +303,7 @@ ROUNDS = {"fcl_acdc": train_round, "fcl_acdc_finetune": train_round, "fclopt_acd
           "sslfl_mae_retina": train_round, "sslfl_retina_finetune": classifier_round, "surgical_cxr": surgical_round,
           "sslfl_mae_covidfl": train_round, "sslfl_covidfl_finetune": classifier_round, "sslfl_mae_derm": train_round,
           "sslfl_derm_finetune": classifier_round, "fedclf_derm": train_round, "fedclf_derm_finetune": classifier_round,
-          "feddra_mimic": feddra_round, "feddra_retina": feddra_round}
+          "feddra_mimic": feddra_round, "feddra_retina": feddra_round, "acdc_seg3d": classifier_round}
 
 
 def scanned(job: str, data: Path, tmp_path: Path) -> tuple[SiteRun, dict[str, list[str]]]:

@@ -39,13 +39,30 @@ def _wire(a) -> None:
                   ft_rounds=a.ft_rounds)
 
 
+def _overhead_args(s) -> None:
+    s.add_argument("--out", required=True, help="folder for data, the simulator workspace and overhead.json")
+    s.add_argument("--job", default="fcl_acdc_finetune", help="job name under jobs/ or a job folder")
+    s.add_argument("--data-root", default=None, help="site data with {site}; default: synthetic ACDC for one site")
+    s.add_argument("--profile", default="quick", help="profile of the job (quick: CPU sizes)")
+    s.add_argument("--set", action="append", default=[], metavar="PART.ID.ARG=VALUE", help="override, as fedssl job")
+    s.add_argument("--rounds", type=COUNT, default=5)
+
+
+def _overhead(a) -> None:
+    from fedssl.experiments.overhead import run_overhead
+
+    run_overhead(a.out, job=a.job, data_root=a.data_root, profile=a.profile, sets=a.set, rounds=a.rounds)
+
+
 VERBS = (
     Verb("aggregation", "server scaling: time and peak memory of aggregating 2..20 ViT-B/16 contributions "
                         "(FedAvgAggregator, one process per count)", _aggregation_args, _aggregation),
+    Verb("overhead", "the same local training as a bare loop and as a FLARE simulator job: time per round and what "
+                     "the difference is made of", _overhead_args, _overhead),
     Verb("wire", "bytes per round against score for the wire switches (FLARE quantisation filters, float16 banks): "
                  "FCL and Fed-MAE pre-training + fine-tuning at the quick profile", _wire_args, _wire),
 )
 
 
 def register(sub) -> None:
-    add_family(sub, "bench", "cost of federation: server aggregation scaling, bytes on the wire", VERBS)
+    add_family(sub, "bench", "cost of federation: FLARE overhead per round, server aggregation scaling, bytes on the wire", VERBS)

@@ -57,6 +57,8 @@ PATIENT_RE = re.compile(r"^patient\d{3}$")
 _INT_KEYS = ("ED", "ES", "NbFrame")
 _FLOAT_KEYS = ("Height", "Weight")
 ACDC_LABELS = (0, 1, 2, 3)  # bg, RV, MYO, LV
+#: ACDC foreground classes by label value
+ACDC_CLASSES: dict[int, str] = {1: "RV", 2: "MYO", 3: "LV"}
 _UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
 
 

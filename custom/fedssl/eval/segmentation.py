@@ -17,10 +17,10 @@ import torch
 from monai.metrics import DiceMetric
 from torch import nn
 
+from fedssl.data.acdc import ACDC_CLASSES  # noqa: F401 -- re-exported: eval users import it from here
 from fedssl.data.volume import Volume
 
 #: ACDC foreground labels (0 is background).
-ACDC_CLASSES: dict[int, str] = {1: "RV", 2: "MYO", 3: "LV"}
 
 
 # ---------------------------------------------------------------------------------------------------

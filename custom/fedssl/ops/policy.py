@@ -51,6 +51,7 @@ COMPONENT_CLASSES = (
     "fedssl.flare.mim_executor.MIMExecutor",
     "fedssl.flare.multilabel_executor.MultiLabelExecutor",
     "fedssl.flare.segmentation_executor.SegmentationExecutor",
+    "fedssl.flare.seg3d_executor.Seg3DExecutor",
     # filters (client and server); FeatureBankPerturbation is a site's privacy filter, also nameable by a job
     "fedssl.flare.backbone_exclusion.BackboneBNExclusion",
     "fedssl.flare.communication_meter.CommunicationMeter",
@@ -86,6 +87,7 @@ COMPONENT_CLASSES = (
     "fedssl.models.unet.BYOLUNetEncoder",
     "fedssl.models.unet.MoCoUNetEncoder",
     "fedssl.models.unet.UNet2D",
+    "fedssl.models.dynunet3d.DynUNet3D",
     "fedssl.models.vit.BEiTViT",
     "fedssl.models.vit.MAEViT",
     "fedssl.models.vit_classifier.FineTuneViT",

@@ -27,6 +27,7 @@ from fedssl.core.masking import block_masking, block_masks, num_masked
 from fedssl.core.patches import normalize_patches
 from fedssl.core.schedule import warmup_cosine
 from fedssl.core.spread import SpreadMeter
+from fedssl.core.trainer import amp_dtype
 
 METHODS = ("mae", "beit")
 NO_DECAY_SUFFIXES = ("pos_embed", "cls_token", "mask_token")
@@ -126,6 +127,8 @@ class MIMTrainer:
         self.clip_grad = None if clip_grad is None else float(clip_grad)
         self.min_block = min_block
         self.amp = bool(amp)
+        self.amp_dtype = amp_dtype(self.device, self.amp)  # bfloat16 where the GPU has it, float16 + scaler before
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
         self.num_patches = int(getattr(model, "num_patches"))
         self.grid_size = tuple(getattr(model, "grid_size"))
         self._check_method_setup()
@@ -158,9 +161,9 @@ class MIMTrainer:
         return warmup_cosine(progress, self.lr, self.warmup_rounds, self.total_rounds, self.min_lr)
 
     def _autocast(self):
-        if not self.amp:
+        if self.amp_dtype is None:  # amp off, or a CPU: float32
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
 
     def compute_loss(self, imgs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """The MIM loss of one batch of normalised images ``[B, 3, H, W]`` (masks drawn from ``generator``)."""
@@ -243,10 +246,12 @@ class MIMTrainer:
                     "lower the learning rate or enable clip_grad"
                 )
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            self.scaler.scale(loss).backward()
             if self.clip_grad is not None:
+                self.scaler.unscale_(self.optimizer)
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad)
-            self.optimizer.step()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
             self.step += 1
             losses.append(float(loss.item()))
             lrs.append(lr)

@@ -93,6 +93,14 @@ class LocalTrainer(Protocol):
     def load_global(self, state: Mapping[str, Any], keep_local: Sequence[str] = ()) -> list[str]: ...
 
 
+def amp_dtype(device: torch.device, amp: bool) -> torch.dtype | None:
+    """The autocast dtype of a trainer's ``amp`` switch on ``device``: bfloat16 on GPUs that support it, float16
+    (with a gradient scaler) on older GPUs, None (float32) on a CPU or with ``amp`` off."""
+    if not amp or torch.device(device).type != "cuda":
+        return None
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
 def as_tensor(value: object) -> torch.Tensor:
     return value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
 

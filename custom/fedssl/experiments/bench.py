@@ -25,6 +25,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from fedssl.core.trainer import amp_dtype
+
 METHODS = ("mae", "beit", "finetune")
 SIZES = ("vit_b16", "tiny")
 
@@ -87,7 +89,8 @@ def measure(method: str = "mae", size: str = "vit_b16", batch_size: int = 64, st
         model.train()
 
         def one_step() -> float:
-            with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=amp):
+            with torch.autocast(device_type=dev.type, dtype=amp_dtype(dev, amp) or torch.bfloat16,
+                                enabled=amp_dtype(dev, amp) is not None):
                 loss = F.cross_entropy(model(imgs).float(), labels)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -114,7 +117,8 @@ def measure(method: str = "mae", size: str = "vit_b16", batch_size: int = 64, st
         raise FloatingPointError(f"bench: non-finite loss during the timed steps: {losses}")
     result = {
         "method": method, "size": size, "batch_size": int(batch_size), "steps": int(steps), "warmup": int(warmup),
-        "mask_ratio": None if method == "finetune" else float(mask_ratio), "amp_bf16": amp,
+        "mask_ratio": None if method == "finetune" else float(mask_ratio), "amp_bf16": amp_dtype(dev, amp) == torch.bfloat16,
+        "amp_dtype": str(amp_dtype(dev, amp)).replace("torch.", "") if amp else "float32",
         "device": str(dev), "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or "cpu"),
         "torch": torch.__version__, "parameters": int(n_params), "seconds": round(dt, 4),
         "step_ms": round(1000 * dt / int(steps), 2), "images_per_s": round(int(steps) * int(batch_size) / dt, 1),

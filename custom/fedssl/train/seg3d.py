@@ -16,17 +16,9 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from fedssl.core.trainer import RoundStats, check_optimizer_state, check_stop, detached, load_checked
+from fedssl.core.trainer import RoundStats, amp_dtype, check_optimizer_state, check_stop, detached, load_checked
 from fedssl.data.seg3d import train_transform
 from fedssl.eval.segmentation3d import mean_metrics, predict_volume3d, volume_metrics
-
-
-def amp_dtype(device: torch.device, amp: bool) -> torch.dtype | None:
-    """The autocast dtype on ``device``: bfloat16 on GPUs that support it, float16 on older ones, None (float32)
-    on a CPU or with ``amp`` off."""
-    if not amp or device.type != "cuda":
-        return None
-    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
 class Seg3DLocalTrainer:

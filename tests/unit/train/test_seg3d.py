@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from fedssl.models.dynunet3d import build_dynunet
-from fedssl.train.seg3d import Seg3DLocalTrainer, amp_dtype
+from fedssl.core.trainer import amp_dtype
+from fedssl.train.seg3d import Seg3DLocalTrainer
 
 ROI, PIX = (16, 16, 8), (2.0, 2.0, 10.0)
 CLASSES = {1: "RV", 2: "MYO", 3: "LV"}
@@ -55,5 +56,9 @@ def test_same_seed_same_round():
     assert a.train_round(0, lambda: False).loss == b.train_round(0, lambda: False).loss
 
 
-def test_amp_is_bfloat16_only_on_a_gpu():
+def test_amp_is_bfloat16_on_gpus_that_have_it_float16_before_and_off_on_a_cpu(monkeypatch):
     assert amp_dtype(torch.device("cpu"), True) is None and amp_dtype(torch.device("cpu"), False) is None
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert amp_dtype(torch.device("cuda"), True) is torch.bfloat16 and amp_dtype(torch.device("cuda"), False) is None
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # e.g. V100, T4
+    assert amp_dtype(torch.device("cuda:0"), True) is torch.float16

@@ -6,8 +6,10 @@ jobs, in the FLARE simulator on synthetic data:
 - ``fcl``: FCL pre-training (``fcl_acdc``, feature exchange on) -> federated fine-tuning (``fcl_acdc_finetune``,
   N labelled patients per site) from the pre-trained encoder -> Dice of the global model on every site's
   held-out fold (mean over sites, foreground classes);
-- ``fedmae``: Fed-MAE pre-training (``sslfl_mae_retina``) -> federated fine-tuning (``sslfl_retina_finetune``)
-  -> test balanced accuracy of the selected global model (fine-tuning lr 3e-3, batch 32, as the SSL-FL demo).
+- ``fedmae``: Fed-MAE pre-training (``sslfl_mae_retina``) scored by its own masked-reconstruction loss in the last
+  round (lower is better).  Federated fine-tuning at this size (900 synthetic fundus images at 32 px) stays at
+  chance whatever the wire (measured: balanced accuracy 0.500 in every run, AUC 0.47-0.49), so it cannot show a
+  cost; the pre-training loss can.
 
 Bytes are the communication meter's (mean per site per round, both jobs, each direction).  The run-to-run spread
 is measured, not assumed: the setting ``none`` (nothing changed on the wire) runs ``repeats`` times with
@@ -46,6 +48,8 @@ def _say(t0: float, msg: str) -> None:
 
 def _bytes(run: dict) -> dict:
     b = run.get("bytes_per_site_per_round") or {}
+    if not b:
+        return {}
     return {"upload": float(b.get("upload", 0.0)), "download": float(b.get("download", 0.0))}
 
 
@@ -92,22 +96,14 @@ def run_cell(out: str, method: str, setting: str, seed: int, pre_rounds: int, ft
                                   fold=0, settings=settings)
         score, per_site = float(np.mean([r["dice"] for r in rows])), {r["site"]: r["dice"] for r in rows}
         metric = "dice"
-    else:
-        from fedssl.experiments.sslfl_demo import _test_row
-
+    else:  # the pre-training's own score: at the quick profile, fine-tuning on 900 images stays at chance
         parts = _fedmae_data(out)
         pre = run_simulation(os.path.join(JOBS, "sslfl_mae_retina"), ws + "_pre", n_sites=N_SITES,
                              data_root=os.path.join(parts, "{site}"), profile="quick", echo=False,
                              sets=[f"server.scatter_and_gather.num_rounds={pre_rounds}", *seed_sets, *wire])
-        ft = run_simulation(os.path.join(JOBS, "sslfl_retina_finetune"), ws + "_ft", n_sites=N_SITES,
-                            data_root=os.path.join(parts, "{site}"), profile="quick", echo=False,
-                            sets=[f"server.scatter_and_gather.num_rounds={ft_rounds}", f"client.cls_trainer.seed={seed}",
-                                  "client.cls_trainer.val_fraction=0.2", "client.cls_trainer.lr=0.003",
-                                  "client.cls_trainer.batch_size=32", "client.cls_trainer.warmup_rounds=2",
-                                  f"server.model.pretrained_path={pre['global_model']}", *wire])
-        row = _test_row(setting, ft)  # balanced accuracy: the test set is 73 % no_dr, a constant guess has 0.5
-        score, metric = float(row["balanced_accuracy"]), "balanced_accuracy"
-        per_site = {"accuracy": row["accuracy"], "auc": row["auc"]}
+        ft = {}
+        score, metric = float(pre["rounds"][-1]["mean_loss"]), "mae_loss_last_round"
+        per_site = {"loss_per_round": [r["mean_loss"] for r in pre["rounds"]]}
     return {"method": method, "setting": setting, "seed": seed, "pre_rounds": pre_rounds, "ft_rounds": ft_rounds,
             "metric": metric, "score": score, "per_site": per_site,
             "pretraining_bytes": _bytes(pre), "finetuning_bytes": _bytes(ft),
@@ -129,11 +125,12 @@ def summarise(cells: list[dict]) -> list[dict]:
             cs = [c for c in mine if c["setting"] == setting]
             score = float(np.mean([c["score"] for c in cs]))
             pre_b = float(np.mean([c["pretraining_bytes"]["upload"] + c["pretraining_bytes"]["download"] for c in cs]))
-            ft_b = float(np.mean([c["finetuning_bytes"]["upload"] + c["finetuning_bytes"]["download"] for c in cs]))
+            ft_b = (float(np.mean([c["finetuning_bytes"]["upload"] + c["finetuning_bytes"]["download"] for c in cs]))
+                    if all(c["finetuning_bytes"] for c in cs) else None)
             rows.append({"method": method, "setting": setting, "runs": len(cs), "metric": cs[0]["metric"],
                          "score": round(score, 4), "scores": [round(c["score"], 4) for c in cs],
                          "pretraining_mb_per_site_round": round(pre_b / 1e6, 3),
-                         "finetuning_mb_per_site_round": round(ft_b / 1e6, 3),
+                         "finetuning_mb_per_site_round": None if ft_b is None else round(ft_b / 1e6, 3),
                          "bytes_ratio_vs_none": round(base_bytes / pre_b, 2) if base_bytes and pre_b else None,
                          "within_none_range": (lo <= score <= hi) if lo is not None and setting != "none" else None,
                          "none_range": [round(lo, 4), round(hi, 4)] if lo is not None else None})
@@ -148,7 +145,8 @@ def format_table(rows: list[dict]) -> str:
         within = "" if r["within_none_range"] is None else ("yes" if r["within_none_range"] else "no")
         ratio = "" if r["bytes_ratio_vs_none"] is None else f"{r['bytes_ratio_vs_none']:.2f}"
         lines.append(f"{r['method']:<7} {r['setting']:<14} {r['runs']:>4} {r['score']:>7.3f} "
-                     f"{r['pretraining_mb_per_site_round']:>13.3f} {r['finetuning_mb_per_site_round']:>13.3f} "
+                     f"{r['pretraining_mb_per_site_round']:>13.3f} "
+                     f"{'-' if r['finetuning_mb_per_site_round'] is None else format(r['finetuning_mb_per_site_round'], '.3f'):>13} "
                      f"{ratio:>8}  {within} {r['metric']}")
     return "\n".join(lines)
 

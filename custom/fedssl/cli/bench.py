@@ -28,6 +28,7 @@ def _wire_args(s) -> None:
                    choices=["none", "float16", "adaquant", "float16+banks", "blockwise8", "normfloat4"],
                    help="wire settings; blockwise8 / normfloat4 need a GPU (FLARE runs them on CUDA)")
     s.add_argument("--repeats", type=COUNT, default=2, help="runs of 'none' (seeds 0..R-1): the run-to-run spread")
+    s.add_argument("--paired", action="store_true", help="every setting over the same seeds as 'none' (paired differences)")
     s.add_argument("--pre-rounds", type=COUNT, default=4)
     s.add_argument("--ft-rounds", type=COUNT, default=4)
 
@@ -36,7 +37,7 @@ def _wire(a) -> None:
     from fedssl.experiments.wire_cost import run_wire_cost
 
     run_wire_cost(a.out, methods=a.methods, settings=a.settings, repeats=a.repeats, pre_rounds=a.pre_rounds,
-                  ft_rounds=a.ft_rounds)
+                  ft_rounds=a.ft_rounds, paired=a.paired)
 
 
 def _overhead_args(s) -> None:

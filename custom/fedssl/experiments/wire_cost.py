@@ -13,7 +13,8 @@ jobs, in the FLARE simulator on synthetic data:
 
 Bytes are the communication meter's (mean per site per round, both jobs, each direction).  The run-to-run spread
 is measured, not assumed: the setting ``none`` (nothing changed on the wire) runs ``repeats`` times with
-different seeds, and a setting's score change is within the spread when it lies inside the range of those runs.
+different seeds (``paired``: every setting does), a setting's score is compared with ``none`` of the same seed,
+and its mean difference is within the spread when it is at most the standard deviation of ``none`` over seeds.
 Each finished cell is written to ``cells/<method>__<setting>__<repeat>.json`` and is not run again.
 """
 
@@ -107,60 +108,69 @@ def run_cell(out: str, method: str, setting: str, seed: int, pre_rounds: int, ft
     return {"method": method, "setting": setting, "seed": seed, "pre_rounds": pre_rounds, "ft_rounds": ft_rounds,
             "metric": metric, "score": score, "per_site": per_site,
             "pretraining_bytes": _bytes(pre), "finetuning_bytes": _bytes(ft),
-            "wall_time_s": round(float(pre["simulator_wall_time_s"]) + float(ft["simulator_wall_time_s"]), 1)}
+            "wall_time_s": round(float(pre["simulator_wall_time_s"]) + float(ft.get("simulator_wall_time_s", 0.0)), 1)}
 
 
 def summarise(cells: list[dict]) -> list[dict]:
-    """One row per (method, setting): mean score, bytes and their ratio to ``none``, and whether the score change
-    lies within the range of the ``none`` repeats."""
+    """One row per (method, setting): mean score, bytes and their ratio to ``none``, the score difference to
+    ``none`` paired by seed (mean +- std over seeds), and whether that mean difference lies within the run-to-run
+    spread (the std of ``none`` over seeds)."""
     rows = []
     for method in dict.fromkeys(c["method"] for c in cells):
         mine = [c for c in cells if c["method"] == method]
         base = [c for c in mine if c["setting"] == "none"]
-        lo = min((c["score"] for c in base), default=None)
-        hi = max((c["score"] for c in base), default=None)
+        by_seed = {c["seed"]: c["score"] for c in base}
+        spread = float(np.std([c["score"] for c in base])) if len(base) > 1 else None
         base_bytes = (np.mean([c["pretraining_bytes"]["upload"] + c["pretraining_bytes"]["download"] for c in base])
                       if base else None)
-        for setting in dict.fromkeys(c["setting"] for c in mine):
+        for setting in sorted(dict.fromkeys(c["setting"] for c in mine), key=lambda x: list(SETTINGS).index(x)):
             cs = [c for c in mine if c["setting"] == setting]
             score = float(np.mean([c["score"] for c in cs]))
             pre_b = float(np.mean([c["pretraining_bytes"]["upload"] + c["pretraining_bytes"]["download"] for c in cs]))
             ft_b = (float(np.mean([c["finetuning_bytes"]["upload"] + c["finetuning_bytes"]["download"] for c in cs]))
                     if all(c["finetuning_bytes"] for c in cs) else None)
+            diffs = [c["score"] - by_seed[c["seed"]] for c in cs if c["seed"] in by_seed]
+            mean_diff = float(np.mean(diffs)) if diffs and setting != "none" else None
             rows.append({"method": method, "setting": setting, "runs": len(cs), "metric": cs[0]["metric"],
                          "score": round(score, 4), "scores": [round(c["score"], 4) for c in cs],
                          "pretraining_mb_per_site_round": round(pre_b / 1e6, 3),
                          "finetuning_mb_per_site_round": None if ft_b is None else round(ft_b / 1e6, 3),
                          "bytes_ratio_vs_none": round(base_bytes / pre_b, 2) if base_bytes and pre_b else None,
-                         "within_none_range": (lo <= score <= hi) if lo is not None and setting != "none" else None,
-                         "none_range": [round(lo, 4), round(hi, 4)] if lo is not None else None})
+                         "paired_difference": None if mean_diff is None else round(mean_diff, 4),
+                         "paired_difference_std": None if mean_diff is None else round(float(np.std(diffs)), 4),
+                         "paired_seeds": len(diffs) if mean_diff is not None else 0,
+                         "none_std_over_seeds": None if spread is None else round(spread, 4),
+                         "within_spread": (abs(mean_diff) <= spread) if mean_diff is not None and spread else None})
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
     head = (f"{'method':<7} {'wire':<14} {'runs':>4} {'score':>7} {'pre-train MB':>13} {'fine-tune MB':>13} "
-            f"{'x fewer':>8}  within 'none' range")
+            f"{'x fewer':>8} {'vs none (paired)':>18}  within spread")
     lines = [head, "-" * len(head)]
     for r in rows:
-        within = "" if r["within_none_range"] is None else ("yes" if r["within_none_range"] else "no")
+        within = "" if r["within_spread"] is None else ("yes" if r["within_spread"] else "no")
+        diff = ("" if r["paired_difference"] is None else
+                f"{r['paired_difference']:+.3f} +- {r['paired_difference_std']:.3f}")
         ratio = "" if r["bytes_ratio_vs_none"] is None else f"{r['bytes_ratio_vs_none']:.2f}"
         lines.append(f"{r['method']:<7} {r['setting']:<14} {r['runs']:>4} {r['score']:>7.3f} "
                      f"{r['pretraining_mb_per_site_round']:>13.3f} "
                      f"{'-' if r['finetuning_mb_per_site_round'] is None else format(r['finetuning_mb_per_site_round'], '.3f'):>13} "
-                     f"{ratio:>8}  {within} {r['metric']}")
+                     f"{ratio:>8} {diff:>18}  {within} {r['metric']}")
     return "\n".join(lines)
 
 
 def run_wire_cost(out: str, methods=METHODS, settings=("none", "float16", "adaquant", "float16+banks"), repeats: int = 2,
-                  pre_rounds: int = 4, ft_rounds: int = 4) -> list[dict]:
-    """Every (method, setting) once, ``none`` ``repeats`` times (seeds 0..repeats-1); resumable; prints the table
-    and writes ``wire_cost.json`` (cells and summary)."""
+                  pre_rounds: int = 4, ft_rounds: int = 4, paired: bool = False) -> list[dict]:
+    """Every (method, setting) once, ``none`` ``repeats`` times (seeds 0..repeats-1); with ``paired`` every
+    setting over the same seeds.  Resumable; prints the table and writes ``wire_cost.json``."""
     unknown = [s for s in settings if s not in SETTINGS] + [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"bench wire: unknown {unknown}; settings {sorted(SETTINGS)}, methods {list(METHODS)}")
     out = os.path.abspath(out)
     os.makedirs(os.path.join(out, "cells"), exist_ok=True)
-    plan = [(m, s, seed) for m in methods for s in settings for seed in (range(repeats) if s == "none" else [0])]
+    plan = [(m, s, seed) for m in methods for s in settings
+            for seed in (range(repeats) if s == "none" or paired else [0])]
     t0, cells = time.time(), []
     for i, (method, setting, seed) in enumerate(plan, 1):
         path = os.path.join(out, "cells", f"{method}__{setting}__{seed}.json")

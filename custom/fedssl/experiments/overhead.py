@@ -241,6 +241,8 @@ def run_overhead(out: str, job: str = "fcl_acdc_finetune", data_root: str | None
         "bare_round_s": round(bare_round, 3), "flare_round_s": round(flare_round, 3),
         "site_train_round_s_in_flare": None if site_round is None else round(site_round, 3),
         "ratio_flare_to_bare": round(flare_round / bare_round, 3),
+        # the executor's training step against the bare trainer's: train_round time, bare / inside FLARE
+        "training_throughput_vs_bare": None if not site_round else round(bare_round / site_round, 3),
         "phases_s": {name: median_phase(name) for name in PHASES},
         "site_other_s": (round(median_phase("site_round_trip") - site_round, 3)
                          if site_round is not None and median_phase("site_round_trip") is not None else None),
@@ -264,6 +266,9 @@ def format_overhead(r: dict) -> str:
              f"  bare loop (train_round)        {r['bare_round_s']:8.3f} s/round",
              f"  FLARE simulator                {r['flare_round_s']:8.3f} s/round  ({r['ratio_flare_to_bare']:.2f}x bare)",
              "  the FLARE round, from the server log:"]
+    if r.get("training_throughput_vs_bare") is not None:
+        lines.insert(3, f"  training inside the executor   {100 * r['training_throughput_vs_bare']:7.1f} % of the bare loop's "
+                        "throughput (train_round time)")
     labels = {"waiting_for_task_request": "site waits to ask for the task", "site_round_trip": "site round trip",
               "result_to_aggregation": "result -> aggregation", "aggregation_and_persist": "aggregation + persist",
               "round_transition": "round transition"}

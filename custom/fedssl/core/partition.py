@@ -52,3 +52,13 @@ def select_labelled(train_ids: Sequence[str], n: int, seed: int = 0) -> list[str
         raise ValueError(f"n_labelled={n}: must be between 1 and the {len(ids)} training patients")
     order = np.random.default_rng(seed).permutation(len(ids))
     return sorted(ids[i] for i in order[:n])
+
+
+def holdout_patients(patients: list[str], val_fraction: float, n_labelled: int, seed: int) -> tuple[list[str], list[str]]:
+    """(training patients, validation patients): ``val_fraction`` of them (>= 1 with two or more patients) for
+    validation, drawn by ``seed``; then at most ``n_labelled`` (0 = all) of the rest for training."""
+    order = sorted(patients)
+    np.random.default_rng(seed).shuffle(order)
+    n_val = max(1, round(val_fraction * len(order))) if len(order) >= 2 and val_fraction > 0 else 0
+    val, train = sorted(order[:n_val]), order[n_val:]
+    return sorted(train[:n_labelled] if n_labelled else train), val

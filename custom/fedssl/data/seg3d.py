@@ -55,6 +55,11 @@ def hvsmr_items(root: str, site: str = "", variant: str = "axial_crop") -> list[
             for subject, (img, lab) in hvsmr.subject_files(root, variant=variant, site=site).items()]
 
 
+def patient_of(item_id: str, dataset: str) -> str:
+    """The patient of an item id: ACDC "patient001_ED" -> "patient001"; an HVSMR subject is its own patient."""
+    return item_id.rsplit("_", 1)[0] if dataset == "acdc" else item_id
+
+
 def list_items(dataset: str, root: str, site: str = "") -> list[dict]:
     if dataset == "acdc":
         return acdc_items(root, site)

@@ -39,31 +39,15 @@ import time
 
 import torch
 
+from fedssl.experiments.server_scaling import BenchEngine
 from fedssl.ops.jobs import REPO_ROOT, configured_job
 from fedssl.ops.simulate import run_simulation
 
 JOBS = os.path.join(REPO_ROOT, "jobs")
 
 
-class _Workspace:
-    def __init__(self, root: str):
-        self.root = root
-
-    def get_site_config_dir(self) -> str:
-        return self.root
-
-    def get_run_dir(self, job_id) -> str:
-        return self.root
-
-
-class _Engine:
-    """What an executor's ``build_trainer`` asks of FLARE's engine: the site's workspace folders."""
-
-    def __init__(self, root: str):
-        self.ws = _Workspace(root)
-
-    def get_workspace(self) -> _Workspace:
-        return self.ws
+#: executors whose ``receive`` validates the received global model every round (timed as a site extra)
+VALIDATING_EXECUTORS = ("SegmentationExecutor", "Seg3DExecutor")
 
 
 def _site_context(site: str, root: str):
@@ -72,7 +56,7 @@ def _site_context(site: str, root: str):
 
     ctx = FLContext()
     ctx.set_prop(ReservedKey.IDENTITY_NAME, site, private=False, sticky=False)
-    ctx.set_prop(ReservedKey.ENGINE, _Engine(root), private=True, sticky=False)
+    ctx.set_prop(ReservedKey.ENGINE, BenchEngine(root=root), private=True, sticky=False)
     return ctx
 
 
@@ -113,13 +97,11 @@ def component_times(trainer, site_extras_eval: bool, tmp: str) -> dict:
     encoded = message.to_bytes()
     serialise = 2 * _timed(lambda: Shareable.from_bytes(message.to_bytes()))  # download + upload
 
-    from fedssl.experiments.server_scaling import _Engine as ServerEngine  # the run's client list, nothing else
-
     def aggregate() -> None:
         from nvflare.apis.fl_context import FLContext
 
         ctx = FLContext()
-        ctx.set_prop(ReservedKey.ENGINE, ServerEngine(["site-1"]), private=True, sticky=False)
+        ctx.set_prop(ReservedKey.ENGINE, BenchEngine(["site-1"]), private=True, sticky=False)
         ctx.set_prop(AppConstants.GLOBAL_MODEL, make_model_learnable(state, {}), private=True, sticky=False)
         ctx.set_prop(AppConstants.CURRENT_ROUND, 0, private=True, sticky=False)
         s = DXO(DataKind.WEIGHTS, data={k: v.copy() for k, v in state.items()}, meta={"num_samples": 10}).to_shareable()
@@ -212,7 +194,7 @@ def run_overhead(out: str, job: str = "fcl_acdc_finetune", data_root: str | None
             t0 = time.perf_counter()
             trainer.train_round(r, lambda: False)
             bare.append(time.perf_counter() - t0)
-        parts = component_times(trainer, hasattr(executor, "receive") and type(executor).__name__ == "SegmentationExecutor", tmp)
+        parts = component_times(trainer, type(executor).__name__ in VALIDATING_EXECUTORS, tmp)
 
     # (b) FLARE simulator, one site
     run = run_simulation(job_dir, os.path.join(out, "ws"), n_sites=1, data_root=data_root, profile=profile,

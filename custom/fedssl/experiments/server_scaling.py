@@ -18,7 +18,8 @@ sum's buffers), the first's are under ``first_round``:
 
 ``mode="held"`` measures the former design for comparison: every checked contribution is held until the round
 closes and then averaged (``fedssl.core.state_dict.weighted_average``), which is what makes memory grow with
-the number of sites.  The stand-in engine below only names the run's clients; nothing else of FLARE is faked.
+the number of sites.  The stand-in engine (:class:`BenchEngine`) only names the run's clients; nothing else of FLARE
+is faked.
 """
 
 from __future__ import annotations
@@ -58,14 +59,29 @@ class _Client:
         self.name = name
 
 
-class _Engine:
-    """What the aggregator asks of FLARE's engine here: the run's clients; no components, no event listeners."""
+class _Workspace:
+    def __init__(self, root: str):
+        self.root = root
 
-    def __init__(self, sites: list[str]):
-        self.sites = sites
+    def get_site_config_dir(self) -> str:
+        return self.root
+
+    def get_run_dir(self, job_id) -> str:
+        return self.root
+
+
+class BenchEngine:
+    """What the benches' FLARE components ask of FLARE's engine: the run's clients (an aggregator) or a
+    workspace folder (an executor building its trainer); no components, no event listeners."""
+
+    def __init__(self, sites: list[str] = (), root: str = ""):
+        self.sites, self.ws = list(sites), _Workspace(root)
 
     def get_clients(self) -> list[_Client]:
         return [_Client(s) for s in self.sites]
+
+    def get_workspace(self) -> _Workspace:
+        return self.ws
 
     def get_component(self, component_id: str) -> None:
         return None
@@ -95,7 +111,7 @@ def measure_one(n_sites: int, mode: str = "running", seed: int = 0, model: str =
     n_params = int(sum(v.size for v in global_model.values()))
     sites = [f"site-{i}" for i in range(1, n_sites + 1)]
     ctx = FLContext()
-    ctx.set_prop(ReservedKey.ENGINE, _Engine(sites), private=True, sticky=False)
+    ctx.set_prop(ReservedKey.ENGINE, BenchEngine(sites), private=True, sticky=False)
     ctx.set_prop(AppConstants.GLOBAL_MODEL, make_model_learnable(global_model, {}), private=True, sticky=False)
     ctx.set_prop(AppConstants.CURRENT_ROUND, 0, private=True, sticky=False)
 

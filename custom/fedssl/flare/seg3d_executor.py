@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 from nvflare.apis.dxo import DXO, DataKind
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
@@ -23,25 +22,12 @@ from nvflare.apis.signal import Signal
 from fedssl.core.checks import require, require_choice, require_int
 from fedssl.core.seeds import site_seed
 from fedssl.core.trainer import RoundStats
-from fedssl.data.seg3d import CLASSES, list_items, load_volumes
+from fedssl.core.partition import holdout_patients
+from fedssl.data.seg3d import CLASSES, list_items, load_volumes, patient_of
 from fedssl.flare.site_executor import pick_device
 from fedssl.flare.trainer_executor import TrainerExecutor
 from fedssl.models.dynunet3d import build_dynunet, check_dynunet_args
 from fedssl.train.seg3d import Seg3DLocalTrainer
-
-
-def patient_of(item_id: str, dataset: str) -> str:
-    return item_id.rsplit("_", 1)[0] if dataset == "acdc" else item_id
-
-
-def split_patients(patients: list[str], val_fraction: float, n_labelled: int, seed: int) -> tuple[list[str], list[str]]:
-    """(training patients, validation patients): ``val_fraction`` of them (>= 1 with two or more patients) for
-    validation, drawn by ``seed``; then at most ``n_labelled`` (0 = all) of the rest for training."""
-    order = sorted(patients)
-    np.random.default_rng(seed).shuffle(order)
-    n_val = max(1, round(val_fraction * len(order))) if len(order) >= 2 and val_fraction > 0 else 0
-    val, train = sorted(order[:n_val]), order[n_val:]
-    return sorted(train[:n_labelled] if n_labelled else train), val
 
 
 class Seg3DExecutor(TrainerExecutor):
@@ -91,7 +77,7 @@ class Seg3DExecutor(TrainerExecutor):
         site = self.site_name(fl_ctx)
         items = list_items(self.dataset, self.resolve_root(self.data_root, fl_ctx), site)
         patients = sorted({patient_of(i["id"], self.dataset) for i in items})
-        train_p, val_p = split_patients(patients, self.val_fraction, self.n_labelled, site_seed(self.split_seed, site))
+        train_p, val_p = holdout_patients(patients, self.val_fraction, self.n_labelled, site_seed(self.split_seed, site))
         volumes = load_volumes(items, self.dataset, self.pixdim, self.roi_size, site)
         train = [v for v in volumes if patient_of(v["id"], self.dataset) in train_p]
         val = [v for v in volumes if patient_of(v["id"], self.dataset) in val_p]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fedssl.core.partition import kfold_split, select_labelled, split_patients
+from fedssl.core.partition import holdout_patients, kfold_split, select_labelled, split_patients
+from fedssl.data.seg3d import patient_of
 
 IDS = [f"patient{i:03d}" for i in range(1, 101)]
 
@@ -76,3 +77,16 @@ def test_select_labelled() -> None:
         select_labelled(train, 0)
     with pytest.raises(ValueError):
         select_labelled(train, 9)
+
+
+def test_holdout_patients_is_seeded_and_order_free():
+    patients = [f"patient{i:03d}" for i in range(1, 11)]
+    train, val = holdout_patients(patients, 0.2, 0, seed=5)
+    assert len(val) == 2 and len(train) == 8 and not set(train) & set(val)
+    assert (train, val) == holdout_patients(list(reversed(patients)), 0.2, 0, seed=5)  # order of discovery irrelevant
+    assert holdout_patients(patients, 0.2, 0, seed=6) != (train, val)
+    few, val2 = holdout_patients(patients, 0.2, 2, seed=5)
+    assert val2 == val and len(few) == 2 and set(few) <= set(train)
+    assert holdout_patients(["p1", "p2"], 0.2, 0, seed=0)[1] != []  # at least one validation patient
+    assert holdout_patients(["p1"], 0.2, 0, seed=0) == (["p1"], [])
+    assert patient_of("patient007_ES", "acdc") == "patient007" and patient_of("pat3", "hvsmr") == "pat3"

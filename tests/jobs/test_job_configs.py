@@ -130,10 +130,11 @@ def test_every_job_streams_training_curves_to_the_server(job):
 
 
 def _profile_overrides(profile: str):
-    """(job, part, component id or None for shape, arg) of every override a profile makes."""
-    for job, parts in load_profile(profile).get("jobs", {}).items():
-        for part, comps in parts.items():
-            if part == "meta":
+    """(job, part, component id or None for shape, arg) of every component override a profile makes (meta.json,
+    wire and runner settings are checked by fedssl.ops.jobs itself); ``"*"`` stands for every job."""
+    for entry, parts in load_profile(profile).get("jobs", {}).items():
+        for job, part, comps in ((j, p, c) for j in (JOBS if entry == "*" else [entry]) for p, c in parts.items()):
+            if part in ("meta", "wire", "runner"):
                 continue
             if part == "shape":
                 yield from ((job, part, None, arg) for arg in comps)

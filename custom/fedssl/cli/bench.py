@@ -43,7 +43,8 @@ def _wire(a) -> None:
 def _overhead_args(s) -> None:
     s.add_argument("--out", required=True, help="folder for data, the simulator workspace and overhead.json")
     s.add_argument("--job", default="fcl_acdc_finetune", help="job name under jobs/ or a job folder")
-    s.add_argument("--data-root", default=None, help="site data with {site}; default: synthetic ACDC for one site")
+    s.add_argument("--data-root", default=None,
+                   help="site data with {site}; default: synthetic data of the job's kind for one site")
     s.add_argument("--profile", default="quick", help="profile of the job (quick: CPU sizes)")
     s.add_argument("--set", action="append", default=[], metavar="PART.ID.ARG=VALUE", help="override, as fedssl job")
     s.add_argument("--rounds", type=COUNT, default=5)

@@ -39,6 +39,7 @@ import time
 
 import torch
 
+from fedssl.experiments.job_data import write_job_data
 from fedssl.experiments.server_scaling import BenchEngine
 from fedssl.ops.jobs import REPO_ROOT, configured_job
 from fedssl.ops.simulate import run_simulation
@@ -175,13 +176,8 @@ def run_overhead(out: str, job: str = "fcl_acdc_finetune", data_root: str | None
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
     job_dir = job if os.path.isdir(job) else os.path.join(JOBS, job)
-    if data_root is None:
-        from fedssl.data.acdc_synthetic import write_synthetic_acdc
-
-        data_root = os.path.join(out, "data", "acdc")
-        if not os.path.isdir(data_root):
-            write_synthetic_acdc(data_root, n_patients=10, n_sites=1, seed=0)
-        data_root = os.path.join(data_root, "{site}")
+    if data_root is None:  # the job's own kind of data, synthetic, for one site
+        data_root = write_job_data(job_dir, os.path.join(out, "data"), n_sites=1)
     site_dir = data_root.replace("{site}", "site-1")
     sets = [*sets, f"server.scatter_and_gather.num_rounds={rounds}"]
 

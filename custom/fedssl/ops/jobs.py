@@ -8,7 +8,11 @@ names, per job, the component ids whose ``args`` change::
                            "server": {"scatter_and_gather": {"num_rounds": 2}},
                            "client": {"fcl_trainer": {"image_size": 64}}}}}
 
-``"*"`` instead of a job name applies to every job.  Every component id must exist in the job, and every
+``"*"`` instead of a job name applies to every job.  Besides the components, a profile or ``--set`` may name
+``meta`` (meta.json keys), ``shape`` (a model argument of every component), ``wire`` (quantised messages) and
+``runner`` (FLARE's server runner settings, the top-level ``"server"`` object of ``config_fed_server.json``:
+``--set runner.task_request_interval=0.2`` has idle sites ask for their next task after 0.2 s instead of FLARE's
+2 s, which is most of a short simulator round).  Every component id must exist in the job, and every
 overridden argument must be a constructor argument of the component's class (the class its ``path`` names, and
 the base classes its ``**kwargs`` reach) with a value of the declared type: ``5`` where ``int`` is declared, any
 number for ``float``, ``true`` / ``false`` for ``bool`` (never ``1``), a list for ``Sequence[int]``.  A typo or a
@@ -46,6 +50,11 @@ CONFIG_FILES = {"server": "config_fed_server.json", "client": "config_fed_client
 #: the meta.json keys a profile or ``--set meta.KEY=VALUE`` may set, with the type FLARE reads them as
 META_KEYS: dict[str, Any] = {"min_clients": int, "mandatory_clients": list[str], "deploy_map": dict,
                              "resource_spec": dict}
+#: FLARE server runner settings (``config_fed_server.json``, ``"server": {...}``) a profile or ``--set runner.KEY``
+#: may set: FLARE 2.9 reads these two, each a positive number of seconds
+RUNNER_KEYS: dict[str, str] = {
+    "task_request_interval": "seconds after which a site with no task asks again (FLARE default 2)",
+    "heart_beat_timeout": "seconds without a heartbeat after which the server drops a site (FLARE default 60)"}
 #: how messages say what JSON values look like (``--set`` values are parsed as JSON)
 JSON_HINT = 'values are JSON: 5, 0.1, true, "text", [1, 2]'
 
@@ -288,8 +297,10 @@ def load_profile(profile: str, _seen: tuple[str, ...] = ()) -> dict:
 SHAPE = "shape"
 #: the part that switches what travels in fewer bytes, for both directions (``--set wire.weights=float16``)
 WIRE = "wire"
-PARTS = ("meta", SHAPE, WIRE, *CONFIG_FILES)
-SCALAR_PARTS = ("meta", SHAPE, WIRE)  # PART.KEY=VALUE, no component id
+#: the part that sets FLARE's server runner settings (``--set runner.task_request_interval=0.2``)
+RUNNER = "runner"
+PARTS = ("meta", SHAPE, WIRE, RUNNER, *CONFIG_FILES)
+SCALAR_PARTS = ("meta", SHAPE, WIRE, RUNNER)  # PART.KEY=VALUE, no component id
 
 
 def profile_overrides(profile: dict, job_name: str) -> dict:
@@ -396,6 +407,22 @@ def apply_wire(configs: dict[str, dict], wire: dict, where: str) -> None:
         _client_entry(client.setdefault("task_result_filters", []), tasks).extend(sending())
 
 
+def apply_runner(server: dict, values: dict, where: str) -> None:
+    """Set FLARE's server runner settings (:data:`RUNNER_KEYS`) in the top-level ``"server"`` object of the
+    server config; a key FLARE does not read, or a value that is not a positive finite number, is an error."""
+    for key, value in values.items():
+        if key not in RUNNER_KEYS:
+            raise ValueError(f"{where}: runner key {key!r} is unknown; settable: "
+                             + "; ".join(f"{k} ({v})" for k, v in RUNNER_KEYS.items()))
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value) or value <= 0:
+            raise ValueError(f"{where}: runner.{key}={value!r}; use a positive number of seconds, "
+                             f"e.g. --set runner.{key}=0.5 ({RUNNER_KEYS[key]})")
+        block = server.setdefault("server", {})
+        if not isinstance(block, dict):
+            raise ValueError(f"{where}: the server config's \"server\" entry is {block!r}, not an object")
+        block[key] = value
+
+
 def parse_set(expr: str) -> tuple[str, str, str, Any]:
     """``client.fcl_trainer.lr=0.1`` -> ("client", "fcl_trainer", "lr", 0.1); ``meta.min_clients=3`` and
     ``shape.image_size=64`` (every component of the job that takes image_size) too.  The value is JSON; text
@@ -412,7 +439,7 @@ def parse_set(expr: str) -> tuple[str, str, str, Any]:
         return parts[0], "", parts[1], value
     if len(parts) != 3 or parts[0] not in CONFIG_FILES:
         raise ValueError(f"--set {expr!r}: expected server.ID.ARG=VALUE, client.ID.ARG=VALUE, shape.ARG=VALUE, "
-                         "wire.KEY=VALUE or meta.KEY=VALUE")
+                         "wire.KEY=VALUE, runner.KEY=VALUE or meta.KEY=VALUE")
     return parts[0], parts[1], parts[2], value
 
 
@@ -464,6 +491,9 @@ def _configured_app(job_dir: str, app: str, job_name: str, from_profile: dict, f
     wire = {**from_profile.get(WIRE, {}), **from_sets.get(WIRE, {})}
     if wire:
         apply_wire(configs, wire, where)
+    runner = {**from_profile.get(RUNNER, {}), **from_sets.get(RUNNER, {})}
+    if runner and "server" in configs:
+        apply_runner(configs["server"], runner, f"{where}/{CONFIG_FILES['server']}")
     return {rels[part]: config for part, config in configs.items()}
 
 
@@ -546,6 +576,10 @@ def configured_job(job_dir: str, profile: str | None = None, sets: list[str] = (
     files = {"meta.json": _configured_meta(src, job_name, from_profile, from_sets, n_sites)}
     for app in sorted(d for d in os.listdir(src) if os.path.isdir(os.path.join(src, d, "config"))):
         files.update(_configured_app(src, app, job_name, from_profile, from_sets, n_sites))
+    if (from_profile.get(RUNNER) or from_sets.get(RUNNER)) and \
+            not any(k.endswith(CONFIG_FILES["server"]) for k in files):
+        raise ValueError(f"{job_name}: runner settings are FLARE server settings, and this job has no "
+                         f"{CONFIG_FILES['server']}")
     return files
 
 

@@ -283,3 +283,26 @@ def test_the_wire_switch_needs_the_meters(tmp_path):
         (job / "app" / "config" / f"config_fed_{part}.json").write_text(json.dumps({"format_version": 2}))
     with pytest.raises(ValueError, match="finds the exchanged tasks by the server's communication meters"):
         configured_job(str(job), sets=["wire.weights=float16"])
+
+
+def test_runner_settings_go_to_the_server_config_profile_first_then_set(tmp_path):
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"jobs": {"*": {"runner": {"task_request_interval": 0.5, "heart_beat_timeout": 90}}}}))
+    server = configured_job(FCL, profile=str(prof), sets=["runner.task_request_interval=0.2"])[
+        "app/config/config_fed_server.json"]
+    assert server["server"] == {"task_request_interval": 0.2, "heart_beat_timeout": 90}
+    assert "server" not in configured_job(FCL)["app/config/config_fed_server.json"]  # FLARE's defaults otherwise
+    for expr, match in (("runner.task_request_interval=0", r"runner.task_request_interval=0; use a positive number"),
+                        ("runner.task_request_interval=fast", "runner.task_request_interval='fast'"),
+                        ("runner.task_request_interval=true", "runner.task_request_interval=True"),
+                        ("runner.task_interval=1", "runner key 'task_interval' is unknown; settable: task_request")):
+        with pytest.raises(ValueError, match=match):
+            configured_job(FCL, sets=[expr])
+
+
+def test_the_quick_profile_shortens_the_task_request_interval_of_every_job():
+    for name in sorted(os.listdir(os.path.join(REPO_ROOT, "jobs"))):
+        if os.path.isfile(os.path.join(REPO_ROOT, "jobs", name, "meta.json")):
+            files = configured_job(os.path.join(REPO_ROOT, "jobs", name), profile="quick")
+            servers = [v for k, v in files.items() if k.endswith("config_fed_server.json")]
+            assert servers and all(s["server"]["task_request_interval"] == 0.5 for s in servers), name

@@ -49,6 +49,13 @@ JOBS = os.path.join(REPO_ROOT, "jobs")
 
 #: executors whose ``receive`` validates the received global model every round (timed as a site extra)
 VALIDATING_EXECUTORS = ("SegmentationExecutor", "Seg3DExecutor")
+#: executors whose trainer needs a handshake with the server before the first round, which the bare loop does
+#: not replay: the bench refuses their jobs with the reason
+HANDSHAKE_EXECUTORS = {
+    "MultiLabelExecutor": "surgical aggregation's sites learn the network's classes and the method from the server's "
+                          "registration round",
+    "FedDRAExecutor": "FedDRA's sites need the federated vocabulary (a word-count exchange) before training, and a "
+                      "turn is two tasks (stage 1 and 2)"}
 
 
 def _site_context(site: str, root: str):
@@ -69,6 +76,12 @@ def _executor(job_dir: str, profile: str | None, sets: list[str], data_root: str
     module, cls = spec["path"].rsplit(".", 1)
     args = dict(spec["args"], data_root=data_root)
     return spec["id"], getattr(importlib.import_module(module), cls)(**args)
+
+
+def _executor_class(job_dir: str) -> str:
+    """The class name of the job's (first) client executor, read from its config."""
+    client = next(v for k, v in configured_job(job_dir).items() if k.endswith("config_fed_client.json"))
+    return client["executors"][0]["executor"]["path"].rsplit(".", 1)[1]
 
 
 def _timed(fn, repeat: int = 3) -> float:
@@ -176,6 +189,10 @@ def run_overhead(out: str, job: str = "fcl_acdc_finetune", data_root: str | None
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
     job_dir = job if os.path.isdir(job) else os.path.join(JOBS, job)
+    kind = _executor_class(job_dir)
+    if kind in HANDSHAKE_EXECUTORS:
+        raise ValueError(f"bench overhead: {os.path.basename(job_dir)} is not supported: {HANDSHAKE_EXECUTORS[kind]}; "
+                         "the bare loop starts from the job's configuration alone")
     if data_root is None:  # the job's own kind of data, synthetic, for one site
         data_root = write_job_data(job_dir, os.path.join(out, "data"), n_sites=1)
     site_dir = data_root.replace("{site}", "site-1")

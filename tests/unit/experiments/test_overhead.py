@@ -1,6 +1,8 @@
+import os
+
 import pytest
 
-from fedssl.experiments.overhead import PHASES, format_overhead, round_phases
+from fedssl.experiments.overhead import PHASES, format_overhead, round_phases, run_overhead
 
 PREFIX = "[identity=simulator_server, run=simulate_job, wf=scatter_and_gather] - "
 LOG = [
@@ -38,3 +40,10 @@ def test_the_printed_table_names_every_phase():
                           "site_validation_and_checkpoint": 0.12}}
     text = format_overhead(r)
     assert "1.67x bare" in text and "98.7 % of the bare loop" in text and "site waits to ask for the task" in text and "of which train_round" in text
+
+
+@pytest.mark.parametrize("job, why", [("surgical_cxr", "registration round"), ("feddra_mimic", "federated vocabulary")])
+def test_jobs_whose_sites_need_a_handshake_are_refused_with_the_reason_before_any_work(job, why, tmp_path):
+    with pytest.raises(ValueError, match=f"{job} is not supported: .*{why}"):
+        run_overhead(str(tmp_path / "out"), job=job)
+    assert not os.path.exists(tmp_path / "out" / "data")

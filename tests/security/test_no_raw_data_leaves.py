@@ -29,6 +29,7 @@ from nvflare.apis.fl_constant import ReturnCode
 from nvflare.apis.signal import Signal
 from nvflare.app_common.app_constant import AppConstants
 
+from fedssl.experiments.job_data import JOB_DATA
 from fedssl.core.surgical import classes_to_meta, slice_head_state
 from fedssl.data.acdc import load_site
 from fedssl.data.acdc_synthetic import write_synthetic_acdc
@@ -58,12 +59,10 @@ torch.set_num_threads(1)
 JOBS_DIR = os.path.join(REPO_ROOT, "jobs")
 JOBS = sorted(d for d in os.listdir(JOBS_DIR) if os.path.isfile(os.path.join(JOBS_DIR, d, "meta.json")))
 SITES = ["site-1", "site-2"]
-DATASET = {"fcl_acdc": "acdc", "fcl_acdc_finetune": "acdc", "fclopt_acdc": "acdc", "fedmae_derm": "derm",
-           "fedmae_derm_finetune": "derm", "sslfl_beit_retina": "retina", "sslfl_mae_retina": "retina",
-           "sslfl_retina_finetune": "retina", "surgical_cxr": "cxr", "sslfl_mae_covidfl": "covidfl",
-           "sslfl_covidfl_finetune": "covidfl", "sslfl_mae_derm": "derm_mel", "sslfl_derm_finetune": "derm_mel",
-           "fedclf_derm": "derm5", "fedclf_derm_finetune": "derm5", "feddra_mimic": "vlp_mimic",
-           "feddra_retina": "vlp_retina", "acdc_seg3d": "acdc3d"}
+#: the data set each job's sites read (fedssl.experiments.job_data), named as this module's fixture writes it: the
+#: 3D job scans the ACDC volumes as its network sees them, surgical aggregation's site-1 is NIH
+DATASET = {**{job: {"derm_devices": "derm5", "surgical": "cxr"}.get(kind, kind) for job, kind in JOB_DATA.items()},
+           "acdc_seg3d": "acdc3d"}
 #: data sets published only in SSL-FL's release layout: sites are cut from a release by the partitioner
 RELEASES = ("covidfl", "derm_mel")
 IMAGE_SETS = ("retina", "derm", *RELEASES)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from fedssl.core.fcl import cosine_lr
 from fedssl.core.spread import SpreadMeter
 from fedssl.core.state_dict import ema_update
+from fedssl.core.trainer import MixedPrecision
 
 
 #: FCL section 5, "Training details": lr 0.5 for FCLOpt and its PTNU / DP variants
@@ -75,13 +76,16 @@ class BYOLConfig:
 
 class BYOLTrainer:
     def __init__(self, model: torch.nn.Module, cfg: BYOLConfig,  # model: a fedssl.models.unet.BYOLUNetEncoder
-                 augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor], device="cpu", seed: int = 0):
+                 augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor], device="cpu", seed: int = 0,
+                 amp: bool = False):
         """``seed`` drives the augmentations only (data-side randomness: a site passes its site seed); the
-        model arrives initialised."""
+        model arrives initialised.  ``amp``: the networks' forward passes in bfloat16 autocast on GPUs that support
+        it (:class:`fedssl.core.trainer.MixedPrecision`; nothing on a CPU)."""
         self.model = model.to(device)
         self.cfg = cfg
         self.augment = augment
         self.device = torch.device(device)
+        self.precision = MixedPrecision(self.device, amp)
         self.generator = torch.Generator().manual_seed(seed)
         params = list(self.model.online.parameters()) + list(self.model.predictor.parameters())
         self.optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay)
@@ -104,13 +108,13 @@ class BYOLTrainer:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
             v1, v2 = self.augment(x, self.generator), self.augment(x, self.generator)
-            loss, online = view_loss(m, v1, v2, self.cfg.symmetric)
+            with self.precision.autocast():
+                loss, online = view_loss(m, v1, v2, self.cfg.symmetric)
+            loss, online = loss.float(), online.float()
             spread.add(online)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"BYOL loss became {loss.item()} at round {round_idx} step {step}; lower lr")
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.optimizer.step()
+            self.precision.step(loss, self.optimizer)
             ema_update(m.target, m.online, self.cfg.momentum)
             losses.append(float(loss.item()))
             if progress is not None:

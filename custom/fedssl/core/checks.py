@@ -15,3 +15,9 @@ def require_choice(component: str, arg: str, value: object, choices: tuple) -> N
 def require_int(component: str, arg: str, value: object, minimum: int, fix: str) -> None:
     require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum, component, arg, value, fix)
 
+
+
+def require_amp(name: str, amp: object) -> None:
+    """A trainer's ``amp`` switch (:class:`fedssl.core.trainer.MixedPrecision`) is true or false."""
+    require(isinstance(amp, bool), name, "amp", amp, "use true or false (true: bfloat16 autocast on GPUs that "
+            "support it, float16 with a gradient scaler on older ones, no effect on a CPU; false: float32)")

@@ -20,6 +20,7 @@ from fedssl.core.fcl_loss import fcl_loss_terms, paired_local_positives
 from fedssl.core.memory_bank import FeatureBank, sample_negatives
 from fedssl.core.spread import SpreadMeter
 from fedssl.core.state_dict import ema_update
+from fedssl.core.trainer import MixedPrecision
 
 
 @dataclass
@@ -66,11 +67,15 @@ class FCLTrainer:
         augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor],
         device: str | torch.device = "cpu",
         seed: int = 0,
+        amp: bool = False,
     ):
+        """``amp``: the encoders' forward passes in bfloat16 autocast on GPUs that support it (float16 with a
+        gradient scaler on older ones; nothing on a CPU); the loss and the bank stay float32."""
         self.model = model.to(device)
         self.cfg = cfg
         self.augment = augment
         self.device = torch.device(device)
+        self.precision = MixedPrecision(self.device, amp)
         self.generator = torch.Generator().manual_seed(seed)
         self.bank = FeatureBank(cfg.bank_size, model.proj_dim, seed=seed)
         self.optimizer = torch.optim.SGD(
@@ -106,10 +111,12 @@ class FCLTrainer:
                 g["lr"] = lr
             view_q = self.augment(x, self.generator)
             view_k = self.augment(x, self.generator)
-            q = self.model.main(view_q)  # [N, D]
+            with self.precision.autocast():
+                q = self.model.main(view_q)  # [N, D]
+                with torch.no_grad():
+                    k = self.model.momentum(view_k)  # [N, D]
+            q, k = q.float(), k.float()
             spread.add(q)
-            with torch.no_grad():
-                k = self.model.momentum(view_k)  # [N, D]
             pos = k.unsqueeze(1) if cfg.plain_moco else paired_local_positives(k, v, s)  # [N, 1 or 2, D]
             neg, neg_part = sample_negatives(
                 self.bank.features.to(self.device),
@@ -125,9 +132,7 @@ class FCLTrainer:
             loss = loss_local + loss_remote
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"FCL loss became {loss.item()} at round {round_idx} step {step}; lower lr")
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.optimizer.step()
+            self.precision.step(loss, self.optimizer)
             ema_update(self.model.momentum, self.model.main, cfg.momentum)
             self.bank.enqueue(k.detach().cpu(), part.detach().cpu())
             losses.append(float(loss.item()))

@@ -35,6 +35,7 @@ from fedssl.core.fcl_loss import contrastive_term
 from fedssl.core.memory_bank import FeatureBank
 from fedssl.core.spread import SpreadMeter
 from fedssl.core.state_dict import ema_update
+from fedssl.core.trainer import MixedPrecision
 
 METHODS = ("moco", "simclr", "rotation")
 QUEUE_MODES = ("none", "fe", "fe_neg")
@@ -160,10 +161,14 @@ class FedCLFTrainer:
     local bank exists for every method (it is what ``export_bank`` uploads with feature exchange), but only MoCo
     fills and uses it."""
 
-    def __init__(self, model: torch.nn.Module, cfg: FedCLFConfig, device: str | torch.device = "cpu", seed: int = 0):
+    def __init__(self, model: torch.nn.Module, cfg: FedCLFConfig, device: str | torch.device = "cpu", seed: int = 0,
+                 amp: bool = False):
+        """``amp``: the network's forward passes in bfloat16 autocast on GPUs that support it
+        (:class:`fedssl.core.trainer.MixedPrecision`; nothing on a CPU); losses, queue and bank stay float32."""
         self.model = model.to(device)
         self.cfg = cfg
         self.device = torch.device(device)
+        self.precision = MixedPrecision(self.device, amp)
         self.generator = torch.Generator().manual_seed(seed)
         dim = int(getattr(model, "proj_dim", 1))
         self.bank = FeatureBank(cfg.bank_size, dim, seed=seed)
@@ -174,10 +179,12 @@ class FedCLFTrainer:
 
     def _moco_step(self, v1: torch.Tensor, v2: torch.Tensor, queue: NegativeQueue,
                    remote: torch.Tensor, spread: SpreadMeter) -> torch.Tensor:
-        q = self.model.main(v1)
+        with self.precision.autocast():
+            q = self.model.main(v1)
+            with torch.no_grad():
+                k = self.model.momentum(v2)
+        q, k = q.float(), k.float()
         spread.add(q)
-        with torch.no_grad():
-            k = self.model.momentum(v2)
         loss = info_nce(q, k, queue.features.to(self.device), self.cfg.tau)
         self._step(loss)
         ema_update(self.model.momentum, self.model.main, self.cfg.momentum)
@@ -187,7 +194,9 @@ class FedCLFTrainer:
         return loss
 
     def _simclr_step(self, v1: torch.Tensor, v2: torch.Tensor, spread: SpreadMeter) -> torch.Tensor:
-        z1, z2 = self.model.main(v1), self.model.main(v2)
+        with self.precision.autocast():
+            z1, z2 = self.model.main(v1), self.model.main(v2)
+        z1, z2 = z1.float(), z2.float()
         spread.add(z1)
         loss = nt_xent(z1, z2, self.cfg.tau)
         self._step(loss)
@@ -195,7 +204,9 @@ class FedCLFTrainer:
 
     def _rotation_step(self, v1: torch.Tensor) -> tuple[torch.Tensor, float]:
         x, y = rotated_batch(v1)
-        logits = self.model(x)
+        with self.precision.autocast():
+            logits = self.model(x)
+        logits = logits.float()
         loss = F.cross_entropy(logits, y)
         self._step(loss)
         return loss, float((logits.argmax(1) == y).float().mean())
@@ -203,9 +214,7 @@ class FedCLFTrainer:
     def _step(self, loss: torch.Tensor) -> None:
         if not torch.isfinite(loss):
             raise FloatingPointError(f"{self.cfg.method} loss became {loss.item()}; lower lr")
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
+        self.precision.step(loss, self.optimizer)
 
     def train_round(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], steps_per_round: int, round_idx: int,
                     remote: torch.Tensor | None = None,

@@ -15,7 +15,6 @@ the round), so a client that restarts from ``state_dict()`` continues the same s
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from typing import Callable, Iterable
 
@@ -27,7 +26,7 @@ from fedssl.core.masking import block_masking, block_masks, num_masked
 from fedssl.core.patches import normalize_patches
 from fedssl.core.schedule import warmup_cosine
 from fedssl.core.spread import SpreadMeter
-from fedssl.core.trainer import amp_dtype
+from fedssl.core.trainer import MixedPrecision
 
 METHODS = ("mae", "beit")
 NO_DECAY_SUFFIXES = ("pos_embed", "cls_token", "mask_token")
@@ -127,8 +126,8 @@ class MIMTrainer:
         self.clip_grad = None if clip_grad is None else float(clip_grad)
         self.min_block = min_block
         self.amp = bool(amp)
-        self.amp_dtype = amp_dtype(self.device, self.amp)  # bfloat16 where the GPU has it, float16 + scaler before
-        self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
+        self.precision = MixedPrecision(self.device, self.amp)  # bfloat16 where the GPU has it, float16 + scaler before
+        self.amp_dtype = self.precision.dtype
         self.num_patches = int(getattr(model, "num_patches"))
         self.grid_size = tuple(getattr(model, "grid_size"))
         self._check_method_setup()
@@ -160,11 +159,6 @@ class MIMTrainer:
     def lr_at(self, progress: float) -> float:
         return warmup_cosine(progress, self.lr, self.warmup_rounds, self.total_rounds, self.min_lr)
 
-    def _autocast(self):
-        if self.amp_dtype is None:  # amp off, or a CPU: float32
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
-
     def compute_loss(self, imgs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """The MIM loss of one batch of normalised images ``[B, 3, H, W]`` (masks drawn from ``generator``)."""
         return self._loss(imgs, generator)[0]
@@ -174,7 +168,7 @@ class MIMTrainer:
         g = self.generator if generator is None else generator
         imgs = imgs.to(self.device, non_blocking=True).float()
         if self.method == "mae":
-            with self._autocast():
+            with self.precision.autocast():
                 loss, _, _ = self.model(imgs, self.mask_ratio, generator=g)
             return loss, None
         mask = block_masks(imgs.shape[0], *self.grid_size, self.mask_ratio, self.min_block, g).to(self.device)
@@ -185,7 +179,7 @@ class MIMTrainer:
                 f"tokenizer returned ids {tuple(ids.shape)} in [{int(ids.min())}, {int(ids.max())}]; expected "
                 f"{tuple(mask.shape)} in [0, {vocab}) (one id per patch of the model's grid)"
             )
-        with self._autocast():
+        with self.precision.autocast():
             logits = self.model(imgs, mask)
         return beit_loss(logits, ids, mask), ~mask.to(torch.bool)
 
@@ -245,13 +239,7 @@ class MIMTrainer:
                     f"{self.method.upper()} loss became {loss.item()} at round {round_idx} step {step} (lr {lr:.3g}); "
                     "lower the learning rate or enable clip_grad"
                 )
-            self.optimizer.zero_grad(set_to_none=True)
-            self.scaler.scale(loss).backward()
-            if self.clip_grad is not None:
-                self.scaler.unscale_(self.optimizer)
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
+            self.precision.step(loss, self.optimizer, self.clip_grad, self.model.parameters())
             self.step += 1
             losses.append(float(loss.item()))
             lrs.append(lr)

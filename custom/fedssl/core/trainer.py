@@ -101,6 +101,41 @@ def amp_dtype(device: torch.device, amp: bool) -> torch.dtype | None:
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
+class MixedPrecision:
+    """A trainer's ``amp`` switch as one object: the autocast context of its forward passes and the optimiser step
+    that goes with it (a gradient scaler for float16; bfloat16 needs none).
+
+    ``dtype`` None (a CPU, or ``amp`` off) makes both plain float32: :meth:`autocast` is disabled and :meth:`step`
+    is ``backward`` + ``optimizer.step``.  ``force`` sets the autocast dtype whatever the device (tests run the
+    bfloat16 path on a CPU with it).  Losses and anything kept across steps (banks, EMA targets, metrics) should be
+    taken out of the context in float32: ``.float()``.
+    """
+
+    def __init__(self, device: torch.device | str, amp: bool, force: torch.dtype | None = None) -> None:
+        self.device = torch.device(device)
+        self.dtype = force if force is not None else amp_dtype(self.device, amp)
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.dtype == torch.float16 and self.device.type == "cuda")
+
+    @property
+    def enabled(self) -> bool:
+        return self.dtype is not None
+
+    def autocast(self):
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype or torch.bfloat16, enabled=self.enabled)
+
+    def step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer, clip_grad: float | None = None,
+             parameters: Iterable[torch.nn.Parameter] | None = None) -> None:
+        """zero_grad, backward, optional gradient-norm clipping of ``parameters`` (after unscaling), step."""
+        optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        if clip_grad is not None:
+            self.scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(list(parameters) if parameters is not None else
+                                           [p for g in optimizer.param_groups for p in g["params"]], clip_grad)
+        self.scaler.step(optimizer)
+        self.scaler.update()
+
+
 def as_tensor(value: object) -> torch.Tensor:
     return value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
 

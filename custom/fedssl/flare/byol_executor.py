@@ -21,7 +21,7 @@ from nvflare.apis.shareable import Shareable
 from nvflare.apis.signal import Signal
 
 from fedssl.core.byol import FCLOPT_LR, BYOLConfig
-from fedssl.core.checks import require, require_choice, require_int
+from fedssl.core.checks import require, require_choice, require_amp, require_int
 from fedssl.core.ptnu import uploads_target
 from fedssl.core.trainer import RoundStats
 from fedssl.data.acdc import load_site
@@ -34,7 +34,7 @@ from fedssl.train.byol import BYOLLocalTrainer
 
 #: the executor arguments that go to the trainer as they are
 TRAINER_ARGS = ("n_partitions", "features", "proj_dim", "pred_hidden", "batch_size", "lr", "momentum", "m_d",
-                "symmetric", "max_ptnu_iterations", "max_steps_per_round", "seed")
+                "symmetric", "max_ptnu_iterations", "max_steps_per_round", "seed", "amp")
 
 
 class BYOLExecutor(TrainerExecutor):
@@ -61,6 +61,7 @@ class BYOLExecutor(TrainerExecutor):
         max_steps_per_round: int = 0,
         seed: int = 0,
         device: str = "auto",
+        amp: bool = False,
     ):
         """Paper settings as defaults (FCL (Wu et al., MedIA 2022) section 5, "Training details"): lr 0.5 cosine
         (FCLOpt and its PTNU / DP variants; FedBYOL: 0.05, the paper's general rate), m 0.99, m_d 0.995, batch 32
@@ -85,7 +86,8 @@ class BYOLExecutor(TrainerExecutor):
         self.n_partitions, self.features, self.proj_dim, self.pred_hidden = n_partitions, list(features), proj_dim, pred_hidden
         self.batch_size, self.lr, self.momentum, self.m_d, self.symmetric = batch_size, lr, momentum, m_d, symmetric
         self.max_ptnu_iterations, self.max_steps_per_round = max_ptnu_iterations, max_steps_per_round
-        self.seed, self.device = seed, device
+        require_amp(type(self).__name__, amp)
+        self.seed, self.device, self.amp = seed, device, amp
         self.global_online: dict | None = None  # DP: kept from report_distance for this round's train
         self.mode: str | None = None  # this round's mode and PTNU iterations (None: no PTNU)
         self.ptnu_iterations: int | None = None

@@ -49,13 +49,15 @@ class ClassifierExecutor(TrainerExecutor):
                  batch_size: int = 256, local_epochs: int = 1, warmup_rounds: int = 5, min_lr: float = 1e-6,
                  weight_decay: float = 0.05, label_fraction: float = 1.0, val_fraction: float = 0.1,
                  fedprox_mu: float = 0.0, label_smoothing: float = 0.0, layer_decay: float = 0.65,
-                 max_steps_per_epoch: int = 0, eval_batch_size: int = 256, seed: int = 0, device: str = "auto"):
+                 max_steps_per_epoch: int = 0, eval_batch_size: int = 256, seed: int = 0, device: str = "auto",
+                 amp: bool = False):
         """Args (paper settings as defaults: SSL-FL fine-tuning, 100 rounds, lr 3e-3, batch 256, 64 for COVID-FL):
         the settings of :class:`fedssl.train.classifier.ClassifierLocalTrainer` (documented there), plus
             data_root: the site's data folder ("" = the site's fedssl_site.json or FEDSSL_DATA_ROOT); ``{site}``
                 is replaced by the site name.
             test_root: the test data folder ("" = ``<data_root>/../test``, the partition's held-out test set).
             device: "auto" (CUDA when available), "cpu", "cuda", "cuda:1" ...
+            amp: bfloat16 autocast of the forward pass on GPUs that support it; no effect on a CPU.
         """
         args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__()

@@ -24,7 +24,7 @@ from __future__ import annotations
 from nvflare.apis.dxo import DXO
 from nvflare.apis.fl_context import FLContext
 
-from fedssl.core.checks import require, require_choice, require_int
+from fedssl.core.checks import require, require_choice, require_amp, require_int
 from fedssl.core.fcl import FCLConfig
 from fedssl.core.trainer import RoundStats
 from fedssl.data.acdc import load_site
@@ -36,7 +36,7 @@ from fedssl.train.fcl import FCLLocalTrainer
 
 #: the executor arguments that go to the trainer as they are
 TRAINER_ARGS = ("n_partitions", "features", "proj_dim", "batch_size", "lr", "tau", "momentum", "bank_size",
-                "negative_sampling", "structural_matching", "plain_moco", "max_steps_per_round", "seed")
+                "negative_sampling", "structural_matching", "plain_moco", "max_steps_per_round", "seed", "amp")
 
 
 class FCLExecutor(TrainerExecutor):
@@ -65,6 +65,7 @@ class FCLExecutor(TrainerExecutor):
         max_steps_per_round: int = 0,
         seed: int = 0,
         device: str = "auto",
+        amp: bool = False,
     ):
         """
         Args (paper settings as defaults, FCL (Wu et al., MedIA 2022) section 5):
@@ -77,6 +78,8 @@ class FCLExecutor(TrainerExecutor):
                 GSM.  FedMoCo and Table 6 "Without FE" = plain_moco true + feature_exchange false.
             federated: false = Local CL: no feature exchange, nothing uploaded, the aggregate never loaded.
             max_steps_per_round: 0 = one full local epoch; > 0 caps the steps (quick CPU profile).
+            amp: bfloat16 autocast of the encoders on GPUs that support it (float16 + gradient scaler on older
+                ones); loss and bank stay float32; no effect on a CPU (every site executor has this switch).
         """
         super().__init__()
         name = type(self).__name__
@@ -97,7 +100,8 @@ class FCLExecutor(TrainerExecutor):
         self.batch_size, self.lr, self.tau, self.momentum, self.bank_size = batch_size, lr, tau, momentum, bank_size
         self.feature_exchange, self.negative_sampling = feature_exchange, negative_sampling
         self.structural_matching, self.plain_moco, self.federated = structural_matching, plain_moco, federated
-        self.max_steps_per_round, self.seed, self.device = max_steps_per_round, seed, device
+        require_amp(name, amp)
+        self.max_steps_per_round, self.seed, self.device, self.amp = max_steps_per_round, seed, device, amp
         # validated now (clear message at construction), rebuilt per run with the job's num_rounds
         FCLConfig(tau=tau, momentum=momentum, bank_size=bank_size, lr=lr)
 

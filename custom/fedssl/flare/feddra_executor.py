@@ -27,7 +27,7 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 from nvflare.apis.signal import Signal
 
-from fedssl.core.checks import require, require_choice, require_int
+from fedssl.core.checks import require, require_choice, require_amp, require_int
 from fedssl.core.trainer import RoundStats
 from fedssl.core.vlp import STAGES, FedDRAConfig
 from fedssl.data.vlp import COLOURS, load_manifest
@@ -43,7 +43,7 @@ VOCAB_FILE = "feddra_vocab.txt"
 #: the executor arguments that build the site's VisionLanguageModel (the server's ``model`` takes the same)
 MODEL_KEYS = ("preset", "vocab_size", "proj_dim", "image_size", "in_chans", "text_weights", "image_weights")
 TRAINER_ARGS = ("batch_size", "lr", "weight_decay", "mu", "tau", "align_steps", "steps", "holdout_fraction", "dro_batch",
-                "max_text_len", "seed", "colour")
+                "max_text_len", "seed", "colour", "amp")
 
 
 class FedDRAExecutor(TrainerExecutor):
@@ -59,7 +59,7 @@ class FedDRAExecutor(TrainerExecutor):
                  mu: float = 5.0, tau: float = 0.07, align_steps: int = 20, steps: int = 50,
                  holdout_fraction: float = 0.1, dro_batch: int = 16, max_text_len: int = 128, min_word_count: int = 5,
                  seed: int = 0,
-                 device: str = "auto"):
+                 device: str = "auto", amp: bool = False):
         """
         Args (paper settings as defaults: MIMIC-CXR, sec. 5.1 and appendix):
             data_root: the site folder holding ``manifest.csv``; "" = site config / FEDSSL_DATA_ROOT ("{site}" ok).
@@ -91,7 +91,9 @@ class FedDRAExecutor(TrainerExecutor):
         self.colour, self.batch_size, self.lr, self.weight_decay, self.mu, self.tau = colour, batch_size, lr, weight_decay, mu, tau
         self.align_steps, self.steps, self.holdout_fraction = align_steps, steps, holdout_fraction
         self.dro_batch = dro_batch
+        require_amp(name, amp)
         self.max_text_len, self.min_word_count, self.seed, self.device = max_text_len, min_word_count, seed, device
+        self.amp = amp
         self._records = None
 
     # ------------------------------------------------------------------ data and vocabulary

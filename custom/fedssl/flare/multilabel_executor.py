@@ -18,7 +18,7 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 from nvflare.apis.signal import Signal
 
-from fedssl.core.checks import require
+from fedssl.core.checks import require, require_amp
 from fedssl.core.surgical import HEAD_WEIGHT, check_class_list, classes_from_meta, classes_to_meta
 from fedssl.core.trainer import RoundStats
 from fedssl.data.site_config import resolve_site_setting
@@ -41,7 +41,7 @@ class MultiLabelExecutor(TrainerExecutor):
                  warmup_epochs: int = 15, warmup_lr: float = 5e-3, lr: float = 5e-5, local_epochs: int = 1,
                  max_steps_per_epoch: int = 0, rotation: float = 0.2, zoom: float = 0.5, contrast: float = 0.75,
                  flip: bool = True, split: list = (0.7, 0.1, 0.2), n_bootstrap: int = 1000, seed: int = 0,
-                 device: str = "auto", imagenet_path: str = ""):
+                 device: str = "auto", imagenet_path: str = "", amp: bool = False):
         """data_root: the site's dataset folder ("" = site config / FEDSSL_DATA_ROOT; ``{site}`` = site name);
         dataset: "nih" / "chexpert" or an object keyed by site name ("" = site config); classes: ``C_k`` (a list or
         an object keyed by site name; [] = site config); external_test_root: a MIMIC-CXR-JPG (or NIH-layout
@@ -53,6 +53,7 @@ class MultiLabelExecutor(TrainerExecutor):
         super().__init__()
         args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         check_multilabel_args(type(self).__name__, args)
+        require_amp(type(self).__name__, amp)
         require(isinstance(imagenet_path, str), type(self).__name__, "imagenet_path", imagenet_path,
                 'use the server model\'s path to a torchvision densenet121 state dict, or "" for random init')
         vars(self).update(args)  # every argument stored verbatim
@@ -104,7 +105,7 @@ class MultiLabelExecutor(TrainerExecutor):
         site, s = self.site_name(fl_ctx), self.load_data(fl_ctx)
         trainer = MultiLabelLocalTrainer(s, self.own_classes, self.head, **self.switches, site=site,
                                          settings=self.settings, imagenet_path=self.imagenet_path or None,
-                                         device=pick_device(self.device))
+                                         device=pick_device(self.device), amp=self.amp)
         init = f"ImageNet from {self.imagenet_path}" if self.imagenet_path else "random"
         self.log_info(fl_ctx, f"{site}: {s['dataset']} layout, {s['n_train']}/{s['n_val']}/{s['n_test']} train/val/test "
                               f"images; {self.switches}, head over {len(self.head)} classes ({len(self.own_classes)} own); "

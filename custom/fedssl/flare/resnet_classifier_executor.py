@@ -15,7 +15,7 @@ import os
 
 from nvflare.apis.fl_context import FLContext
 
-from fedssl.core.checks import require, require_choice, require_int
+from fedssl.core.checks import require, require_amp, require_choice, require_int
 from fedssl.data.images import DATASETS, load_image_records
 from fedssl.flare.classifier_executor import ClassifierExecutor
 from fedssl.flare.site_executor import pick_device
@@ -30,7 +30,7 @@ class ResNetClassifierExecutor(ClassifierExecutor):
     def __init__(self, dataset: str = "derm5", data_root: str = "", image_size: int = 64, width: int = 64,
                  lr: float = 1e-4, batch_size: int = 128, local_epochs: int = 1, weight_decay: float = 0.0,
                  label_fraction: float = 0.1, max_steps_per_epoch: int = 0, eval_batch_size: int = 256, seed: int = 0,
-                 device: str = "auto", depth: int = 18):
+                 device: str = "auto", depth: int = 18, amp: bool = False):
         """Args (paper settings as defaults):
             data_root: the device folder with ``train``, ``val``, ``test`` ("" = site config / FEDSSL_DATA_ROOT).
             label_fraction: L, the labelled fraction of the device's training images (paper: 0.1, 0.2, 0.4, 0.8).
@@ -55,6 +55,7 @@ class ResNetClassifierExecutor(ClassifierExecutor):
         require_int(name, "max_steps_per_epoch", max_steps_per_epoch, 0, "use 0 (full epoch) or a positive count")
         require_int(name, "eval_batch_size", eval_batch_size, 1, "use a positive batch size")
         require_int(name, "seed", seed, 0, "use a non-negative integer")
+        require_amp(name, amp)
         self.__dict__.update(args)  # stored verbatim
         self.settings = args
         self.test_root = ""

@@ -18,7 +18,7 @@ from __future__ import annotations
 from nvflare.apis.dxo import DXO
 from nvflare.apis.fl_context import FLContext
 
-from fedssl.core.checks import require, require_int
+from fedssl.core.checks import require, require_amp, require_int
 from fedssl.core.seeds import site_seed
 from fedssl.core.trainer import RoundStats
 from fedssl.data.acdc import load_site
@@ -49,6 +49,7 @@ class SegmentationExecutor(TrainerExecutor):
         seed: int = 0,
         split_seed: int = 0,
         device: str = "auto",
+        amp: bool = False,
     ):
         """
         Args (paper settings as defaults): n_labelled = N annotated patients of the site (1, 2, 4, 8);
@@ -84,7 +85,8 @@ class SegmentationExecutor(TrainerExecutor):
         self.max_steps_per_epoch = max_steps_per_epoch
         self.seed = seed
         self.split_seed = split_seed
-        self.device = device
+        require_amp(type(self).__name__, amp)
+        self.device, self.amp = device, amp
         self._val = float("nan")  # Dice of the last received global model
 
     def build_trainer(self, fl_ctx: FLContext, num_rounds: int) -> SegmentationLocalTrainer:
@@ -97,7 +99,8 @@ class SegmentationExecutor(TrainerExecutor):
         trainer = SegmentationLocalTrainer(unet, split["train_volumes"], split["val_volumes"],
                                            num_rounds=num_rounds, lr=self.lr, batch_size=self.batch_size,
                                            local_epochs=self.local_epochs, max_steps_per_epoch=self.max_steps_per_epoch,
-                                           seed=site_seed(self.seed, site), device=pick_device(self.device))
+                                           seed=site_seed(self.seed, site), device=pick_device(self.device),
+                                           amp=self.amp)
         self.log_info(fl_ctx, f"{site}: fold {self.fold}, labelled patients {split['train_patients']} "
                               f"({len(split['train_volumes'])} volumes, split seed site_seed({self.split_seed}, {site})), "
                               f"validation patients {split['val_patients']} ({len(split['val_volumes'])} volumes)")

@@ -56,13 +56,13 @@ class BYOLLocalTrainer:
                  features: Sequence[int] = PAPER_FEATURES, proj_dim: int = 128, pred_hidden: int = 512,
                  batch_size: int = 32, lr: float = FCLOPT_LR, momentum: float = 0.99, m_d: float = 0.995,
                  symmetric: bool = False, max_ptnu_iterations: int = 100_000, max_steps_per_round: int = 0,
-                 seed: int = 0, site: str = "", device: str | torch.device = "cpu"):
+                 seed: int = 0, site: str = "", device: str | torch.device = "cpu", amp: bool = False):
         #: the seed of every data-side draw at this site (partition sampling, batch order, augmentations)
         self.data_seed = site_seed(seed, site)
         self.dataset = PartitionSampleDataset(list(volumes), n_partitions, seed=self.data_seed)
         model = BYOLUNetEncoder(features, proj_dim, pred_hidden, seed=seed)
         cfg = BYOLConfig(lr=lr, momentum=momentum, num_rounds=num_rounds, symmetric=symmetric)
-        self.trainer = BYOLTrainer(model, cfg, augment_views, device=device, seed=self.data_seed)
+        self.trainer = BYOLTrainer(model, cfg, augment_views, device=device, seed=self.data_seed, amp=amp)
         self.volumes_per_batch = max(1, batch_size // n_partitions)
         self.max_steps_per_round = int(max_steps_per_round)
         self.m_d, self.max_ptnu_iterations = float(m_d), int(max_ptnu_iterations)

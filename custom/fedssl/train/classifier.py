@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from fedssl.core.checks import require, require_choice, require_int
+from fedssl.core.checks import require, require_amp, require_choice, require_int
 from fedssl.core.classification import ClassifierTrainer, classification_metrics, predict, require_trained_head
 from fedssl.core.seeds import site_seed
 from fedssl.core.trainer import RoundStats, check_optimizer_state, check_stop, detached, load_checked
@@ -73,6 +73,8 @@ def check_classifier_args(name: str, a: Mapping[str, Any]) -> None:
     require_int(name, "max_steps_per_epoch", a["max_steps_per_epoch"], 0,
                 "use 0 (full epoch) or a positive step count per local epoch")
     require_int(name, "eval_batch_size", a["eval_batch_size"], 1, "use a positive batch size")
+    if "amp" in a:
+        require_amp(name, a["amp"])
     require_int(name, "seed", a["seed"], 0, "use a non-negative integer")
     device = a["device"]
     require(isinstance(device, str) and device.split(":")[0] in ("auto", "cpu", "cuda"), name, "device", device,
@@ -108,7 +110,7 @@ class ClassifierLocalTrainer:
                  weight_decay: float = 0.05, label_fraction: float = 1.0, val_fraction: float = 0.1,
                  fedprox_mu: float = 0.0, label_smoothing: float = 0.0, layer_decay: float = 0.65,
                  max_steps_per_epoch: int = 0, eval_batch_size: int = 256, seed: int = 0,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", amp: bool = False):
         self.site, self.dataset, self.image_size, self.seed = site, dataset, image_size, seed
         self.data_seed = data_seed = site_seed(seed, site)
         self.batch_size, self.local_epochs, self.eval_batch_size = batch_size, local_epochs, eval_batch_size
@@ -128,7 +130,7 @@ class ClassifierLocalTrainer:
         self.trainer = ClassifierTrainer(
             model, lr=lr, total_rounds=num_rounds, warmup_rounds=min(warmup_rounds, num_rounds), min_lr=min_lr,
             weight_decay=weight_decay, fedprox_mu=fedprox_mu, label_smoothing=label_smoothing,
-            layer_decay=layer_decay, device=device, seed=data_seed)
+            layer_decay=layer_decay, device=device, seed=data_seed, amp=amp)
         #: one line for the site's log
         self.summary = (f"{len(records)} images -> {len(train)} training pool, {len(val)} validation; "
                         f"{len(labelled)} labelled ({label_fraction:g}) per class "

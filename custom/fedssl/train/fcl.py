@@ -50,7 +50,8 @@ class FCLLocalTrainer(WrappedPretrainer):
                  features: Sequence[int] = PAPER_FEATURES, proj_dim: int = 128, batch_size: int = 32, lr: float = 0.05,
                  tau: float = 0.1, momentum: float = 0.99, bank_size: int = 4096, feature_exchange: bool = True,
                  negative_sampling: bool = True, structural_matching: bool = True, plain_moco: bool = False,
-                 max_steps_per_round: int = 0, seed: int = 0, device: str | torch.device = "cpu", site: str = ""):
+                 max_steps_per_round: int = 0, seed: int = 0, device: str | torch.device = "cpu", site: str = "",
+                 amp: bool = False):
         volumes = list(volumes)
         self.data_seed = site_seed(seed, site)
         self.dataset = PartitionSampleDataset(volumes, n_partitions, seed=self.data_seed)
@@ -63,7 +64,7 @@ class FCLLocalTrainer(WrappedPretrainer):
                         structural_matching=structural_matching, plain_moco=plain_moco)
         torch.manual_seed(seed)
         model = MoCoUNetEncoder(features, proj_dim)
-        self.trainer = FCLTrainer(model, cfg, augment_views, device=device, seed=self.data_seed)
+        self.trainer = FCLTrainer(model, cfg, augment_views, device=device, seed=self.data_seed, amp=amp)
         self.max_steps_per_round = int(max_steps_per_round)
         #: the remote bank ``(features [M, D], partitions [M])`` of the last download, or None
         self.remote: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -62,7 +62,7 @@ class FedCLFLocalTrainer(WrappedPretrainer):
                  dataset: str = "derm5", image_size: int = 64, width: int = PAPER_WIDTH,
                  proj_dim: int = PAPER_PROJ_DIM, batch_size: int = 128, lr: float = 0.03, tau: float = 0.2,
                  momentum: float = 0.999, bank_size: int = 4096, max_steps_per_round: int = 0, seed: int = 0,
-                 device: str | torch.device = "cpu", site: str = "", depth: int = PAPER_DEPTH):
+                 device: str | torch.device = "cpu", site: str = "", depth: int = PAPER_DEPTH, amp: bool = False):
         records = list(records)
         if len(records) < batch_size:
             raise ValueError(f"{site or 'this device'}: {len(records)} training images cannot fill one batch of "
@@ -72,7 +72,7 @@ class FedCLFLocalTrainer(WrappedPretrainer):
         cfg = FedCLFConfig(method=method, queue=queue, tau=tau, momentum=momentum, bank_size=bank_size, lr=lr,
                            num_rounds=num_rounds)
         model = PretrainingResNet(method, width, proj_dim, seed=seed, depth=depth)
-        self.trainer = FedCLFTrainer(model, cfg, device=device, seed=self.data_seed)
+        self.trainer = FedCLFTrainer(model, cfg, device=device, seed=self.data_seed, amp=amp)
         self.batch_size, self.max_steps_per_round = batch_size, int(max_steps_per_round)
         #: the remote bank Q_r [R, D] of the last download, or None
         self.remote: torch.Tensor | None = None

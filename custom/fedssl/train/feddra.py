@@ -33,7 +33,7 @@ import torch
 
 from fedssl.core.checks import require, require_choice, require_int
 from fedssl.core.seeds import site_seed
-from fedssl.core.trainer import RoundStats, check_optimizer_state, detached, load_checked, stoppable
+from fedssl.core.trainer import MixedPrecision, RoundStats, check_optimizer_state, detached, load_checked, stoppable
 from fedssl.core.vlp import STAGES, FedDRAConfig, trainable_names
 from fedssl.data.vlp import VLPDataset, VLPRecord
 from fedssl.data.vocab import tokenize
@@ -72,7 +72,7 @@ class FedDRALocalTrainer:
                  steps: int = 50, holdout_fraction: float = 0.1, dro_batch: int = 16, max_text_len: int = 128,
                  seed: int = 0,
                  retrieval_batch: int = RETRIEVAL_BATCH, augment: bool = True, colour: str = "grey",
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", amp: bool = False):
         name = type(self).__name__
         require(len(train_records) >= 2, name, "train_records", len(train_records),
                 f"{site} needs at least 2 image-report pairs to train")
@@ -91,6 +91,7 @@ class FedDRALocalTrainer:
         self.device = torch.device(device)
         self.tokenizer = tokenizer
         self.model = VisionLanguageModel(**dict(model_args)).to(self.device)
+        self.precision = MixedPrecision(self.device, amp)  # bfloat16 autocast on GPUs that support it
         size, chans = self.model.image_size, self.model.in_chans
         own = site_seed(seed, site)
         self.dro_batch = dro_batch
@@ -170,15 +171,16 @@ class FedDRALocalTrainer:
         for _ in stoppable(range(steps), should_stop):
             images, texts = self._batch(self.fit, self.rng.choice(n, size=b, replace=False))
             ids, mask = self._tokens(texts)
-            z_img, z_txt = self.model(images, ids, mask)
-            anchors = (None, None)
-            if self.anchor is not None:
-                with torch.no_grad():
-                    anchors = self.anchor(images, ids, mask)
+            with self.precision.autocast():
+                z_img, z_txt = self.model(images, ids, mask)
+                anchors = (None, None)
+                if self.anchor is not None:
+                    with torch.no_grad():
+                        anchors = self.anchor(images, ids, mask)
+            z_img, z_txt = z_img.float(), z_txt.float()
+            anchors = tuple(None if a is None else a.float() for a in anchors)
             loss, terms = self.cfg.loss(z_img, z_txt, *anchors)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            self.precision.step(loss, opt)
             losses.append(float(loss.detach()))
             for k, v in terms.items():
                 totals[k] = totals.get(k, 0.0) + v

@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from fedssl.core.checks import require, require_choice, require_int
+from fedssl.core.checks import require, require_amp, require_choice, require_int
 from fedssl.core.mim import METHODS, MIMTrainer
 from fedssl.core.seeds import site_seed
 from fedssl.core.tokenizer import (
@@ -83,7 +83,7 @@ def check_mim_args(name: str, a: Mapping[str, Any]) -> None:
     clip = a["clip_grad"]
     require(isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip >= 0, name,
             "clip_grad", clip, "use 0 (no clipping) or a positive gradient norm (SSL-FL BEiT: 3.0)")
-    require(isinstance(a["amp"], bool), name, "amp", a["amp"], "use true or false")
+    require_amp(name, a["amp"])
     tok = a["tokenizer_path"]
     require(isinstance(tok, str), name, "tokenizer_path", tok,
             'use a path to a local tokenizer, or "" for the federated k-means codebook')

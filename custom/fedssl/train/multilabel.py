@@ -34,7 +34,7 @@ from fedssl.core.checks import require, require_int
 from fedssl.core.seeds import site_seed
 from fedssl.core.multilabel import column_index, expand_targets, labelled, masked_bce
 from fedssl.core.surgical import check_class_list, is_head_key, local_keys
-from fedssl.core.trainer import RoundStats, check_stop, detached, load_checked
+from fedssl.core.trainer import MixedPrecision, RoundStats, check_stop, detached, load_checked
 from fedssl.data.cxr import CXRDataset, batches, dataset_classes, external_dataset, load_cxr_site, patient_split
 from fedssl.eval.auroc import labelled_bce, labelled_mean_auroc
 from fedssl.eval.surgical_report import auroc_table
@@ -238,13 +238,14 @@ class MultiLabelLocalTrainer:
 
     def __init__(self, splits: Mapping[str, Any], classes: Sequence[str], head: Sequence[str], *, method: str,
                  backbone: str = "fedavg", site: str = "?", settings: MultiLabelSettings = MultiLabelSettings(),
-                 imagenet_path: str | None = None, device: str | torch.device = "cpu"):
+                 imagenet_path: str | None = None, device: str | torch.device = "cpu", amp: bool = False):
         self.splits, self.site, self.settings = splits, site, settings
         self.classes, self.head = list(classes), list(head)
         column_index(self.classes, self.head, site)  # every class of the site is a column of the head
         self.switches = {"method": method, "backbone": backbone}
         self.data_seed = site_seed(settings.seed, site)  # batch order; the model is built from the job seed
         self.model = build_model(self.head, settings, imagenet_path).to(torch.device(device))
+        self.precision = MixedPrecision(torch.device(device), amp)  # bfloat16 autocast on GPUs that support it
         if backbone == "fedbn_plus":
             freeze_batchnorm(self.model)
         self.optimizer = torch.optim.Adam([p for p in self.model.parameters() if p.requires_grad], lr=settings.lr)
@@ -281,12 +282,12 @@ class MultiLabelLocalTrainer:
         for x, y in batches(self.splits["train"], s.batch_size, seed=self.data_seed, epoch=self.epoch, shuffle=True,
                             max_batches=s.max_steps_per_epoch):
             check_stop(should_stop)
-            loss = self.loss(model(x.to(device)), y.to(device).float())
+            with self.precision.autocast():
+                logits = model(x.to(device))
+            loss = self.loss(logits.float(), y.to(device).float())
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"{self.site}: non-finite training loss at epoch {self.epoch}")
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            self.precision.step(loss, opt)
             total, steps = total + float(loss.detach()), steps + 1
             self.step_losses.append(float(loss.detach()))
         self.epoch += 1

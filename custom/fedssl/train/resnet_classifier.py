@@ -43,7 +43,8 @@ class ResNetClassifierLocalTrainer(ClassifierLocalTrainer):
                  dataset: str = "derm5", image_size: int = 64, width: int = PAPER_WIDTH, lr: float = 1e-4,
                  batch_size: int = 128, local_epochs: int = 1, milestones: Sequence[float] = (), gamma: float = LOCAL_GAMMA,
                  weight_decay: float = 0.0, label_fraction: float = 1.0, max_steps_per_epoch: int = 0,
-                 eval_batch_size: int = 256, seed: int = 0, device: str | torch.device = "cpu", depth: int = PAPER_DEPTH):
+                 eval_batch_size: int = 256, seed: int = 0, device: str | torch.device = "cpu", depth: int = PAPER_DEPTH,
+                 amp: bool = False):
         if not val:
             raise ValueError(f"{site}: no validation image; the device's val split selects the model")
         self.site, self.dataset, self.image_size, self.seed = site, dataset, image_size, seed
@@ -59,7 +60,7 @@ class ResNetClassifierLocalTrainer(ClassifierLocalTrainer):
         self.trainer = ClassifierTrainer(model, lr=lr, total_rounds=num_rounds, warmup_rounds=0, min_lr=0.0,
                                          weight_decay=weight_decay, layer_decay=1.0, head_prefix="fc.",
                                          milestones=list(milestones) or [num_rounds], gamma=gamma, device=device,
-                                         seed=data_seed)
+                                         seed=data_seed, amp=amp)
         self.summary = (f"{len(train)} training images, {len(val)} validation; {len(labelled)} labelled "
                         f"({label_fraction:g}) per class {class_histogram(labelled, len(self.classes))}; "
                         f"device {self.trainer.device}")

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from fedssl.core.trainer import RoundStats, amp_dtype, check_optimizer_state, check_stop, detached, load_checked
+from fedssl.core.trainer import MixedPrecision, RoundStats, check_optimizer_state, check_stop, detached, load_checked
 from fedssl.data.seg3d import train_transform
 from fedssl.eval.segmentation3d import mean_metrics, predict_volume3d, volume_metrics
 
@@ -33,7 +33,8 @@ class Seg3DLocalTrainer:
             raise ValueError("Seg3DLocalTrainer: no training volume; the site needs at least one labelled volume")
         self.device = torch.device(device)
         self.model = model.to(self.device)
-        self.amp_dtype = amp_dtype(self.device, amp)
+        self.precision = MixedPrecision(self.device, amp)
+        self.amp_dtype = self.precision.dtype
         if self.device.type == "cuda":
             self.model = self.model.to(memory_format=torch.channels_last_3d)
         self.train_volumes, self.val_volumes = list(train_volumes), list(val_volumes)
@@ -49,7 +50,6 @@ class Seg3DLocalTrainer:
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, self.total_steps) / self.total_steps)))
-        self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
         self.generator = torch.Generator().manual_seed(self.seed)
         self.step = 0
 
@@ -75,13 +75,9 @@ class Seg3DLocalTrainer:
                 label = batch["label"].to(self.device, non_blocking=True)
                 if self.device.type == "cuda":
                     image = image.contiguous(memory_format=torch.channels_last_3d)
-                with torch.autocast(device_type=self.device.type, dtype=self.amp_dtype or torch.bfloat16,
-                                    enabled=self.amp_dtype is not None):
+                with self.precision.autocast():
                     loss = self.loss_fn(self.model(image).float(), label.long())
-                self.optimizer.zero_grad(set_to_none=True)
-                self.scaler.scale(loss).backward()
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
+                self.precision.step(loss, self.optimizer)
                 self.scheduler.step()
                 self.step += 1
                 losses.append(float(loss.detach()))

@@ -18,7 +18,7 @@ from monai.losses import DiceCELoss
 from monai.networks.nets import BasicUNet
 from torch import nn
 
-from fedssl.core.trainer import RoundStats, check_optimizer_state, check_stop, detached, load_checked
+from fedssl.core.trainer import MixedPrecision, RoundStats, check_optimizer_state, check_stop, detached, load_checked
 from fedssl.data.transforms import augment_segmentation
 from fedssl.data.volume import Volume
 from fedssl.eval.segmentation import ACDC_CLASSES, dice_per_volume, mean_dice
@@ -132,7 +132,10 @@ class SegmentationTrainer:
         total_steps: int,
         seed: int = 0,
         device: str | torch.device = "cpu",
+        amp: bool = False,
     ):
+        """``amp``: the U-Net's forward pass in bfloat16 autocast on GPUs that support it
+        (:class:`fedssl.core.trainer.MixedPrecision`; nothing on a CPU); the loss is float32."""
         if batch_size <= 0:
             raise ValueError(f"batch_size={batch_size}: must be a positive integer (paper: 10)")
         if total_steps <= 0:
@@ -141,6 +144,7 @@ class SegmentationTrainer:
             raise ValueError(f"lr={lr}: must be positive (paper: 5e-4)")
         self.device = torch.device(device)
         self.unet = unet.to(self.device)
+        self.precision = MixedPrecision(self.device, amp)
         self.batch_size = int(batch_size)
         self.total_steps = int(total_steps)
         self.lr = float(lr)
@@ -176,10 +180,10 @@ class SegmentationTrainer:
             x, y = augment_segmentation(images[idx], labels[idx], self.generator)
             x = x.to(self.device, non_blocking=True)
             y = y.to(self.device, non_blocking=True).long().unsqueeze(1)  # [N, 1, H, W] for to_onehot_y
-            self.optimizer.zero_grad(set_to_none=True)
-            loss = self.loss_fn(self.unet(x), y)
-            loss.backward()
-            self.optimizer.step()
+            with self.precision.autocast():
+                logits = self.unet(x)
+            loss = self.loss_fn(logits.float(), y)
+            self.precision.step(loss, self.optimizer)
             self.scheduler.step()
             self.step += 1
             losses.append(float(loss.detach()))
@@ -263,13 +267,14 @@ class SegmentationLocalTrainer:
 
     def __init__(self, unet: nn.Module, train_volumes: Sequence[Volume], val_volumes: Sequence[Volume], *,
                  num_rounds: int, lr: float = 5e-4, batch_size: int = 10, local_epochs: int = 1,
-                 max_steps_per_epoch: int = 0, seed: int = 0, device: str | torch.device = "cpu"):
+                 max_steps_per_epoch: int = 0, seed: int = 0, device: str | torch.device = "cpu",
+                 amp: bool = False):
         self.train_volumes, self.val_volumes = list(train_volumes), list(val_volumes)
         self.local_epochs, self.max_steps = int(local_epochs), (int(max_steps_per_epoch) or None)
         steps = steps_per_epoch(self.train_volumes, batch_size, self.max_steps)
         self.trainer = SegmentationTrainer(unet, lr=lr, batch_size=batch_size,
                                            total_steps=steps * self.local_epochs * int(num_rounds), seed=seed,
-                                           device=device)
+                                           device=device, amp=amp)
         self.n_slices = sum(v.n_slices for v in self.train_volumes)
 
     @property

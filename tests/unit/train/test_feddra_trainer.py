@@ -129,3 +129,16 @@ def test_checkpoint_round_trip_keeps_the_stage_one_turn(site):
     other.load_state_dict(state)
     assert other.aligned_round == 3 and other.tasks_done == 1
     assert all(torch.equal(other.model.state_dict()[k], v) for k, v in tr.model.state_dict().items())
+
+
+def test_amp_runs_both_encoders_in_bfloat16_and_keeps_the_loss_float32(site):
+    from fedssl.core.trainer import MixedPrecision
+    from tests.unit.core.test_mixed_precision import float32, layer_dtypes
+
+    tr = trainer(site, amp=True)
+    assert tr.precision.dtype is None  # amp on a CPU: float32
+    tr.precision = MixedPrecision("cpu", True, force=torch.bfloat16)
+    seen = layer_dtypes(tr.model)
+    stats = tr.train_round(0)
+    # the training steps in bfloat16; the held-out loss v_i after them is measured in float32
+    assert torch.bfloat16 in seen and math.isfinite(stats.loss) and float32(tr.model)

@@ -313,3 +313,14 @@ def test_an_nih_layout_external_root_is_scored_on_the_classes_nih_annotates(tmp_
     ext = t.evaluate("test", external_root=str(tmp_path / "nih_test"))["external"]
     assert list(ext["per_class"]) == ["Atelectasis"] and ext["not_annotated"] == ["Lung Opacity"]
     assert ext["n_images"] == len(load_nih(tmp_path / "nih_test"))
+
+
+def test_amp_runs_the_densenet_in_bfloat16_and_keeps_the_loss_float32():
+    from fedssl.core.trainer import MixedPrecision
+    from tests.unit.core.test_mixed_precision import float32, layer_dtypes
+
+    tr = make()
+    tr.precision = MixedPrecision("cpu", True, force=torch.bfloat16)
+    seen = layer_dtypes(tr.model)
+    stats = tr.train_round(0)
+    assert seen and set(seen) == {torch.bfloat16} and np.isfinite(stats.loss) and float32(tr.model)

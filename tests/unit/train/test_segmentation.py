@@ -159,3 +159,16 @@ def test_local_trainer_load_global_names_bad_keys():
     with pytest.raises(ValueError, match="has shape"):
         t.load_global({**state, first: torch.zeros(1)})
     assert t.load_global({k: v for k, v in state.items() if k != first}, keep_local=[first]) == [first]
+
+
+def test_amp_runs_the_unet_in_bfloat16_and_keeps_the_loss_float32():
+    from fedssl.core.trainer import MixedPrecision
+    from tests.unit.core.test_mixed_precision import float32, layer_dtypes
+
+    unet = init_unet("random", features=TINY_FEATURES, seed=0)
+    t = SegmentationTrainer(unet, lr=1e-3, batch_size=2, total_steps=2, seed=0, amp=True)
+    assert t.precision.dtype is None  # amp on a CPU: float32
+    t.precision = MixedPrecision("cpu", True, force=torch.bfloat16)
+    seen = layer_dtypes(unet)
+    loss = t.train_epoch([_phantom("p1", "ED", seed=3)])
+    assert seen and set(seen) == {torch.bfloat16} and np.isfinite(loss) and float32(unet)

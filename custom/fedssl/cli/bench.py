@@ -56,9 +56,32 @@ def _overhead(a) -> None:
     run_overhead(a.out, job=a.job, data_root=a.data_root, profile=a.profile, sets=a.set, rounds=a.rounds)
 
 
+def _message_args(s) -> None:
+    s.add_argument("--jobs", nargs="+", default=["fcl_acdc", "fcl_acdc_finetune", "sslfl_mae_retina"],
+                   help="job names under jobs/ or job folders")
+    s.add_argument("--profiles", nargs="+", default=["quick", "paper"], help="model sizes: the profiles to size at")
+    s.add_argument("--settings", nargs="+", default=["none", "float16", "adaquant"],
+                   choices=["none", "float16", "adaquant"])
+    s.add_argument("--out", default=None, help="write the rows to this JSON file")
+
+
+def _message(a) -> None:
+    import json
+
+    from fedssl.experiments.wire_cost import format_message_sizes, message_sizes
+
+    rows = [message_sizes(job, profile, a.settings) for job in a.jobs for profile in a.profiles]
+    print(format_message_sizes(rows))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 VERBS = (
     Verb("aggregation", "server scaling: time and peak memory of aggregating 2..20 ViT-B/16 contributions "
                         "(FedAvgAggregator, one process per count)", _aggregation_args, _aggregation),
+    Verb("message", "bytes of a job's model message as sent and through each wire quantiser, at the profiles' "
+                    "model sizes (no training)", _message_args, _message),
     Verb("overhead", "the same local training as a bare loop and as a FLARE simulator job: time per round and what "
                      "the difference is made of", _overhead_args, _overhead),
     Verb("wire", "bytes per round against score for the wire switches (FLARE quantisation filters, float16 banks): "

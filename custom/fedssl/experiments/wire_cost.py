@@ -192,3 +192,58 @@ def run_wire_cost(out: str, methods=METHODS, settings=("none", "float16", "adaqu
                                 "profile": "quick"}, "cells": cells, "summary": rows}, f, indent=1)
     print(format_table(rows))
     return rows
+
+
+#: wire settings whose message size ``message_sizes`` measures without a GPU
+MESSAGE_SETTINGS = ("none", "float16", "adaquant")
+
+
+def message_sizes(job: str, profile: str | None = "paper", settings=MESSAGE_SETTINGS) -> dict:
+    """Serialised bytes of the job's model as a FLARE weights message (its server ``model`` component, at the
+    profile's size), as sent (``none``) and through the wire quantiser of each setting: no training, no data.
+
+    The message is the full model state; a job that exchanges part of it (e.g. FedDRA's stage 1) sends less, and
+    the ratio between settings is what this measures.  The per-tensor quantisation meta is counted too, which is
+    why float16 saves a little less than 2x on small models."""
+    import importlib
+
+    from nvflare.apis.dxo import DXO, DataKind
+    from nvflare.apis.fl_context import FLContext
+    from nvflare.app_common.decomposers import common_decomposers
+
+    from fedssl.flare.quantization import Quantizer
+    from fedssl.ops.jobs import configured_job
+
+    unknown = [s for s in settings if s not in MESSAGE_SETTINGS]
+    if unknown:
+        raise ValueError(f"settings {unknown}: use {list(MESSAGE_SETTINGS)} (the others need a GPU)")
+    common_decomposers.register()
+    job_dir = job if os.path.isdir(job) else os.path.join(JOBS, job)
+    files = configured_job(job_dir, profile=profile)
+    server = next(v for k, v in files.items() if k.endswith("config_fed_server.json"))
+    comp = next((c for c in server.get("components", []) if c.get("id") == "model"), None)
+    if comp is None:
+        raise ValueError(f"{os.path.basename(job_dir)}: no server component with id 'model' to size")
+    module, cls = comp["path"].rsplit(".", 1)
+    model = getattr(importlib.import_module(module), cls)(**comp.get("args", {}))
+    state = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+    sizes = {}
+    for setting in settings:
+        dxo = DXO(DataKind.WEIGHTS, data=dict(state), meta={"num_samples": 1})
+        if setting != "none":
+            dxo = Quantizer(setting).process_dxo(dxo, dxo.to_shareable(), FLContext())
+        sizes[setting] = len(dxo.to_shareable().to_bytes())
+    return {"job": os.path.basename(job_dir), "profile": profile, "parameters": int(sum(v.size for v in state.values())),
+            "tensors": len(state), "bytes": sizes}
+
+
+def format_message_sizes(rows: list[dict]) -> str:
+    settings = list(rows[0]["bytes"]) if rows else []
+    lines = ["| job | profile | parameters | tensors | " + " | ".join(f"{s} MB (x fewer)" for s in settings) + " |",
+             "|---|---|---|---|" + "---|" * len(settings)]
+    for r in rows:
+        base = r["bytes"].get("none") or next(iter(r["bytes"].values()))
+        cells = [f"{b / 2**20:.3f} ({base / b:.3f}x)" for b in r["bytes"].values()]
+        lines.append(f"| {r['job']} | {r['profile']} | {r['parameters'] / 1e6:.2f} M | {r['tensors']} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)

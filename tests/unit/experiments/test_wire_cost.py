@@ -32,3 +32,17 @@ def test_unknown_settings_are_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown \\['int3'\\]"):
         run_wire_cost(str(tmp_path), settings=("none", "int3"))
     assert set(SETTINGS) >= {"none", "float16", "adaquant", "float16+banks"}
+
+
+def test_message_sizes_of_a_job_model_as_sent_and_quantised():
+    from fedssl.experiments.wire_cost import format_message_sizes, message_sizes
+
+    r = message_sizes("fcl_acdc_finetune", "quick")
+    b = r["bytes"]
+    assert r["parameters"] > 0 and r["tensors"] > 0
+    assert b["none"] > 4 * r["parameters"]  # float32 values plus the message's keys and framing
+    assert 1.9 < b["none"] / b["float16"] < 2.0  # half the values; the per-tensor meta stays
+    assert b["adaquant"] < b["float16"]
+    assert "| fcl_acdc_finetune | quick |" in format_message_sizes([r])
+    with pytest.raises(ValueError, match="blockwise8.*need a GPU"):
+        message_sizes("fcl_acdc_finetune", "quick", settings=("none", "blockwise8"))

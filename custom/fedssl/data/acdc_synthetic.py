@@ -79,6 +79,10 @@ _GROUP_PARAMS: dict[str, tuple[float, float, float, float]] = {
 }
 
 
+#: HCM's extra septal wall thickness, as a fraction of the wall, on the LV -> RV axis
+_HCM_SEPTAL = 0.7
+
+
 def _site_acquisition(seed: int, site_index: int) -> dict[str, float]:
     """Per-site acquisition parameters (the non-IID shift between sites)."""
     rng = np.random.default_rng([seed, 1, site_index])
@@ -268,7 +272,7 @@ def _phantom(
     wall_ang = np.ones_like(theta)
     sector = np.cos(theta - f32(inf_angle))
     if group == "HCM":  # asymmetric septal hypertrophy: the wall facing the RV is thicker
-        wall_ang = wall_ang + f32(0.7) * np.clip(np.cos(theta - f32(phi)), 0.0, None) ** 2
+        wall_ang = wall_ang + f32(_HCM_SEPTAL) * np.clip(np.cos(theta - f32(phi)), 0.0, None) ** 2
     if group == "MINF":  # thinned infarct sector
         wall_ang = wall_ang - f32(0.45) * np.clip((sector - 0.5) / 0.5, 0.0, 1.0)
     wall = (wall0 * (1.0 + 0.2 * u) * np.clip((1.2 - v) / 0.2, 0.0, 1.0)) * wall_ang  # the cap ends by v = 1.2
@@ -282,7 +286,10 @@ def _phantom(
     r_rv = (r_rv0 * np.clip(1.0 - (u / f32(rv_end)) ** 2, 0.0, None) * (1.0 - 0.6 * amp * kk)).astype(f32)
     # RV disc centre at r_epi - 0.4 r_rv from the LV centre (on the LV->RV axis): minus the epicardial disc it
     # leaves a crescent ~0.6 r_rv thick wrapped around the septum; it shrinks to a small blob at the apex.
-    r_epi_axis = np.sqrt((r_lv_ed * (1.0 - amp * kk)) ** 2 + (r_lv_ed + wall0 * (1.0 + 0.2 * u)) ** 2 - r_lv_ed**2)
+    # the septum's own thickness on that axis (HCM's is thicker: the RV sits outside it, as in real HCM, instead of
+    # being covered by the myocardium)
+    wall_axis = wall0 * (1.0 + 0.2 * u) * (1.0 + (_HCM_SEPTAL if group == "HCM" else 0.0))
+    r_epi_axis = np.sqrt((r_lv_ed * (1.0 - amp * kk)) ** 2 + (r_lv_ed + wall_axis) ** 2 - r_lv_ed**2)
     d_rv = (r_epi_axis - f32(0.4) * r_rv).astype(f32)
     dist_rv = np.sqrt((yy - (cy + d_rv * f32(np.sin(phi)))) ** 2 + (xx - (cx + d_rv * f32(np.cos(phi)))) ** 2)
     has_rv = r_rv > 0.5

@@ -535,3 +535,22 @@ def test_link_site_folders(tmp_path: Path) -> None:
     with pytest.raises(ACDCDataError) as exc:
         link_site_folders(src, out, n_sites=3, per_site=2, seed=6)
     assert "site-" in str(exc.value) and str(out) in str(exc.value)
+
+
+def test_every_group_has_a_right_ventricle_beside_the_septum() -> None:
+    """HCM thickens the septum; the RV must stay outside it (it did not: the thick septum covered the RV crescent,
+    leaving 0-80 RV pixels per volume). At ED, on the same draws, each group's RV is at least a third of NOR's,
+    and the RV touches the myocardium (no gap of background between them)."""
+    def rv_at_ed(group: str, i: int) -> tuple[int, bool]:
+        _, label, _ = _phantom(np.random.default_rng([11, i]), (64, 64), 8, 4, group, 1.0)
+        ed = label[0]
+        rv = ed == 1
+        pad = np.pad(ed, ((0, 0), (1, 1), (1, 1)))
+        touches = any((rv & (pad[:, dy:dy + 64, dx:dx + 64] == 2)).any() for dy, dx in ((0, 1), (2, 1), (1, 0), (1, 2)))
+        return int(rv.sum()), touches
+
+    for i in range(4):
+        nor, _ = rv_at_ed("NOR", i)
+        for group in ("MINF", "DCM", "HCM", "RV"):
+            n, touches = rv_at_ed(group, i)
+            assert n > nor / 3 and touches, f"{group} (draw {i}): {n} RV pixels at ED against NOR's {nor}"

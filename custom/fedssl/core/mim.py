@@ -127,7 +127,6 @@ class MIMTrainer:
         self.min_block = min_block
         self.amp = bool(amp)
         self.precision = MixedPrecision(self.device, self.amp)  # bfloat16 where the GPU has it, float16 + scaler before
-        self.amp_dtype = self.precision.dtype
         self.num_patches = int(getattr(model, "num_patches"))
         self.grid_size = tuple(getattr(model, "grid_size"))
         self._check_method_setup()

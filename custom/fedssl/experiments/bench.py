@@ -25,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from fedssl.core.trainer import amp_dtype
+from fedssl.core.trainer import MixedPrecision
 
 METHODS = ("mae", "beit", "finetune")
 SIZES = ("vit_b16", "tiny")
@@ -88,13 +88,12 @@ def measure(method: str = "mae", size: str = "vit_b16", batch_size: int = 64, st
         model = model_or_trainer
         model.train()
 
+        precision = MixedPrecision(dev, amp)  # the trainers' own autocast and (float16) gradient scaling
+
         def one_step() -> float:
-            with torch.autocast(device_type=dev.type, dtype=amp_dtype(dev, amp) or torch.bfloat16,
-                                enabled=amp_dtype(dev, amp) is not None):
+            with precision.autocast():
                 loss = F.cross_entropy(model(imgs).float(), labels)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            precision.step(loss, opt)
             return float(loss.detach())
         n_params = sum(p.numel() for p in model.parameters())
     else:
@@ -104,6 +103,7 @@ def measure(method: str = "mae", size: str = "vit_b16", batch_size: int = 64, st
             return trainer.train_round([imgs], round_idx=0, steps_per_round=1)
         n_params = sum(p.numel() for p in trainer.model.parameters())
 
+    dtype = MixedPrecision(dev, amp).dtype
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     for _ in range(int(warmup)):
@@ -117,8 +117,8 @@ def measure(method: str = "mae", size: str = "vit_b16", batch_size: int = 64, st
         raise FloatingPointError(f"bench: non-finite loss during the timed steps: {losses}")
     result = {
         "method": method, "size": size, "batch_size": int(batch_size), "steps": int(steps), "warmup": int(warmup),
-        "mask_ratio": None if method == "finetune" else float(mask_ratio), "amp_bf16": amp_dtype(dev, amp) == torch.bfloat16,
-        "amp_dtype": str(amp_dtype(dev, amp)).replace("torch.", "") if amp else "float32",
+        "mask_ratio": None if method == "finetune" else float(mask_ratio), "amp_bf16": dtype == torch.bfloat16,
+        "amp_dtype": str(dtype).replace("torch.", "") if dtype is not None else "float32",
         "device": str(dev), "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or "cpu"),
         "torch": torch.__version__, "parameters": int(n_params), "seconds": round(dt, 4),
         "step_ms": round(1000 * dt / int(steps), 2), "images_per_s": round(int(steps) * int(batch_size) / dt, 1),

@@ -34,7 +34,6 @@ class Seg3DLocalTrainer:
         self.device = torch.device(device)
         self.model = model.to(self.device)
         self.precision = MixedPrecision(self.device, amp)
-        self.amp_dtype = self.precision.dtype
         if self.device.type == "cuda":
             self.model = self.model.to(memory_format=torch.channels_last_3d)
         self.train_volumes, self.val_volumes = list(train_volumes), list(val_volumes)
@@ -93,7 +92,7 @@ class Seg3DLocalTrainer:
             return {"dice": float("nan"), "hd95": float("nan"), "volumes": 0}
         rows = []
         for v in self.val_volumes:
-            pred = predict_volume3d(self.model, v["image"], self.roi_size, device=self.device, amp_dtype=self.amp_dtype)
+            pred = predict_volume3d(self.model, v["image"], self.roi_size, device=self.device, amp_dtype=self.precision.dtype)
             rows.append(volume_metrics(pred, v["label"][0], self.classes, self.pixdim))
         return {**mean_metrics(rows, self.classes), "volumes": len(rows)}
 

@@ -84,8 +84,7 @@ def test_training_curves_reach_the_servers_tensorboard(pretrained):
 
 
 def test_local_and_federated_finetuning_from_fcl(pretrained, data, tmp_path):
-    settings = protocol_settings("quick")
-    settings["epochs"] = 2
+    settings = protocol_settings("quick", epochs=2)  # 2 epochs, no step floor
     sites = load_labelled_sites(data, settings)
     rows = run_protocols(sites, {"FCL": encoder_init(pretrained["global_model"]), "random": "random"}, modes=["local"],
                          n_labelled=[1], folds=[0], settings=settings)

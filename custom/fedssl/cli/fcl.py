@@ -74,7 +74,8 @@ def _finetune_args(s) -> None:
                    help="centralised mode: N annotated patients in total from the pooled sites (paper, FCL Table 3) "
                         "or N from every site")
     s.add_argument("--profile", default=None)
-    s.add_argument("--epochs", type=COUNT, default=None)
+    s.add_argument("--epochs", type=COUNT, default=None, help="fine-tuning epochs, without the profile's step floor "
+                   "(default: the profile's epochs and floor)")
     s.add_argument("--out", required=True)
 
 
@@ -93,7 +94,8 @@ def _table7_args(s) -> None:
     s.add_argument("--sites", type=COUNT, default=3)
     s.add_argument("--rounds", type=COUNT, default=11, help="pre-training rounds (11 include two DP calibrations)")
     s.add_argument("--n", type=COUNT, nargs="+", default=[1, 2, 4, 8])
-    s.add_argument("--epochs", type=COUNT, default=None, help="local fine-tuning epochs (default: the profile's)")
+    s.add_argument("--epochs", type=COUNT, default=None, help="local fine-tuning epochs, without the profile's step floor "
+                   "(default: the profile's epochs and floor)")
     s.add_argument("--data-root", default=None, help="folder with site-* folders (default: synthetic)")
     s.add_argument("--profile", default="quick", help="quick on CPU; paper where a GPU is available")
 
@@ -111,7 +113,8 @@ def _demo_args(s) -> None:
     s.add_argument("--rounds", type=COUNT, default=10, help="FCL pre-training rounds")
     s.add_argument("--ft-rounds", type=COUNT, default=10, help="federated fine-tuning rounds")
     s.add_argument("--n", type=COUNT, nargs="+", default=[1, 2])
-    s.add_argument("--epochs", type=COUNT, default=None, help="local fine-tuning epochs (default: quick profile)")
+    s.add_argument("--epochs", type=COUNT, default=None, help="local fine-tuning epochs, without the step floor "
+                   "(default: the quick profile's epochs and floor)")
 
 
 def _demo(a) -> None:
@@ -133,7 +136,8 @@ def _tables_args(s) -> None:
     s.add_argument("--profile", default="bench")
     s.add_argument("--data-root", default=None, help="folder with site-* folders (default: synthetic ACDC under --out)")
     s.add_argument("--difficulty", type=NON_NEGATIVE_REAL, default=None, help="synthetic data difficulty (default: calibrated)")
-    s.add_argument("--epochs", type=COUNT, default=None, help="fine-tuning epochs (default: the profile's)")
+    s.add_argument("--epochs", type=COUNT, default=None, help="fine-tuning epochs, without the profile's step floor "
+                   "(default: the profile's epochs and floor)")
     s.add_argument("--rounds", type=COUNT, default=None, help="pre-training rounds (default: the profile's)")
     s.add_argument("--workers", type=COUNT, default=2, help="processes for local / centralised fine-tuning cells")
 

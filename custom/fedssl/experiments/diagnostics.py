@@ -132,7 +132,8 @@ def diagnose_acdc(method: str, summary_path: str | None, encoder_state: object,
     projection = _projection_net(encoder_state, features) if is_global else None
     probe_kw = dict(n_labelled=probe_n, fold=fold, features=features, epochs=int(settings["epochs"]),
                     lr=float(settings["lr"]), batch_size=int(settings.get("batch_size", 10)), seed=seed,
-                    device=device, max_steps_per_epoch=settings.get("max_steps_per_epoch"), split_seed=split_seed)
+                    device=device, max_steps_per_epoch=settings.get("max_steps_per_epoch"), split_seed=split_seed,
+                    min_steps=int(settings.get("min_steps", 0)))
     spread, random_spread, proj, rows, random_rows = {}, {}, {}, [], []
     for site in sorted(site_volumes):
         spread[site] = unet_spread(encoder, site_volumes[site], device=device)

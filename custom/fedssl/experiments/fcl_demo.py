@@ -50,12 +50,11 @@ def run_demo(out: str, *, n_sites: int = 3, rounds: int = 10, ft_rounds: int = 1
                          profile="bench", sets=[f"server.scatter_and_gather.num_rounds={rounds}"])
     _say(t0, f"pre-training done in {pre['simulator_wall_time_s']} s")
 
-    settings = protocol_settings("quick")
-    if epochs:
-        settings["epochs"] = epochs
+    settings = protocol_settings("quick", epochs)
     sites = load_labelled_sites(data, settings)
     inits = {"FCL": encoder_init(pre["global_model"]), "random": "random"}
-    _say(t0, f"local fine-tuning: N={list(n_labelled)}, fold {fold}, {settings['epochs']} epochs per site")
+    _say(t0, f"local fine-tuning: N={list(n_labelled)}, fold {fold}, {settings['epochs']} epochs per site"
+              + (f", at least {settings['min_steps']} optimiser steps" if settings["min_steps"] else ""))
     rows = run_protocols(sites, inits, modes=["local"], n_labelled=n_labelled, folds=[fold], settings=settings,
                          progress=lambda r: _say(t0, f"  local {r['method']:<6} N={r['n_labelled']} {r['site']}: Dice {r['dice']:.3f}"))
 

@@ -16,15 +16,24 @@ from fedssl.models.unet import UNet2D, encoder_state_from_global, load_encoder_i
 from fedssl.ops.jobs import load_profile
 
 PAPER_PROTOCOL = {"image_size": 192, "target_spacing": 1.25, "features": [48, 96, 192, 384, 768, 48], "epochs": 200,
-                  "lr": 5e-4, "device": "auto"}
+                  "lr": 5e-4, "device": "auto", "min_steps": 0}
 
 
-def protocol_settings(profile: str | None) -> dict:
+def protocol_settings(profile: str | None, epochs: int | None = None) -> dict:
+    """The fine-tuning settings: the paper's (:data:`PAPER_PROTOCOL`) with the profile's ``finetune`` part on top.
+    ``epochs`` (a command's ``--epochs``) replaces the profile's schedule: that many epochs, and no step floor
+    (``min_steps`` 0), so ``--epochs 1`` is one epoch."""
     settings = dict(PAPER_PROTOCOL)
     if profile:
         settings.update(load_profile(profile).get("finetune", {}))
+    floor = settings["min_steps"]
+    if isinstance(floor, bool) or not isinstance(floor, int) or floor < 0:
+        raise ValueError(f"profile {profile!r}: finetune.min_steps={floor!r} must be a non-negative integer "
+                         "(0 = no floor, the paper's protocol)")
     if settings["device"] == "auto":
         settings["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    if epochs:
+        settings.update(epochs=int(epochs), min_steps=0)
     return settings
 
 
@@ -92,7 +101,8 @@ def run_protocols(
     centralised protocol draws its N annotated patients (default "pooled": N in total, FCL Table 3)."""
     rows: list[dict] = []
     kw = dict(n_labelled=list(n_labelled), folds=list(folds), features=settings["features"], epochs=settings["epochs"],
-              lr=settings["lr"], device=settings["device"], progress=progress)
+              lr=settings["lr"], device=settings["device"], progress=progress,
+              min_steps=int(settings.get("min_steps", 0)))
     if "local" in modes:
         rows += local_finetune(site_volumes, inits, **kw)
     if "centralised" in modes:
@@ -117,9 +127,7 @@ def run_finetune(data_root: str, init_paths: dict[str, str], out: str, *, modes:
         raise ValueError(f"labelled_from={labelled_from!r}: use one of {list(LABELLED_FROM)} (paper, Table 3: 'pooled')")
     from fedssl.eval.report import write_report
 
-    settings = protocol_settings(profile)
-    if epochs:
-        settings["epochs"] = epochs
+    settings = protocol_settings(profile, epochs)
     # the init files first: a bad one is refused before the sites' volumes are loaded
     inits = {name: "random" if path == "random" else encoder_init(path) for name, path in init_paths.items()}
     sites = load_labelled_sites(data_root, settings)

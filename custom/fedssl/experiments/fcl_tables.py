@@ -156,7 +156,8 @@ def finetune_one(key: dict, init: str, data_root: str, settings: dict) -> dict:
     sites = load_sites(data_root, settings)
     start = "random" if init == "random" else encoder_init(init)
     kw = dict(n_labelled=[key["n_labelled"]], folds=[key["fold"]], features=settings["features"],
-              epochs=settings["epochs"], lr=settings["lr"], device=settings["device"])
+              epochs=settings["epochs"], lr=settings["lr"], device=settings["device"],
+              min_steps=int(settings.get("min_steps", 0)))
     if key["stage"] == "local":
         (row,) = local_finetune(sites, {key["method"]: start}, sites=[key["site"]], **kw)
     else:
@@ -245,11 +246,10 @@ def run_fcl_tables(out: str, *, tables: Sequence[int] = TABLES, methods: Sequenc
     sites = list(site_folders(data_root))
     if len(sites) != n_sites:
         raise ValueError(f"{data_root} holds {len(sites)} site folders {sites}, not n_sites={n_sites}")
-    settings = protocol_settings(profile)
-    if epochs:
-        settings["epochs"] = epochs
+    settings = protocol_settings(profile, epochs)
     check_run_config(out, {"profile": profile, "data_root": data_root, "difficulty": difficulty, "n_sites": n_sites,
-                            "epochs": settings["epochs"], "rounds": rounds})
+                            "epochs": settings["epochs"], "min_steps": int(settings.get("min_steps", 0)),
+                            "rounds": rounds})
     store = CellStore(os.path.join(out, "cells.jsonl"))
 
     pre_cells = pretrain_cells(methods)

@@ -82,9 +82,7 @@ def run_table7(out: str, *, n_sites: int = 3, rounds: int = 11, n_labelled=(1, 2
         data_root = os.path.join(out, "data", "acdc")
         if not os.path.isdir(data_root):
             write_synthetic_acdc(data_root, n_patients=10 * n_sites, n_sites=n_sites, seed=0)
-    settings = protocol_settings(profile)
-    if epochs:
-        settings["epochs"] = epochs
+    settings = protocol_settings(profile, epochs)
     sites = load_labelled_sites(data_root, settings)
     rows = []
     for name, job, sets in ROWS:

@@ -37,7 +37,7 @@ from fedssl.eval.segmentation import ACDC_CLASSES, dice_per_volume, mean_dice
 from fedssl.models.unet import ENCODER_MODULES
 from fedssl.models.vit import ViTClassifier, load_pretrained_encoder
 from fedssl.train.protocol import local_split
-from fedssl.train.segmentation import SegmentationTrainer, init_unet, steps_per_epoch
+from fedssl.train.segmentation import SegmentationTrainer, epochs_with_floor, init_unet, steps_per_epoch
 
 
 class FrozenEncoderUNet(nn.Module):
@@ -84,21 +84,24 @@ class DecoderTrainer(SegmentationTrainer):
 def frozen_encoder_probe(site_volumes: Mapping[str, Sequence[Volume]], init: object, *, site: str, n_labelled: int,
                          fold: int, features: Sequence[int], epochs: int, batch_size: int = 10, lr: float = 5e-4,
                          seed: int = 0, device: str | torch.device = "cpu", max_steps_per_epoch: int | None = None,
-                         n_folds: int = 5, split_seed: int = 0, method: str = "") -> dict:
+                         n_folds: int = 5, split_seed: int = 0, method: str = "", min_steps: int = 0) -> dict:
     """Train only the decoder of a U-Net whose encoder is ``init`` (``"random"`` or an encoder state dict, as
     :func:`fedssl.train.segmentation.init_unet`) on the ``n_labelled`` patients of ``site`` in ``fold``; Dice on the
     fold's validation patients of all sites.  One row, as the local protocol's, with ``"mode": "probe"``::
 
         {"method", "mode", "n_labelled", "fold", "site", "dice", "RV", "MYO", "LV", "train_patients",
-         "n_train_volumes", "val_patients", "n_val_volumes", "final_loss"}
+         "n_train_volumes", "val_patients", "n_val_volumes", "final_loss", "epochs"}
 
     The decoder's initial weights come from ``seed`` (identical for every ``init``), the batches and augmentations
     from ``site_seed(seed, site)``, so two encoders probed with the same arguments see the same data in the same
-    order and start from the same decoder."""
+    order and start from the same decoder.  ``min_steps``: the step floor of the fine-tuning protocol
+    (:func:`fedssl.train.segmentation.epochs_with_floor`)."""
     train_ids, train_vols, val_ids, val_vols = local_split(site_volumes, site, n_labelled, fold, n_folds=n_folds,
                                                            split_seed=split_seed)
     model = FrozenEncoderUNet(init_unet(init, features=features, seed=seed))
-    total = epochs * steps_per_epoch(train_vols, batch_size, max_steps_per_epoch)
+    per_epoch = steps_per_epoch(train_vols, batch_size, max_steps_per_epoch)
+    epochs = epochs_with_floor(epochs, per_epoch, min_steps)
+    total = epochs * per_epoch
     trainer = DecoderTrainer(model, lr=lr, batch_size=batch_size, total_steps=total, seed=site_seed(seed, site),
                              device=device)
     losses = [trainer.train_epoch(train_vols, max_steps=max_steps_per_epoch) for _ in range(epochs)]
@@ -106,7 +109,7 @@ def frozen_encoder_probe(site_volumes: Mapping[str, Sequence[Volume]], init: obj
     return {"method": method, "mode": "probe", "n_labelled": int(n_labelled), "fold": int(fold), "site": site,
             "dice": summary["mean"], **{name: summary[name] for name in ACDC_CLASSES.values()},
             "train_patients": train_ids, "n_train_volumes": len(train_vols), "val_patients": val_ids,
-            "n_val_volumes": len(val_vols), "final_loss": losses[-1]}
+            "n_val_volumes": len(val_vols), "final_loss": losses[-1], "epochs": len(losses)}
 
 
 def _pooled(model: nn.Module, dataset: ImageDataset, batch_size: int, device: str | torch.device

@@ -133,8 +133,10 @@ def _finetune_and_evaluate(
     data_seed: int,
     device: str | torch.device,
     max_steps_per_epoch: int | None,
+    min_steps: int = 0,
 ) -> dict:
-    """Initialise from ``seed`` (model), train with batches and augmentations from ``data_seed``, evaluate."""
+    """Initialise from ``seed`` (model), train with batches and augmentations from ``data_seed``, evaluate;
+    ``epochs`` in the row is the number run (more than asked where ``min_steps`` lifted it)."""
     unet = init_unet(init, features=features, seed=seed)  # type: ignore[arg-type]
     losses = train_segmentation(
         unet,
@@ -145,9 +147,11 @@ def _finetune_and_evaluate(
         seed=data_seed,
         device=device,
         max_steps_per_epoch=max_steps_per_epoch,
+        min_steps=min_steps,
     )
     out = _dice_fields(unet, val_volumes, device)
     out["final_loss"] = losses[-1]
+    out["epochs"] = len(losses)
     return out
 
 
@@ -190,6 +194,7 @@ def local_finetune(
     progress: Progress | None = None,
     n_folds: int = 5,
     split_seed: int = 0,
+    min_steps: int = 0,
     sites: Sequence[str] | None = None,
 ) -> list[dict]:
     """Local fine-tuning (FCL (Wu et al., MedIA 2022) Table 1): each site fine-tunes alone on its N annotated patients.
@@ -200,9 +205,10 @@ def local_finetune(
     fold's validation patients of ALL sites, pooled. One row per run::
 
         {"method", "mode": "local", "n_labelled", "fold", "site", "dice", "RV", "MYO", "LV",
-         "train_patients", "n_train_volumes", "val_patients", "n_val_volumes", "final_loss"}
+         "train_patients", "n_train_volumes", "val_patients", "n_val_volumes", "final_loss", "epochs"}
 
-    ``progress(row)`` is called after every run.  ``sites``: only these sites fine-tune (default all); the
+    ``epochs`` epochs each, or more up to ``min_steps`` optimiser steps (0 = the paper's protocol; the row's
+    ``epochs`` is the number run).  ``progress(row)`` is called after every run.  ``sites``: only these sites fine-tune (default all); the
     validation still pools every site's validation patients, so one site's run is the same as in a full run.
     """
     _check_common(n_labelled, folds, inits)
@@ -211,7 +217,7 @@ def local_finetune(
     if unknown:
         raise ValueError(f"sites={list(sites)}: {unknown} not among the sites {sorted(patients)}")
     train_kw = dict(features=features, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, device=device,
-                    max_steps_per_epoch=max_steps_per_epoch)
+                    max_steps_per_epoch=max_steps_per_epoch, min_steps=min_steps)
     rows: list[dict] = []
     for fold in folds:
         split = _fold_split(patients, fold, n_folds, split_seed)
@@ -241,6 +247,7 @@ def centralised_finetune(
     progress: Progress | None = None,
     n_folds: int = 5,
     split_seed: int = 0,
+    min_steps: int = 0,
     labelled_from: Literal["pooled", "per_site"] = "pooled",
 ) -> list[dict]:
     """Centralised fine-tuning (FCL (Wu et al., MedIA 2022) Table 3): all data combined, one model per method, N and fold.
@@ -261,7 +268,7 @@ def centralised_finetune(
     patients = _site_patients(site_volumes)
     all_patients = {pid: vols for site in patients.values() for pid, vols in site.items()}
     train_kw = dict(features=features, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, device=device,
-                    max_steps_per_epoch=max_steps_per_epoch)
+                    max_steps_per_epoch=max_steps_per_epoch, min_steps=min_steps)
     rows: list[dict] = []
     for fold in folds:
         split = _fold_split(patients, fold, n_folds, split_seed)

@@ -225,6 +225,20 @@ def steps_per_epoch(volumes: Sequence[Volume], batch_size: int, max_steps_per_ep
     return min(steps, max_steps_per_epoch) if max_steps_per_epoch is not None else steps
 
 
+def epochs_with_floor(epochs: int, per_epoch: int, min_steps: int = 0) -> int:
+    """``epochs``, or more whole epochs where ``epochs`` x ``per_epoch`` optimiser steps fall short of ``min_steps``.
+
+    The floor is for small label budgets on a shortened schedule: the paper's 200 epochs give one annotated patient
+    (about 2 steps an epoch) some 400 steps, and a CPU schedule of 60 epochs only 120; a floor restores the small-N
+    runs without lengthening the large-N ones, which dominate the cost.  0 = no floor (the paper's protocol)."""
+    if isinstance(min_steps, bool) or not isinstance(min_steps, int) or min_steps < 0:
+        raise ValueError(f"min_steps={min_steps!r}: must be a non-negative integer (0 = no floor, the paper's "
+                         "protocol)")
+    if per_epoch <= 0:
+        raise ValueError(f"per_epoch={per_epoch!r}: an epoch must take at least one step (no labelled slices?)")
+    return max(int(epochs), -(-min_steps // per_epoch))
+
+
 def train_segmentation(
     unet: nn.Module,
     volumes: Sequence[Volume],
@@ -236,13 +250,16 @@ def train_segmentation(
     device: str | torch.device = "cpu",
     max_steps_per_epoch: int | None = None,
     progress: Callable[[int, float], None] | None = None,
+    min_steps: int = 0,
 ) -> list[float]:
     """Fine-tune ``unet`` on all slices of the labelled ``volumes`` for ``epochs`` epochs (FCL (Wu et al., MedIA 2022)
-    section 5: 200 epochs, Adam, batch 10, lr 0.0005, cosine over all steps). Returns the mean loss of
-    every epoch; ``progress(epoch, loss)`` (1-based epoch) is called after each one."""
+    section 5: 200 epochs, Adam, batch 10, lr 0.0005, cosine over all steps), or more whole epochs up to
+    ``min_steps`` optimiser steps (:func:`epochs_with_floor`; 0 = none, the paper's). Returns the mean loss of
+    every epoch run; ``progress(epoch, loss)`` (1-based epoch) is called after each one."""
     if epochs <= 0:
         raise ValueError(f"epochs={epochs}: must be a positive integer (paper: 200)")
     per_epoch = steps_per_epoch(volumes, batch_size, max_steps_per_epoch)
+    epochs = epochs_with_floor(epochs, per_epoch, min_steps)
     trainer = SegmentationTrainer(
         unet, lr=lr, batch_size=batch_size, total_steps=epochs * per_epoch, seed=seed, device=device
     )

@@ -47,3 +47,19 @@ def test_bad_labelled_from_is_refused_before_any_file_is_read(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["fcl", "finetune", "--data-root", "x", "--init", "r=random", "--out", "o", "--labelled-from", "site"])
     assert "invalid choice: 'site' (choose from 'pooled', 'per_site')" in capsys.readouterr().err
+
+
+def test_the_fine_tuning_step_floor_comes_from_the_profile_and_an_explicit_epochs_drops_it(tmp_path):
+    from fedssl.experiments.fcl_finetune import protocol_settings
+
+    assert protocol_settings(None)["min_steps"] == 0  # the paper's protocol: 200 epochs, no floor
+    quick = protocol_settings("quick")
+    assert (quick["epochs"], quick["min_steps"]) == (60, 240)
+    assert protocol_settings("bench")["min_steps"] == 240  # bench extends quick's fine-tuning
+    one = protocol_settings("quick", 1)
+    assert (one["epochs"], one["min_steps"]) == (1, 0)  # --epochs 1 is one epoch
+    for bad in (-5, 2.5, True, "240"):
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps({"finetune": {"min_steps": bad}}))
+        with pytest.raises(ValueError, match=r"finetune.min_steps=.*non-negative integer"):
+            protocol_settings(str(path))

@@ -91,6 +91,9 @@ def test_the_probe_uses_the_local_protocols_split_and_row():
     for key in ("train_patients", "val_patients", "n_train_volumes", "n_val_volumes", "n_labelled", "fold", "site"):
         assert row[key] == local[key], key
     assert set(row) == set(local)
+    # the fine-tuning protocol's step floor holds for the probe too: 4 slices at batch 2 = 2 steps an epoch, so a
+    # floor of 9 steps turns KW's 2 epochs into 5
+    assert row["epochs"] == 2 and frozen_encoder_probe(sv, "random", **{**KW, "min_steps": 9})["epochs"] == 5
     with pytest.raises(ValueError, match="site='site-9' is not among"):
         frozen_encoder_probe(sv, "random", **{**KW, "site": "site-9"})
 

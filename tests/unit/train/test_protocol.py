@@ -45,6 +45,19 @@ def _inits() -> dict[str, object]:
 KW = dict(n_labelled=[1], folds=[0], features=TINY_FEATURES, epochs=1, batch_size=4, max_steps_per_epoch=1)
 
 
+def test_the_step_floor_lifts_the_small_label_budgets_and_the_row_says_so():
+    """Each labelled patient has 2 volumes x 2 slices = 4 slices, 1 step an epoch at batch 4: a floor of 3 steps
+    runs N=1 for 3 epochs and leaves N=4 (4 steps an epoch) at its 1 epoch."""
+    kw = dict(KW, n_labelled=[1, 4], max_steps_per_epoch=None, min_steps=3)
+    rows = local_finetune(_site_volumes(), {"random": "random"}, sites=["site-1"], **kw)
+    assert {r["n_labelled"]: r["epochs"] for r in rows} == {1: 3, 4: 1}
+    (row,) = centralised_finetune(_site_volumes(), {"random": "random"}, **dict(kw, n_labelled=[1]))
+    assert row["epochs"] == 3
+    (plain,) = local_finetune(_site_volumes(), {"random": "random"}, sites=["site-1"], **dict(kw, n_labelled=[1],
+                                                                                              min_steps=0))
+    assert plain["epochs"] == 1
+
+
 def test_group_by_patient():
     groups = group_by_patient(_site_volumes()["site-1"])
     assert len(groups) == PER_SITE and all(sorted(v.phase for v in vs) == ["ED", "ES"] for vs in groups.values())

@@ -10,7 +10,13 @@ import torch
 
 from fedssl.data.volume import Volume
 from fedssl.core.trainer import StopRequested
-from fedssl.train.segmentation import SegmentationLocalTrainer, SegmentationTrainer, init_unet, train_segmentation
+from fedssl.train.segmentation import (
+    SegmentationLocalTrainer,
+    SegmentationTrainer,
+    epochs_with_floor,
+    init_unet,
+    train_segmentation,
+)
 from fedssl.models.unet import TINY_FEATURES, UNetEncoder, build_unet
 
 torch.set_num_threads(1)
@@ -70,6 +76,24 @@ def test_training_reduces_loss():
     )
     assert len(losses) == 8 and [e for e, _ in seen] == list(range(1, 9))
     assert np.mean(losses[-2:]) < losses[0]
+
+
+def test_the_step_floor_adds_whole_epochs_only_where_the_schedule_falls_short():
+    assert epochs_with_floor(60, 2, 0) == 60  # no floor: the paper's protocol
+    assert epochs_with_floor(60, 2, 240) == 120  # one patient: 2 steps an epoch -> 120 epochs for 240 steps
+    assert epochs_with_floor(60, 3, 240) == 80  # 3 x 80 = 240
+    assert epochs_with_floor(60, 7, 240) == 60  # 420 steps already: unchanged
+    assert epochs_with_floor(60, 5, 301) == 61  # rounds up to a whole epoch (305 steps)
+    for bad in (-1, 2.5, True, "240"):
+        with pytest.raises(ValueError, match=r"min_steps=.*non-negative integer"):
+            epochs_with_floor(60, 2, bad)
+
+
+def test_train_segmentation_runs_to_the_step_floor():
+    vols = [_phantom("p1", "ED", seed=1)]  # 4 slices, batch 2 -> 2 steps an epoch
+    unet = init_unet("random", features=TINY_FEATURES, seed=0)
+    assert len(train_segmentation(unet, vols, epochs=1, batch_size=2, lr=1e-3, min_steps=7)) == 4  # 8 >= 7 steps
+    assert len(train_segmentation(unet, vols, epochs=3, batch_size=2, lr=1e-3, min_steps=4)) == 3  # 6 >= 4 already
 
 
 def test_trainer_schedule_and_state_round_trip():

@@ -318,8 +318,10 @@ def _write(out: str, table: int, rows: list[dict], methods, n_labelled, folds, p
     if table == 2:
         notes = [f"fine-tuning: jobs/fcl_acdc_finetune in the FLARE simulator, rounds and local epochs of profile {profile}"]
     else:
-        notes = [f"fine-tuning: {settings['epochs']} epochs, {settings['image_size']} px at "
-                 f"{settings['target_spacing']} mm, U-Net {settings['features']}"]
+        floor = int(settings.get("min_steps", 0))
+        notes = [f"fine-tuning: {settings['epochs']} epochs"
+                 + (f" (at least {floor} optimiser steps: more epochs where N is small)" if floor else "")
+                 + f", {settings['image_size']} px at {settings['target_spacing']} mm, U-Net {settings['features']}"]
     if "Local CL" in methods:
         notes.append(LOCAL_CL_NOTE)
     if "random" in methods and "FCL" in methods and mode != "centralised":

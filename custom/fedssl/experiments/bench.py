@@ -84,11 +84,10 @@ def measure(method: str = "mae", size: str = "vit_b16", batch_size: int = 64, st
     imgs = torch.randn(int(batch_size), 3, img, img, device=dev)
     labels = torch.randint(0, 2, (int(batch_size),), device=dev)
 
+    precision = MixedPrecision(dev, amp)  # the trainers' own autocast and (float16) gradient scaling
     if method == "finetune":
         model = model_or_trainer
         model.train()
-
-        precision = MixedPrecision(dev, amp)  # the trainers' own autocast and (float16) gradient scaling
 
         def one_step() -> float:
             with precision.autocast():
@@ -103,7 +102,7 @@ def measure(method: str = "mae", size: str = "vit_b16", batch_size: int = 64, st
             return trainer.train_round([imgs], round_idx=0, steps_per_round=1)
         n_params = sum(p.numel() for p in trainer.model.parameters())
 
-    dtype = MixedPrecision(dev, amp).dtype
+    dtype = precision.dtype
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     for _ in range(int(warmup)):

@@ -102,7 +102,7 @@ def run_protocols(
     rows: list[dict] = []
     kw = dict(n_labelled=list(n_labelled), folds=list(folds), features=settings["features"], epochs=settings["epochs"],
               lr=settings["lr"], device=settings["device"], progress=progress,
-              min_steps=int(settings.get("min_steps", 0)))
+              min_steps=settings["min_steps"])
     if "local" in modes:
         rows += local_finetune(site_volumes, inits, **kw)
     if "centralised" in modes:

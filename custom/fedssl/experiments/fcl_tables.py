@@ -157,7 +157,7 @@ def finetune_one(key: dict, init: str, data_root: str, settings: dict) -> dict:
     start = "random" if init == "random" else encoder_init(init)
     kw = dict(n_labelled=[key["n_labelled"]], folds=[key["fold"]], features=settings["features"],
               epochs=settings["epochs"], lr=settings["lr"], device=settings["device"],
-              min_steps=int(settings.get("min_steps", 0)))
+              min_steps=settings["min_steps"])
     if key["stage"] == "local":
         (row,) = local_finetune(sites, {key["method"]: start}, sites=[key["site"]], **kw)
     else:
@@ -248,7 +248,7 @@ def run_fcl_tables(out: str, *, tables: Sequence[int] = TABLES, methods: Sequenc
         raise ValueError(f"{data_root} holds {len(sites)} site folders {sites}, not n_sites={n_sites}")
     settings = protocol_settings(profile, epochs)
     check_run_config(out, {"profile": profile, "data_root": data_root, "difficulty": difficulty, "n_sites": n_sites,
-                            "epochs": settings["epochs"], "min_steps": int(settings.get("min_steps", 0)),
+                            "epochs": settings["epochs"], "min_steps": settings["min_steps"],
                             "rounds": rounds})
     store = CellStore(os.path.join(out, "cells.jsonl"))
 
@@ -318,7 +318,7 @@ def _write(out: str, table: int, rows: list[dict], methods, n_labelled, folds, p
     if table == 2:
         notes = [f"fine-tuning: jobs/fcl_acdc_finetune in the FLARE simulator, rounds and local epochs of profile {profile}"]
     else:
-        floor = int(settings.get("min_steps", 0))
+        floor = settings["min_steps"]
         notes = [f"fine-tuning: {settings['epochs']} epochs"
                  + (f" (at least {floor} optimiser steps: more epochs where N is small)" if floor else "")
                  + f", {settings['image_size']} px at {settings['target_spacing']} mm, U-Net {settings['features']}"]

@@ -160,7 +160,7 @@ def _tiny_sites() -> dict[str, list[Volume]]:
 def test_same_split_for_every_method(monkeypatch):
     """The real fine-tuning cell: which patients train and validate depends on (fold, N, site), not the method."""
     monkeypatch.setattr(fcl_tables, "load_sites", lambda data_root, settings: _tiny_sites())
-    settings = {"features": TINY_FEATURES, "epochs": 1, "lr": 1e-3, "device": "cpu"}
+    settings = {"features": TINY_FEATURES, "epochs": 1, "lr": 1e-3, "device": "cpu", "min_steps": 0}
     for stage, site in (("local", "site-2"), ("centralised", None)):
         seen = []
         for method in ("random", "FCL"):

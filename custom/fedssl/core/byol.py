@@ -103,7 +103,7 @@ class BYOLTrainer:
         spread = SpreadMeter()
         lr = self.cfg.lr
         for step, x in enumerate(batches):
-            x = x.to(self.device)
+            x = x.to(self.device, non_blocking=True)
             lr = cosine_lr(self.cfg.lr, (round_idx * steps_per_round + step) / (self.cfg.num_rounds * steps_per_round))
             for g in self.optimizer.param_groups:
                 g["lr"] = lr

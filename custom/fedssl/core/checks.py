@@ -21,3 +21,12 @@ def require_amp(name: str, amp: object) -> None:
     """A trainer's ``amp`` switch (:class:`fedssl.core.trainer.MixedPrecision`) is true or false."""
     require(isinstance(amp, bool), name, "amp", amp, "use true or false (true: bfloat16 autocast on GPUs that "
             "support it, float16 with a gradient scaler on older ones, no effect on a CPU; false: float32)")
+
+
+WORKERS_FIX = ("use 0 (build the batches in the training process) or a positive number of DataLoader worker "
+               "processes (the batches are the same either way; on a GPU site e.g. 4)")
+
+
+def require_workers(name: str, workers: object) -> None:
+    """A trainer's ``workers`` switch (:func:`fedssl.data.loading.load_batches`) is an int >= 0."""
+    require_int(name, "workers", workers, 0, WORKERS_FIX)

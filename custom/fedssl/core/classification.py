@@ -323,7 +323,7 @@ class ClassifierTrainer:
             lr = self.lr_at(round_idx + i / n_steps)
             for g in self.optimizer.param_groups:
                 g["lr"] = lr * g["lr_scale"]
-            x, y = x.to(self.device), y.to(self.device)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             with self.precision.autocast():
                 logits = model(x)
             loss = F.cross_entropy(logits.float(), y, label_smoothing=self.label_smoothing)

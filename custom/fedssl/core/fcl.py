@@ -104,8 +104,8 @@ class FCLTrainer:
         spread = SpreadMeter()
         for step, (x, part) in enumerate(batches):
             v, s = int(x.shape[0]), int(x.shape[1])
-            x = x.to(self.device).reshape(v * s, *x.shape[2:])  # [V*S, 1, H, W], volume-major
-            part = part.to(self.device).reshape(v * s)
+            x = x.to(self.device, non_blocking=True).reshape(v * s, *x.shape[2:])  # [V*S, 1, H, W], volume-major
+            part = part.to(self.device, non_blocking=True).reshape(v * s)
             lr = cosine_lr(cfg.lr, (round_idx * steps_per_round + step) / (cfg.num_rounds * steps_per_round))
             for g in self.optimizer.param_groups:
                 g["lr"] = lr

@@ -234,7 +234,7 @@ class FedCLFTrainer:
             lr = cosine_lr(cfg.lr, (round_idx * steps_per_round + step) / (cfg.num_rounds * steps_per_round))
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
-            v1, v2 = v1.to(self.device), v2.to(self.device)
+            v1, v2 = v1.to(self.device, non_blocking=True), v2.to(self.device, non_blocking=True)
             if cfg.method == "moco":
                 loss = self._moco_step(v1, v2, queue, remote, spread)
             elif cfg.method == "simclr":

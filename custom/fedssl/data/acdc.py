@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from fedssl.data.loading import load_batches
 from fedssl.data.volume import Volume, read_nifti
 
 __all__ = [
@@ -510,14 +511,15 @@ class PartitionSampleDataset(Dataset):
         n = len(self) // max(1, volumes_per_batch)
         return min(n, max_batches) if max_batches else n
 
-    def batches(self, volumes_per_batch: int, epoch: int, max_batches: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """One epoch of shuffled batches ``(x [V, S, 1, H, W], part [V, S])``, reproducible from (seed, epoch)."""
+    def batches(self, volumes_per_batch: int, epoch: int, max_batches: int = 0, *, workers: int = 0,
+                pin_memory: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """One epoch of shuffled batches ``(x [V, S, 1, H, W], part [V, S])``, reproducible from (seed, epoch);
+        ``workers`` / ``pin_memory``: :func:`fedssl.data.loading.load_batches` (the same batches)."""
         self.set_epoch(epoch)
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self))
         v = max(1, volumes_per_batch)
-        for b in range(self.n_batches(v, max_batches)):
-            items = [self[int(i)] for i in order[b * v : (b + 1) * v]]
-            yield torch.stack([x for x, _ in items]), torch.stack([p for _, p in items])
+        yield from load_batches(self, [order[b * v : (b + 1) * v] for b in range(self.n_batches(v, max_batches))],
+                                workers=workers, pin_memory=pin_memory)
 
     def slice_indices(self, index: int) -> np.ndarray:
         """The slice index drawn from each partition for item ``index`` in the current epoch."""

@@ -71,6 +71,8 @@ import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import Dataset
 
+from fedssl.data.loading import load_batches
+
 __all__ = [
     "NIH_RAW_CLASSES",
     "NIH_CLASSES",
@@ -684,6 +686,12 @@ class CXRDataset(Dataset):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
+    def warm(self) -> None:
+        """Load and cache every image now (``cache=True``), e.g. before DataLoader workers fork."""
+        if self.cache:
+            for i in range(len(self)):
+                self.gray(i)
+
     def gray(self, index: int) -> np.ndarray:
         """The cached uint8 [S, S] image of item ``index`` (no augmentation)."""
         if index in self._cache:
@@ -725,14 +733,16 @@ def n_batches(dataset: Dataset, batch_size: int, drop_last: bool = False, max_ba
 
 
 def batches(dataset: Dataset, batch_size: int, seed: int = 0, epoch: int = 0, shuffle: bool = True,
-            drop_last: bool = False, max_batches: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """One epoch of ``(x [B, 3, S, S], y [B, C])`` in the calling process (no DataLoader workers);
-    the order (when ``shuffle``) and the augmentation are reproducible from (seed, epoch)."""
+            drop_last: bool = False, max_batches: int = 0, *, workers: int = 0,
+            pin_memory: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """One epoch of ``(x [B, 3, S, S], y [B, C])``; the order (when ``shuffle``) and the augmentation are
+    reproducible from (seed, epoch). ``workers`` / ``pin_memory``: :func:`fedssl.data.loading.load_batches`
+    (the same batches from worker processes)."""
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r}: use a positive int (paper 64)")
     if hasattr(dataset, "set_epoch"):
         dataset.set_epoch(epoch)
     order = np.random.default_rng([seed, epoch]).permutation(len(dataset)) if shuffle else np.arange(len(dataset))
-    for b in range(n_batches(dataset, batch_size, drop_last, max_batches)):
-        items = [dataset[int(i)] for i in order[b * batch_size:(b + 1) * batch_size]]
-        yield torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
+    yield from load_batches(dataset, [order[b * batch_size:(b + 1) * batch_size]
+                                      for b in range(n_batches(dataset, batch_size, drop_last, max_batches))],
+                            workers=workers, pin_memory=pin_memory)

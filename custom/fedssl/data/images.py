@@ -59,6 +59,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from fedssl.data.loading import collate_labelled, load_batches
+
 __all__ = [
     "DATASETS",
     "SSLFL_DATASETS",
@@ -447,6 +449,12 @@ class ImageDataset(Dataset):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
+    def warm(self) -> None:
+        """Decode and cache every image now (``cache=True``), e.g. before DataLoader workers fork."""
+        if self.cache:
+            for i in range(len(self)):
+                self.raw(i)
+
     def cached(self) -> int:
         """Number of decoded images held in memory."""
         return len(self._cache)
@@ -560,17 +568,18 @@ def batch_bounds(n: int, batch_size: int, drop_last: bool = False, fold_single: 
 
 
 def batches(dataset: Dataset, batch_size: int, seed: int, epoch: int,
-            drop_last: bool = False, fold_single: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Shuffled mini-batches ``(x [B, ...], y LongTensor [B])`` of ``dataset`` for one epoch, in the main
-    process (no DataLoader workers). The order depends only on ``(seed, epoch)``; datasets with a
-    ``set_epoch`` method get ``epoch`` first, so their augmentation is reproducible too.  ``fold_single``: see
-    :func:`batch_bounds`."""
+            drop_last: bool = False, fold_single: bool = False, *, workers: int = 0,
+            pin_memory: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Shuffled mini-batches ``(x [B, ...], y LongTensor [B])`` of ``dataset`` for one epoch. The order depends
+    only on ``(seed, epoch)``; datasets with a ``set_epoch`` method get ``epoch`` first, so their augmentation is
+    reproducible too.  ``fold_single``: see :func:`batch_bounds`.  ``workers`` / ``pin_memory``:
+    :func:`fedssl.data.loading.load_batches` (the same batches from worker processes)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r}: must be a positive integer")
     if hasattr(dataset, "set_epoch"):
         dataset.set_epoch(epoch)
     n = len(dataset)
     order = np.random.default_rng([int(seed), int(epoch)]).permutation(n)
-    for start, stop in batch_bounds(n, batch_size, drop_last, fold_single):
-        items = [dataset[int(i)] for i in order[start:stop]]
-        yield torch.stack([x for x, _ in items]), torch.tensor([int(y) for _, y in items], dtype=torch.long)
+    yield from load_batches(dataset, [order[start:stop] for start, stop in batch_bounds(n, batch_size, drop_last,
+                                                                                       fold_single)],
+                            workers=workers, pin_memory=pin_memory, collate_fn=collate_labelled)

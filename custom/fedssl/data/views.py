@@ -92,6 +92,10 @@ class TwoViewDataset(torch.utils.data.Dataset):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
+    def warm(self) -> None:
+        """Decode and cache every image now, e.g. before DataLoader workers fork."""
+        self.images.warm()
+
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         img = torch.from_numpy(self.images.raw(index)).permute(2, 0, 1).float().div_(255.0)
         g = np.random.default_rng([self.seed, self.epoch, index])

@@ -957,6 +957,12 @@ class VLPDataset(Dataset):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
+    def warm(self) -> None:
+        """Decode and cache every image now (``cache=True``), e.g. before DataLoader workers fork."""
+        if self.cache:
+            for i in range(len(self)):
+                self.raw(i)
+
     def raw(self, index: int) -> np.ndarray:
         """The decoded uint8 image, shorter edge ``image_size``: ``[H, W]`` grey or ``[H, W, 3]`` RGB."""
         img = self._cache.get(index)

@@ -21,7 +21,7 @@ from nvflare.apis.shareable import Shareable
 from nvflare.apis.signal import Signal
 
 from fedssl.core.byol import FCLOPT_LR, BYOLConfig
-from fedssl.core.checks import require, require_choice, require_amp, require_int
+from fedssl.core.checks import require, require_choice, require_amp, require_int, require_workers
 from fedssl.core.ptnu import uploads_target
 from fedssl.core.trainer import RoundStats
 from fedssl.data.acdc import load_site
@@ -34,7 +34,7 @@ from fedssl.train.byol import BYOLLocalTrainer
 
 #: the executor arguments that go to the trainer as they are
 TRAINER_ARGS = ("n_partitions", "features", "proj_dim", "pred_hidden", "batch_size", "lr", "momentum", "m_d",
-                "symmetric", "max_ptnu_iterations", "max_steps_per_round", "seed", "amp")
+                "symmetric", "max_ptnu_iterations", "max_steps_per_round", "seed", "amp", "workers")
 
 
 class BYOLExecutor(TrainerExecutor):
@@ -62,6 +62,7 @@ class BYOLExecutor(TrainerExecutor):
         seed: int = 0,
         device: str = "auto",
         amp: bool = False,
+        workers: int = 0,
     ):
         """Paper settings as defaults (FCL (Wu et al., MedIA 2022) section 5, "Training details"): lr 0.5 cosine
         (FCLOpt and its PTNU / DP variants; FedBYOL: 0.05, the paper's general rate), m 0.99, m_d 0.995, batch 32
@@ -69,7 +70,8 @@ class BYOLExecutor(TrainerExecutor):
         (``symmetric=True``: Grill et al.'s sum over both directions).  ``seed`` is the job seed: the model starts
         from it, the site's data-side draws from ``fedssl.core.seeds.site_seed(seed, site name)``.  ``frames``:
         "all" (the default) pre-trains on every frame of each 4D cine, as FCL (sec. 5.1); "ed_es" on the two
-        labelled frames only."""
+        labelled frames only.  ``workers``: DataLoader worker processes that build the next batches (0 = in the
+        training process; the same batches either way), pinned on a CUDA device."""
         super().__init__()
         name = type(self).__name__
         require_unet_args(name, features, image_size)
@@ -87,6 +89,8 @@ class BYOLExecutor(TrainerExecutor):
         self.batch_size, self.lr, self.momentum, self.m_d, self.symmetric = batch_size, lr, momentum, m_d, symmetric
         self.max_ptnu_iterations, self.max_steps_per_round = max_ptnu_iterations, max_steps_per_round
         require_amp(type(self).__name__, amp)
+        require_workers(name, workers)
+        self.workers = workers
         self.seed, self.device, self.amp = seed, device, amp
         self.global_online: dict | None = None  # DP: kept from report_distance for this round's train
         self.mode: str | None = None  # this round's mode and PTNU iterations (None: no PTNU)

@@ -50,7 +50,7 @@ class ClassifierExecutor(TrainerExecutor):
                  weight_decay: float = 0.05, label_fraction: float = 1.0, val_fraction: float = 0.1,
                  fedprox_mu: float = 0.0, label_smoothing: float = 0.0, layer_decay: float = 0.65,
                  max_steps_per_epoch: int = 0, eval_batch_size: int = 256, seed: int = 0, device: str = "auto",
-                 amp: bool = False):
+                 amp: bool = False, workers: int = 0):
         """Args (paper settings as defaults: SSL-FL fine-tuning, 100 rounds, lr 3e-3, batch 256, 64 for COVID-FL):
         the settings of :class:`fedssl.train.classifier.ClassifierLocalTrainer` (documented there), plus
             data_root: the site's data folder ("" = the site's fedssl_site.json or FEDSSL_DATA_ROOT); ``{site}``

@@ -24,7 +24,7 @@ from __future__ import annotations
 from nvflare.apis.dxo import DXO
 from nvflare.apis.fl_context import FLContext
 
-from fedssl.core.checks import require, require_choice, require_amp, require_int
+from fedssl.core.checks import require, require_choice, require_amp, require_int, require_workers
 from fedssl.core.fcl import FCLConfig
 from fedssl.core.trainer import RoundStats
 from fedssl.data.acdc import load_site
@@ -36,7 +36,7 @@ from fedssl.train.fcl import FCLLocalTrainer
 
 #: the executor arguments that go to the trainer as they are
 TRAINER_ARGS = ("n_partitions", "features", "proj_dim", "batch_size", "lr", "tau", "momentum", "bank_size",
-                "negative_sampling", "structural_matching", "plain_moco", "max_steps_per_round", "seed", "amp")
+                "negative_sampling", "structural_matching", "plain_moco", "max_steps_per_round", "seed", "amp", "workers")
 
 
 class FCLExecutor(TrainerExecutor):
@@ -66,6 +66,7 @@ class FCLExecutor(TrainerExecutor):
         seed: int = 0,
         device: str = "auto",
         amp: bool = False,
+        workers: int = 0,
     ):
         """
         Args (paper settings as defaults, FCL (Wu et al., MedIA 2022) section 5):
@@ -80,6 +81,9 @@ class FCLExecutor(TrainerExecutor):
             max_steps_per_round: 0 = one full local epoch; > 0 caps the steps (quick CPU profile).
             amp: bfloat16 autocast of the encoders on GPUs that support it (float16 + gradient scaler on older
                 ones); loss and bank stay float32; no effect on a CPU (every site executor has this switch).
+            workers: DataLoader worker processes that build the next batches (0 = in the training process; the
+                batches are the same either way); batches are pinned on a CUDA device (every site executor has this
+                switch).
         """
         super().__init__()
         name = type(self).__name__
@@ -101,6 +105,8 @@ class FCLExecutor(TrainerExecutor):
         self.feature_exchange, self.negative_sampling = feature_exchange, negative_sampling
         self.structural_matching, self.plain_moco, self.federated = structural_matching, plain_moco, federated
         require_amp(name, amp)
+        require_workers(name, workers)
+        self.workers = workers
         self.max_steps_per_round, self.seed, self.device, self.amp = max_steps_per_round, seed, device, amp
         # validated now (clear message at construction), rebuilt per run with the job's num_rounds
         FCLConfig(tau=tau, momentum=momentum, bank_size=bank_size, lr=lr)

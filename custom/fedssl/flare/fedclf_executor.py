@@ -21,7 +21,7 @@ import os
 from nvflare.apis.dxo import DXO
 from nvflare.apis.fl_context import FLContext
 
-from fedssl.core.checks import require, require_choice, require_amp, require_int
+from fedssl.core.checks import require, require_choice, require_amp, require_int, require_workers
 from fedssl.core.fedclf import METHODS, QUEUE_MODES, FedCLFConfig
 from fedssl.core.trainer import RoundStats
 from fedssl.data.images import load_image_records
@@ -33,7 +33,7 @@ from fedssl.train.fedclf import FedCLFLocalTrainer
 
 #: the executor arguments that go to the trainer as they are
 TRAINER_ARGS = ("method", "queue", "dataset", "image_size", "width", "proj_dim", "batch_size", "lr", "tau", "momentum",
-                "bank_size", "max_steps_per_round", "seed", "depth", "amp")
+                "bank_size", "max_steps_per_round", "seed", "depth", "amp", "workers")
 #: the site records the summary keeps (bounded numbers only)
 RECORD_KEYS = ("bank_filled", "bank_fill", "feature_std", "queue_remote_fraction", "rotation_accuracy")
 
@@ -46,7 +46,7 @@ class FedCLFExecutor(TrainerExecutor):
                  method: str = "moco", queue: str = "fe_neg", federated: bool = True, width: int = 64,
                  proj_dim: int = 128, batch_size: int = 128, lr: float = 0.03, tau: float = 0.2,
                  momentum: float = 0.999, bank_size: int = 4096, max_steps_per_round: int = 0, seed: int = 0,
-                 device: str = "auto", depth: int = 18, amp: bool = False):
+                 device: str = "auto", depth: int = 18, amp: bool = False, workers: int = 0):
         """
         Args (paper settings as defaults, sec. V-A; MoCo v2's where the paper is silent):
             data_root: the device folder (``train/``, ``val/``, ``test/`` class folders); "" = site config /
@@ -61,6 +61,10 @@ class FedCLFExecutor(TrainerExecutor):
             depth: 18 (FedCLF's ResNet-18) or 50 (ResNet-50, FedMAE-KS's CNN baselines).
             bank_size: K of the local bank Q_l.
             max_steps_per_round: 0 = one full local epoch; > 0 caps the steps (quick CPU profile).
+            amp: bfloat16 autocast on GPUs that support it (float16 + gradient scaler on older ones).
+            workers: DataLoader worker processes that build the next batches (0 = in the training process; the
+                batches are the same either way); batches are pinned on a CUDA device (every site executor has this
+                switch).
         """
         super().__init__()
         name = type(self).__name__
@@ -81,6 +85,8 @@ class FedCLFExecutor(TrainerExecutor):
         self.method, self.queue, self.federated, self.width, self.proj_dim = method, queue, federated, width, proj_dim
         self.batch_size, self.lr, self.tau, self.momentum, self.bank_size = batch_size, lr, tau, momentum, bank_size
         require_amp(name, amp)
+        require_workers(name, workers)
+        self.workers = workers
         self.max_steps_per_round, self.seed, self.device, self.depth, self.amp = max_steps_per_round, seed, device, depth, amp
 
     @property

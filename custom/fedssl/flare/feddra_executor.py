@@ -27,7 +27,7 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 from nvflare.apis.signal import Signal
 
-from fedssl.core.checks import require, require_choice, require_amp, require_int
+from fedssl.core.checks import require, require_choice, require_amp, require_int, require_workers
 from fedssl.core.trainer import RoundStats
 from fedssl.core.vlp import STAGES, FedDRAConfig
 from fedssl.data.vlp import COLOURS, load_manifest
@@ -43,7 +43,7 @@ VOCAB_FILE = "feddra_vocab.txt"
 #: the executor arguments that build the site's VisionLanguageModel (the server's ``model`` takes the same)
 MODEL_KEYS = ("preset", "vocab_size", "proj_dim", "image_size", "in_chans", "text_weights", "image_weights")
 TRAINER_ARGS = ("batch_size", "lr", "weight_decay", "mu", "tau", "align_steps", "steps", "holdout_fraction", "dro_batch",
-                "max_text_len", "seed", "colour", "amp")
+                "max_text_len", "seed", "colour", "amp", "workers")
 
 
 class FedDRAExecutor(TrainerExecutor):
@@ -59,7 +59,7 @@ class FedDRAExecutor(TrainerExecutor):
                  mu: float = 5.0, tau: float = 0.07, align_steps: int = 20, steps: int = 50,
                  holdout_fraction: float = 0.1, dro_batch: int = 16, max_text_len: int = 128, min_word_count: int = 5,
                  seed: int = 0,
-                 device: str = "auto", amp: bool = False):
+                 device: str = "auto", amp: bool = False, workers: int = 0):
         """
         Args (paper settings as defaults: MIMIC-CXR, sec. 5.1 and appendix):
             data_root: the site folder holding ``manifest.csv``; "" = site config / FEDSSL_DATA_ROOT ("{site}" ok).
@@ -73,6 +73,9 @@ class FedDRAExecutor(TrainerExecutor):
             holdout_fraction: training pairs held out for v_i (DRO's client loss), at least ``dro_batch`` of them.
             dro_batch: the batch of v_i, the same on every site (InfoNCE depends on it).
             min_word_count: the fewest occurrences on this site for a word to be counted in the vocabulary exchange.
+            amp: bfloat16 autocast on GPUs that support it (float16 + gradient scaler on older ones).
+            workers: DataLoader worker processes that decode and augment the next batches (0 = in the training
+                process; the same batches either way), pinned on a CUDA device.
         """
         super().__init__()
         name = type(self).__name__
@@ -92,6 +95,8 @@ class FedDRAExecutor(TrainerExecutor):
         self.align_steps, self.steps, self.holdout_fraction = align_steps, steps, holdout_fraction
         self.dro_batch = dro_batch
         require_amp(name, amp)
+        require_workers(name, workers)
+        self.workers = workers
         self.max_text_len, self.min_word_count, self.seed, self.device = max_text_len, min_word_count, seed, device
         self.amp = amp
         self._records = None

@@ -52,7 +52,8 @@ class MIMExecutor(TrainerExecutor):
                  norm_pix_loss: bool = True, vocab_size: int = 8192, mask_ratio: float = 0.6, lr: float = 1e-3,
                  lr_per_256: bool = False, min_lr: float = 0.0, weight_decay: float = 0.05, batch_size: int = 128, local_epochs: int = 1,
                  warmup_rounds: int = 5, max_steps_per_round: int = 0, clip_grad: float = 0.0, amp: bool = False,
-                 tokenizer_path: str = "", min_cluster_size: int = 5, seed: int = 0, device: str = "auto"):
+                 tokenizer_path: str = "", min_cluster_size: int = 5, seed: int = 0, device: str = "auto",
+                 workers: int = 0):
         """Args (defaults: Fed-MAE on Retina, SSL-FL sec. IV-A.3 and Table I): the settings of
         :class:`fedssl.train.mim.MIMLocalTrainer` (documented there), plus
             data_root: the site's folder; "" = site config / FEDSSL_DATA_ROOT; ``{site}`` is replaced;

@@ -41,7 +41,7 @@ class MultiLabelExecutor(TrainerExecutor):
                  warmup_epochs: int = 15, warmup_lr: float = 5e-3, lr: float = 5e-5, local_epochs: int = 1,
                  max_steps_per_epoch: int = 0, rotation: float = 0.2, zoom: float = 0.5, contrast: float = 0.75,
                  flip: bool = True, split: list = (0.7, 0.1, 0.2), n_bootstrap: int = 1000, seed: int = 0,
-                 device: str = "auto", imagenet_path: str = "", amp: bool = False):
+                 device: str = "auto", imagenet_path: str = "", amp: bool = False, workers: int = 0):
         """data_root: the site's dataset folder ("" = site config / FEDSSL_DATA_ROOT; ``{site}`` = site name);
         dataset: "nih" / "chexpert" or an object keyed by site name ("" = site config); classes: ``C_k`` (a list or
         an object keyed by site name; [] = site config); external_test_root: a MIMIC-CXR-JPG (or NIH-layout

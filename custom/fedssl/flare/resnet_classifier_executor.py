@@ -15,7 +15,7 @@ import os
 
 from nvflare.apis.fl_context import FLContext
 
-from fedssl.core.checks import require, require_amp, require_choice, require_int
+from fedssl.core.checks import require, require_amp, require_choice, require_int, require_workers
 from fedssl.data.images import DATASETS, load_image_records
 from fedssl.flare.classifier_executor import ClassifierExecutor
 from fedssl.flare.site_executor import pick_device
@@ -30,12 +30,14 @@ class ResNetClassifierExecutor(ClassifierExecutor):
     def __init__(self, dataset: str = "derm5", data_root: str = "", image_size: int = 64, width: int = 64,
                  lr: float = 1e-4, batch_size: int = 128, local_epochs: int = 1, weight_decay: float = 0.0,
                  label_fraction: float = 0.1, max_steps_per_epoch: int = 0, eval_batch_size: int = 256, seed: int = 0,
-                 device: str = "auto", depth: int = 18, amp: bool = False):
+                 device: str = "auto", depth: int = 18, amp: bool = False, workers: int = 0):
         """Args (paper settings as defaults):
             data_root: the device folder with ``train``, ``val``, ``test`` ("" = site config / FEDSSL_DATA_ROOT).
             label_fraction: L, the labelled fraction of the device's training images (paper: 0.1, 0.2, 0.4, 0.8).
             weight_decay: 0 = Adam (the paper's optimiser).
             depth: 18 (FedCLF's ResNet-18) or 50 (ResNet-50, FedMAE-KS's CNN baselines).
+            workers: DataLoader worker processes that build the next batches (0 = in the training process; the
+                same batches either way), pinned on a CUDA device.
             the rest: see :class:`~fedssl.train.resnet_classifier.ResNetClassifierLocalTrainer`.
         """
         args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
@@ -56,6 +58,7 @@ class ResNetClassifierExecutor(ClassifierExecutor):
         require_int(name, "eval_batch_size", eval_batch_size, 1, "use a positive batch size")
         require_int(name, "seed", seed, 0, "use a non-negative integer")
         require_amp(name, amp)
+        require_workers(name, workers)
         self.__dict__.update(args)  # stored verbatim
         self.settings = args
         self.test_root = ""

@@ -19,7 +19,7 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 from nvflare.apis.signal import Signal
 
-from fedssl.core.checks import require, require_amp, require_choice, require_int
+from fedssl.core.checks import require, require_amp, require_choice, require_int, require_workers
 from fedssl.core.seeds import site_seed
 from fedssl.core.trainer import RoundStats
 from fedssl.core.partition import holdout_patients
@@ -64,7 +64,7 @@ class Seg3DExecutor(TrainerExecutor):
         require_int(name, "seed", seed, 0, "use a non-negative integer")
         require_int(name, "split_seed", split_seed, 0, "use a non-negative integer")
         require_amp(name, amp)
-        require_int(name, "workers", workers, 0, "use a number of loader processes, >= 0")
+        require_workers(name, workers)
         self.data_root, self.dataset = data_root, dataset
         self.pixdim, self.roi_size, self.filters = list(pixdim), list(roi_size), list(filters)
         self.lr, self.batch_size, self.num_samples = lr, batch_size, num_samples

@@ -28,6 +28,7 @@ from fedssl.core.ptnu import ONLINE, TARGET, predict_target, proxy_distance
 from fedssl.core.seeds import site_seed
 from fedssl.core.trainer import RoundStats, check_stop, detached, load_checked
 from fedssl.data.acdc import PartitionSampleDataset
+from fedssl.data.loading import check_workers
 from fedssl.data.transforms import augment_views
 from fedssl.data.volume import Volume
 from fedssl.models.unet import PAPER_FEATURES, BYOLUNetEncoder
@@ -56,7 +57,9 @@ class BYOLLocalTrainer:
                  features: Sequence[int] = PAPER_FEATURES, proj_dim: int = 128, pred_hidden: int = 512,
                  batch_size: int = 32, lr: float = FCLOPT_LR, momentum: float = 0.99, m_d: float = 0.995,
                  symmetric: bool = False, max_ptnu_iterations: int = 100_000, max_steps_per_round: int = 0,
-                 seed: int = 0, site: str = "", device: str | torch.device = "cpu", amp: bool = False):
+                 seed: int = 0, site: str = "", device: str | torch.device = "cpu", amp: bool = False,
+                 workers: int = 0):
+        self.workers = check_workers(workers)
         #: the seed of every data-side draw at this site (partition sampling, batch order, augmentations)
         self.data_seed = site_seed(seed, site)
         self.dataset = PartitionSampleDataset(list(volumes), n_partitions, seed=self.data_seed)
@@ -132,7 +135,8 @@ class BYOLLocalTrainer:
         check_stop(should_stop)
         v, cap = self.volumes_per_batch, self.max_steps_per_round
         steps = self.dataset.n_batches(v, cap)
-        images = (x.flatten(0, 1) for x, _ in self.dataset.batches(v, round_idx, cap))  # [V*S, 1, H, W]
+        images = (x.flatten(0, 1) for x, _ in self.dataset.batches(v, round_idx, cap, workers=self.workers,
+                                                                   pin_memory=self.device.type == "cuda"))  # [V*S, 1, H, W]
         optimizer, curve = self.trainer.optimizer, []
 
         def progress(step: int, loss: float) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from fedssl.core.checks import require, require_amp, require_choice, require_int
+from fedssl.core.checks import require, require_amp, require_choice, require_int, require_workers
 from fedssl.core.classification import ClassifierTrainer, classification_metrics, predict, require_trained_head
 from fedssl.core.seeds import site_seed
 from fedssl.core.trainer import RoundStats, check_optimizer_state, check_stop, detached, load_checked
@@ -35,6 +35,7 @@ from fedssl.data.images import (
     select_labelled,
     train_val_split,
 )
+from fedssl.data.loading import check_workers
 from fedssl.models.vit_classifier import FineTuneViT, check_vit_args
 
 
@@ -75,6 +76,7 @@ def check_classifier_args(name: str, a: Mapping[str, Any]) -> None:
     require_int(name, "eval_batch_size", a["eval_batch_size"], 1, "use a positive batch size")
     if "amp" in a:
         require_amp(name, a["amp"])
+    require_workers(name, a.get("workers", 0))
     require_int(name, "seed", a["seed"], 0, "use a non-negative integer")
     device = a["device"]
     require(isinstance(device, str) and device.split(":")[0] in ("auto", "cpu", "cuda"), name, "device", device,
@@ -101,6 +103,9 @@ class ClassifierLocalTrainer:
         seed: the job seed: initial weights; the site's data seed ``site_seed(seed, site)`` draws the data split,
             labelled subset, batches and augmentation.
         device: a torch device.
+        amp: bfloat16 autocast on GPUs that support it (float16 + gradient scaler on older ones).
+        workers: DataLoader worker processes that decode and augment the next batches (0 = in this process;
+            the batches are the same either way); batches are pinned on a CUDA device.
     """
 
     def __init__(self, records: Sequence[ImageRecord], *, num_rounds: int, site: str = "?", dataset: str = "retina",
@@ -110,7 +115,8 @@ class ClassifierLocalTrainer:
                  weight_decay: float = 0.05, label_fraction: float = 1.0, val_fraction: float = 0.1,
                  fedprox_mu: float = 0.0, label_smoothing: float = 0.0, layer_decay: float = 0.65,
                  max_steps_per_epoch: int = 0, eval_batch_size: int = 256, seed: int = 0,
-                 device: str | torch.device = "cpu", amp: bool = False):
+                 device: str | torch.device = "cpu", amp: bool = False, workers: int = 0):
+        self.workers = check_workers(workers)
         self.site, self.dataset, self.image_size, self.seed = site, dataset, image_size, seed
         self.data_seed = data_seed = site_seed(seed, site)
         self.batch_size, self.local_epochs, self.eval_batch_size = batch_size, local_epochs, eval_batch_size
@@ -141,6 +147,11 @@ class ClassifierLocalTrainer:
         return self.trainer.model
 
     @property
+    def loading(self) -> dict[str, Any]:
+        """How batches are built: ``workers`` processes, pinned on a CUDA device."""
+        return {"workers": self.workers, "pin_memory": self.trainer.device.type == "cuda"}
+
+    @property
     def head_trained(self) -> bool:
         """Whether the head of the current model was ever trained (round 0's initial model: no)."""
         return int(self.model.head_steps) > 0
@@ -164,7 +175,7 @@ class ClassifierLocalTrainer:
         for epoch in range(self.local_epochs):
             progress = round_idx + epoch / self.local_epochs
             data = batches(self.train_set, self.batch_size, seed=self.data_seed, epoch=round_idx * self.local_epochs + epoch,
-                           fold_single=True)
+                           fold_single=True, **self.loading)
             losses.append(trainer.train_round(data, progress, n_steps=n_steps * self.local_epochs,
                                               max_steps=self.max_steps_per_epoch or None, abort=stop))
             curve += [{"loss": x} for x in trainer.last_losses]
@@ -185,7 +196,8 @@ class ClassifierLocalTrainer:
             raise ValueError(f"{self.site}: no test data was given to this trainer (set_test_records)")
         require_trained_head(self.model, source or f"the {split} model of {self.site}")
         device = next(self.model.parameters()).device
-        probs, labels = predict(self.model, batches(dataset, self.eval_batch_size, seed=self.data_seed, epoch=0), device)
+        probs, labels = predict(self.model, batches(dataset, self.eval_batch_size, seed=self.data_seed, epoch=0,
+                                                    **self.loading), device)
         return classification_metrics(probs, labels, self.classes)
 
     def state_dict(self) -> dict:

@@ -27,6 +27,7 @@ from fedssl.core.fcl import FCLConfig, FCLTrainer
 from fedssl.core.seeds import site_seed
 from fedssl.core.trainer import RoundStats, check_stop
 from fedssl.data.acdc import PartitionSampleDataset
+from fedssl.data.loading import check_workers
 from fedssl.data.transforms import augment_views
 from fedssl.data.volume import Volume
 from fedssl.train.pretraining import WrappedPretrainer
@@ -51,8 +52,9 @@ class FCLLocalTrainer(WrappedPretrainer):
                  tau: float = 0.1, momentum: float = 0.99, bank_size: int = 4096, feature_exchange: bool = True,
                  negative_sampling: bool = True, structural_matching: bool = True, plain_moco: bool = False,
                  max_steps_per_round: int = 0, seed: int = 0, device: str | torch.device = "cpu", site: str = "",
-                 amp: bool = False):
+                 amp: bool = False, workers: int = 0):
         volumes = list(volumes)
+        self.workers = check_workers(workers)
         self.data_seed = site_seed(seed, site)
         self.dataset = PartitionSampleDataset(volumes, n_partitions, seed=self.data_seed)
         self.volumes_per_batch = batch_size // n_partitions
@@ -112,8 +114,8 @@ class FCLLocalTrainer(WrappedPretrainer):
             curve.append({"loss": loss, "lr": float(optimizer.param_groups[0]["lr"])})
             check_stop(should_stop)
 
-        out = self.trainer.train_round(self.dataset.batches(v, round_idx, cap), steps_per_round, round_idx, remote,
-                                       progress)
+        data = self.dataset.batches(v, round_idx, cap, workers=self.workers, pin_memory=self.device.type == "cuda")
+        out = self.trainer.train_round(data, steps_per_round, round_idx, remote, progress)
         n_remote = 0 if remote is None else int(remote[0].shape[0])
         metrics = {"loss_local": out["loss_local"], "loss_remote": out["loss_remote"], "lr": out["lr_end"],
                    "lr_end": out["lr_end"], "remote_features": n_remote, "bank_filled": out["bank_filled"],

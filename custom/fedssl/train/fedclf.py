@@ -33,21 +33,23 @@ from fedssl.core.fedclf import FedCLFConfig, FedCLFTrainer
 from fedssl.core.seeds import site_seed
 from fedssl.core.trainer import RoundStats, check_stop
 from fedssl.data.images import ImageRecord
+from fedssl.data.loading import check_workers, load_batches
 from fedssl.data.views import TwoViewDataset
 from fedssl.train.pretraining import WrappedPretrainer
 from fedssl.models.resnet import PAPER_DEPTH, PAPER_PROJ_DIM, PAPER_WIDTH, PretrainingResNet
 
 
-def view_batches(dataset: TwoViewDataset, batch_size: int, seed: int, epoch: int,
-                 max_steps: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Shuffled full batches ``(v1 [B, 3, S, S], v2 [B, 3, S, S])`` of one epoch (order from ``(seed, epoch)``)."""
+def view_batches(dataset: TwoViewDataset, batch_size: int, seed: int, epoch: int, max_steps: int = 0, *,
+                 workers: int = 0, pin_memory: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Shuffled full batches ``(v1 [B, 3, S, S], v2 [B, 3, S, S])`` of one epoch (order from ``(seed, epoch)``);
+    ``workers`` / ``pin_memory``: :func:`fedssl.data.loading.load_batches` (the same batches)."""
     dataset.set_epoch(epoch)
     order = np.random.default_rng([int(seed), int(epoch)]).permutation(len(dataset))
-    for step, start in enumerate(range(0, len(order) - batch_size + 1, batch_size)):
-        if max_steps and step >= max_steps:
-            return
-        pairs = [dataset[int(i)] for i in order[start:start + batch_size]]
-        yield torch.stack([a for a, _ in pairs]), torch.stack([b for _, b in pairs])
+    starts = range(0, len(order) - batch_size + 1, batch_size)
+    if max_steps:
+        starts = starts[:max_steps]
+    yield from load_batches(dataset, [order[start:start + batch_size] for start in starts], workers=workers,
+                            pin_memory=pin_memory)
 
 
 class FedCLFLocalTrainer(WrappedPretrainer):
@@ -62,7 +64,9 @@ class FedCLFLocalTrainer(WrappedPretrainer):
                  dataset: str = "derm5", image_size: int = 64, width: int = PAPER_WIDTH,
                  proj_dim: int = PAPER_PROJ_DIM, batch_size: int = 128, lr: float = 0.03, tau: float = 0.2,
                  momentum: float = 0.999, bank_size: int = 4096, max_steps_per_round: int = 0, seed: int = 0,
-                 device: str | torch.device = "cpu", site: str = "", depth: int = PAPER_DEPTH, amp: bool = False):
+                 device: str | torch.device = "cpu", site: str = "", depth: int = PAPER_DEPTH, amp: bool = False,
+                 workers: int = 0):
+        self.workers = check_workers(workers)
         records = list(records)
         if len(records) < batch_size:
             raise ValueError(f"{site or 'this device'}: {len(records)} training images cannot fill one batch of "
@@ -107,7 +111,8 @@ class FedCLFLocalTrainer(WrappedPretrainer):
             curve.append({"loss": loss, "lr": float(optimizer.param_groups[0]["lr"])})
             check_stop(should_stop)
 
-        batches = view_batches(self.dataset, self.batch_size, self.data_seed, round_idx, self.max_steps_per_round)
+        batches = view_batches(self.dataset, self.batch_size, self.data_seed, round_idx, self.max_steps_per_round,
+                               workers=self.workers, pin_memory=self.trainer.device.type == "cuda")
         out = self.trainer.train_round(batches, self.steps_per_round, round_idx, self.remote, progress)
         metrics = {k: v for k, v in out.items() if k not in ("loss", "steps")}
         metrics["lr"] = out["lr_end"]

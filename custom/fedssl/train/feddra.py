@@ -25,7 +25,7 @@ Only the alignment part is uploaded after stage 1 (:meth:`global_state`).  No te
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,7 @@ from fedssl.core.checks import require, require_choice, require_int
 from fedssl.core.seeds import site_seed
 from fedssl.core.trainer import MixedPrecision, RoundStats, check_optimizer_state, detached, load_checked, stoppable
 from fedssl.core.vlp import STAGES, FedDRAConfig, trainable_names
+from fedssl.data.loading import check_workers, load_batches
 from fedssl.data.vlp import VLPDataset, VLPRecord
 from fedssl.data.vocab import tokenize
 from fedssl.eval.retrieval import matched_cosine, text_to_image_recall
@@ -72,8 +73,9 @@ class FedDRALocalTrainer:
                  steps: int = 50, holdout_fraction: float = 0.1, dro_batch: int = 16, max_text_len: int = 128,
                  seed: int = 0,
                  retrieval_batch: int = RETRIEVAL_BATCH, augment: bool = True, colour: str = "grey",
-                 device: torch.device | str = "cpu", amp: bool = False):
+                 device: torch.device | str = "cpu", amp: bool = False, workers: int = 0):
         name = type(self).__name__
+        self.workers = check_workers(workers, name)
         require(len(train_records) >= 2, name, "train_records", len(train_records),
                 f"{site} needs at least 2 image-report pairs to train")
         require_int(name, "batch_size", batch_size, 2, "use a batch of at least 2 pairs (paper: 288-388)")
@@ -152,6 +154,14 @@ class FedDRALocalTrainer:
         items = [dataset[int(i)] for i in indices]
         return torch.stack([im for im, _ in items]).to(self.device), [t for _, t in items]
 
+    def _round_batches(self, steps: int, n: int, b: int) -> Iterator[tuple[torch.Tensor, list[str]]]:
+        """``steps`` batches of ``b`` distinct pairs drawn uniformly from the ``n`` fitting pairs (drawn from the
+        site's generator before the round, in the order the steps use them), built by ``workers`` processes."""
+        picks = [self.rng.choice(n, size=b, replace=False) for _ in range(steps)]
+        for images, texts in load_batches(self.fit, picks, workers=self.workers,
+                                          pin_memory=self.device.type == "cuda"):
+            yield images.to(self.device, non_blocking=True), texts
+
     def train_round(self, round_idx: int, should_stop: Callable[[], bool] | None = None) -> RoundStats:
         names = trainable_names([n for n, _ in self.model.named_parameters()], self.stage, ALIGNMENT_PREFIXES)
         train = set(names)
@@ -168,8 +178,7 @@ class FedDRALocalTrainer:
         self.model.train()
         totals: dict[str, float] = {}
         losses = []
-        for _ in stoppable(range(steps), should_stop):
-            images, texts = self._batch(self.fit, self.rng.choice(n, size=b, replace=False))
+        for images, texts in stoppable(self._round_batches(steps, n, b), should_stop):
             ids, mask = self._tokens(texts)
             with self.precision.autocast():
                 z_img, z_txt = self.model(images, ids, mask)

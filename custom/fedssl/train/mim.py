@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from fedssl.core.checks import require, require_amp, require_choice, require_int
+from fedssl.core.checks import require, require_amp, require_choice, require_int, require_workers
 from fedssl.core.mim import METHODS, MIMTrainer
 from fedssl.core.seeds import site_seed
 from fedssl.core.tokenizer import (
@@ -39,6 +39,7 @@ from fedssl.core.tokenizer import (
 )
 from fedssl.core.trainer import RoundStats, check_stop, detached, load_checked
 from fedssl.data.images import DATASETS, ImageDataset, ImageRecord, batches
+from fedssl.data.loading import check_workers
 from fedssl.models.vit import BEiTViT, MAEViT
 from fedssl.models.vit_classifier import check_vit_args
 
@@ -84,6 +85,7 @@ def check_mim_args(name: str, a: Mapping[str, Any]) -> None:
     require(isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip >= 0, name,
             "clip_grad", clip, "use 0 (no clipping) or a positive gradient norm (SSL-FL BEiT: 3.0)")
     require_amp(name, a["amp"])
+    require_workers(name, a.get("workers", 0))
     tok = a["tokenizer_path"]
     require(isinstance(tok, str), name, "tokenizer_path", tok,
             'use a path to a local tokenizer, or "" for the federated k-means codebook')
@@ -165,6 +167,8 @@ class MIMLocalTrainer:
         max_steps_per_round: 0 = full epochs; > 0 caps the optimiser steps per round (quick CPU profile).
         clip_grad: gradient-norm clipping (0 = off; SSL-FL's BEiT code clips at 3.0).
         amp: bfloat16 autocast (GPU throughput; the paper trains in mixed precision).
+        workers: DataLoader worker processes that decode and augment the next batches (0 = in this process;
+            the batches are the same either way); batches are pinned on a CUDA device.
         tokenizer_path: BEiT only: a local tokenizer (codebook .pt or TorchScript dVAE encoder);
             "" = the federated k-means codebook stored at ``codebook_path``.
         seed: the job seed: model initialisation (all sites alike: they start from the same weights); the
@@ -179,7 +183,8 @@ class MIMLocalTrainer:
                  vocab_size: int = 8192, mask_ratio: float = 0.6, lr: float = 1e-3, lr_per_256: bool = False,
                  min_lr: float = 0.0, weight_decay: float = 0.05, batch_size: int = 128, local_epochs: int = 1, warmup_rounds: int = 5,
                  max_steps_per_round: int = 0, clip_grad: float = 0.0, amp: bool = False, tokenizer_path: str = "",
-                 seed: int = 0, device: str | torch.device = "cpu"):
+                 seed: int = 0, device: str | torch.device = "cpu", workers: int = 0):
+        self.workers = check_workers(workers)
         self.site, self.method, self.seed, self.data_seed = site, method, seed, site_seed(seed, site)
         self.batch_size, self.local_epochs, self.max_steps_per_round = batch_size, local_epochs, max_steps_per_round
         self.peak_lr = peak_lr(lr, batch_size, lr_per_256)
@@ -214,7 +219,8 @@ class MIMLocalTrainer:
             done = 0
             for e in range(self.local_epochs):
                 for imgs, _ in batches(self.dataset, self.batch_size, seed=self.data_seed,
-                                       epoch=round_idx * self.local_epochs + e):
+                                       epoch=round_idx * self.local_epochs + e, workers=self.workers,
+                                       pin_memory=self.device.type == "cuda"):
                     check_stop(should_stop)
                     if done >= steps:
                         return

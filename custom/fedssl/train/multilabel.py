@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedssl.core.checks import require, require_int
+from fedssl.core.checks import require, require_int, require_workers
 from fedssl.core.seeds import site_seed
 from fedssl.core.multilabel import column_index, expand_targets, labelled, masked_bce
 from fedssl.core.surgical import check_class_list, is_head_key, local_keys
@@ -81,7 +81,9 @@ class MultiLabelSettings:
     seed: the job seed.  The initial weights are drawn from it (every site builds the same model); the data side
     of a site (patient split, batch order, augmentation) from ``fedssl.core.seeds.site_seed(seed, site)``, so sites
     are independent samples (issue 13 item 9) and a site's split is the same in every run of the job (the
-    centralised baseline pools exactly the patients the sites train on).
+    centralised baseline pools exactly the patients the sites train on).  workers: DataLoader worker processes
+    that load and augment the next batches (0 = in the training process; the batches are the same either way);
+    batches are pinned on a CUDA device.
     """
 
     growth_rate: int = 32
@@ -103,6 +105,7 @@ class MultiLabelSettings:
     split: Sequence[float] = (0.7, 0.1, 0.2)
     n_bootstrap: int = 1000
     seed: int = 0
+    workers: int = 0
 
     @classmethod
     def of(cls, args: Mapping[str, Any]) -> MultiLabelSettings:
@@ -152,6 +155,7 @@ def check_multilabel_args(name: str, args: Mapping[str, Any]) -> None:
             and abs(sum(split) - 1.0) < 1e-6, name, "split", split, "use three positive fractions summing to 1, paper: [0.7, 0.1, 0.2]")
     require_int(name, "n_bootstrap", s["n_bootstrap"], 0, "paper-style CIs: 1000 (0 = no CI)")
     require(isinstance(s["seed"], int) and not isinstance(s["seed"], bool), name, "seed", s["seed"], "use an integer")
+    require_workers(name, s["workers"])
 
 
 def load_splits(root: str, dataset: str, site: str, classes: Sequence[str], settings: MultiLabelSettings) -> dict:
@@ -185,7 +189,8 @@ def scores(model: nn.Module, dataset, settings: MultiLabelSettings) -> tuple[np.
     model.eval()
     device = next(model.parameters()).device
     probs, targets = [], []
-    for x, y in batches(dataset, settings.batch_size, seed=settings.seed, epoch=0, shuffle=False, max_batches=0):
+    for x, y in batches(dataset, settings.batch_size, seed=settings.seed, epoch=0, shuffle=False, max_batches=0,
+                        workers=settings.workers, pin_memory=device.type == "cuda"):
         probs.append(torch.sigmoid(model(x.to(device))).cpu().numpy())
         targets.append(np.asarray(y, dtype=np.float32))
     return np.concatenate(probs), np.concatenate(targets)
@@ -280,11 +285,11 @@ class MultiLabelLocalTrainer:
             freeze_batchnorm(model)
         total, steps = 0.0, 0
         for x, y in batches(self.splits["train"], s.batch_size, seed=self.data_seed, epoch=self.epoch, shuffle=True,
-                            max_batches=s.max_steps_per_epoch):
+                            max_batches=s.max_steps_per_epoch, workers=s.workers, pin_memory=device.type == "cuda"):
             check_stop(should_stop)
             with self.precision.autocast():
-                logits = model(x.to(device))
-            loss = self.loss(logits.float(), y.to(device).float())
+                logits = model(x.to(device, non_blocking=True))
+            loss = self.loss(logits.float(), y.to(device, non_blocking=True).float())
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"{self.site}: non-finite training loss at epoch {self.epoch}")
             self.precision.step(loss, opt)

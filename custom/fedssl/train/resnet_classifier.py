@@ -24,6 +24,7 @@ import torch
 from fedssl.core.classification import ClassifierTrainer
 from fedssl.core.seeds import site_seed
 from fedssl.data.images import ImageDataset, ImageRecord, class_histogram, class_names, select_labelled
+from fedssl.data.loading import check_workers
 from fedssl.models.resnet import PAPER_DEPTH, PAPER_WIDTH, ResNetClassifier
 from fedssl.train.classifier import ClassifierLocalTrainer
 
@@ -44,7 +45,8 @@ class ResNetClassifierLocalTrainer(ClassifierLocalTrainer):
                  batch_size: int = 128, local_epochs: int = 1, milestones: Sequence[float] = (), gamma: float = LOCAL_GAMMA,
                  weight_decay: float = 0.0, label_fraction: float = 1.0, max_steps_per_epoch: int = 0,
                  eval_batch_size: int = 256, seed: int = 0, device: str | torch.device = "cpu", depth: int = PAPER_DEPTH,
-                 amp: bool = False):
+                 amp: bool = False, workers: int = 0):
+        self.workers = check_workers(workers)
         if not val:
             raise ValueError(f"{site}: no validation image; the device's val split selects the model")
         self.site, self.dataset, self.image_size, self.seed = site, dataset, image_size, seed

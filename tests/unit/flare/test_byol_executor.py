@@ -125,3 +125,8 @@ def test_site_seed_and_loss_switch_reach_the_trainer(data, tmp_path):
 def test_bad_arguments_are_named(bad, needle):
     with pytest.raises(ValueError, match=needle):
         BYOLExecutor(**bad)
+
+
+def test_loader_workers_reach_the_trainer(data, tmp_path, loader_workers):
+    out = from_shareable(run(BYOLExecutor(data_root=data, workers=1, **ARGS), tmp_path, task("fclopt")))
+    assert np.isfinite(out.get_meta_prop("loss")) and loader_workers == [1]

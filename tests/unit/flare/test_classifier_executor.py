@@ -181,3 +181,9 @@ def test_an_abort_during_the_round_stops_within_one_step(data, tmp_path):
     assert ex.trainer.trainer.step == 1  # one step, then the abort
     assert not os.path.exists(tmp_path / "cls_client_state.pt") and not os.path.exists(tmp_path / "cls_metrics.jsonl")
 
+
+
+def test_loader_workers_reach_the_trainer(data, tmp_path, loader_workers):
+    ex = ClassifierExecutor(data_root=os.path.join(data, "site-1"), max_steps_per_epoch=1, workers=1, **ARGS)
+    out = from_shareable(run(ex, tmp_path, task(initial_weights())))
+    assert np.isfinite(out.get_meta_prop("loss")) and loader_workers and set(loader_workers) == {1}

@@ -215,3 +215,8 @@ def test_plain_moco_is_an_executor_switch(data, tmp_path):
     assert ex.trainer.trainer.cfg.plain_moco and ex.plain_moco is True
     with pytest.raises(ValueError, match="plain_moco"):
         FCLExecutor(data_root=data, plain_moco="yes", **ARGS)
+
+
+def test_loader_workers_reach_the_trainer(data, tmp_path, loader_workers):
+    out = from_shareable(run(FCLExecutor(data_root=data, workers=1, **ARGS), tmp_path, task(0)))
+    assert np.isfinite(out.get_meta_prop("loss")) and loader_workers == [1]  # one DataLoader for the round

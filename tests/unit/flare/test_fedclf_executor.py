@@ -96,3 +96,8 @@ def test_bad_configuration_is_refused_naming_the_argument():
         FedCLFExecutor(split="all")
     with pytest.raises(ValueError, match="width=3"):
         FedCLFExecutor(width=3)
+
+
+def test_loader_workers_reach_the_trainer(device, tmp_path, loader_workers):
+    out = run(FedCLFExecutor(data_root=device, workers=1, **ARGS), tmp_path, task())
+    assert np.isfinite(out.get_meta_prop("loss")) and loader_workers == [1]

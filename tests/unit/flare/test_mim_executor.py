@@ -240,3 +240,9 @@ def test_an_abort_during_the_round_stops_within_one_step(data, tmp_path):
     assert reply.get_return_code() == ReturnCode.TASK_ABORTED
     assert ex.trainer.trainer.step == 1  # one step, then the abort
     assert not os.path.exists(tmp_path / "mim_client_state.pt") and not os.path.exists(tmp_path / "mim_metrics.jsonl")
+
+
+def test_loader_workers_reach_the_trainer(data, tmp_path, loader_workers):
+    out = from_shareable(run(MIMExecutor(method="mae", data_root=data, workers=1, **ARGS), tmp_path,
+                             task(global_weights())))
+    assert np.isfinite(out.get_meta_prop("loss")) and loader_workers and set(loader_workers) == {1}

@@ -185,3 +185,12 @@ def test_global_state_and_checked_loads():
         t.apply_global("byol", online_only)
     with pytest.raises(ValueError, match="mode ptnu needs the server's target distance"):
         t.apply_global("ptnu", online_only)
+
+
+def test_loader_workers_give_the_same_round_and_bad_workers_are_refused(loader_workers):
+    a, b = trainer(site="site-1"), trainer(site="site-1", workers=2)
+    assert a.train_round(0).loss == b.train_round(0).loss
+    assert all(torch.equal(v, b.model.state_dict()[k]) for k, v in a.model.state_dict().items())
+    assert loader_workers and set(loader_workers) == {2}  # only the workers=2 trainer built DataLoaders
+    with pytest.raises(ValueError, match="workers=True"):
+        trainer(workers=True)

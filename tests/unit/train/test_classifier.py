@@ -141,3 +141,13 @@ def test_sites_split_and_label_with_their_own_seed_but_build_the_same_model(data
         assert [r.path for r in t.train_set.records] == [r.path for r in select_labelled(train, 0.3, seed=site_seed(0, site))]
     assert [r.path for r in a.val_set.records] != [r.path for r in b.val_set.records]
     assert all(torch.equal(v, b.model.state_dict()[k]) for k, v in a.model.state_dict().items())
+
+
+def test_loader_workers_give_the_same_round_and_evaluation(data, loader_workers):
+    records, _ = data
+    a, b = trainer(records), trainer(records, workers=2)
+    assert a.train_round(0).loss == b.train_round(0).loss
+    assert a.evaluate("val") == b.evaluate("val")
+    assert loader_workers and set(loader_workers) == {2}  # only the workers=2 trainer built DataLoaders
+    with pytest.raises(ValueError, match="workers=-2"):
+        trainer(records, workers=-2)

@@ -157,3 +157,13 @@ def test_data_randomness_is_per_site_and_model_init_is_per_job():
 
 def test_plain_moco_reaches_the_core_trainer():
     assert trainer(plain_moco=True).trainer.cfg.plain_moco and not trainer().trainer.cfg.plain_moco
+
+
+def test_loader_workers_give_the_same_round_and_bad_workers_are_refused(loader_workers):
+    a, b = trainer(site="site-1"), trainer(site="site-1", workers=2)
+    sa, sb = a.train_round(0), b.train_round(0)
+    assert sa.loss == sb.loss and sa.steps == sb.steps == 2
+    assert all(torch.equal(v, b.model.state_dict()[k]) for k, v in a.model.state_dict().items())
+    assert loader_workers and set(loader_workers) == {2}  # only the workers=2 trainer built DataLoaders
+    with pytest.raises(ValueError, match="workers=-1"):
+        trainer(workers=-1)

@@ -85,3 +85,13 @@ def test_sites_draw_differently_and_restart_resumes(records):
     buf.seek(0)
     c.load_state_dict(torch.load(buf, weights_only=True))
     assert a.train_round(1).loss == c.train_round(1).loss
+
+
+def test_loader_workers_give_the_same_round(records, loader_workers):
+    a = FedCLFLocalTrainer(records, num_rounds=1, site="device-1", max_steps_per_round=2, **TINY)
+    b = FedCLFLocalTrainer(records, num_rounds=1, site="device-1", max_steps_per_round=2, workers=2, **TINY)
+    sa, sb = a.train_round(0), b.train_round(0)
+    assert sa.loss == sb.loss and sa.steps == sb.steps == 2
+    assert loader_workers and set(loader_workers) == {2}  # only the workers=2 trainer built DataLoaders
+    with pytest.raises(ValueError, match="workers=-1"):
+        FedCLFLocalTrainer(records, num_rounds=1, site="device-1", workers=-1, **TINY)

@@ -142,3 +142,20 @@ def test_amp_runs_both_encoders_in_bfloat16_and_keeps_the_loss_float32(site):
     stats = tr.train_round(0)
     # the training steps in bfloat16; the held-out loss v_i after them is measured in float32
     assert torch.bfloat16 in seen and math.isfinite(stats.loss) and float32(tr.model)
+
+
+def test_loader_workers_give_the_same_turn(site, loader_workers):
+    a, b = trainer(site, augment=True), trainer(site, augment=True, workers=2)
+    start = {k: v.clone() for k, v in a.model.state_dict().items()}
+    for tr in (a, b):
+        tr.set_stage("fedavg", 1.0)
+        tr.load_global(start)
+    losses = []
+    for tr in (a, b):
+        torch.manual_seed(0)  # dropout draws from torch's global generator: the loader must not consume it
+        losses.append(tr.train_round(0).loss)
+    assert losses[0] == losses[1]
+    assert all(torch.equal(v, b.model.state_dict()[k]) for k, v in a.model.state_dict().items())
+    assert loader_workers == [2]
+    with pytest.raises(ValueError, match="workers=-1"):
+        trainer(site, workers=-1)

@@ -209,3 +209,12 @@ def test_each_site_samples_its_own_images_for_k_means(records):
     assert torch.equal(sample("site-1"), images_of(site_seed(0, "site-1")))
     assert torch.equal(sample("site-2"), images_of(site_seed(0, "site-2")))
     assert torch.equal(sample(""), images_of(0)) and not torch.equal(sample("site-1"), sample("site-2"))
+
+
+def test_loader_workers_give_the_same_round(records, loader_workers):
+    a, b = mae(records), mae(records, workers=2)
+    assert a.train_round(0).loss == b.train_round(0).loss
+    assert all(torch.equal(v, b.model.state_dict()[k]) for k, v in a.model.state_dict().items())
+    assert loader_workers and set(loader_workers) == {2}  # only the workers=2 trainer built DataLoaders
+    with pytest.raises(ValueError, match="workers=-1"):
+        mae(records, workers=-1)

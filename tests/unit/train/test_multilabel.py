@@ -324,3 +324,12 @@ def test_amp_runs_the_densenet_in_bfloat16_and_keeps_the_loss_float32():
     seen = layer_dtypes(tr.model)
     stats = tr.train_round(0)
     assert seen and set(seen) == {torch.bfloat16} and np.isfinite(stats.loss) and float32(tr.model)
+
+
+def test_loader_workers_give_the_same_round_and_are_checked(loader_workers):
+    a, b = make(), make(workers=2)
+    assert a.train_round(0).loss == b.train_round(0).loss
+    assert all(torch.equal(v, b.model.state_dict()[k]) for k, v in a.model.state_dict().items())
+    assert loader_workers and set(loader_workers) == {2}  # only the workers=2 trainer built DataLoaders
+    with pytest.raises(ValueError, match="workers=-1"):
+        check_multilabel_args("X", {"workers": -1})

@@ -85,3 +85,13 @@ def test_local_protocol_tests_the_epoch_best_on_validation(split, monkeypatch):
     assert out["best_epoch"] == 1 and out["val"]["balanced_accuracy"] == 0.7
     assert all(torch.equal(seen["tested"][k], seen["states"][1][k]) for k in seen["tested"])
     assert out["test"]["n"] == 8 and "per_class" not in out["test"]
+
+
+def test_loader_workers_give_the_same_round(split, loader_workers):
+    train, val, _ = split
+    a = ResNetClassifierLocalTrainer(train, val, num_rounds=1, site="device-1", **TINY)
+    b = ResNetClassifierLocalTrainer(train, val, num_rounds=1, site="device-1", workers=2, **TINY)
+    assert a.train_round(0).loss == b.train_round(0).loss
+    assert loader_workers and set(loader_workers) == {2}  # only the workers=2 trainer built DataLoaders
+    with pytest.raises(ValueError, match="workers=-1"):
+        ResNetClassifierLocalTrainer(train, val, num_rounds=1, site="device-1", workers=-1, **TINY)

@@ -42,8 +42,8 @@ def call(ex, task, data, tmp_path, meta=None, round_idx=0):
     return ex.execute(task, s, context(site="site-1", engine=FakeEngine(tmp_path)), Signal())
 
 
-def with_vocab(site_dir, tmp_path):
-    ex = FedDRAExecutor(data_root=site_dir, **ARGS)
+def with_vocab(site_dir, tmp_path, **kw):
+    ex = FedDRAExecutor(data_root=site_dir, **{**ARGS, **kw})
     counts = from_shareable(call(ex, WORD_COUNTS_TASK, None, tmp_path, {MIN_COUNT_KEY: 3})).data[WORD_COUNTS_KEY]
     call(ex, SET_VOCAB_TASK, None, tmp_path, {VOCAB_KEY: build_wordpiece_vocab(counts, 128)})
     return ex, counts
@@ -96,3 +96,9 @@ def test_missing_vocabulary_is_a_clear_error(site_dir, tmp_path):
     ex = FedDRAExecutor(data_root=site_dir, **ARGS)
     reply = call(ex, "train", weights(), tmp_path, {STAGE_KEY: "fedavg"})
     assert reply.get_return_code() == ReturnCode.EXECUTION_EXCEPTION
+
+
+def test_loader_workers_reach_the_trainer(site_dir, tmp_path, loader_workers):
+    ex, _ = with_vocab(site_dir, tmp_path, workers=1)
+    up = from_shareable(call(ex, ALIGN_TASK, weights(), tmp_path, {STAGE_KEY: "align"}))
+    assert up.data and loader_workers == [1]  # one DataLoader for the turn's stage-1 batches

@@ -59,7 +59,7 @@ class BYOLLocalTrainer:
                  symmetric: bool = False, max_ptnu_iterations: int = 100_000, max_steps_per_round: int = 0,
                  seed: int = 0, site: str = "", device: str | torch.device = "cpu", amp: bool = False,
                  workers: int = 0):
-        self.workers = check_workers(workers)
+        self.workers = check_workers(workers, type(self).__name__)
         #: the seed of every data-side draw at this site (partition sampling, batch order, augmentations)
         self.data_seed = site_seed(seed, site)
         self.dataset = PartitionSampleDataset(list(volumes), n_partitions, seed=self.data_seed)

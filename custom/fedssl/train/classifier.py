@@ -116,7 +116,7 @@ class ClassifierLocalTrainer:
                  fedprox_mu: float = 0.0, label_smoothing: float = 0.0, layer_decay: float = 0.65,
                  max_steps_per_epoch: int = 0, eval_batch_size: int = 256, seed: int = 0,
                  device: str | torch.device = "cpu", amp: bool = False, workers: int = 0):
-        self.workers = check_workers(workers)
+        self.workers = check_workers(workers, type(self).__name__)
         self.site, self.dataset, self.image_size, self.seed = site, dataset, image_size, seed
         self.data_seed = data_seed = site_seed(seed, site)
         self.batch_size, self.local_epochs, self.eval_batch_size = batch_size, local_epochs, eval_batch_size

@@ -54,7 +54,7 @@ class FCLLocalTrainer(WrappedPretrainer):
                  max_steps_per_round: int = 0, seed: int = 0, device: str | torch.device = "cpu", site: str = "",
                  amp: bool = False, workers: int = 0):
         volumes = list(volumes)
-        self.workers = check_workers(workers)
+        self.workers = check_workers(workers, type(self).__name__)
         self.data_seed = site_seed(seed, site)
         self.dataset = PartitionSampleDataset(volumes, n_partitions, seed=self.data_seed)
         self.volumes_per_batch = batch_size // n_partitions

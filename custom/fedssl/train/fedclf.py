@@ -66,7 +66,7 @@ class FedCLFLocalTrainer(WrappedPretrainer):
                  momentum: float = 0.999, bank_size: int = 4096, max_steps_per_round: int = 0, seed: int = 0,
                  device: str | torch.device = "cpu", site: str = "", depth: int = PAPER_DEPTH, amp: bool = False,
                  workers: int = 0):
-        self.workers = check_workers(workers)
+        self.workers = check_workers(workers, type(self).__name__)
         records = list(records)
         if len(records) < batch_size:
             raise ValueError(f"{site or 'this device'}: {len(records)} training images cannot fill one batch of "

@@ -184,7 +184,7 @@ class MIMLocalTrainer:
                  min_lr: float = 0.0, weight_decay: float = 0.05, batch_size: int = 128, local_epochs: int = 1, warmup_rounds: int = 5,
                  max_steps_per_round: int = 0, clip_grad: float = 0.0, amp: bool = False, tokenizer_path: str = "",
                  seed: int = 0, device: str | torch.device = "cpu", workers: int = 0):
-        self.workers = check_workers(workers)
+        self.workers = check_workers(workers, type(self).__name__)
         self.site, self.method, self.seed, self.data_seed = site, method, seed, site_seed(seed, site)
         self.batch_size, self.local_epochs, self.max_steps_per_round = batch_size, local_epochs, max_steps_per_round
         self.peak_lr = peak_lr(lr, batch_size, lr_per_256)

@@ -46,7 +46,7 @@ class ResNetClassifierLocalTrainer(ClassifierLocalTrainer):
                  weight_decay: float = 0.0, label_fraction: float = 1.0, max_steps_per_epoch: int = 0,
                  eval_batch_size: int = 256, seed: int = 0, device: str | torch.device = "cpu", depth: int = PAPER_DEPTH,
                  amp: bool = False, workers: int = 0):
-        self.workers = check_workers(workers)
+        self.workers = check_workers(workers, type(self).__name__)
         if not val:
             raise ValueError(f"{site}: no validation image; the device's val split selects the model")
         self.site, self.dataset, self.image_size, self.seed = site, dataset, image_size, seed

@@ -82,8 +82,8 @@ class FCLExecutor(TrainerExecutor):
             amp: bfloat16 autocast of the encoders on GPUs that support it (float16 + gradient scaler on older
                 ones); loss and bank stay float32; no effect on a CPU (every site executor has this switch).
             workers: DataLoader worker processes that build the next batches (0 = in the training process; the
-                batches are the same either way); batches are pinned on a CUDA device (every site executor has this
-                switch).
+                batches are the same either way); batches are pinned on a CUDA device (README "Profiles and
+                overrides": which executors have it).
         """
         super().__init__()
         name = type(self).__name__

@@ -63,8 +63,8 @@ class FedCLFExecutor(TrainerExecutor):
             max_steps_per_round: 0 = one full local epoch; > 0 caps the steps (quick CPU profile).
             amp: bfloat16 autocast on GPUs that support it (float16 + gradient scaler on older ones).
             workers: DataLoader worker processes that build the next batches (0 = in the training process; the
-                batches are the same either way); batches are pinned on a CUDA device (every site executor has this
-                switch).
+                batches are the same either way); batches are pinned on a CUDA device (README "Profiles and
+                overrides": which executors have it).
         """
         super().__init__()
         name = type(self).__name__

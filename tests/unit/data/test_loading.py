@@ -125,3 +125,15 @@ def test_workers_leave_torch_global_generator_to_the_training_step():
     before = torch.get_rng_state()
     assert len(list(load_batches(data, [[0, 1], [2, 3]], workers=1))) == 2
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_corrupt_image_with_workers_names_the_file_and_the_site(tmp_path):
+    from fedssl.data.images import ImageDataError
+
+    write_synthetic_images(tmp_path, "derm", n_images=16, seed=0, image_size=24)
+    recs = load_image_records(tmp_path, "derm", site="site-4")
+    open(recs[5].path, "wb").write(b"not an image")
+    ds = ImageDataset(recs, 16, "pretrain", "derm", site="site-4", seed=0)
+    with pytest.raises(ImageDataError) as e:  # raised here (warm) or re-raised from a worker: type and message kept
+        list(images.batches(ds, 4, seed=0, epoch=0, workers=2))
+    assert "[site site-4]" in str(e.value) and recs[5].path in str(e.value)

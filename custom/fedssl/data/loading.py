@@ -29,6 +29,12 @@ def check_workers(workers: object, name: str = "load_batches") -> int:
     return int(workers)
 
 
+def loader_options(workers: int, device: torch.device | str) -> dict[str, Any]:
+    """The ``workers`` / ``pin_memory`` arguments of the batch functions for a trainer on ``device``: batches are
+    pinned only for a CUDA device (page-locked memory speeds up host-to-GPU copies and nothing else)."""
+    return {"workers": workers, "pin_memory": torch.device(device).type == "cuda"}
+
+
 def collate(items: Sequence[tuple]) -> tuple:
     """Stack a list of equal-length item tuples field by field: tensors with ``torch.stack``, Python ints
     (class labels) into one LongTensor, strings (report texts) into a list."""

@@ -28,7 +28,7 @@ from fedssl.core.ptnu import ONLINE, TARGET, predict_target, proxy_distance
 from fedssl.core.seeds import site_seed
 from fedssl.core.trainer import RoundStats, check_stop, detached, load_checked
 from fedssl.data.acdc import PartitionSampleDataset
-from fedssl.data.loading import check_workers
+from fedssl.data.loading import check_workers, loader_options
 from fedssl.data.transforms import augment_views
 from fedssl.data.volume import Volume
 from fedssl.models.unet import PAPER_FEATURES, BYOLUNetEncoder
@@ -135,8 +135,8 @@ class BYOLLocalTrainer:
         check_stop(should_stop)
         v, cap = self.volumes_per_batch, self.max_steps_per_round
         steps = self.dataset.n_batches(v, cap)
-        images = (x.flatten(0, 1) for x, _ in self.dataset.batches(v, round_idx, cap, workers=self.workers,
-                                                                   pin_memory=self.device.type == "cuda"))  # [V*S, 1, H, W]
+        images = (x.flatten(0, 1) for x, _ in self.dataset.batches(v, round_idx, cap,
+                                                                   **loader_options(self.workers, self.device)))  # [V*S, 1, H, W]
         optimizer, curve = self.trainer.optimizer, []
 
         def progress(step: int, loss: float) -> None:

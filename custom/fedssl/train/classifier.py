@@ -35,7 +35,7 @@ from fedssl.data.images import (
     select_labelled,
     train_val_split,
 )
-from fedssl.data.loading import check_workers
+from fedssl.data.loading import check_workers, loader_options
 from fedssl.models.vit_classifier import FineTuneViT, check_vit_args
 
 
@@ -147,11 +147,6 @@ class ClassifierLocalTrainer:
         return self.trainer.model
 
     @property
-    def loading(self) -> dict[str, Any]:
-        """How batches are built: ``workers`` processes, pinned on a CUDA device."""
-        return {"workers": self.workers, "pin_memory": self.trainer.device.type == "cuda"}
-
-    @property
     def head_trained(self) -> bool:
         """Whether the head of the current model was ever trained (round 0's initial model: no)."""
         return int(self.model.head_steps) > 0
@@ -175,7 +170,7 @@ class ClassifierLocalTrainer:
         for epoch in range(self.local_epochs):
             progress = round_idx + epoch / self.local_epochs
             data = batches(self.train_set, self.batch_size, seed=self.data_seed, epoch=round_idx * self.local_epochs + epoch,
-                           fold_single=True, **self.loading)
+                           fold_single=True, **loader_options(self.workers, self.trainer.device))
             losses.append(trainer.train_round(data, progress, n_steps=n_steps * self.local_epochs,
                                               max_steps=self.max_steps_per_epoch or None, abort=stop))
             curve += [{"loss": x} for x in trainer.last_losses]
@@ -197,7 +192,7 @@ class ClassifierLocalTrainer:
         require_trained_head(self.model, source or f"the {split} model of {self.site}")
         device = next(self.model.parameters()).device
         probs, labels = predict(self.model, batches(dataset, self.eval_batch_size, seed=self.data_seed, epoch=0,
-                                                    **self.loading), device)
+                                                    **loader_options(self.workers, self.trainer.device)), device)
         return classification_metrics(probs, labels, self.classes)
 
     def state_dict(self) -> dict:

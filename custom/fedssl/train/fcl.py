@@ -27,7 +27,7 @@ from fedssl.core.fcl import FCLConfig, FCLTrainer
 from fedssl.core.seeds import site_seed
 from fedssl.core.trainer import RoundStats, check_stop
 from fedssl.data.acdc import PartitionSampleDataset
-from fedssl.data.loading import check_workers
+from fedssl.data.loading import check_workers, loader_options
 from fedssl.data.transforms import augment_views
 from fedssl.data.volume import Volume
 from fedssl.train.pretraining import WrappedPretrainer
@@ -114,7 +114,7 @@ class FCLLocalTrainer(WrappedPretrainer):
             curve.append({"loss": loss, "lr": float(optimizer.param_groups[0]["lr"])})
             check_stop(should_stop)
 
-        data = self.dataset.batches(v, round_idx, cap, workers=self.workers, pin_memory=self.device.type == "cuda")
+        data = self.dataset.batches(v, round_idx, cap, **loader_options(self.workers, self.device))
         out = self.trainer.train_round(data, steps_per_round, round_idx, remote, progress)
         n_remote = 0 if remote is None else int(remote[0].shape[0])
         metrics = {"loss_local": out["loss_local"], "loss_remote": out["loss_remote"], "lr": out["lr_end"],

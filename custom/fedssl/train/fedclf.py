@@ -33,7 +33,7 @@ from fedssl.core.fedclf import FedCLFConfig, FedCLFTrainer
 from fedssl.core.seeds import site_seed
 from fedssl.core.trainer import RoundStats, check_stop
 from fedssl.data.images import ImageRecord
-from fedssl.data.loading import check_workers, load_batches
+from fedssl.data.loading import check_workers, load_batches, loader_options
 from fedssl.data.views import TwoViewDataset
 from fedssl.train.pretraining import WrappedPretrainer
 from fedssl.models.resnet import PAPER_DEPTH, PAPER_PROJ_DIM, PAPER_WIDTH, PretrainingResNet
@@ -112,7 +112,7 @@ class FedCLFLocalTrainer(WrappedPretrainer):
             check_stop(should_stop)
 
         batches = view_batches(self.dataset, self.batch_size, self.data_seed, round_idx, self.max_steps_per_round,
-                               workers=self.workers, pin_memory=self.trainer.device.type == "cuda")
+                               **loader_options(self.workers, self.trainer.device))
         out = self.trainer.train_round(batches, self.steps_per_round, round_idx, self.remote, progress)
         metrics = {k: v for k, v in out.items() if k not in ("loss", "steps")}
         metrics["lr"] = out["lr_end"]

@@ -35,7 +35,7 @@ from fedssl.core.checks import require, require_choice, require_int
 from fedssl.core.seeds import site_seed
 from fedssl.core.trainer import MixedPrecision, RoundStats, check_optimizer_state, detached, load_checked, stoppable
 from fedssl.core.vlp import STAGES, FedDRAConfig, trainable_names
-from fedssl.data.loading import check_workers, load_batches
+from fedssl.data.loading import check_workers, load_batches, loader_options
 from fedssl.data.vlp import VLPDataset, VLPRecord
 from fedssl.data.vocab import tokenize
 from fedssl.eval.retrieval import matched_cosine, text_to_image_recall
@@ -158,8 +158,7 @@ class FedDRALocalTrainer:
         """``steps`` batches of ``b`` distinct pairs drawn uniformly from the ``n`` fitting pairs (drawn from the
         site's generator before the round, in the order the steps use them), built by ``workers`` processes."""
         picks = [self.rng.choice(n, size=b, replace=False) for _ in range(steps)]
-        for images, texts in load_batches(self.fit, picks, workers=self.workers,
-                                          pin_memory=self.device.type == "cuda"):
+        for images, texts in load_batches(self.fit, picks, **loader_options(self.workers, self.device)):
             yield images.to(self.device, non_blocking=True), texts
 
     def train_round(self, round_idx: int, should_stop: Callable[[], bool] | None = None) -> RoundStats:

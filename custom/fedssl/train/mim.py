@@ -39,7 +39,7 @@ from fedssl.core.tokenizer import (
 )
 from fedssl.core.trainer import RoundStats, check_stop, detached, load_checked
 from fedssl.data.images import DATASETS, ImageDataset, ImageRecord, batches
-from fedssl.data.loading import check_workers
+from fedssl.data.loading import check_workers, loader_options
 from fedssl.models.vit import BEiTViT, MAEViT
 from fedssl.models.vit_classifier import check_vit_args
 
@@ -219,8 +219,8 @@ class MIMLocalTrainer:
             done = 0
             for e in range(self.local_epochs):
                 for imgs, _ in batches(self.dataset, self.batch_size, seed=self.data_seed,
-                                       epoch=round_idx * self.local_epochs + e, workers=self.workers,
-                                       pin_memory=self.device.type == "cuda"):
+                                       epoch=round_idx * self.local_epochs + e,
+                                       **loader_options(self.workers, self.device)):
                     check_stop(should_stop)
                     if done >= steps:
                         return

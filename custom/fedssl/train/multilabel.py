@@ -36,6 +36,7 @@ from fedssl.core.multilabel import column_index, expand_targets, labelled, maske
 from fedssl.core.surgical import check_class_list, is_head_key, local_keys
 from fedssl.core.trainer import MixedPrecision, RoundStats, check_stop, detached, load_checked
 from fedssl.data.cxr import CXRDataset, batches, dataset_classes, external_dataset, load_cxr_site, patient_split
+from fedssl.data.loading import loader_options
 from fedssl.eval.auroc import labelled_bce, labelled_mean_auroc
 from fedssl.eval.surgical_report import auroc_table
 from fedssl.models.densenet import MultiLabelDenseNet, freeze_batchnorm, is_bn_key, set_features_trainable
@@ -190,7 +191,7 @@ def scores(model: nn.Module, dataset, settings: MultiLabelSettings) -> tuple[np.
     device = next(model.parameters()).device
     probs, targets = [], []
     for x, y in batches(dataset, settings.batch_size, seed=settings.seed, epoch=0, shuffle=False, max_batches=0,
-                        workers=settings.workers, pin_memory=device.type == "cuda"):
+                        **loader_options(settings.workers, device)):
         probs.append(torch.sigmoid(model(x.to(device))).cpu().numpy())
         targets.append(np.asarray(y, dtype=np.float32))
     return np.concatenate(probs), np.concatenate(targets)
@@ -285,7 +286,7 @@ class MultiLabelLocalTrainer:
             freeze_batchnorm(model)
         total, steps = 0.0, 0
         for x, y in batches(self.splits["train"], s.batch_size, seed=self.data_seed, epoch=self.epoch, shuffle=True,
-                            max_batches=s.max_steps_per_epoch, workers=s.workers, pin_memory=device.type == "cuda"):
+                            max_batches=s.max_steps_per_epoch, **loader_options(s.workers, device)):
             check_stop(should_stop)
             with self.precision.autocast():
                 logits = model(x.to(device, non_blocking=True))

@@ -7,7 +7,8 @@ Layers, lowest first; a module imports only from its own package or from a lower
 - ``core``, ``data``, ``models``, ``eval`` and ``train`` never import ``nvflare`` (nor ``fedssl.flare``);
 - nothing imports upward (e.g. ``flare`` importing ``experiments`` or ``cli``);
 - no module outside ``flare`` touches a private member (``obj._name``) of a ``flare`` class;
-- the package root holds ``__init__.py`` and packages only.
+- the package root holds ``__init__.py`` and packages only;
+- a module uses every name it imports (``__init__`` modules re-export, so they are exempt).
 """
 
 from __future__ import annotations
@@ -107,6 +108,26 @@ def private_access_violations(module: str, source: str, flare_private: set[str])
     return problems
 
 
+def unused_imports(module: str, source: str) -> list[str]:
+    """Names a module imports and never reads: not as a name, an attribute base, ``__all__`` or inside a string
+    annotation (``"os.PathLike[str]"``)."""
+    tree = ast.parse(source)
+    imported: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and getattr(node, "module", None) != "__future__":
+            for alias in node.names:
+                imported[(alias.asname or alias.name).split(".")[0]] = node.lineno
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            try:
+                used |= {n.id for n in ast.walk(ast.parse(node.value, mode="eval")) if isinstance(n, ast.Name)}
+            except SyntaxError:
+                pass
+    return [f"{module}:{line} imports {name} and never uses it" for name, line in sorted(imported.items())
+            if name not in used]
+
+
 def package_sources() -> dict[str, str]:
     out = {}
     for path in sorted(PKG.rglob("*.py")):
@@ -129,6 +150,12 @@ def test_no_module_outside_flare_touches_a_private_member_of_a_flare_class():
     private = flare_private_members(sources)
     assert private, "no private member found in fedssl.flare: the scan is broken"
     problems = [p for m, s in sources.items() for p in private_access_violations(m, s, private)]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_module_uses_what_it_imports():
+    problems = [p for m, s in package_sources().items() if not PKG.joinpath(*m.split(".")[1:], "__init__.py").is_file()
+                for p in unused_imports(m, s)]
     assert not problems, "\n".join(problems)
 
 
@@ -179,3 +206,11 @@ def test_private_member_check_catches_access_from_outside_flare():
     good = "from fedssl.flare.ex import E\nclass F:\n    def __init__(self):\n        self._splits = 2\n"
     assert private_access_violations("fedssl.experiments.central", good, private) == []
     assert os.path.isdir(PKG)
+
+
+def test_unused_import_check_catches_and_allows():
+    bad = "from __future__ import annotations\nimport os\nfrom torch import nn, optim\nx = nn.Linear\n"
+    assert unused_imports("fedssl.core.x", bad) == ["fedssl.core.x:3 imports optim and never uses it",
+                                                    "fedssl.core.x:2 imports os and never uses it"]
+    good = 'import os\nimport numpy as np\nP = "os.PathLike[str]"\ny = np.zeros(1)\n'
+    assert unused_imports("fedssl.core.x", good) == []

@@ -47,7 +47,7 @@ def _split_args(s) -> None:
 
 
 def _split(a) -> None:
-    from fedssl.data.vlp import code_histograms, load_brset, load_messidor2, load_mimic_vlp, write_client_manifests, \
+    from fedssl.data.vlp import load_brset, load_messidor2, load_mimic_vlp, write_client_manifests, \
         write_source_manifests
 
     t = time.perf_counter()

@@ -22,7 +22,7 @@ rejected site is logged ("REJECTED ...", naming it) and left out of the round (s
 from __future__ import annotations
 
 import numpy as np
-from nvflare.apis.dxo import DXO, DataKind, from_shareable
+from nvflare.apis.dxo import DXO, DataKind
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 from nvflare.app_common.abstract.model import ModelLearnableKey

@@ -33,7 +33,7 @@ import torch
 
 from fedssl.core.checks import require, require_choice, require_int
 from fedssl.core.seeds import site_seed
-from fedssl.core.trainer import MixedPrecision, RoundStats, check_optimizer_state, detached, load_checked, stoppable
+from fedssl.core.trainer import MixedPrecision, RoundStats, detached, load_checked, stoppable
 from fedssl.core.vlp import STAGES, FedDRAConfig, trainable_names
 from fedssl.data.loading import check_workers, load_batches, loader_options
 from fedssl.data.vlp import VLPDataset, VLPRecord

@@ -22,11 +22,30 @@ SEED_SPACE = 2 ** 31
 def site_seed(job_seed: int, site: str) -> int:
     """The seed of ``site`` in a job seeded with ``job_seed``: the first 8 bytes of SHA-256(``"<job_seed>/<site>"``)
     modulo 2**31.  An empty site name (a run outside FLARE, e.g. a local protocol) gives the job seed itself."""
-    if isinstance(job_seed, bool) or not isinstance(job_seed, int) or job_seed < 0:
-        raise ValueError(f"site_seed: job_seed={job_seed!r} is not a non-negative integer; use the job's 'seed'")
-    if not isinstance(site, str):
-        raise ValueError(f"site_seed: site={site!r} is not a string; pass the FLARE client name")
+    _check("site_seed", job_seed, site)
     if not site:
         return job_seed
-    digest = hashlib.sha256(f"{job_seed}/{site}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") % SEED_SPACE
+    return _sha_seed(f"{job_seed}/{site}")
+
+
+def fold_seed(job_seed: int, site: str, fold: int) -> int:
+    """The seed of ``site``'s draw in cross-validation fold ``fold`` (which of its training patients are
+    annotated): the first 8 bytes of SHA-256(``"<job_seed>/<site>/fold<fold>"``) modulo 2**31.  ``site`` may be
+    empty (a draw from all sites' patients pooled).  Each fold draws afresh: with the site's seed alone the same
+    positions of the fold's sorted training patients were drawn in every fold, so at N = 1 one patient was often
+    the annotated one in several folds, and those folds repeated one fine-tuning."""
+    _check("fold_seed", job_seed, site)
+    if isinstance(fold, bool) or not isinstance(fold, int) or fold < 0:
+        raise ValueError(f"fold_seed: fold={fold!r} is not a non-negative integer; pass the fold index (0-4)")
+    return _sha_seed(f"{job_seed}/{site}/fold{fold}")
+
+
+def _check(caller: str, job_seed: object, site: object) -> None:
+    if isinstance(job_seed, bool) or not isinstance(job_seed, int) or job_seed < 0:
+        raise ValueError(f"{caller}: job_seed={job_seed!r} is not a non-negative integer; use the job's 'seed'")
+    if not isinstance(site, str):
+        raise ValueError(f"{caller}: site={site!r} is not a string; pass the FLARE client name")
+
+
+def _sha_seed(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") % SEED_SPACE

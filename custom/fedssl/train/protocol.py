@@ -7,9 +7,10 @@ N in {1, 2, 4, 8} patients in the training set, and validate on the validation s
 all clients (i.e. 20 patients)." The metric is the Dice averaged over LV, MYO and RV.
 
 Splits (:func:`site_fold`): per site ``kfold_split(site_patients, fold)`` (8 train / 2 validation for 10
-patients) and ``select_labelled(train_patients, N)``, both seeded by ``site_seed(split_seed, site)``
-(:func:`fedssl.core.seeds.site_seed`): which patients are labelled at a site depends only on (fold, N,
-``split_seed``, site name), not on the method (init), so every method is fine-tuned and validated on exactly
+patients), seeded by ``site_seed(split_seed, site)`` (:func:`fedssl.core.seeds.site_seed`), and
+``select_labelled(train_patients, N)``, seeded by ``fold_seed(split_seed, site, fold)``
+(:func:`fedssl.core.seeds.fold_seed`, a fresh draw in every fold): which patients are labelled at a site
+depends only on (fold, N, ``split_seed``, site name), not on the method (init), so every method is fine-tuned and validated on exactly
 the same patients, and sites draw their subsets independently (one shared seed picked the same positions in
 every site's sorted patient list).  Federated fine-tuning (:func:`site_split`) uses the same function, hence
 the same patients as local fine-tuning.  Every patient contributes all its annotated volumes (ACDC: ED and
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 
 from fedssl.core.partition import kfold_split, select_labelled
-from fedssl.core.seeds import site_seed
+from fedssl.core.seeds import fold_seed, site_seed
 from fedssl.data.volume import Volume
 from fedssl.eval.segmentation import ACDC_CLASSES, dice_per_volume, mean_dice
 from fedssl.train.segmentation import init_unet, train_segmentation
@@ -73,10 +74,11 @@ def site_fold(patient_ids: Sequence[str], site: str, fold: int, *, n_folds: int 
     return kfold_split(sorted(patient_ids), fold, n_folds=n_folds, seed=site_seed(split_seed, site))
 
 
-def site_labelled(train_ids: Sequence[str], site: str, n: int, *, split_seed: int = 0) -> list[str]:
-    """The ``n`` annotated patients of ``site`` among its training patients of the fold: ``select_labelled``
-    seeded by ``site_seed(split_seed, site)`` (the same for every method and protocol)."""
-    return select_labelled(train_ids, n, seed=site_seed(split_seed, site))
+def site_labelled(train_ids: Sequence[str], site: str, n: int, *, fold: int, split_seed: int = 0) -> list[str]:
+    """The ``n`` annotated patients of ``site`` among its training patients of ``fold``: ``select_labelled``
+    seeded by ``fold_seed(split_seed, site, fold)`` (the same for every method and protocol, a fresh draw in
+    every fold)."""
+    return select_labelled(train_ids, n, seed=fold_seed(split_seed, site, fold))
 
 
 def _fold_split(
@@ -109,7 +111,7 @@ def local_split(site_volumes: Mapping[str, Sequence[Volume]], site: str, n_label
         raise ValueError(f"site={site!r} is not among the sites {sorted(patients)}")
     split = _fold_split(patients, fold, n_folds, split_seed)
     val_ids, val_vols = _pooled_validation(patients, split)
-    train_ids = site_labelled(split[site][0], site, n_labelled, split_seed=split_seed)
+    train_ids = site_labelled(split[site][0], site, n_labelled, fold=fold, split_seed=split_seed)
     return train_ids, _volumes_of(patients[site], train_ids), val_ids, val_vols
 
 
@@ -225,7 +227,7 @@ def local_finetune(
         for method, init in inits.items():
             for n in n_labelled:
                 for site in sorted(sites or patients):
-                    train_ids = site_labelled(split[site][0], site, n, split_seed=split_seed)
+                    train_ids = site_labelled(split[site][0], site, n, fold=fold, split_seed=split_seed)
                     key = {"method": method, "mode": "local", "n_labelled": int(n), "fold": int(fold), "site": site}
                     rows.append(_run(key, init, train_ids, patients[site], val_ids, val_vols, train_kw, progress))
     return rows
@@ -253,7 +255,7 @@ def centralised_finetune(
     """Centralised fine-tuning (FCL (Wu et al., MedIA 2022) Table 3): all data combined, one model per method, N and fold.
 
     ``labelled_from="pooled"`` (default): N patients IN TOTAL are drawn (``select_labelled`` seeded by
-    ``split_seed``) from the union of all sites' training patients of the fold.  Section 5: "In centralized
+    ``fold_seed(split_seed, "", fold)``) from the union of all sites' training patients of the fold.  Section 5: "In centralized
     fine-tuning, all data are combined for sampling the annotated data"; Table 3: "N is the number of annotated
     patients for fine-tuning"; and its numbers imply it: Random init reaches 0.296 at N=1 centralised
     (Table 3) against 0.445 in federated fine-tuning with 1 patient at each of 10 sites (Table 2), so the
@@ -277,10 +279,10 @@ def centralised_finetune(
             for n in n_labelled:
                 if labelled_from == "per_site":
                     train_ids = [pid for site in sorted(split)
-                                 for pid in site_labelled(split[site][0], site, n, split_seed=split_seed)]
+                                 for pid in site_labelled(split[site][0], site, n, fold=fold, split_seed=split_seed)]
                 else:
                     pool = [pid for site in sorted(split) for pid in split[site][0]]
-                    train_ids = select_labelled(pool, n, seed=split_seed)
+                    train_ids = select_labelled(pool, n, seed=fold_seed(split_seed, "", fold))
                 key = {"method": method, "mode": "centralised", "n_labelled": int(n), "fold": int(fold), "site": "all"}
                 rows.append(_run(key, init, train_ids, all_patients, val_ids, val_vols, train_kw, progress))
     return rows
@@ -301,7 +303,7 @@ def site_split(
     split = _fold_split(patients, fold, n_folds, split_seed)
     out = {}
     for site in sorted(patients):
-        train_ids = site_labelled(split[site][0], site, n_labelled, split_seed=split_seed)
+        train_ids = site_labelled(split[site][0], site, n_labelled, fold=fold, split_seed=split_seed)
         out[site] = {
             "train_patients": train_ids,
             "train_volumes": _volumes_of(patients[site], train_ids),

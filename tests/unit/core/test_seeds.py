@@ -1,10 +1,10 @@
-"""site_seed: reproducible, distinct per site, job seed outside FLARE."""
+"""site_seed: reproducible, distinct per site, job seed outside FLARE; fold_seed: distinct per fold too."""
 
 import hashlib
 
 import pytest
 
-from fedssl.core.seeds import SEED_SPACE, site_seed
+from fedssl.core.seeds import SEED_SPACE, fold_seed, site_seed
 
 
 def test_value_is_sha256_of_job_seed_and_site():
@@ -27,3 +27,26 @@ def test_empty_site_is_the_job_seed():
 def test_bad_job_seed_is_named(seed):
     with pytest.raises(ValueError, match="job_seed"):
         site_seed(seed, "site-1")
+
+
+def test_fold_seed_is_sha256_of_job_seed_site_and_fold():
+    expected = int.from_bytes(hashlib.sha256(b"3/site-2/fold4").digest()[:8], "big") % SEED_SPACE
+    assert fold_seed(3, "site-2", 4) == expected
+    assert fold_seed(0, "", 1) == int.from_bytes(hashlib.sha256(b"0//fold1").digest()[:8], "big") % SEED_SPACE
+
+
+def test_fold_seeds_differ_by_fold_site_and_job_seed():
+    seeds = {fold_seed(0, site, fold) for site in ("site-1", "site-2", "") for fold in range(5)}
+    assert len(seeds) == 15 and all(0 <= s < SEED_SPACE for s in seeds)
+    assert fold_seed(0, "site-1", 0) != fold_seed(1, "site-1", 0)
+    assert fold_seed(0, "site-1", 0) != site_seed(0, "site-1")
+
+
+@pytest.mark.parametrize("args, match", [((-1, "site-1", 0), "fold_seed: job_seed=-1"),
+                                         ((0, 1, 0), "fold_seed: site=1"),
+                                         ((0, "site-1", -1), "fold_seed: fold=-1"),
+                                         ((0, "site-1", True), "fold_seed: fold=True"),
+                                         ((0, "site-1", 1.0), "fold_seed: fold=1.0")])
+def test_bad_fold_seed_argument_is_named(args, match):
+    with pytest.raises(ValueError, match=match):
+        fold_seed(*args)

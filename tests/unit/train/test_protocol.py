@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 import torch
@@ -95,7 +97,7 @@ def test_centralised_default_is_n_patients_in_total_from_the_pooled_sites():
     assert len(rows) == 2
     for r in rows:
         assert r["mode"] == "centralised" and r["site"] == "all"
-        assert r["train_patients"] == ["s2p2"] and r["n_train_volumes"] == 2  # 1 patient (ED + ES), not 3
+        assert r["train_patients"] == ["s1p2"] and r["n_train_volumes"] == 2  # 1 patient (ED + ES), not 3
         assert set(r["val_patients"]) == set(local[0]["val_patients"])
         assert not set(r["train_patients"]) & set(r["val_patients"])
     per_site = centralised_finetune(sv, {"random": "random"}, labelled_from="per_site", **KW)
@@ -106,17 +108,47 @@ def test_centralised_default_is_n_patients_in_total_from_the_pooled_sites():
 
 
 def test_each_site_draws_its_split_from_its_site_seed():
-    """Issue 13 item 9: kfold_split and select_labelled seeded by site_seed(split_seed, site).  With one shared
-    seed every site labelled its 4th and validated on its 3rd sorted patient; now the positions differ, and
-    the values below are reproducible from (fold 0, N, split_seed 0, site name)."""
+    """Issue 13 item 9: kfold_split seeded by site_seed(split_seed, site), select_labelled by
+    fold_seed(split_seed, site, fold).  With one shared seed every site labelled its 4th and validated on its 3rd
+    sorted patient; now the positions differ, and the values below are reproducible from (fold 0, N,
+    split_seed 0, site name)."""
     split = {s: (d["train_patients"], d["val_patients"]) for s, d in site_split(_site_volumes(), 0, 1).items()}
-    assert split == {"site-1": (["s0p3"], ["s0p2"]), "site-2": (["s1p2"], ["s1p1"]), "site-3": (["s2p1"], ["s2p0"])}
+    assert split == {"site-1": (["s0p1"], ["s0p2"]), "site-2": (["s1p0"], ["s1p1"]), "site-3": (["s2p4"], ["s2p0"])}
     two = site_split(_site_volumes(), 0, 2)
-    assert [two[s]["train_patients"] for s in sorted(two)] == [["s0p3", "s0p4"], ["s1p0", "s1p2"], ["s2p1", "s2p2"]]
+    assert [two[s]["train_patients"] for s in sorted(two)] == [["s0p1", "s0p3"], ["s1p0", "s1p2"], ["s2p3", "s2p4"]]
     other = site_split(_site_volumes(), 0, 1, split_seed=1)
     assert [other[s]["val_patients"] for s in sorted(other)] == [["s0p1"], ["s1p3"], ["s2p0"]]
     rows = local_finetune(_site_volumes(), {"random": "random"}, **KW)
     assert {r["site"]: r["train_patients"] for r in rows} == {s: split[s][0] for s in split}  # = federated split
+
+
+def _position_draw(ids: list[str], n: int, text: str) -> list[str]:
+    """select_labelled written out: the first n of a numpy permutation of the sorted ids, seeded by
+    SHA-256(text)[:8] mod 2**31."""
+    seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") % 2 ** 31
+    ids = sorted(ids)
+    return sorted(ids[i] for i in np.random.default_rng(seed).permutation(len(ids))[:n])
+
+
+def test_every_fold_draws_its_own_labelled_patients():
+    """Issue 14: the labelled draw is seeded by (split_seed, site, fold).  Seeded by the site alone it took the same
+    positions of the fold's sorted training patients in every fold, so at N = 1 the same patient was the
+    annotated one in several folds (real site 2: patient017 in folds 0-2) and those cells repeated one
+    fine-tuning.  Local, federated and centralised draws all follow the fold."""
+    sv = _site_volumes()
+    positions = {}
+    for fold in range(5):
+        split = site_split(sv, fold, 1)
+        for site, d in split.items():
+            train = sorted({v.patient_id for v in sv[site]} - set(d["val_patients"]))
+            assert d["train_patients"] == _position_draw(train, 1, f"0/{site}/fold{fold}")
+            positions.setdefault(site, []).append(train.index(d["train_patients"][0]))
+        rows = centralised_finetune(sv, {"random": "random"}, **{**KW, "folds": [fold], "n_labelled": [1]})
+        pool = [p for site in sorted(split) for p in sorted({v.patient_id for v in sv[site]} - set(split[site]["val_patients"]))]
+        assert rows[0]["train_patients"] == _position_draw(pool, 1, f"0//fold{fold}")
+    # position of the annotated patient in the fold's sorted training patients: no longer one position per site
+    assert positions == {"site-1": [1, 2, 3, 3, 1], "site-2": [0, 3, 2, 3, 3], "site-3": [3, 0, 0, 2, 0]}
+    assert all(len(set(p)) > 1 for p in positions.values())
 
 
 def test_local_runs_train_on_the_site_seed_and_initialise_on_the_job_seed(monkeypatch):

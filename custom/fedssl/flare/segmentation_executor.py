@@ -7,8 +7,9 @@ then train ``local_epochs`` epochs on the site's N labelled patients
 (:class:`fedssl.train.segmentation.SegmentationLocalTrainer`) and upload the weights with the number of
 labelled slices.
 
-Which patients: :func:`fedssl.train.protocol.site_split`, the split of the local protocol, seeded by
-``site_seed(split_seed, site name)`` (reproducible from fold, N, split_seed and the site name).  Batch order
+Which patients: :func:`fedssl.train.protocol.site_split`, the split of the local protocol: the fold's split
+seeded by ``site_seed(split_seed, site name)``, its N annotated patients by ``fold_seed(split_seed, site name,
+fold)`` (reproducible from fold, N, split_seed and the site name).  Batch order
 and augmentations: ``site_seed(seed, site name)``; the initial U-Net: ``seed`` (the server's broadcast
 replaces it before the first step).
 """
@@ -56,8 +57,9 @@ class SegmentationExecutor(TrainerExecutor):
         fold of the 5-fold split (8 train / 2 validation patients per site); Adam lr 5e-4, batch 10,
         cosine over all rounds; local_epochs per round (paper: 1); max_steps_per_epoch caps each local
         epoch (0 = no cap); seed: the job seed (initial U-Net; the site's batches and augmentations use
-        site_seed(seed, site)); split_seed: the seed of the patient split, per site site_seed(split_seed, site),
-        the same as the local protocol's (``fedssl fcl finetune``) so both fine-tune on the same patients.
+        site_seed(seed, site)); split_seed: the seed of the patient split (per site site_seed(split_seed, site);
+        the annotated patients fold_seed(split_seed, site, fold)), the same as the local protocol's
+        (``fedssl fcl finetune``) so both fine-tune on the same patients.
         """
         super().__init__()
         name = type(self).__name__

@@ -22,8 +22,8 @@ as if one site had pre-trained alone and shared its encoder.  Averaging the site
 round the baseline does not have, so it is not done; the choice is printed under each table.
 
 The split of a (fold, N, site) is the same for every method (:func:`fedssl.train.protocol.site_fold`,
-``site_labelled``: seeded by split seed, fold and site name only).  Fine-tuning cells may run in worker processes (``workers``,
-one torch thread each); simulator cells run one at a time in this process.
+``site_labelled``: seeded by split seed, fold and site name only).  Fine-tuning cells may run in worker processes
+(``workers``, one torch thread each); simulator cells run one at a time in this process.
 """
 
 from __future__ import annotations

@@ -6,15 +6,15 @@ patients and a validation set of 2 patients. For each fold, we fine-tune with an
 N in {1, 2, 4, 8} patients in the training set, and validate on the validation set of the same fold on
 all clients (i.e. 20 patients)." The metric is the Dice averaged over LV, MYO and RV.
 
-Splits (:func:`site_fold`): per site ``kfold_split(site_patients, fold)`` (8 train / 2 validation for 10
-patients), seeded by ``site_seed(split_seed, site)`` (:func:`fedssl.core.seeds.site_seed`), and
+Splits (:func:`site_fold`): per site ``kfold_split(site_patients, fold)`` (8 train / 2 validation for 10 patients),
+seeded by ``site_seed(split_seed, site)`` (:func:`fedssl.core.seeds.site_seed`), and
 ``select_labelled(train_patients, N)``, seeded by ``fold_seed(split_seed, site, fold)``
-(:func:`fedssl.core.seeds.fold_seed`, a fresh draw in every fold): which patients are labelled at a site
-depends only on (fold, N, ``split_seed``, site name), not on the method (init), so every method is fine-tuned and validated on exactly
-the same patients, and sites draw their subsets independently (one shared seed picked the same positions in
-every site's sorted patient list).  Federated fine-tuning (:func:`site_split`) uses the same function, hence
-the same patients as local fine-tuning.  Every patient contributes all its annotated volumes (ACDC: ED and
-ES).  Rows carry the patient ids used, so the splits are auditable.
+(:func:`fedssl.core.seeds.fold_seed`, a fresh draw in every fold): which patients are labelled at a site depends
+only on (fold, N, ``split_seed``, site name), not on the method (init), so every method is fine-tuned and validated
+on exactly the same patients, and sites draw their subsets independently (one shared seed picked the same positions
+in every site's sorted patient list). Federated fine-tuning (:func:`site_split`) uses the same function, hence the
+same patients as local fine-tuning. Every patient contributes all its annotated volumes (ACDC: ED and ES). Rows
+carry the patient ids used, so the splits are auditable.
 
 Training randomness: the U-Net's initial weights come from ``seed`` (the same for every site and protocol);
 the batch order and augmentations of a site's run from ``site_seed(seed, site)`` (centralised: ``seed``).
@@ -255,14 +255,14 @@ def centralised_finetune(
     """Centralised fine-tuning (FCL (Wu et al., MedIA 2022) Table 3): all data combined, one model per method, N and fold.
 
     ``labelled_from="pooled"`` (default): N patients IN TOTAL are drawn (``select_labelled`` seeded by
-    ``fold_seed(split_seed, "", fold)``) from the union of all sites' training patients of the fold.  Section 5: "In centralized
-    fine-tuning, all data are combined for sampling the annotated data"; Table 3: "N is the number of annotated
-    patients for fine-tuning"; and its numbers imply it: Random init reaches 0.296 at N=1 centralised
+    ``fold_seed(split_seed, "", fold)``) from the union of all sites' training patients of the fold. Section 5: "In
+    centralized fine-tuning, all data are combined for sampling the annotated data"; Table 3: "N is the number of
+    annotated patients for fine-tuning"; and its numbers imply it: Random init reaches 0.296 at N=1 centralised
     (Table 3) against 0.445 in federated fine-tuning with 1 patient at each of 10 sites (Table 2), so the
-    centralised model saw far fewer than 10 patients.  ``labelled_from="per_site"``: the N labelled patients
-    of EVERY site (those the local protocol uses), N x n_sites patients in one model.  Validation is the
-    fold's validation patients of all sites, pooled.  Rows as in :func:`local_finetune` with
-    ``mode="centralised"`` and ``site="all"``.
+    centralised model saw far fewer than 10 patients. ``labelled_from="per_site"``: the N labelled patients of
+    EVERY site (those the local protocol uses), N x n_sites patients in one model. Validation is the fold's
+    validation patients of all sites, pooled. Rows as in :func:`local_finetune` with ``mode="centralised"`` and
+    ``site="all"``.
     """
     if labelled_from not in LABELLED_FROM:
         raise ValueError(f"labelled_from={labelled_from!r}: use one of {list(LABELLED_FROM)} (paper, Table 3: 'pooled')")

@@ -138,13 +138,13 @@ def test_every_fold_draws_its_own_labelled_patients():
     sv = _site_volumes()
     positions = {}
     for fold in range(5):
-        split = site_split(sv, fold, 1)
-        for site, d in split.items():
-            train = sorted({v.patient_id for v in sv[site]} - set(d["val_patients"]))
+        trains = {}
+        for site, d in site_split(sv, fold, 1).items():
+            trains[site] = train = sorted({v.patient_id for v in sv[site]} - set(d["val_patients"]))
             assert d["train_patients"] == _position_draw(train, 1, f"0/{site}/fold{fold}")
             positions.setdefault(site, []).append(train.index(d["train_patients"][0]))
         rows = centralised_finetune(sv, {"random": "random"}, **{**KW, "folds": [fold], "n_labelled": [1]})
-        pool = [p for site in sorted(split) for p in sorted({v.patient_id for v in sv[site]} - set(split[site]["val_patients"]))]
+        pool = [p for site in sorted(trains) for p in trains[site]]
         assert rows[0]["train_patients"] == _position_draw(pool, 1, f"0//fold{fold}")
     # position of the annotated patient in the fold's sorted training patients: no longer one position per site
     assert positions == {"site-1": [1, 2, 3, 3, 1], "site-2": [0, 3, 2, 3, 3], "site-3": [3, 0, 0, 2, 0]}

@@ -10,6 +10,10 @@ Per pre-trained method:
   reference (0 = collapse; :mod:`fedssl.eval.features`);
 * a frozen-encoder probe (:mod:`fedssl.train.probe`) of the pre-trained encoder and of a random one on the same split:
   does the encoder as it is beat a random one?
+* (U-Net encoders) the encoder's kernels against the random encoder's (:mod:`fedssl.core.weight_scale`): their norm
+  ratio (well above 1 makes Adam's fixed step slow in fine-tuning) and their cosine and relative change. The random
+  encoder (``seed``, default 0) is also the pre-training's initial encoder when the job keeps its default model
+  seed 0, so cosine ~1 says pre-training barely moved the encoder.
 
 :func:`diagnose_acdc` (U-Net encoders: FCL, FedMoCo, FCLOpt, FedBYOL ...) and :func:`diagnose_vit` (Fed-MAE /
 Fed-BEiT) return a JSON-able dict; :func:`format_diagnostics` turns a list of them into the text block printed under
@@ -26,6 +30,7 @@ from typing import Any
 
 import torch
 
+from fedssl.core.weight_scale import compare_kernels, summarise
 from fedssl.data.images import ImageDataset, ImageRecord
 from fedssl.data.volume import Volume
 from fedssl.eval.features import unet_spread, vit_spread
@@ -148,7 +153,8 @@ def diagnose_acdc(method: str, summary_path: str | None, encoder_state: object,
                      f"{random_rows[-1]['dice']:.3f})")
     out = {"method": method, "rounds": pretraining_rounds(summary_path) if summary_path else [],
            "spread": _spread_summary(spread, random_spread, "pooled encoder bottleneck"),
-           "probe": _probe_summary(rows, random_rows, "dice", f"N={probe_n}, fold {fold}")}
+           "probe": _probe_summary(rows, random_rows, "dice", f"N={probe_n}, fold {fold}"),
+           "weight_scale": summarise(compare_kernels(encoder.state_dict(), random_encoder.state_dict()))}
     if proj:
         out["projection_spread"] = {"value": _mean_std([p.value for p in proj.values()])[0],
                                     "reference": next(iter(proj.values())).reference}
@@ -239,6 +245,15 @@ def _spread_line(d: Mapping[str, Any]) -> str | None:
     return line
 
 
+def _scale_line(d: Mapping[str, Any]) -> str | None:
+    w = d.get("weight_scale")
+    if not w:
+        return None
+    return (f"encoder kernels vs the random encoder ({w['n']}; the pre-training's seed-0 start): norm "
+            f"x{w['geomean']:.2f} (x{w['min']:.2f} to x{w['max']:.2f}), cosine {w['cosine']:.2f}, relative change "
+            f"{w['change']:.2f}")
+
+
 def _probe_line(p: Mapping[str, Any]) -> str:
     return (f"frozen-encoder probe {p['metric']} ({p['setting']}, {p['n_sites']} sites): pre-trained "
             f"{p['pretrained']:.3f} +- {p['pretrained_std']:.3f} vs random {p['random']:.3f} +- {p['random_std']:.3f}")
@@ -264,14 +279,16 @@ def verdict(d: Mapping[str, Any]) -> str:
 
 def format_diagnostics(diags: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> str:
     """The text block printed under a table: per method, the loss terms at the first / middle / last round, the bank
-    fill at the last round, the feature spread against a random encoder and 1/sqrt(D), the probe, and a verdict."""
+    fill at the last round, the feature spread against a random encoder and 1/sqrt(D), the encoder's kernels against
+    the random encoder's (norm ratio, cosine, relative change), the probe, and a verdict."""
     items = [diags] if isinstance(diags, Mapping) else list(diags)
-    lines = ["Diagnostics (issue 14: loss terms, bank fill, feature spread (0 = collapse), frozen-encoder probe)"]
+    lines = ["Diagnostics (issue 14: loss terms, bank fill, feature spread (0 = collapse), encoder kernels vs their "
+             "start, frozen-encoder probe)"]
     for d in items:
         lines.append(f"  {d['method']}:")
         rounds = d.get("rounds") or []
         probe = _probe_line(d["probe"]) if d.get("probe") else None
-        body = [_loss_line(rounds), _bank_line(rounds), _spread_line(d), probe]
+        body = [_loss_line(rounds), _bank_line(rounds), _spread_line(d), _scale_line(d), probe]
         lines += [f"    {x}" for x in body if x]
         lines.append(f"    verdict: {verdict(d)}")
     return "\n".join(lines)

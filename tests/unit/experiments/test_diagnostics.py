@@ -13,7 +13,7 @@ from fedssl.data.image_synthetic import write_synthetic_images
 from fedssl.data.images import load_image_records
 from fedssl.data.volume import Volume
 from fedssl.experiments.diagnostics import diagnose_acdc, diagnose_vit, format_diagnostics, pretraining_rounds, verdict
-from fedssl.models.unet import TINY_FEATURES, MoCoUNetEncoder
+from fedssl.models.unet import TINY_FEATURES, BYOLUNetEncoder, MoCoUNetEncoder, encoder_state_from_global
 from fedssl.models.vit import TINY_DECODER, TINY_VIT, MAEViT
 
 torch.set_num_threads(1)
@@ -68,7 +68,8 @@ def hand_made(spread=0.002, pretrained=0.412, random=0.371):
             "spread": {"what": "pooled encoder bottleneck", "value": spread, "random": 0.02, "reference": 0.088,
                        "per_site": {"site-1": spread}},
             "probe": {"metric": "dice", "setting": "N=1, fold 0", "pretrained": pretrained, "pretrained_std": 0.05,
-                      "random": random, "random_std": 0.04, "n_sites": 2, "rows": []}}
+                      "random": random, "random_std": 0.04, "n_sites": 2, "rows": []},
+            "weight_scale": {"geomean": 4.6, "min": 2.2, "max": 8.5, "n": 10, "cosine": 0.27, "change": 3.8}}
 
 
 def test_format_shows_first_middle_last_round_bank_fill_spread_probe_and_verdict():
@@ -82,6 +83,8 @@ def test_format_shows_first_middle_last_round_bank_fill_spread_probe_and_verdict
             "in training 0.080 -> 0.020") in lines
     assert ("    frozen-encoder probe dice (N=1, fold 0, 2 sites): pre-trained 0.412 +- 0.050 vs random 0.371 +- 0.040"
             in lines)
+    assert ("    encoder kernels vs the random encoder (10; the pre-training's seed-0 start): norm x4.60 (x2.20 to x8.50), "
+            "cosine 0.27, relative change 3.80") in lines
     assert lines[-1] == ("    verdict: encoder collapsed (spread 0.002, random encoder 0.020); frozen encoder beats "
                          "random by +0.041 Dice")
 
@@ -115,6 +118,11 @@ def test_diagnose_acdc_of_a_global_moco_model(tmp_path):
     assert probe["rows"][0]["train_patients"] == probe["rows"][2]["train_patients"]  # the same split for both
     json.dumps(d)  # JSON-able, for the table's JSON beside the text
     assert "verdict" in format_diagnostics([d])
+    # the encoder's 10 conv kernels (5 blocks x 2 convs) against the random encoder's (seed 0); the pre-trained
+    # state is seed 1's initialisation: the same scale roughly, an unrelated direction
+    w = d["weight_scale"]
+    assert w["n"] == 10 and 0.7 < w["min"] <= w["geomean"] <= w["max"] < 1.3 and w["geomean"] != 1.0
+    assert abs(w["cosine"]) < 0.3 and w["change"] > 1.0
 
 
 def test_diagnose_vit_of_a_mae_model(tmp_path):
@@ -127,3 +135,14 @@ def test_diagnose_vit_of_a_mae_model(tmp_path):
     assert d["rounds"] == [] and d["spread"]["reference"] == pytest.approx(1 / np.sqrt(48))
     assert d["probe"]["metric"] == "accuracy" and [r["method"] for r in d["probe"]["rows"]] == ["Fed-MAE", "scratch"]
     assert "frozen-encoder probe accuracy (label fraction 1, 1 sites)" in format_diagnostics([d])
+
+
+@pytest.mark.parametrize("net", [MoCoUNetEncoder(TINY_FEATURES, proj_dim=8), BYOLUNetEncoder(TINY_FEATURES, proj_dim=8)])
+def test_the_random_encoder_is_the_pretraining_start_at_the_default_seed(net):
+    """The kernel comparison line reads "the pre-training's seed-0 start": a MoCo / BYOL model at its default seed
+    holds exactly the diagnostics' random encoder, so an untrained model compares as unchanged."""
+    from fedssl.core.weight_scale import compare_kernels, summarise
+    from fedssl.experiments.diagnostics import _unet_encoder
+    start = encoder_state_from_global(net.state_dict())
+    summary = summarise(compare_kernels(start, _unet_encoder("random", list(TINY_FEATURES), 0).state_dict()))
+    assert summary == pytest.approx({"geomean": 1.0, "min": 1.0, "max": 1.0, "n": 10, "cosine": 1.0, "change": 0.0})

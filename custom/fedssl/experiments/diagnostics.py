@@ -154,7 +154,8 @@ def diagnose_acdc(method: str, summary_path: str | None, encoder_state: object,
     out = {"method": method, "rounds": pretraining_rounds(summary_path) if summary_path else [],
            "spread": _spread_summary(spread, random_spread, "pooled encoder bottleneck"),
            "probe": _probe_summary(rows, random_rows, "dice", f"N={probe_n}, fold {fold}"),
-           "weight_scale": summarise(compare_kernels(encoder.state_dict(), random_encoder.state_dict()))}
+           "weight_scale": {**summarise(compare_kernels(encoder.state_dict(), random_encoder.state_dict())),
+                            "seed": seed}}
     if proj:
         out["projection_spread"] = {"value": _mean_std([p.value for p in proj.values()])[0],
                                     "reference": next(iter(proj.values())).reference}
@@ -249,7 +250,8 @@ def _scale_line(d: Mapping[str, Any]) -> str | None:
     w = d.get("weight_scale")
     if not w:
         return None
-    return (f"encoder kernels vs the random encoder ({w['n']}; the pre-training's seed-0 start): norm "
+    start = "the pre-training's start at the model's default seed" if w.get("seed", 0) == 0 else "not the start"
+    return (f"encoder kernels vs the random encoder (seed {w.get('seed', 0)}, {start}; {w['n']} kernels): norm "
             f"x{w['geomean']:.2f} (x{w['min']:.2f} to x{w['max']:.2f}), cosine {w['cosine']:.2f}, relative change "
             f"{w['change']:.2f}")
 

@@ -69,7 +69,7 @@ def hand_made(spread=0.002, pretrained=0.412, random=0.371):
                        "per_site": {"site-1": spread}},
             "probe": {"metric": "dice", "setting": "N=1, fold 0", "pretrained": pretrained, "pretrained_std": 0.05,
                       "random": random, "random_std": 0.04, "n_sites": 2, "rows": []},
-            "weight_scale": {"geomean": 4.6, "min": 2.2, "max": 8.5, "n": 10, "cosine": 0.27, "change": 3.8}}
+            "weight_scale": {"geomean": 4.6, "min": 2.2, "max": 8.5, "n": 10, "cosine": 0.27, "change": 3.8, "seed": 0}}
 
 
 def test_format_shows_first_middle_last_round_bank_fill_spread_probe_and_verdict():
@@ -83,8 +83,8 @@ def test_format_shows_first_middle_last_round_bank_fill_spread_probe_and_verdict
             "in training 0.080 -> 0.020") in lines
     assert ("    frozen-encoder probe dice (N=1, fold 0, 2 sites): pre-trained 0.412 +- 0.050 vs random 0.371 +- 0.040"
             in lines)
-    assert ("    encoder kernels vs the random encoder (10; the pre-training's seed-0 start): norm x4.60 (x2.20 to x8.50), "
-            "cosine 0.27, relative change 3.80") in lines
+    assert ("    encoder kernels vs the random encoder (seed 0, the pre-training's start at the model's default seed; 10 "
+            "kernels): norm x4.60 (x2.20 to x8.50), cosine 0.27, relative change 3.80") in lines
     assert lines[-1] == ("    verdict: encoder collapsed (spread 0.002, random encoder 0.020); frozen encoder beats "
                          "random by +0.041 Dice")
 
@@ -122,7 +122,7 @@ def test_diagnose_acdc_of_a_global_moco_model(tmp_path):
     # state is seed 1's initialisation: the same scale roughly, an unrelated direction
     w = d["weight_scale"]
     assert w["n"] == 10 and 0.7 < w["min"] <= w["geomean"] <= w["max"] < 1.3 and w["geomean"] != 1.0
-    assert abs(w["cosine"]) < 0.3 and w["change"] > 1.0
+    assert abs(w["cosine"]) < 0.3 and w["change"] > 1.0 and w["seed"] == 0
 
 
 def test_diagnose_vit_of_a_mae_model(tmp_path):

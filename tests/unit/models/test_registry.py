@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import fedssl.models as models
 
@@ -37,4 +38,7 @@ def test_tiny_presets_reach_the_constructors():
     assert mae.decoder.embed.out_features == models.TINY_DECODER["decoder_embed_dim"] == 32
     assert models.build_model("tiny_vit_beit").lm_head.out_features == models.TINY_VOCAB == 64
     assert models.build_model("tiny_byol_unet2d").predictor[0].out_features == 16
-    assert models.build_model("tiny_unet2d", out_channels=4) is not None
+    unet = models.build_model("tiny_unet2d", out_channels=3)
+    # BasicUNet's first block has features[0] output channels: the tiny preset's first width, 4 (the paper's is 48)
+    assert unet.conv_0.conv_0.conv.out_channels == models.TINY_FEATURES[0] == 4
+    assert unet(torch.zeros(1, 1, 32, 32)).shape == (1, 3, 32, 32)  # a keyword argument reaches the constructor

@@ -140,6 +140,9 @@ def _tables_args(s) -> None:
                    "(default: the profile's epochs and floor)")
     s.add_argument("--rounds", type=COUNT, default=None, help="pre-training rounds (default: the profile's)")
     s.add_argument("--workers", type=COUNT, default=2, help="processes for local / centralised fine-tuning cells")
+    s.add_argument("--pretrained-from", default=None, metavar="DIR",
+                   help="reuse the finished pre-training runs of another tables folder (same data, sites, rounds "
+                   "and the profile's job settings), e.g. to fine-tune with other epochs; diagnostics run here")
 
 
 def _tables(a) -> None:
@@ -147,7 +150,7 @@ def _tables(a) -> None:
 
     run_fcl_tables(a.out, tables=a.tables, methods=a.methods, n_labelled=a.n, folds=a.folds, n_sites=a.sites,
                    profile=a.profile, data_root=a.data_root, difficulty=a.difficulty, epochs=a.epochs,
-                   rounds=a.rounds, workers=a.workers)
+                   rounds=a.rounds, workers=a.workers, pretrained_from=a.pretrained_from)
 
 
 def _hvsmr_synth_args(s) -> None:

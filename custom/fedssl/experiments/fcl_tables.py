@@ -49,7 +49,14 @@ from fedssl.experiments.fcl_finetune import (
 )
 from fedssl.experiments.diagnostics import diagnose_acdc, format_diagnostics
 from fedssl.experiments.table7 import JOBS, ROWS
-from fedssl.experiments.table_runner import CellStore, check_run_config, plain_json, run_cells, write_table
+from fedssl.experiments.table_runner import (
+    CellStore,
+    check_run_config,
+    plain_json,
+    read_run_config,
+    run_cells,
+    write_table,
+)
 from fedssl.ops.jobs import load_profile
 from fedssl.ops.simulate import run_simulation, server_run_dir
 from fedssl.train.protocol import centralised_finetune, local_finetune
@@ -131,6 +138,55 @@ def init_path(method: str, pretrained: dict | None, site: str | None) -> str:
     if "site_encoders" in pretrained:
         return pretrained["site_encoders"][site or LOCAL_CL_SHARED]
     return pretrained["global_model"]
+
+
+#: the run settings a pre-training depends on; another folder's pre-training is reused only where they agree
+PRETRAIN_SETTINGS = ("data_root", "difficulty", "n_sites", "rounds")
+
+
+def pretraining_files(result: dict) -> list[str]:
+    """The files a pre-training cell's result points at: its run summary and the global model or the sites'
+    own encoders (Local CL)."""
+    return [result["summary"], *([result["global_model"]] if "global_model" in result else []),
+            *result.get("site_encoders", {}).values()]
+
+
+def reuse_pretraining(source: str, store: CellStore, methods: Sequence[str], config: dict, profile: str,
+                      say=print) -> list[str]:
+    """Copy the finished pre-training cells of ``methods`` from the tables folder ``source`` into ``store``, so a
+    run with other fine-tuning settings (epochs, the step floor) starts from the same pre-trained encoders instead
+    of pre-training again.  Refused, naming the setting, unless ``source`` ran on the same data, sites and rounds
+    (``config``, :data:`PRETRAIN_SETTINGS`) and its profile sets the jobs exactly as ``profile`` does; a file the
+    copied cell points at that is gone is an error naming it.  Cells already in ``store`` are kept.  Each copied
+    result records ``reused_from``.  Returns the methods copied."""
+    source = os.path.abspath(source)
+    fix = "name a folder that `fedssl fcl tables` wrote"
+    theirs = read_run_config(source, fix)
+    if theirs is None:
+        raise ValueError(f"pretrained_from={source!r}: {os.path.join(source, 'run_config.json')} is missing; {fix}")
+    changed = [k for k in PRETRAIN_SETTINGS if theirs.get(k) != config.get(k)]
+    if changed:
+        raise ValueError(f"pretrained_from={source!r}: its pre-training ran with other settings: "
+                         + ", ".join(f"{k}={theirs.get(k)!r} (here {config.get(k)!r})" for k in changed)
+                         + "; pass the same --data-root / --sites / --rounds, or pre-train here")
+    if load_profile(theirs.get("profile", "")).get("jobs") != load_profile(profile).get("jobs"):
+        raise ValueError(f"pretrained_from={source!r}: its profile {theirs.get('profile')!r} sets the jobs "
+                         f"differently from profile {profile!r}; reuse needs the same job settings")
+    theirs_store = CellStore(os.path.join(source, "cells.jsonl"))
+    copied = []
+    for key in pretrain_cells(methods):
+        if store.done(key) or not theirs_store.done(key):
+            continue
+        result = theirs_store.get(key)
+        missing = [p for p in pretraining_files(result) if not os.path.isfile(p)]
+        if missing:
+            raise ValueError(f"pretrained_from={source!r}: {key['method']}'s pre-training points at {missing[0]}, "
+                             "which is gone; pre-train here instead")
+        store.put(key, {**result, "reused_from": source}, theirs_store.seconds(key))
+        copied.append(key["method"])
+    if copied:
+        say(f"pre-training of {', '.join(copied)} reused from {source} (same data, sites, rounds and job settings)")
+    return copied
 
 
 @functools.lru_cache(maxsize=2)
@@ -225,13 +281,15 @@ def summary_rows(table: int, rows: Sequence[dict]) -> list[dict]:
 def run_fcl_tables(out: str, *, tables: Sequence[int] = TABLES, methods: Sequence[str] = ALL_METHODS,
                    n_labelled: Sequence[int] = (1, 2, 4, 8), folds: Sequence[int] | None = None, n_sites: int = 3,
                    profile: str = "bench", data_root: str | None = None, difficulty: float | None = None,
-                   epochs: int | None = None, rounds: int | None = None, workers: int = 2, say=print) -> dict:
+                   epochs: int | None = None, rounds: int | None = None, workers: int = 2,
+                   pretrained_from: str | None = None, say=print) -> dict:
     """Run (or resume) the cells of FCL ``tables`` and write ``out/table{t}.{json,csv,txt,png}`` after each table.
 
     ``folds``: the folds of every table; None = the profile's per-table folds (``tables.fcl.folds``), else all five.
     ``data_root``: ``site-*`` folders; None = synthetic ACDC (10 patients per site, seed 0, ``difficulty`` when
     given) under ``out/data/acdc``.  ``epochs`` overrides the profile's fine-tuning epochs, ``rounds`` the
-    pre-training rounds.  Returns ``{table: paths of its files}``."""
+    pre-training rounds.  ``pretrained_from``: another tables folder whose finished pre-training cells are reused
+    (:func:`reuse_pretraining`).  Returns ``{table: paths of its files}``."""
     tables, methods, n_labelled = [int(t) for t in tables], list(methods), [int(n) for n in n_labelled]
     _check_args(tables, methods, n_labelled, n_sites, workers)
     t0 = time.time()
@@ -247,10 +305,12 @@ def run_fcl_tables(out: str, *, tables: Sequence[int] = TABLES, methods: Sequenc
     if len(sites) != n_sites:
         raise ValueError(f"{data_root} holds {len(sites)} site folders {sites}, not n_sites={n_sites}")
     settings = protocol_settings(profile, epochs)
-    check_run_config(out, {"profile": profile, "data_root": data_root, "difficulty": difficulty, "n_sites": n_sites,
-                            "epochs": settings["epochs"], "min_steps": settings["min_steps"],
-                            "rounds": rounds})
+    config = {"profile": profile, "data_root": data_root, "difficulty": difficulty, "n_sites": n_sites,
+              "epochs": settings["epochs"], "min_steps": settings["min_steps"], "rounds": rounds}
+    check_run_config(out, config)
     store = CellStore(os.path.join(out, "cells.jsonl"))
+    if pretrained_from is not None:
+        reuse_pretraining(pretrained_from, store, methods, config, profile, say=say)
 
     pre_cells = pretrain_cells(methods)
     pre = dict(zip([c["method"] for c in pre_cells], run_cells(

@@ -171,18 +171,26 @@ def start_run(out: str, settings: Mapping[str, Any], selectors: Sequence[str], d
     return out, root, CellStore(os.path.join(out, "cells.jsonl"))
 
 
+def read_run_config(out: str, fix: str) -> dict | None:
+    """``out/run_config.json`` as :func:`check_run_config` wrote it; None when there is none; a ValueError naming
+    the file and ``fix`` when it is unreadable."""
+    path = os.path.join(out, "run_config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is unreadable ({e}); {fix}") from None
+
+
 def check_run_config(out: str, config: Mapping[str, Any]) -> None:
     """The settings a table run's cells are computed with, recorded in ``out/run_config.json`` on the first run; a
     re-run into the same folder must use the same ones (cells of other settings would otherwise be mixed into one
     table): a ValueError names the file and every setting that changed."""
     path = os.path.join(out, "run_config.json")
-    if os.path.isfile(path):
-        try:
-            with open(path) as f:
-                old = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{path} is unreadable ({e}); remove it only if {out} holds no cells of other "
-                             "settings, or use another --out") from None
+    old = read_run_config(out, f"remove it only if {out} holds no cells of other settings, or use another --out")
+    if old is not None:
         changed = sorted(k for k in set(old) | set(config) if old.get(k) != config.get(k))
         if changed:
             raise ValueError(f"{path}: the cells in {out} were computed with other settings: "

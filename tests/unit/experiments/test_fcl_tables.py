@@ -6,6 +6,7 @@ training, except in the split test (tiny volumes, one epoch) and the slow end-to
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -193,17 +194,79 @@ def test_rerun_with_other_settings_is_refused(monkeypatch, tmp_path, data_root):
         _run(monkeypatch, Fakes(), tmp_path / "out", data_root, tables=[3], epochs=3)
 
 
+class FileFakes(Fakes):
+    """Pre-training that leaves its files on disk (summary, global model or the sites' encoders), as the real one."""
+
+    def pretrain(self, method, workspace, *, data_root, n_sites, profile, rounds):
+        out = super().pretrain(method, workspace, data_root=data_root, n_sites=n_sites, profile=profile,
+                               rounds=rounds)
+        os.makedirs(workspace, exist_ok=True)
+        out = {k: (os.path.join(workspace, os.path.basename(v)) if isinstance(v, str) else
+                   {s: os.path.join(workspace, os.path.basename(p)) for s, p in v.items()}) for k, v in out.items()}
+        for path in fcl_tables.pretraining_files(out):
+            open(path, "w").close()
+        return out
+
+
+def test_pretraining_reused_from_another_folder(monkeypatch, tmp_path, data_root):
+    first = FileFakes()
+    _run(monkeypatch, first, tmp_path / "a", data_root, methods=["random", "Local CL", "FCL"], tables=[1])
+    assert first.pretrained == ["Local CL", "FCL"]
+    said, second = [], FileFakes()
+    # other fine-tuning epochs (another run config), one more method: only that one is pre-trained here
+    _run(monkeypatch, second, tmp_path / "b", data_root, methods=["random", "Local CL", "FCL", "FedMoCo"],
+         tables=[1], epochs=3, pretrained_from=str(tmp_path / "a"), say=said.append)
+    assert second.pretrained == ["FedMoCo"]
+    assert "pre-training of Local CL, FCL reused from" in " ".join(said)
+    inits = {(k["method"], k["site"]): init for k, init in second.finetuned}
+    assert inits[("FCL", "site-2")] == str(tmp_path / "a" / "ws" / "pretrain_FCL" / "FCL.pt")
+    assert inits[("Local CL", "site-2")] == str(tmp_path / "a" / "ws" / "pretrain_Local_CL" / "local_cl_site-2.pt")
+    assert inits[("FedMoCo", "site-2")] == str(tmp_path / "b" / "ws" / "pretrain_FedMoCo" / "FedMoCo.pt")
+    assert [m for m, _ in second.diagnosed] == ["Local CL", "FCL", "FedMoCo"]  # diagnostics run in the new folder
+    records = [json.loads(line) for line in open(tmp_path / "b" / "cells.jsonl")]
+    reused = {r["key"]["method"]: r["result"].get("reused_from") for r in records if r["key"]["stage"] == "pretrain"}
+    assert reused == {"Local CL": str(tmp_path / "a"), "FCL": str(tmp_path / "a"), "FedMoCo": None}
+    third = FileFakes()  # resuming b without the option: nothing pre-trained again
+    _run(monkeypatch, third, tmp_path / "b", data_root, methods=["random", "Local CL", "FCL", "FedMoCo"],
+         tables=[1], epochs=3)
+    assert third.pretrained == [] and third.finetuned == []
+
+
+def test_pretraining_reuse_refused_when_it_ran_otherwise(monkeypatch, tmp_path, data_root):
+    _run(monkeypatch, FileFakes(), tmp_path / "a", data_root, tables=[1])
+    with pytest.raises(ValueError, match=r"pretrained_from=.*rounds=None \(here 2\)"):
+        _run(monkeypatch, FileFakes(), tmp_path / "b", data_root, tables=[1], rounds=2,
+             pretrained_from=str(tmp_path / "a"))
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({"extends": "bench", "jobs": {"fcl_acdc": {"meta": {"x": 1}}}}))
+    with pytest.raises(ValueError, match="sets the jobs differently"):
+        _run(monkeypatch, FileFakes(), tmp_path / "c", data_root, tables=[1], profile=str(profile),
+             pretrained_from=str(tmp_path / "a"))
+    profile.write_text(json.dumps({"extends": "bench", "finetune": {"min_steps": 100}}))  # fine-tuning only: allowed
+    _run(monkeypatch, FileFakes(), tmp_path / "d", data_root, tables=[1], profile=str(profile),
+         pretrained_from=str(tmp_path / "a"))
+    os.remove(tmp_path / "a" / "ws" / "pretrain_FCL" / "FCL.pt")
+    with pytest.raises(ValueError, match=r"FCL's pre-training points at .*FCL\.pt, which is gone"):
+        _run(monkeypatch, FileFakes(), tmp_path / "e", data_root, tables=[1], pretrained_from=str(tmp_path / "a"))
+    with pytest.raises(ValueError, match="run_config.json is missing; name a folder"):
+        _run(monkeypatch, FileFakes(), tmp_path / "f", data_root, tables=[1], pretrained_from=str(tmp_path))
+    (tmp_path / "a" / "run_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="run_config.json is unreadable .*; name a folder"):
+        _run(monkeypatch, FileFakes(), tmp_path / "g", data_root, tables=[1], pretrained_from=str(tmp_path / "a"))
+
+
 def test_cli_parses_into_run_fcl_tables(monkeypatch):
     seen = {}
     monkeypatch.setattr(fcl_tables, "run_fcl_tables", lambda out, **kw: seen.update(out=out, **kw))
     assert main(["fcl", "tables", "--out", "o", "--tables", "1", "3", "--methods", "random", "Local CL",
                  "--n", "1", "8", "--folds", "0", "2", "--sites", "4", "--difficulty", "0.5", "--epochs", "3",
-                 "--rounds", "2", "--workers", "1"]) == 0
+                 "--rounds", "2", "--workers", "1", "--pretrained-from", "runs/pf"]) == 0
     assert seen == {"out": "o", "tables": [1, 3], "methods": ["random", "Local CL"], "n_labelled": [1, 8],
                     "folds": [0, 2], "n_sites": 4, "profile": "bench", "data_root": None, "difficulty": 0.5,
-                    "epochs": 3, "rounds": 2, "workers": 1}
+                    "epochs": 3, "rounds": 2, "workers": 1, "pretrained_from": "runs/pf"}
     main(["fcl", "tables", "--out", "o"])
     assert seen["folds"] is None and seen["workers"] == 2 and seen["tables"] == [1, 2, 3]
+    assert seen["pretrained_from"] is None
 
 
 @pytest.mark.slow

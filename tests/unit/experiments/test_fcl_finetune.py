@@ -54,8 +54,8 @@ def test_the_fine_tuning_step_floor_comes_from_the_profile_and_an_explicit_epoch
 
     assert protocol_settings(None)["min_steps"] == 0  # the paper's protocol: 200 epochs, no floor
     quick = protocol_settings("quick")
-    assert (quick["epochs"], quick["min_steps"]) == (60, 240)
-    assert protocol_settings("bench")["min_steps"] == 240  # bench extends quick's fine-tuning
+    assert (quick["epochs"], quick["min_steps"]) == (60, 140)
+    assert protocol_settings("bench")["min_steps"] == 140  # bench extends quick's fine-tuning
     one = protocol_settings("quick", 1)
     assert (one["epochs"], one["min_steps"]) == (1, 0)  # --epochs 1 is one epoch
     for bad in (-5, 2.5, True, "240"):

@@ -107,7 +107,7 @@ def test_run_calls_each_stage_once_per_cell_and_writes_the_tables(monkeypatch, t
     text = open(paths[1]["txt"]).read()
     assert "paper (FCL, Wu et al., MedIA 2022, Table 1)" in text and "0.280 +- 0.037" in text
     assert "folds [0, 1]" in text and data["extra"]["folds"] == [0, 1]
-    assert "60 epochs (at least 240 optimiser steps" in text  # the bench profile's step floor is stated
+    assert "60 epochs (at least 140 optimiser steps" in text  # the bench profile's step floor is stated
 
 
 def test_diagnostics_run_once_per_pretrained_method_and_print_under_every_table(monkeypatch, tmp_path, data_root):

@@ -179,9 +179,12 @@ def read_run_config(out: str, fix: str) -> dict | None:
         return None
     try:
         with open(path) as f:
-            return json.load(f)
+            config = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"{path} is unreadable ({e}); {fix}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is unreadable (a JSON {type(config).__name__}, not an object of settings); {fix}")
+    return config
 
 
 def check_run_config(out: str, config: Mapping[str, Any]) -> None:

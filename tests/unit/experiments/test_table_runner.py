@@ -175,3 +175,11 @@ def test_check_run_config_records_then_refuses_changed_or_unreadable_settings(tm
     (tmp_path / "run" / "run_config.json").write_text("{torn")
     with pytest.raises(ValueError, match="run_config.json is unreadable"):
         check_run_config(out, {"profile": "bench", "epochs": 60})
+
+
+def test_a_run_config_that_is_not_an_object_is_refused_by_name(tmp_path):
+    from fedssl.experiments.table_runner import check_run_config
+
+    (tmp_path / "run_config.json").write_text("[1, 2]")  # valid JSON, but a hand-edited list, not settings
+    with pytest.raises(ValueError, match=r"run_config\.json is unreadable \(a JSON list, not an object"):
+        check_run_config(str(tmp_path), {"profile": "bench"})

@@ -10,6 +10,8 @@ What is measured (eval mode, no gradient, BatchNorm running statistics):
 * U-Net encoders (FCL, FedMoCo, FCLOpt, FedBYOL, random init): :func:`unet_spread` on every 2D slice of a site's
   volumes: the projection of a ``ContrastiveNet`` (the MoCo main / BYOL online network, what pre-training
   shapes) or, for a bare encoder, the globally average-pooled bottleneck (what fine-tuning receives);
+* U-Net projection networks: :func:`unet_discrimination`, instance discrimination in the network's own space
+  (:mod:`fedssl.core.discrimination`: two augmented views of every slice, the other patients' slices as negatives);
 * ViT encoders (Fed-MAE, Fed-BEiT, scratch): :func:`vit_spread`, the average of the patch tokens of
   ``encoder.forward_features`` over a batch of images.
 """
@@ -23,7 +25,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedssl.core.discrimination import Discrimination, instance_discrimination
 from fedssl.core.spread import normalised_spread, uniform_reference
+from fedssl.data.transforms import augment_views
 from fedssl.data.volume import Volume
 from fedssl.models.unet import pool_bottleneck
 
@@ -78,6 +82,28 @@ def unet_spread(model: nn.Module, volumes: Sequence[Volume], *, batch_size: int 
                 device: str | torch.device = "cpu") -> Spread:
     """Spread of a U-Net encoder's :func:`unet_features` over every slice of ``volumes``."""
     return feature_spread(unet_features(model, volumes, batch_size=batch_size, device=device))
+
+
+def unet_discrimination(net: nn.Module, volumes: Sequence[Volume], *, tau: float = 0.1, max_inputs: int = 400,
+                        seed: int = 0, batch_size: int = 64, device: str | torch.device = "cpu") -> Discrimination:
+    """Instance discrimination (:func:`fedssl.core.discrimination.instance_discrimination`) of a ``ContrastiveNet``
+    (MoCo main / BYOL online network) on the slices of ``volumes``: two views of each slice drawn with the
+    pre-training's augmentation (``augment_views``) from a generator seeded with ``seed`` (the same views for every
+    network measured with the same seed), negatives the slices of other patients (``Volume.patient_id``).  At most
+    ``max_inputs`` slices, evenly spaced over the site's slices in volume order."""
+    if isinstance(max_inputs, bool) or not isinstance(max_inputs, int) or max_inputs < 2:
+        raise ValueError(f"max_inputs={max_inputs!r}: must be an integer >= 2 (slices to discriminate between)")
+    x = volume_slices(volumes)
+    patients = sorted({v.patient_id for v in volumes})
+    groups = torch.cat([torch.full((v.image.shape[0],), patients.index(v.patient_id)) for v in volumes])
+    if len(x) > max_inputs:
+        pick = torch.linspace(0, len(x) - 1, max_inputs).round().long()
+        x, groups = x[pick], groups[pick]
+    g = torch.Generator().manual_seed(int(seed))
+    view1, view2 = augment_views(x, g), augment_views(x, g)
+    z1 = _features(_unet_pooled, net, view1, batch_size, device)
+    z2 = _features(_unet_pooled, net, view2, batch_size, device)
+    return instance_discrimination(z1, z2, tau, groups)
 
 
 def _vit_pooled(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,12 @@ Per pre-trained method:
   ``feature_std``, the spread of the batch's normalised features, :mod:`fedssl.core.spread`);
 * the final encoder's feature spread on each site's data next to a random encoder's and the ``1 / sqrt(D)``
   reference (0 = collapse; :mod:`fedssl.eval.features`);
+* (MoCo main / BYOL online networks) instance discrimination in the network's own space
+  (:func:`fedssl.eval.features.unet_discrimination`): InfoNCE of two augmented views of each slice of a site against
+  the other patients' slices, all features fresh from the one network, next to the same network at the
+  pre-training's start and the chance level.  The logged MoCo loss compares queries with the bank's momentum keys,
+  which lag the main network: it can rise while the network keeps learning (README, "Why the pre-training loss
+  rises"); this measure does not lag;
 * a frozen-encoder probe (:mod:`fedssl.train.probe`) of the pre-trained encoder and of a random one on the same split:
   does the encoder as it is beat a random one?
 * (U-Net encoders) the encoder's kernels against the random encoder's (:mod:`fedssl.core.weight_scale`): their norm
@@ -33,14 +39,17 @@ import torch
 from fedssl.core.weight_scale import compare_kernels, summarise
 from fedssl.data.images import ImageDataset, ImageRecord
 from fedssl.data.volume import Volume
-from fedssl.eval.features import unet_spread, vit_spread
-from fedssl.models.unet import ENCODER_MODULES, ContrastiveNet, UNetEncoder, encoder_state_from_global
+from fedssl.eval.features import unet_discrimination, unet_spread, vit_spread
+from fedssl.models.unet import (ENCODER_MODULES, BYOLUNetEncoder, ContrastiveNet, MoCoUNetEncoder, UNetEncoder,
+                                encoder_state_from_global)
 from fedssl.models.vit import ViTClassifier, load_pretrained_encoder
 from fedssl.train.probe import frozen_encoder_probe, linear_probe
 from fedssl.train.segmentation import init_unet
 
 #: a spread below this fraction of the 1/sqrt(D) reference reads as a collapsed encoder
 COLLAPSE_FRACTION = 0.1
+#: the temperature of the instance-discrimination diagnostic (FCL's / MoCo's tau)
+DISCRIMINATION_TAU = 0.1
 #: the global-model prefixes of the networks pre-training shapes (MoCo main, BYOL online)
 PROJECTION_PREFIXES = ("main.", "online.")
 
@@ -108,14 +117,19 @@ def _unet_encoder(init: object, features: Sequence[int], seed: int) -> UNetEncod
     return encoder
 
 
-def _projection_net(global_state: Mapping[str, torch.Tensor], features: Sequence[int]) -> ContrastiveNet | None:
-    """The MoCo main / BYOL online network (encoder + projection head) of a pre-training global state, or None."""
+def _projection_net(global_state: Mapping[str, torch.Tensor], features: Sequence[int],
+                    seed: int = 0) -> tuple[ContrastiveNet, ContrastiveNet] | None:
+    """The MoCo main / BYOL online network (encoder + projection head) of a pre-training global state and the same
+    network as the pre-training started it (the global model built with ``seed``), or None."""
     prefix = next((p for p in PROJECTION_PREFIXES if f"{p}head.2.weight" in global_state), None)
     if prefix is None:
         return None
-    net = ContrastiveNet(features, int(global_state[f"{prefix}head.2.weight"].shape[0]))
+    dim = int(global_state[f"{prefix}head.2.weight"].shape[0])
+    net = ContrastiveNet(features, dim, normalize=prefix == "main.")
     net.load_state_dict({k[len(prefix):]: torch.as_tensor(v) for k, v in global_state.items() if k.startswith(prefix)})
-    return net
+    start = MoCoUNetEncoder(features, dim, seed=seed).main if prefix == "main." else \
+        BYOLUNetEncoder(features, dim, seed=seed).online
+    return net, start
 
 
 def diagnose_acdc(method: str, summary_path: str | None, encoder_state: object,
@@ -134,17 +148,19 @@ def diagnose_acdc(method: str, summary_path: str | None, encoder_state: object,
     is_global = isinstance(encoder_state, Mapping) and any(k.startswith(PROJECTION_PREFIXES) for k in encoder_state)
     init = encoder_state_from_global(encoder_state) if is_global else encoder_state
     encoder, random_encoder = _unet_encoder(init, features, seed), _unet_encoder("random", features, seed)
-    projection = _projection_net(encoder_state, features) if is_global else None
+    projection, start = _projection_net(encoder_state, features, seed) if is_global else (None, None)
     probe_kw = dict(n_labelled=probe_n, fold=fold, features=features, epochs=int(settings["epochs"]),
                     lr=float(settings["lr"]), batch_size=int(settings.get("batch_size", 10)), seed=seed,
                     device=device, max_steps_per_epoch=settings.get("max_steps_per_epoch"), split_seed=split_seed,
                     min_steps=int(settings.get("min_steps", 0)))
-    spread, random_spread, proj, rows, random_rows = {}, {}, {}, [], []
+    spread, random_spread, proj, disc, rows, random_rows = {}, {}, {}, {}, [], []
     for site in sorted(site_volumes):
         spread[site] = unet_spread(encoder, site_volumes[site], device=device)
         random_spread[site] = unet_spread(random_encoder, site_volumes[site], device=device)
         if projection is not None:
             proj[site] = unet_spread(projection, site_volumes[site], device=device)
+            disc[site] = {name: unet_discrimination(net, site_volumes[site], tau=DISCRIMINATION_TAU, seed=seed,
+                                                    device=device) for name, net in (("net", projection), ("start", start))}
         rows.append(frozen_encoder_probe(site_volumes, init, site=site, method=method, **probe_kw))
         random_rows.append(frozen_encoder_probe(site_volumes, "random", site=site, method="random init", **probe_kw))
         if progress is not None:
@@ -159,7 +175,22 @@ def diagnose_acdc(method: str, summary_path: str | None, encoder_state: object,
     if proj:
         out["projection_spread"] = {"value": _mean_std([p.value for p in proj.values()])[0],
                                     "reference": next(iter(proj.values())).reference}
+    if disc:
+        out["discrimination"] = _discrimination_summary(disc)
     return out
+
+
+def _discrimination_summary(disc: Mapping[str, Mapping[str, Any]]) -> dict:
+    """Per-site :class:`~fedssl.core.discrimination.Discrimination` of the pre-trained and the start network ->
+    their means over the sites (the chance level is the same for both: same slices, same groups)."""
+    sites = sorted(disc)
+
+    def mean(name: str, field: str) -> float:
+        return _mean_std([getattr(disc[s][name], field) for s in sites])[0]
+
+    return {"tau": DISCRIMINATION_TAU, "loss": mean("net", "loss"), "start_loss": mean("start", "loss"),
+            "chance": mean("net", "chance"), "top1": mean("net", "top1"), "start_top1": mean("start", "top1"),
+            "per_site": {s: disc[s]["net"].loss for s in sites}}
 
 
 def _vit(settings: Mapping[str, Any], init: object) -> ViTClassifier:
@@ -246,6 +277,15 @@ def _spread_line(d: Mapping[str, Any]) -> str | None:
     return line
 
 
+def _discrimination_line(d: Mapping[str, Any]) -> str | None:
+    x = d.get("discrimination")
+    if not x:
+        return None
+    return (f"instance discrimination, the projection's own space (fresh features, other patients' slices as "
+            f"negatives, tau {x['tau']:g}): InfoNCE {x['loss']:.3f} vs the start's {x['start_loss']:.3f} (chance "
+            f"{x['chance']:.3f}); top-1 {x['top1']:.3f} vs {x['start_top1']:.3f}")
+
+
 def _scale_line(d: Mapping[str, Any]) -> str | None:
     w = d.get("weight_scale")
     if not w:
@@ -281,16 +321,18 @@ def verdict(d: Mapping[str, Any]) -> str:
 
 def format_diagnostics(diags: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> str:
     """The text block printed under a table: per method, the loss terms at the first / middle / last round, the bank
-    fill at the last round, the feature spread against a random encoder and 1/sqrt(D), the encoder's kernels against
+    fill at the last round, the feature spread against a random encoder and 1/sqrt(D), the projection's instance
+    discrimination against its start and chance, the encoder's kernels against
     the random encoder's (norm ratio, cosine, relative change), the probe, and a verdict."""
     items = [diags] if isinstance(diags, Mapping) else list(diags)
-    lines = ["Diagnostics (issue 14: loss terms, bank fill, feature spread (0 = collapse), encoder kernels vs their "
-             "start, frozen-encoder probe)"]
+    lines = ["Diagnostics (issue 14: loss terms, bank fill, feature spread (0 = collapse), instance discrimination, "
+             "encoder kernels vs their start, frozen-encoder probe)"]
     for d in items:
         lines.append(f"  {d['method']}:")
         rounds = d.get("rounds") or []
         probe = _probe_line(d["probe"]) if d.get("probe") else None
-        body = [_loss_line(rounds), _bank_line(rounds), _spread_line(d), _scale_line(d), probe]
+        body = [_loss_line(rounds), _bank_line(rounds), _spread_line(d), _discrimination_line(d), _scale_line(d),
+                probe]
         lines += [f"    {x}" for x in body if x]
         lines.append(f"    verdict: {verdict(d)}")
     return "\n".join(lines)

@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from fedssl.data.volume import Volume
-from fedssl.eval.features import feature_spread, unet_features, unet_spread, vit_spread
+from fedssl.core.discrimination import instance_discrimination
+from fedssl.data.transforms import augment_views
+from fedssl.eval.features import feature_spread, unet_discrimination, unet_features, unet_spread, vit_spread
 from fedssl.models.unet import TINY_FEATURES, ContrastiveNet, UNetEncoder
 from fedssl.models.vit import TINY_VIT, ViTClassifier
 
@@ -71,6 +73,32 @@ def test_unet_spread_uses_the_projection_and_sees_a_collapsed_head():
         net.head[2].weight.zero_()
         net.head[2].bias.fill_(1.0)
     assert unet_spread(net, volumes()).value == 0.0
+
+
+def test_unet_discrimination_views_groups_and_subset_against_a_direct_computation():
+    """Two augmented views of each slice from a generator seeded with ``seed``, the projection in eval mode, negatives
+    the other patients' slices: 3 patients x 2 phases x 3 slices = 18 slices, each with 12 negatives."""
+    torch.manual_seed(0)
+    net = ContrastiveNet(TINY_FEATURES, proj_dim=8).train()
+    rng = np.random.default_rng(0)
+    vols = [Volume(f"p{p}", ph, rng.random((3, 32, 32), dtype=np.float32)) for p in range(3) for ph in ("ED", "ES")]
+    x = torch.cat([torch.from_numpy(v.image) for v in vols]).unsqueeze(1)
+    g = torch.Generator().manual_seed(5)
+    v1, v2 = augment_views(x, g), augment_views(x, g)
+    with torch.no_grad():
+        expected = instance_discrimination(net.eval()(v1), net(v2), 0.1, torch.arange(3).repeat_interleave(6))
+    net.train()
+    got = unet_discrimination(net, vols, seed=5, batch_size=4)
+    assert got.loss == pytest.approx(expected.loss, abs=1e-5) and got.top1 == pytest.approx(expected.top1)
+    assert got.n == 18 and got.chance == pytest.approx(math.log(13)) and net.training
+    assert unet_discrimination(net, vols, seed=6).loss != pytest.approx(got.loss, abs=1e-6)  # other views
+    sub = unet_discrimination(net, vols, seed=5, max_inputs=6)  # slices 0, 3, 7, 10, 14, 17: patients 0 0 1 1 2 2
+    assert sub.n == 6 and sub.chance == pytest.approx(math.log(5))
+    with torch.no_grad():  # collapsed head: chance exactly
+        net.head[2].weight.zero_()
+    assert unet_discrimination(net, vols).loss == pytest.approx(math.log(13), abs=1e-5)
+    with pytest.raises(ValueError, match="max_inputs=1: must be an integer >= 2"):
+        unet_discrimination(net, vols, max_inputs=1)
 
 
 def test_vit_spread_averages_the_patch_tokens_without_the_class_token_in_eval_mode():

@@ -146,3 +146,28 @@ def test_the_random_encoder_is_the_pretraining_start_at_the_default_seed(net):
     start = encoder_state_from_global(net.state_dict())
     summary = summarise(compare_kernels(start, _unet_encoder("random", list(TINY_FEATURES), 0).state_dict()))
     assert summary == pytest.approx({"geomean": 1.0, "min": 1.0, "max": 1.0, "n": 10, "cosine": 1.0, "change": 0.0})
+
+
+@pytest.mark.parametrize("cls", [MoCoUNetEncoder, BYOLUNetEncoder])
+def test_instance_discrimination_of_the_projection_against_its_start(cls):
+    """MoCo main / BYOL online network on 5 patients x 2 phases x 2 slices per site: 16 negatives per slice (chance
+    log 17).  An untrained model at the default seed is the start itself (equal losses); seed 1 is another network."""
+    settings = {"features": list(TINY_FEATURES), "epochs": 1, "lr": 1e-2, "device": "cpu", "batch_size": 4}
+    same = diagnose_acdc("m", None, cls(TINY_FEATURES, proj_dim=8).state_dict(), site_volumes(), settings)
+    x = same["discrimination"]
+    assert x["chance"] == pytest.approx(np.log(17)) and x["tau"] == 0.1 and set(x["per_site"]) == {"site-1", "site-2"}
+    assert x["loss"] == pytest.approx(x["start_loss"], abs=1e-6) and x["top1"] == pytest.approx(x["start_top1"])
+    other = diagnose_acdc("m", None, cls(TINY_FEATURES, proj_dim=8, seed=1).state_dict(), site_volumes(), settings)
+    y = other["discrimination"]
+    assert y["start_loss"] == pytest.approx(x["start_loss"], abs=1e-6) and y["loss"] != pytest.approx(x["loss"], abs=1e-4)
+    assert np.mean(list(y["per_site"].values())) == pytest.approx(y["loss"])
+    line = next(s for s in format_diagnostics([other]).splitlines() if "instance discrimination, the" in s)
+    assert f"InfoNCE {y['loss']:.3f} vs the start's {y['start_loss']:.3f} (chance {np.log(17):.3f})" in line
+    json.dumps(other)
+
+
+def test_a_bare_encoder_has_no_instance_discrimination():
+    settings = {"features": list(TINY_FEATURES), "epochs": 1, "lr": 1e-2, "device": "cpu", "batch_size": 4}
+    state = encoder_state_from_global(MoCoUNetEncoder(TINY_FEATURES, proj_dim=8).state_dict())
+    d = diagnose_acdc("m", None, state, site_volumes(), settings)
+    assert "discrimination" not in d and "instance discrimination, the" not in format_diagnostics([d])

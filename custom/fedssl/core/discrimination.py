@@ -18,7 +18,12 @@ only, so it reads what the network has learned:
 * ``top1``: fraction of rows whose positive scores above every negative (ties count as a miss);
 * ``n``: M, the rows measured.
 
-Torch only (core); :func:`fedssl.eval.features.unet_discrimination` measures a U-Net on a site's slices.
+:func:`knn_accuracy` asks a different question of the same features: does a label that is not the instance (FCL's
+slice position, the partition its global structural matching pulls together) sit among an input's nearest
+neighbours from *other* groups (patients)?
+
+Torch only (core); :func:`fedssl.eval.features.unet_discrimination` and :func:`fedssl.eval.features.unet_position_knn`
+measure a U-Net on a site's slices.
 """
 
 from __future__ import annotations
@@ -64,3 +69,26 @@ def instance_discrimination(z1: torch.Tensor, z2: torch.Tensor, tau: float = 0.1
     top1 = (pos > hardest).float()
     return Discrimination(loss=float(loss.mean()), chance=float(torch.log1p(n_neg.float()).mean()),
                           top1=float(top1.mean()), n=m)
+
+
+def knn_accuracy(z: torch.Tensor, labels: torch.Tensor, groups: torch.Tensor, k: int = 5) -> float:
+    """Leave-group-out k-nearest-neighbour accuracy of ``labels`` from the features ``z [M, D]``: each row's ``k``
+    most cosine-similar rows of *other* groups vote (ties: the smaller label wins); the fraction of rows whose vote
+    is their own label."""
+    labels, groups = torch.as_tensor(labels).reshape(-1).long(), torch.as_tensor(groups).reshape(-1)
+    if z.dim() != 2 or labels.shape[0] != z.shape[0] or groups.shape[0] != z.shape[0]:
+        raise ValueError(f"knn_accuracy needs features [M, D] with one label and one group per row, got shapes "
+                         f"{tuple(z.shape)}, {tuple(labels.shape)}, {tuple(groups.shape)}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k={k!r}: must be a positive integer (neighbours that vote)")
+    other = groups.view(-1, 1) != groups.view(1, -1)
+    if int(other.sum(dim=1).min()) < k:
+        raise ValueError(f"k={k} neighbours from other groups are not available for every row; lower k or give more "
+                         "groups")
+    if labels.min() < 0:
+        raise ValueError("labels must be non-negative class indices")
+    u = F.normalize(z.detach().float(), dim=1)
+    sim = (u @ u.t()).masked_fill(~other, float("-inf"))
+    nearest = sim.topk(k, dim=1).indices  # [M, k]
+    votes = F.one_hot(labels[nearest], int(labels.max()) + 1).sum(dim=1)  # [M, C]
+    return float((votes.argmax(dim=1) == labels).float().mean())

@@ -12,6 +12,8 @@ What is measured (eval mode, no gradient, BatchNorm running statistics):
   shapes) or, for a bare encoder, the globally average-pooled bottleneck (what fine-tuning receives);
 * U-Net projection networks: :func:`unet_discrimination`, instance discrimination in the network's own space
   (:mod:`fedssl.core.discrimination`: two augmented views of every slice, the other patients' slices as negatives);
+* U-Net encoders or projections: :func:`unet_position_knn`, whether the features know where a slice sits in the
+  heart (its partition, as FCL's pre-training splits a volume), from the nearest slices of other patients;
 * ViT encoders (Fed-MAE, Fed-BEiT, scratch): :func:`vit_spread`, the average of the patch tokens of
   ``encoder.forward_features`` over a batch of images.
 """
@@ -25,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedssl.core.discrimination import Discrimination, instance_discrimination
+from fedssl.core.discrimination import Discrimination, instance_discrimination, knn_accuracy
 from fedssl.core.spread import normalised_spread, uniform_reference
 from fedssl.data.transforms import augment_views
 from fedssl.data.volume import Volume
@@ -104,6 +106,30 @@ def unet_discrimination(net: nn.Module, volumes: Sequence[Volume], *, tau: float
     z1 = _features(_unet_pooled, net, view1, batch_size, device)
     z2 = _features(_unet_pooled, net, view2, batch_size, device)
     return instance_discrimination(z1, z2, tau, groups)
+
+
+def slice_partitions(volumes: Sequence[Volume], n_partitions: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every slice of ``volumes`` (in :func:`volume_slices` order): its partition, as FCL's pre-training splits a
+    volume (``np.array_split`` of the slice indices into ``n_partitions``, :class:`fedssl.data.acdc.PartitionSampleDataset`),
+    and its patient's index."""
+    if isinstance(n_partitions, bool) or not isinstance(n_partitions, int) or n_partitions < 2:
+        raise ValueError(f"n_partitions={n_partitions!r}: must be an integer >= 2 (FCL: 4)")
+    patients = sorted({v.patient_id for v in volumes})
+    part, pat = [], []
+    for v in volumes:
+        for i, chunk in enumerate(np.array_split(np.arange(v.image.shape[0]), n_partitions)):
+            part += [i] * len(chunk)
+            pat += [patients.index(v.patient_id)] * len(chunk)
+    return torch.tensor(part), torch.tensor(pat)
+
+
+def unet_position_knn(model: nn.Module, volumes: Sequence[Volume], *, n_partitions: int = 4, k: int = 5,
+                      batch_size: int = 64, device: str | torch.device = "cpu") -> float:
+    """Accuracy of a slice's partition (:func:`slice_partitions`) from the ``k`` nearest slices of other patients in
+    ``model``'s :func:`unet_features` (:func:`fedssl.core.discrimination.knn_accuracy`); about ``1 / n_partitions``
+    for features that do not know the position."""
+    part, patient = slice_partitions(volumes, n_partitions)
+    return knn_accuracy(unet_features(model, volumes, batch_size=batch_size, device=device), part, patient, k)
 
 
 def _vit_pooled(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,10 @@ Per pre-trained method:
   pre-training's start and the chance level.  The logged MoCo loss compares queries with the bank's momentum keys,
   which lag the main network: it can rise while the network keeps learning (README, "Why the pre-training loss
   rises"); this measure does not lag;
+* (U-Net encoders) slice position (:func:`fedssl.eval.features.unet_position_knn`): which of FCL's 4 partitions of a
+  volume a slice comes from, voted by its 5 nearest slices of other patients in the pooled encoder features (what
+  fine-tuning receives), next to the random encoder's; FCL's partition positives and structural matching train
+  exactly this, the other methods do not;
 * a frozen-encoder probe (:mod:`fedssl.train.probe`) of the pre-trained encoder and of a random one on the same split:
   does the encoder as it is beat a random one?
 * (U-Net encoders) the encoder's kernels against the random encoder's (:mod:`fedssl.core.weight_scale`): their norm
@@ -39,7 +43,7 @@ import torch
 from fedssl.core.weight_scale import compare_kernels, summarise
 from fedssl.data.images import ImageDataset, ImageRecord
 from fedssl.data.volume import Volume
-from fedssl.eval.features import unet_discrimination, unet_spread, vit_spread
+from fedssl.eval.features import unet_discrimination, unet_position_knn, unet_spread, vit_spread
 from fedssl.models.unet import (ENCODER_MODULES, BYOLUNetEncoder, ContrastiveNet, MoCoUNetEncoder, UNetEncoder,
                                 encoder_state_from_global)
 from fedssl.models.vit import ViTClassifier, load_pretrained_encoder
@@ -50,6 +54,8 @@ from fedssl.train.segmentation import init_unet
 COLLAPSE_FRACTION = 0.1
 #: the temperature of the instance-discrimination diagnostic (FCL's / MoCo's tau)
 DISCRIMINATION_TAU = 0.1
+#: the position probe: FCL's partitions of a volume, and the neighbours that vote
+POSITION_PARTITIONS, POSITION_K = 4, 5
 #: the global-model prefixes of the networks pre-training shapes (MoCo main, BYOL online)
 PROJECTION_PREFIXES = ("main.", "online.")
 
@@ -153,10 +159,13 @@ def diagnose_acdc(method: str, summary_path: str | None, encoder_state: object,
                     lr=float(settings["lr"]), batch_size=int(settings.get("batch_size", 10)), seed=seed,
                     device=device, max_steps_per_epoch=settings.get("max_steps_per_epoch"), split_seed=split_seed,
                     min_steps=int(settings.get("min_steps", 0)))
-    spread, random_spread, proj, disc, rows, random_rows = {}, {}, {}, {}, [], []
+    spread, random_spread, proj, disc, position, rows, random_rows = {}, {}, {}, {}, {}, [], []
     for site in sorted(site_volumes):
         spread[site] = unet_spread(encoder, site_volumes[site], device=device)
         random_spread[site] = unet_spread(random_encoder, site_volumes[site], device=device)
+        position[site] = {name: unet_position_knn(net, site_volumes[site], n_partitions=POSITION_PARTITIONS,
+                                                  k=POSITION_K, device=device)
+                          for name, net in (("encoder", encoder), ("random", random_encoder))}
         if projection is not None:
             proj[site] = unet_spread(projection, site_volumes[site], device=device)
             disc[site] = {name: unet_discrimination(net, site_volumes[site], tau=DISCRIMINATION_TAU, seed=seed,
@@ -170,6 +179,7 @@ def diagnose_acdc(method: str, summary_path: str | None, encoder_state: object,
     out = {"method": method, "rounds": pretraining_rounds(summary_path) if summary_path else [],
            "spread": _spread_summary(spread, random_spread, "pooled encoder bottleneck"),
            "probe": _probe_summary(rows, random_rows, "dice", f"N={probe_n}, fold {fold}"),
+           "position": _position_summary(position),
            "weight_scale": {**summarise(compare_kernels(encoder.state_dict(), random_encoder.state_dict())),
                             "seed": seed}}
     if proj:
@@ -178,6 +188,15 @@ def diagnose_acdc(method: str, summary_path: str | None, encoder_state: object,
     if disc:
         out["discrimination"] = _discrimination_summary(disc)
     return out
+
+
+def _position_summary(position: Mapping[str, Mapping[str, float]]) -> dict:
+    """Per-site position accuracies of the encoder and the random encoder -> their means."""
+    sites = sorted(position)
+    return {"n_partitions": POSITION_PARTITIONS, "k": POSITION_K,
+            "encoder": _mean_std([position[s]["encoder"] for s in sites])[0],
+            "random": _mean_std([position[s]["random"] for s in sites])[0],
+            "per_site": {s: position[s]["encoder"] for s in sites}}
 
 
 def _discrimination_summary(disc: Mapping[str, Mapping[str, Any]]) -> dict:
@@ -286,6 +305,15 @@ def _discrimination_line(d: Mapping[str, Any]) -> str | None:
             f"{x['chance']:.3f}); top-1 {x['top1']:.3f} vs {x['start_top1']:.3f}")
 
 
+def _position_line(d: Mapping[str, Any]) -> str | None:
+    x = d.get("position")
+    if not x:
+        return None
+    return (f"slice position from the pooled encoder features (which of {x['n_partitions']} partitions, {x['k']} "
+            f"nearest slices of other patients vote): {x['encoder']:.3f} vs random encoder {x['random']:.3f} (chance "
+            f"about {1 / x['n_partitions']:.2f})")
+
+
 def _scale_line(d: Mapping[str, Any]) -> str | None:
     w = d.get("weight_scale")
     if not w:
@@ -322,17 +350,17 @@ def verdict(d: Mapping[str, Any]) -> str:
 def format_diagnostics(diags: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> str:
     """The text block printed under a table: per method, the loss terms at the first / middle / last round, the bank
     fill at the last round, the feature spread against a random encoder and 1/sqrt(D), the projection's instance
-    discrimination against its start and chance, the encoder's kernels against
+    discrimination against its start and chance, the slice-position kNN, the encoder's kernels against
     the random encoder's (norm ratio, cosine, relative change), the probe, and a verdict."""
     items = [diags] if isinstance(diags, Mapping) else list(diags)
     lines = ["Diagnostics (issue 14: loss terms, bank fill, feature spread (0 = collapse), instance discrimination, "
-             "encoder kernels vs their start, frozen-encoder probe)"]
+             "slice position, encoder kernels vs their start, frozen-encoder probe)"]
     for d in items:
         lines.append(f"  {d['method']}:")
         rounds = d.get("rounds") or []
         probe = _probe_line(d["probe"]) if d.get("probe") else None
-        body = [_loss_line(rounds), _bank_line(rounds), _spread_line(d), _discrimination_line(d), _scale_line(d),
-                probe]
+        body = [_loss_line(rounds), _bank_line(rounds), _spread_line(d), _discrimination_line(d), _position_line(d),
+                _scale_line(d), probe]
         lines += [f"    {x}" for x in body if x]
         lines.append(f"    verdict: {verdict(d)}")
     return "\n".join(lines)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from fedssl.core.discrimination import instance_discrimination
+from fedssl.core.discrimination import instance_discrimination, knn_accuracy
 
 torch.set_num_threads(1)
 
@@ -60,3 +60,36 @@ def test_rows_with_different_numbers_of_negatives_average_their_own_chance():
 def test_bad_input_is_named(args, match):
     with pytest.raises(ValueError, match=match):
         instance_discrimination(*args)
+
+
+def test_knn_accuracy_by_hand_with_neighbours_from_other_groups_only():
+    """Rows on two directions: label 0 near e_1, label 1 near e_2; groups pair each row with a twin of the other
+    label, so without the group rule a row's nearest neighbour would often be its twin."""
+    z = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9]])
+    labels = torch.tensor([0, 0, 1, 1])
+    assert knn_accuracy(z, labels, torch.tensor([0, 1, 2, 3]), k=1) == 1.0
+    # groups {0, 1} and {2, 3}: each row's only neighbours are the other label's rows -> every vote wrong
+    assert knn_accuracy(z, labels, torch.tensor([0, 0, 1, 1]), k=1) == 0.0
+    # groups {0, 2} and {1, 3}: row 0 sees rows 1, 3 (nearest 1: label 0, right), and so on
+    assert knn_accuracy(z, labels, torch.tensor([0, 1, 0, 1]), k=1) == 1.0
+
+
+def test_knn_vote_ties_go_to_the_smaller_label():
+    """Row 0 (label 1) has neighbours of labels 0 and 1 at k = 2: a tie, label 0 wins, so row 0 is a miss."""
+    z = torch.tensor([[1.0, 0.0], [1.0, 0.1], [1.0, -0.1], [0.0, 1.0]])
+    labels = torch.tensor([1, 0, 1, 0])
+    groups = torch.tensor([0, 1, 2, 3])
+    # row 0: neighbours rows 1, 2 (labels 0, 1) -> tie -> 0, wrong; row 1: rows 0, 2 (1, 1) -> 1, wrong;
+    # row 2: rows 0, 1 (1, 0) -> 0, wrong; row 3: rows 1, 0 (0, 1) -> tie -> 0, right
+    assert knn_accuracy(z, labels, groups, k=2) == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((torch.eye(3), torch.tensor([0, 1]), torch.arange(3)), r"one label and one group per row"),
+    ((torch.eye(3), torch.arange(3), torch.arange(3), 0), r"k=0: must be a positive integer"),
+    ((torch.eye(3), torch.arange(3), torch.tensor([0, 0, 1]), 2), r"k=2 neighbours from other groups are not available"),
+    ((torch.eye(3), torch.tensor([0, -1, 1]), torch.arange(3), 1), r"non-negative class indices"),
+])
+def test_knn_bad_input_is_named(args, match):
+    with pytest.raises(ValueError, match=match):
+        knn_accuracy(*args)

@@ -9,9 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from fedssl.data.volume import Volume
-from fedssl.core.discrimination import instance_discrimination
+from fedssl.core.discrimination import instance_discrimination, knn_accuracy
+from fedssl.data.acdc import PartitionSampleDataset
 from fedssl.data.transforms import augment_views
-from fedssl.eval.features import feature_spread, unet_discrimination, unet_features, unet_spread, vit_spread
+from fedssl.eval.features import (feature_spread, slice_partitions, unet_discrimination, unet_features, unet_position_knn,
+                                  unet_spread, vit_spread)
 from fedssl.models.unet import TINY_FEATURES, ContrastiveNet, UNetEncoder
 from fedssl.models.vit import TINY_VIT, ViTClassifier
 
@@ -99,6 +101,40 @@ def test_unet_discrimination_views_groups_and_subset_against_a_direct_computatio
     assert unet_discrimination(net, vols).loss == pytest.approx(math.log(13), abs=1e-5)
     with pytest.raises(ValueError, match="max_inputs=1: must be an integer >= 2"):
         unet_discrimination(net, vols, max_inputs=1)
+
+
+def test_slice_partitions_are_the_pretraining_partitions():
+    """Volumes of 5 and 4 slices, 2 patients: partitions as PartitionSampleDataset splits them (5 -> 2 1 1 1; 4 -> 1 1 1
+    1), patients by sorted id."""
+    rng = np.random.default_rng(0)
+    vols = [Volume("pB", "ED", rng.random((5, 8, 8), dtype=np.float32)),
+            Volume("pA", "ED", rng.random((4, 8, 8), dtype=np.float32))]
+    part, patient = slice_partitions(vols, 4)
+    assert part.tolist() == [0, 0, 1, 2, 3, 0, 1, 2, 3] and patient.tolist() == [1, 1, 1, 1, 1, 0, 0, 0, 0]
+    ds = PartitionSampleDataset(vols, 4, seed=0)
+    drawn = ds.slice_indices(0)  # one slice from each partition of volume 0
+    assert [part[i].item() for i in drawn] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="n_partitions=1: must be an integer >= 2"):
+        slice_partitions(vols, 1)
+
+
+def test_unet_position_knn_against_a_direct_computation():
+    torch.manual_seed(0)
+    enc = UNetEncoder(TINY_FEATURES)
+    rng = np.random.default_rng(1)
+    vols = [Volume(f"p{p}", "ED", rng.random((4, 32, 32), dtype=np.float32)) for p in range(4)]
+    part, patient = slice_partitions(vols, 4)
+    expected = knn_accuracy(unet_features(enc, vols), part, patient, 3)
+    assert unet_position_knn(enc, vols, k=3) == pytest.approx(expected)
+    # slices whose intensity grows with their position: a bare mean-intensity feature finds the position
+    ramp = [Volume(f"p{p}", "ED", np.stack([np.full((32, 32), (z + 1) / 5, np.float32) for z in range(4)]))
+            for p in range(4)]
+
+    class Mean(torch.nn.Module):
+        def forward(self, x):
+            return torch.cat([x.mean(dim=(1, 2, 3)).unsqueeze(1), torch.ones(len(x), 1)], dim=1)
+
+    assert unet_position_knn(Mean(), ramp, k=3) == 1.0
 
 
 def test_vit_spread_averages_the_patch_tokens_without_the_class_token_in_eval_mode():

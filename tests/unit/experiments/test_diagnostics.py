@@ -171,3 +171,24 @@ def test_a_bare_encoder_has_no_instance_discrimination():
     state = encoder_state_from_global(MoCoUNetEncoder(TINY_FEATURES, proj_dim=8).state_dict())
     d = diagnose_acdc("m", None, state, site_volumes(), settings)
     assert "discrimination" not in d and "instance discrimination, the" not in format_diagnostics([d])
+
+
+def test_slice_position_of_the_encoder_against_the_random_encoder():
+    """Every U-Net encoder gets the position kNN (4 partitions, 5 voters); the random encoder's value is the same for
+    every method, and an untrained start scores as the random encoder."""
+    settings = {"features": list(TINY_FEATURES), "epochs": 1, "lr": 1e-2, "device": "cpu", "batch_size": 4}
+    vols = site_volumes()
+    a = diagnose_acdc("a", None, MoCoUNetEncoder(TINY_FEATURES, proj_dim=8, seed=3).state_dict(), vols, settings)
+    b = diagnose_acdc("b", None, encoder_state_from_global(MoCoUNetEncoder(TINY_FEATURES, proj_dim=8).state_dict()),
+                      vols, settings)
+    pa, pb = a["position"], b["position"]
+    assert (pa["n_partitions"], pa["k"]) == (4, 5) and set(pa["per_site"]) == {"site-1", "site-2"}
+    assert pa["random"] == pytest.approx(pb["random"]) and pb["encoder"] == pytest.approx(pb["random"])  # b is the start
+    assert np.mean(list(pa["per_site"].values())) == pytest.approx(pa["encoder"])
+    from fedssl.eval.features import unet_position_knn
+    from fedssl.experiments.diagnostics import _unet_encoder
+    enc = _unet_encoder(encoder_state_from_global(MoCoUNetEncoder(TINY_FEATURES, proj_dim=8, seed=3).state_dict()),
+                        list(TINY_FEATURES), 0)
+    assert pa["per_site"]["site-2"] == pytest.approx(unet_position_knn(enc, vols["site-2"], k=5))
+    line = next(s for s in format_diagnostics([a]).splitlines() if "slice position" in s and "vote" in s)
+    assert f": {pa['encoder']:.3f} vs random encoder {pa['random']:.3f} (chance about 0.25)" in line

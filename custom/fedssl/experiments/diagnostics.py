@@ -124,12 +124,12 @@ def _unet_encoder(init: object, features: Sequence[int], seed: int) -> UNetEncod
 
 
 def _projection_net(global_state: Mapping[str, torch.Tensor], features: Sequence[int],
-                    seed: int = 0) -> tuple[ContrastiveNet, ContrastiveNet] | None:
+                    seed: int = 0) -> tuple[ContrastiveNet | None, ContrastiveNet | None]:
     """The MoCo main / BYOL online network (encoder + projection head) of a pre-training global state and the same
-    network as the pre-training started it (the global model built with ``seed``), or None."""
+    network as the pre-training started it (the global model built with ``seed``); ``(None, None)`` without a head."""
     prefix = next((p for p in PROJECTION_PREFIXES if f"{p}head.2.weight" in global_state), None)
     if prefix is None:
-        return None
+        return None, None
     dim = int(global_state[f"{prefix}head.2.weight"].shape[0])
     net = ContrastiveNet(features, dim, normalize=prefix == "main.")
     net.load_state_dict({k[len(prefix):]: torch.as_tensor(v) for k, v in global_state.items() if k.startswith(prefix)})

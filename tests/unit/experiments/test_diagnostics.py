@@ -171,6 +171,11 @@ def test_a_bare_encoder_has_no_instance_discrimination():
     state = encoder_state_from_global(MoCoUNetEncoder(TINY_FEATURES, proj_dim=8).state_dict())
     d = diagnose_acdc("m", None, state, site_volumes(), settings)
     assert "discrimination" not in d and "instance discrimination, the" not in format_diagnostics([d])
+    # a global state whose head was left out (main.encoder.* only): the encoder is measured, no projection
+    headless = {k: v for k, v in MoCoUNetEncoder(TINY_FEATURES, proj_dim=8).state_dict().items()
+                if k.startswith("main.encoder.")}
+    h = diagnose_acdc("m", None, headless, site_volumes(), settings)
+    assert "discrimination" not in h and "projection_spread" not in h and h["position"]["encoder"] >= 0
 
 
 def test_slice_position_of_the_encoder_against_the_random_encoder():

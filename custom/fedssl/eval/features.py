@@ -95,9 +95,7 @@ def unet_discrimination(net: nn.Module, volumes: Sequence[Volume], *, tau: float
     ``max_inputs`` slices, evenly spaced over the site's slices in volume order."""
     if isinstance(max_inputs, bool) or not isinstance(max_inputs, int) or max_inputs < 2:
         raise ValueError(f"max_inputs={max_inputs!r}: must be an integer >= 2 (slices to discriminate between)")
-    x = volume_slices(volumes)
-    patients = sorted({v.patient_id for v in volumes})
-    groups = torch.cat([torch.full((v.image.shape[0],), patients.index(v.patient_id)) for v in volumes])
+    x, groups = volume_slices(volumes), slice_partitions(volumes)[1]
     if len(x) > max_inputs:
         pick = torch.linspace(0, len(x) - 1, max_inputs).round().long()
         x, groups = x[pick], groups[pick]

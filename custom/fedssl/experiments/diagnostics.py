@@ -296,28 +296,25 @@ def _spread_line(d: Mapping[str, Any]) -> str | None:
     return line
 
 
-def _discrimination_line(d: Mapping[str, Any]) -> str | None:
-    x = d.get("discrimination")
-    if not x:
-        return None
+def _when(d: Mapping[str, Any], key: str, render: Callable[[Mapping[str, Any]], str]) -> str | None:
+    """``render(d[key])``, or None when the diagnostics have no ``key`` (a measure that did not apply)."""
+    x = d.get(key)
+    return render(x) if x else None
+
+
+def _discrimination_text(x: Mapping[str, Any]) -> str:
     return (f"instance discrimination, the projection's own space (fresh features, other patients' slices as "
             f"negatives, tau {x['tau']:g}): InfoNCE {x['loss']:.3f} vs the start's {x['start_loss']:.3f} (chance "
             f"{x['chance']:.3f}); top-1 {x['top1']:.3f} vs {x['start_top1']:.3f}")
 
 
-def _position_line(d: Mapping[str, Any]) -> str | None:
-    x = d.get("position")
-    if not x:
-        return None
+def _position_text(x: Mapping[str, Any]) -> str:
     return (f"slice position from the pooled encoder features (which of {x['n_partitions']} partitions, {x['k']} "
             f"nearest slices of other patients vote): {x['encoder']:.3f} vs random encoder {x['random']:.3f} (chance "
             f"about {1 / x['n_partitions']:.2f})")
 
 
-def _scale_line(d: Mapping[str, Any]) -> str | None:
-    w = d.get("weight_scale")
-    if not w:
-        return None
+def _scale_text(w: Mapping[str, Any]) -> str:
     start = "the pre-training's start at the model's default seed" if w.get("seed", 0) == 0 else "not the start"
     return (f"encoder kernels vs the random encoder (seed {w.get('seed', 0)}, {start}; {w['n']} kernels): norm "
             f"x{w['geomean']:.2f} (x{w['min']:.2f} to x{w['max']:.2f}), cosine {w['cosine']:.2f}, relative change "
@@ -359,8 +356,8 @@ def format_diagnostics(diags: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -
         lines.append(f"  {d['method']}:")
         rounds = d.get("rounds") or []
         probe = _probe_line(d["probe"]) if d.get("probe") else None
-        body = [_loss_line(rounds), _bank_line(rounds), _spread_line(d), _discrimination_line(d), _position_line(d),
-                _scale_line(d), probe]
+        body = [_loss_line(rounds), _bank_line(rounds), _spread_line(d), _when(d, "discrimination", _discrimination_text),
+                _when(d, "position", _position_text), _when(d, "weight_scale", _scale_text), probe]
         lines += [f"    {x}" for x in body if x]
         lines.append(f"    verdict: {verdict(d)}")
     return "\n".join(lines)

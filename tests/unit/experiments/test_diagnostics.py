@@ -175,7 +175,10 @@ def test_a_bare_encoder_has_no_instance_discrimination():
     headless = {k: v for k, v in MoCoUNetEncoder(TINY_FEATURES, proj_dim=8).state_dict().items()
                 if k.startswith("main.encoder.")}
     h = diagnose_acdc("m", None, headless, site_volumes(), settings)
-    assert "discrimination" not in h and "projection_spread" not in h and h["position"]["encoder"] >= 0
+    assert "discrimination" not in h and "projection_spread" not in h
+    # its encoder is the seed-0 start, i.e. the random encoder: the position measure equals the random one's
+    assert h["position"]["encoder"] == pytest.approx(h["position"]["random"]) and h["position"]["per_site"] == \
+        pytest.approx(d["position"]["per_site"])
 
 
 def test_slice_position_of_the_encoder_against_the_random_encoder():

@@ -71,7 +71,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import Dataset
 
-from fedssl.data.loading import load_batches
+from fedssl.data.loading import CachedImageDataset, load_batches
 
 __all__ = [
     "NIH_RAW_CLASSES",
@@ -643,7 +643,7 @@ def _load_resized(path: str, size: int, site: str) -> np.ndarray:
     return out
 
 
-class CXRDataset(Dataset):
+class CXRDataset(CachedImageDataset):
     """Images + multi-hot targets over ``classes``: item -> ``(FloatTensor [3, S, S], FloatTensor [len(classes)])``.
 
     ``target[j] = 1`` iff ``classes[j]`` is among the record's positive findings (a class the record's
@@ -680,17 +680,8 @@ class CXRDataset(Dataset):
         self._mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
         self._std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
 
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-
-    def warm(self) -> None:
-        """Load and cache every image now (``cache=True``), e.g. before DataLoader workers fork."""
-        if self.cache:
-            for i in range(len(self)):
-                self.gray(i)
+    def decoded(self, index: int) -> np.ndarray:
+        return self.gray(index)
 
     def gray(self, index: int) -> np.ndarray:
         """The cached uint8 [S, S] image of item ``index`` (no augmentation)."""

@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from fedssl.data.loading import collate_labelled, load_batches
+from fedssl.data.loading import CachedImageDataset, collate_labelled, load_batches
 
 __all__ = [
     "DATASETS",
@@ -411,7 +411,7 @@ def _decode(path: str, base: int, site: str) -> np.ndarray:
                    "replace the file with a readable PNG/JPEG or remove it") from exc
 
 
-class ImageDataset(Dataset):
+class ImageDataset(CachedImageDataset):
     """Augmented, ImageNet-normalised images of one site; item = ``(float [3, S, S], int label)``.
 
     ``cache=True`` keeps each decoded, resized uint8 image in memory after first use. The augmentation of
@@ -439,25 +439,12 @@ class ImageDataset(Dataset):
         self._mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
         self._std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
 
-    def __len__(self) -> int:
-        return len(self.records)
-
     @property
     def labels(self) -> list[int]:
         return [r.label for r in self.records]
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-
-    def warm(self) -> None:
-        """Decode and cache every image now (``cache=True``), e.g. before DataLoader workers fork."""
-        if self.cache:
-            for i in range(len(self)):
-                self.raw(i)
-
-    def cached(self) -> int:
-        """Number of decoded images held in memory."""
-        return len(self._cache)
+    def decoded(self, index: int) -> np.ndarray:
+        return self.raw(index)
 
     def raw(self, index: int) -> np.ndarray:
         """The decoded RGB uint8 image (shorter side ``ceil(image_size / 0.875)``), cached if enabled

@@ -23,6 +23,38 @@ from torch.utils.data import DataLoader, Dataset
 from fedssl.core.checks import require_workers
 
 
+class CachedImageDataset(Dataset):
+    """Base of the image datasets: ``self.records`` (one per item), ``self.epoch`` (item ``i``'s augmentation draws
+    from ``(seed, epoch, i)``; set with :meth:`set_epoch`) and ``self._cache`` (index -> decoded uint8 image, kept
+    when ``self.cache`` is true).  A subclass sets those three and ``cache`` in its constructor and implements
+    :meth:`decoded`."""
+
+    records: list
+    cache: bool
+    epoch: int
+    _cache: dict
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def decoded(self, index: int):
+        """The decoded (not augmented) image of item ``index``, cached when ``cache`` is true."""
+        raise NotImplementedError(f"{type(self).__name__} must implement decoded(index)")
+
+    def warm(self) -> None:
+        """Decode and cache every image now (``cache=True``), e.g. before DataLoader workers fork."""
+        if self.cache:
+            for i in range(len(self)):
+                self.decoded(i)
+
+    def cached(self) -> int:
+        """Number of decoded images held in memory."""
+        return len(self._cache)
+
+
 def check_workers(workers: object, name: str = "load_batches") -> int:
     """``workers`` is a non-negative int (0 = build batches in the training process); returns it."""
     require_workers(name, workers)

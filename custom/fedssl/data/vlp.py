@@ -74,7 +74,6 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset
 
 from fedssl.core.checks import require, require_choice, require_int
 from fedssl.core.dirichlet import class_counts, dirichlet_split
@@ -94,6 +93,7 @@ from fedssl.data.cxr import (
     _require_columns,
 )
 from fedssl.data.images import _decode
+from fedssl.data.loading import CachedImageDataset
 from fedssl.data.views import crop_box
 
 __all__ = [
@@ -913,7 +913,7 @@ COLOURS = ("grey", "rgb")
 _GREY_MEAN, _GREY_STD = float(np.mean(IMAGENET_MEAN)), float(np.mean(IMAGENET_STD))
 
 
-class VLPDataset(Dataset):
+class VLPDataset(CachedImageDataset):
     """Image-text pairs: item ``i`` -> ``(float tensor [channels, S, S], text str)``.
 
     Images are decoded with PIL, resized so the shorter edge is ``image_size`` (aspect kept) and centre-cropped
@@ -947,21 +947,12 @@ class VLPDataset(Dataset):
         self._mean = torch.tensor(mean, dtype=torch.float32).view(channels, 1, 1)
         self._std = torch.tensor(std, dtype=torch.float32).view(channels, 1, 1)
 
-    def __len__(self) -> int:
-        return len(self.records)
-
     @property
     def texts(self) -> list[str]:
         return [r.text for r in self.records]
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-
-    def warm(self) -> None:
-        """Decode and cache every image now (``cache=True``), e.g. before DataLoader workers fork."""
-        if self.cache:
-            for i in range(len(self)):
-                self.raw(i)
+    def decoded(self, index: int) -> np.ndarray:
+        return self.raw(index)
 
     def raw(self, index: int) -> np.ndarray:
         """The decoded uint8 image, shorter edge ``image_size``: ``[H, W]`` grey or ``[H, W, 3]`` RGB."""

@@ -137,3 +137,38 @@ def test_a_corrupt_image_with_workers_names_the_file_and_the_site(tmp_path):
     with pytest.raises(ImageDataError) as e:  # raised here (warm) or re-raised from a worker: type and message kept
         list(images.batches(ds, 4, seed=0, epoch=0, workers=2))
     assert "[site site-4]" in str(e.value) and recs[5].path in str(e.value)
+
+
+def test_image_datasets_share_the_cache_base_and_warm_decodes_each_item_once(tmp_path, derm, monkeypatch):
+    from fedssl.data.loading import CachedImageDataset
+    from fedssl.data.vlp import VLPDataset, VLPRecord
+
+    write_synthetic_nih(tmp_path / "n", n_patients=3, seed=0, image_size=32)
+    cxr_ds = CXRDataset(load_nih(tmp_path / "n"), ALL_CLASSES, image_size=16, train=True, seed=0)
+    vlp_ds = VLPDataset([VLPRecord(image=r.path, text="no finding", labels=(0,), patient=f"p{i}", study=f"s{i}", split="train")
+                         for i, r in enumerate(derm)], 16, channels=3, colour="rgb")
+    for ds, name in ((ImageDataset(derm, 16, "pretrain", "derm", site="site-1"), "raw"), (cxr_ds, "gray"),
+                     (vlp_ds, "raw")):
+        assert isinstance(ds, CachedImageDataset) and ds.cached() == 0
+        calls = []
+        real = getattr(ds, name)
+        monkeypatch.setattr(ds, name, lambda i, real=real: calls.append(i) or real(i))
+        ds.warm()
+        ds.warm()  # the second pass finds every image in the cache
+        assert ds.cached() == len(ds) > 0 and sorted(set(calls)) == list(range(len(ds)))
+        ds.set_epoch(7)
+        assert ds.epoch == 7
+    off = ImageDataset(derm, 16, "pretrain", "derm", site="site-1", cache=False)
+    off.warm()
+    assert off.cached() == 0
+
+
+def test_cache_base_without_decoded_names_the_class():
+    from fedssl.data.loading import CachedImageDataset
+
+    class Bare(CachedImageDataset):
+        def __init__(self):
+            self.records, self.cache, self.epoch, self._cache = [1, 2], True, 0, {}
+
+    with pytest.raises(NotImplementedError, match="Bare must implement decoded"):
+        Bare().warm()

@@ -15,6 +15,7 @@ every epoch.
 
 from __future__ import annotations
 
+import abc
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -23,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from fedssl.core.checks import require_workers
 
 
-class CachedImageDataset(Dataset):
+class CachedImageDataset(Dataset, abc.ABC):
     """Base of the image datasets: ``self.records`` (one per item), ``self.epoch`` (item ``i``'s augmentation draws
     from ``(seed, epoch, i)``; set with :meth:`set_epoch`) and ``self._cache`` (index -> decoded uint8 image, kept
     when ``self.cache`` is true).  A subclass sets those three and ``cache`` in its constructor and implements
@@ -40,9 +41,9 @@ class CachedImageDataset(Dataset):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
+    @abc.abstractmethod
     def decoded(self, index: int):
         """The decoded (not augmented) image of item ``index``, cached when ``cache`` is true."""
-        raise NotImplementedError(f"{type(self).__name__} must implement decoded(index)")
 
     def warm(self) -> None:
         """Decode and cache every image now (``cache=True``), e.g. before DataLoader workers fork."""

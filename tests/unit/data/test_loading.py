@@ -163,12 +163,12 @@ def test_image_datasets_share_the_cache_base_and_warm_decodes_each_item_once(tmp
     assert off.cached() == 0
 
 
-def test_cache_base_without_decoded_names_the_class():
+def test_cache_base_without_decoded_cannot_be_built():
     from fedssl.data.loading import CachedImageDataset
 
     class Bare(CachedImageDataset):
         def __init__(self):
             self.records, self.cache, self.epoch, self._cache = [1, 2], True, 0, {}
 
-    with pytest.raises(NotImplementedError, match="Bare must implement decoded"):
-        Bare().warm()
+    with pytest.raises(TypeError, match="Bare.*decoded"):  # refused at construction, not at the first warm()
+        Bare()

@@ -16,12 +16,14 @@ from fedssl.data.acdc import (
     ACDCDataError,
     PartitionSampleDataset,
     SliceDataset,
+    cavity_volumes,
     list_patients,
     load_nifti,
     load_patient,
     load_site,
     preprocess_volume,
     read_info_cfg,
+    summarise_cavity_volumes,
 )
 from fedssl.data.acdc_synthetic import (
     DEFAULT_DIFFICULTY,
@@ -577,3 +579,39 @@ def test_right_ventricle_size_and_function_per_group() -> None:
             assert np.mean(ef) < 0.40, f"abnormal RV: RV EF {np.mean(ef):.2f}, expected below 0.40"
         elif group in ("NOR", "HCM"):
             assert np.mean(ef) > 0.45, f"{group}: RV EF {np.mean(ef):.2f}, expected above 0.45"
+
+
+def test_cavity_volumes_hand_computed(tmp_path: Path) -> None:
+    """Voxels of 2.5 x 0.625 x 8 mm = 12.5 mm3. ED: LV 5 x 20 x 3 = 300 voxels (3.75 ml), MYO 300 (3.75 ml), RV
+    4 x 8 x 3 = 96 (1.2 ml). ES: the LV block halved (150 voxels, 1.875 ml), the rest unchanged."""
+    pdir = _hand_patient(tmp_path)
+    es = np.zeros((20, 80, 3), dtype=np.uint8)
+    es[5:10, 20:30, :] = 3
+    es[5:10, 40:60, :] = 2
+    es[12:16, 8:16, :] = 1
+    _save_nifti(pdir / "patient007_frame02_gt.nii.gz", es, (2.5, 0.625, 8.0))
+    second = _hand_patient(tmp_path, "patient008", zooms=(1.0, 1.0, 10.0))  # 10 mm3 voxels, ED == ES files
+    (second / "Info.cfg").write_text("ED: 1\nES: 2\nGroup: HCM\nHeight: 170.0\nNbFrame: 2\nWeight: 70.0\n")
+    rows = cavity_volumes(tmp_path, site="site-x")
+    assert [r["patient"] for r in rows] == ["patient007", "patient008"]
+    a, b = rows
+    assert a["group"] == "NOR" and b["group"] == "HCM"
+    assert a["LV_ED_ml"] == pytest.approx(3.75) and a["MYO_ED_ml"] == pytest.approx(3.75)
+    assert a["RV_ED_ml"] == pytest.approx(1.2) and a["RV_ES_ml"] == pytest.approx(1.2)
+    assert a["LV_ES_ml"] == pytest.approx(1.875)
+    assert a["RV_LV_ED"] == pytest.approx(0.32) and a["LV_EF"] == pytest.approx(0.5) and a["RV_EF"] == pytest.approx(0.0)
+    assert b["LV_ED_ml"] == pytest.approx(3.0) and b["RV_ED_ml"] == pytest.approx(0.96)
+    groups = summarise_cavity_volumes(rows + [dict(a, patient="patient009", LV_EF=float("nan"), RV_LV_ED=0.5)])
+    assert [(g["group"], g["n"]) for g in groups] == [("NOR", 2), ("HCM", 1)]  # ACDC's group order
+    assert groups[0]["RV_LV_ED"] == pytest.approx(0.41) and groups[0]["LV_EF"] == pytest.approx(0.5)  # nan ignored
+
+
+def test_cavity_volumes_name_the_broken_file_and_site(tmp_path: Path) -> None:
+    pdir = _hand_patient(tmp_path)
+    (pdir / "patient007_frame02_gt.nii.gz").write_bytes(b"not a nifti")
+    with pytest.raises(ACDCDataError, match="site-x.*patient007_frame02_gt"):
+        cavity_volumes(tmp_path, site="site-x")
+    bad = np.full((20, 80, 3), 7, dtype=np.uint8)
+    _save_nifti(pdir / "patient007_frame02_gt.nii.gz", bad, (2.5, 0.625, 8.0))
+    with pytest.raises(ACDCDataError, match="not ACDC classes"):
+        cavity_volumes(tmp_path, site="site-x")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 from fedssl.cli import COUNT, NON_NEGATIVE, NON_NEGATIVE_REAL, POSITIVE, SEED, Verb, add_family
 
@@ -38,6 +39,28 @@ def _link_sites(a) -> None:
 
     sites = link_site_folders(a.src, a.out, n_sites=a.sites, per_site=a.per_site, seed=a.seed)
     print(json.dumps(sites, indent=1))
+
+
+def _volumes_args(s) -> None:
+    s.add_argument("data_root", help="a folder of patientNNN/ (one site) or of site-*/ folders")
+    s.add_argument("--json", metavar="PATH", help="also write the per-patient rows and the group means as JSON")
+
+
+def _volumes(a) -> None:
+    from fedssl.data.acdc import cavity_volumes, summarise_cavity_volumes
+
+    root = Path(a.data_root)
+    sites = sorted(d for d in root.glob("site-*") if d.is_dir()) or [root]
+    rows = [dict(r, site=d.name) for d in sites for r in cavity_volumes(d, site=d.name)]
+    summary = summarise_cavity_volumes(rows)
+    print("| group | n | RV ml (ED / ES) | MYO ml (ED / ES) | LV ml (ED / ES) | RV / LV at ED | RV EF | LV EF |")
+    print("|---|---|---|---|---|---|---|---|")
+    for g in summary:
+        print(f"| {g['group']} | {g['n']} | {g['RV_ED_ml']:.0f} / {g['RV_ES_ml']:.0f} | {g['MYO_ED_ml']:.0f} / "
+              f"{g['MYO_ES_ml']:.0f} | {g['LV_ED_ml']:.0f} / {g['LV_ES_ml']:.0f} | {g['RV_LV_ED']:.2f} | "
+              f"{g['RV_EF']:.2f} | {g['LV_EF']:.2f} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"patients": rows, "groups": summary}, indent=1), encoding="utf-8")
 
 
 def _export_unet_args(s) -> None:
@@ -207,6 +230,8 @@ VERBS = (
     Verb("synth", "write a synthetic dataset in its real on-disk layout", _synth_args, _synth, alias="synth"),
     Verb("link-sites", "split a real ACDC training/ folder into site-k folders (symlinks)", _link_sites_args,
          _link_sites, alias="link-sites"),
+    Verb("volumes", "RV / MYO / LV volumes (ml) at ED and ES per ACDC group, RV / LV and ejection fractions",
+         _volumes_args, _volumes),
     Verb("finetune", "local / centralised fine-tuning protocol and Dice table", _finetune_args, _finetune,
          alias="finetune"),
     Verb("export-unet", "pre-trained FL_global_model.pt -> U-Net init checkpoint", _export_unet_args, _export_unet,

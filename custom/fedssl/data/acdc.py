@@ -48,6 +48,8 @@ __all__ = [
     "preprocess_volume",
     "load_patient",
     "load_site",
+    "cavity_volumes",
+    "summarise_cavity_volumes",
     "PartitionSampleDataset",
     "SliceDataset",
 ]
@@ -368,6 +370,10 @@ def _load_label(gt_path: Path, shape: tuple[int, ...], site: str) -> np.ndarray:
     if label.shape != shape:
         raise _err(site, gt_path, f"label shape {label.shape} does not match image shape {shape}",
                    "the _gt file must come from the same frame as the image")
+    return _checked_label(label, gt_path, site)
+
+
+def _checked_label(label: np.ndarray, gt_path: Path, site: str) -> np.ndarray:
     bad = _non_integral(label)
     if bad.any():
         raise _err(site, gt_path, f"label file holds {int(bad.sum())} non-integer value(s), "
@@ -468,6 +474,58 @@ def load_site(
             vol.site = site
             volumes.append(vol)
     return volumes
+
+
+_VOLUME_CLASSES = (("RV", 1), ("MYO", 2), ("LV", 3))
+
+
+def cavity_volumes(root: PathLike, site: str = "") -> list[dict[str, Any]]:
+    """Per patient under ``root`` (a folder of ``patientNNN/``): its group, the RV / MYO / LV volumes in ml at ED
+    and ES (voxel counts of the ``_gt`` files times the voxel volume of their header), RV / LV at ED and both
+    ejection fractions (``nan`` where the ED cavity is empty).  Reads only labels and ``Info.cfg``: a check of a
+    data set's anatomy (e.g. the synthetic generator's against the ACDC groups), not of its images.
+
+    Raises:
+        ACDCDataError: a missing or corrupt ``Info.cfg`` or ``_gt`` file (naming the file and the site), or
+            labels outside 0-3.
+    """
+    rows = []
+    for pid in list_patients(root, site):
+        pdir = Path(root) / pid
+        info = read_info_cfg(pdir / "Info.cfg", site)
+        row: dict[str, Any] = {"patient": pid, "group": str(info.get("Group", "unknown"))}
+        for phase in ("ED", "ES"):
+            gt = _frame_path(pdir, pid, int(info[phase]), gt=True)
+            label, zooms = load_nifti(gt, site=site)
+            label = _checked_label(label, gt, site)
+            ml = float(np.prod(zooms[:3])) / 1000.0
+            for name, value in _VOLUME_CLASSES:
+                row[f"{name}_{phase}_ml"] = float(np.count_nonzero(label == value)) * ml
+        row["RV_LV_ED"] = row["RV_ED_ml"] / row["LV_ED_ml"] if row["LV_ED_ml"] > 0 else float("nan")
+        for name in ("RV", "LV"):
+            ed = row[f"{name}_ED_ml"]
+            row[f"{name}_EF"] = 1.0 - row[f"{name}_ES_ml"] / ed if ed > 0 else float("nan")
+        rows.append(row)
+    return rows
+
+
+def summarise_cavity_volumes(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Group means of :func:`cavity_volumes` rows, in ACDC's group order (other groups after, sorted): ``n``, the
+    mean of every volume, of RV / LV at ED and of both ejection fractions (each the mean of the patients' own
+    ratios, ignoring ``nan``)."""
+    keys = [f"{c}_{p}_ml" for p in ("ED", "ES") for c, _ in _VOLUME_CLASSES] + ["RV_LV_ED", "RV_EF", "LV_EF"]
+    order = ["NOR", "MINF", "DCM", "HCM", "RV"]
+    groups = sorted({r["group"] for r in rows}, key=lambda g: (order.index(g) if g in order else len(order), g))
+    out = []
+    for g in groups:
+        members = [r for r in rows if r["group"] == g]
+        summary: dict[str, Any] = {"group": g, "n": len(members)}
+        for k in keys:
+            vals = np.array([r[k] for r in members], dtype=np.float64)
+            vals = vals[~np.isnan(vals)]
+            summary[k] = float(vals.mean()) if vals.size else float("nan")
+        out.append(summary)
+    return out
 
 
 class PartitionSampleDataset(Dataset):

@@ -180,3 +180,19 @@ def test_os_errors_are_one_line_naming_the_path(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().err == f"fedssl job: error: {tmp_path / 'ro'}: Permission denied\n"
     assert main(["job", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err == f"fedssl job: error: {tmp_path / 'missing'} is not a job folder (no meta.json)\n"
+
+
+def test_fcl_volumes_prints_the_group_table_over_site_folders(tmp_path, capsys):
+    """Two synthetic sites: every patient is counted once, under its group, and --json keeps the per-patient rows
+    with their site."""
+    import json
+
+    assert main(["fcl", "synth", "acdc", str(tmp_path / "d"), "--patients", "5", "--sites", "2", "--size", "32"]) == 0
+    capsys.readouterr()
+    assert main(["fcl", "volumes", str(tmp_path / "d"), "--json", str(tmp_path / "v.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| group | n | RV ml (ED / ES)")
+    assert sum(int(line.split("|")[2]) for line in lines[2:]) == 5  # --patients counts all sites
+    data = json.loads((tmp_path / "v.json").read_text())
+    assert len(data["patients"]) == 5 and {r["site"] for r in data["patients"]} == {"site-1", "site-2"}
+    assert [g["group"] for g in data["groups"]] == ["NOR", "MINF", "DCM", "HCM", "RV"]

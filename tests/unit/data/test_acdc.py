@@ -16,12 +16,14 @@ from fedssl.data.acdc import (
     ACDCDataError,
     PartitionSampleDataset,
     SliceDataset,
+    cavity_volumes,
     list_patients,
     load_nifti,
     load_patient,
     load_site,
     preprocess_volume,
     read_info_cfg,
+    summarise_cavity_volumes,
 )
 from fedssl.data.acdc_synthetic import (
     DEFAULT_DIFFICULTY,
@@ -104,9 +106,10 @@ def test_synthetic_anatomy_is_consistent(synth: tuple[Path, dict[str, list[str]]
     ed, es = load_patient(root / "site-1", "patient001", with_labels=True, target_spacing=1.5, image_size=48)
     assert ed.label is not None and es.label is not None
     mid = ed.n_slices // 2
-    # Image consistent with labels: blood pools bright, myocardium dark.
+    # Image consistent with labels: blood pools bright, myocardium dark (by a quarter of the normalised range: the
+    # LV label holds trabeculae and papillary muscles, and the volume's percentile range includes the RV blood).
     lv, myo, rv = ed.image[ed.label == 3], ed.image[ed.label == 2], ed.image[ed.label == 1]
-    assert lv.mean() > myo.mean() + 0.3 and rv.mean() > myo.mean() + 0.3
+    assert lv.mean() > myo.mean() + 0.25 and rv.mean() > myo.mean() + 0.25
     # Base -> apex: LV shrinks from the first ventricular slice (slices above the valve plane are atrial,
     # unlabelled), RV gone at the apex slice.
     first = next(z for z in range(ed.n_slices) if (ed.label[z] > 0).any())
@@ -556,3 +559,59 @@ def test_every_group_has_a_right_ventricle_beside_the_septum() -> None:
         for group in ("MINF", "DCM", "HCM", "RV"):
             n, touches = rv_at_ed(group, i)
             assert n > nor / 3 and touches, f"{group} (draw {i}): {n} RV pixels at ED against NOR's {nor}"
+
+
+def test_right_ventricle_size_and_function_per_group() -> None:
+    """The RV / LV end-diastolic cavity ratio and the RV ejection fraction follow the ACDC groups (mean over six
+    draws): about equal volumes in NOR and HCM (healthy adults have RV EDV ~ LV EDV), a dilated LV in MINF and DCM,
+    a dilated RV with an RV EF below 40 % in the abnormal-RV group, and an RV EF above 40 % in NOR and HCM. Before
+    this the generator's RV was 0.28-0.41 of the LV outside the abnormal-RV group."""
+    bands = {"NOR": (0.8, 1.2), "HCM": (0.85, 1.3), "MINF": (0.55, 0.85), "DCM": (0.45, 0.72), "RV": (1.5, 2.4)}
+    for group, (lo, hi) in bands.items():
+        ratio, ef = [], []
+        for i in range(6):
+            _, label, es = _phantom(np.random.default_rng([12, i]), (64, 64), 8, 4, group, 1.0)
+            rv_ed, rv_es, lv_ed = (label[0] == 1).sum(), (label[es] == 1).sum(), (label[0] == 3).sum()
+            ratio.append(rv_ed / lv_ed)
+            ef.append(1.0 - rv_es / rv_ed)
+        assert lo < np.mean(ratio) < hi, f"{group}: RV / LV at ED {np.mean(ratio):.2f}, expected in ({lo}, {hi})"
+        if group == "RV":
+            assert np.mean(ef) < 0.40, f"abnormal RV: RV EF {np.mean(ef):.2f}, expected below 0.40"
+        elif group in ("NOR", "HCM"):
+            assert np.mean(ef) > 0.45, f"{group}: RV EF {np.mean(ef):.2f}, expected above 0.45"
+
+
+def test_cavity_volumes_hand_computed(tmp_path: Path) -> None:
+    """Voxels of 2.5 x 0.625 x 8 mm = 12.5 mm3. ED: LV 5 x 20 x 3 = 300 voxels (3.75 ml), MYO 300 (3.75 ml), RV
+    4 x 8 x 3 = 96 (1.2 ml). ES: the LV block halved (150 voxels, 1.875 ml), the rest unchanged."""
+    pdir = _hand_patient(tmp_path)
+    es = np.zeros((20, 80, 3), dtype=np.uint8)
+    es[5:10, 20:30, :] = 3
+    es[5:10, 40:60, :] = 2
+    es[12:16, 8:16, :] = 1
+    _save_nifti(pdir / "patient007_frame02_gt.nii.gz", es, (2.5, 0.625, 8.0))
+    second = _hand_patient(tmp_path, "patient008", zooms=(1.0, 1.0, 10.0))  # 10 mm3 voxels, ED == ES files
+    (second / "Info.cfg").write_text("ED: 1\nES: 2\nGroup: HCM\nHeight: 170.0\nNbFrame: 2\nWeight: 70.0\n")
+    rows = cavity_volumes(tmp_path, site="site-x")
+    assert [r["patient"] for r in rows] == ["patient007", "patient008"]
+    a, b = rows
+    assert a["group"] == "NOR" and b["group"] == "HCM"
+    assert a["LV_ED_ml"] == pytest.approx(3.75) and a["MYO_ED_ml"] == pytest.approx(3.75)
+    assert a["RV_ED_ml"] == pytest.approx(1.2) and a["RV_ES_ml"] == pytest.approx(1.2)
+    assert a["LV_ES_ml"] == pytest.approx(1.875)
+    assert a["RV_LV_ED"] == pytest.approx(0.32) and a["LV_EF"] == pytest.approx(0.5) and a["RV_EF"] == pytest.approx(0.0)
+    assert b["LV_ED_ml"] == pytest.approx(3.0) and b["RV_ED_ml"] == pytest.approx(0.96)
+    groups = summarise_cavity_volumes(rows + [dict(a, patient="patient009", LV_EF=float("nan"), RV_LV_ED=0.5)])
+    assert [(g["group"], g["n"]) for g in groups] == [("NOR", 2), ("HCM", 1)]  # ACDC's group order
+    assert groups[0]["RV_LV_ED"] == pytest.approx(0.41) and groups[0]["LV_EF"] == pytest.approx(0.5)  # nan ignored
+
+
+def test_cavity_volumes_name_the_broken_file_and_site(tmp_path: Path) -> None:
+    pdir = _hand_patient(tmp_path)
+    (pdir / "patient007_frame02_gt.nii.gz").write_bytes(b"not a nifti")
+    with pytest.raises(ACDCDataError, match="site-x.*patient007_frame02_gt"):
+        cavity_volumes(tmp_path, site="site-x")
+    bad = np.full((20, 80, 3), 7, dtype=np.uint8)
+    _save_nifti(pdir / "patient007_frame02_gt.nii.gz", bad, (2.5, 0.625, 8.0))
+    with pytest.raises(ACDCDataError, match="not ACDC classes"):
+        cavity_volumes(tmp_path, site="site-x")

@@ -60,6 +60,8 @@ PATIENT_RE = re.compile(r"^patient\d{3}$")
 _INT_KEYS = ("ED", "ES", "NbFrame")
 _FLOAT_KEYS = ("Height", "Weight")
 ACDC_LABELS = (0, 1, 2, 3)  # bg, RV, MYO, LV
+#: the five ACDC pathology groups (``Group`` in Info.cfg), in the challenge's order
+ACDC_GROUPS: tuple[str, ...] = ("NOR", "MINF", "DCM", "HCM", "RV")
 #: ACDC foreground classes by label value
 ACDC_CLASSES: dict[int, str] = {1: "RV", 2: "MYO", 3: "LV"}
 _UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
@@ -514,8 +516,8 @@ def summarise_cavity_volumes(rows: list[dict[str, Any]]) -> list[dict[str, Any]]
     mean of every volume, of RV / LV at ED and of both ejection fractions (each the mean of the patients' own
     ratios, ignoring ``nan``)."""
     keys = [f"{c}_{p}_ml" for p in ("ED", "ES") for c, _ in _VOLUME_CLASSES] + ["RV_LV_ED", "RV_EF", "LV_EF"]
-    order = ["NOR", "MINF", "DCM", "HCM", "RV"]
-    groups = sorted({r["group"] for r in rows}, key=lambda g: (order.index(g) if g in order else len(order), g))
+    rank = {g: i for i, g in enumerate(ACDC_GROUPS)}
+    groups = sorted({r["group"] for r in rows}, key=lambda g: (rank.get(g, len(rank)), g))
     out = []
     for g in groups:
         members = [r for r in rows if r["group"] == g]

@@ -40,13 +40,13 @@ import nibabel as nib
 import numpy as np
 
 from fedssl.core.partition import split_patients
-from fedssl.data.acdc import ACDCDataError, list_patients
+from fedssl.data.acdc import ACDC_GROUPS, ACDCDataError, list_patients
 
 __all__ = ["write_synthetic_acdc", "link_site_folders", "GROUPS", "DEFAULT_DIFFICULTY"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-GROUPS: tuple[str, ...] = ("NOR", "MINF", "DCM", "HCM", "RV")
+GROUPS: tuple[str, ...] = ACDC_GROUPS
 
 #: the calibrated difficulty (README, "Calibrated synthetic data"), chosen on random init only: random-init local
 #: fine-tuning (quick / bench fine-tuning, 3 sites x 10 patients, folds 0-2) against FCL Table 1's random-init row
@@ -73,7 +73,7 @@ _RV_BLOOD = 0.82
 # Group -> (LV radius factor, wall thickness factor, LV contraction amplitude, RV size factor, RV contraction
 # amplitude).  The RV columns give end-diastolic RV / LV cavity volume ratios of about 1.0 (NOR, HCM), 0.70 (MINF),
 # 0.60 (DCM) and 1.8 (abnormal RV) and RV ejection fractions of 0.53 / 0.42 / 0.34 / 0.58 / 0.34 (NOR / MINF /
-# DCM / HCM / RV; measured on the generated labels, tests/unit/data/test_acdc_synthetic.py).  In healthy adults
+# DCM / HCM / RV; measured on the generated labels, tests/unit/data/test_acdc.py).  In healthy adults
 # the RV end-diastolic volume is about that of the LV (Kawel-Boehm et al., "Normal values for cardiovascular
 # magnetic resonance in adults and children", J. Cardiovasc. Magn. Reson. 2015); the ACDC groups are defined by LV
 # dilation (DCM: LV EDV > 100 ml/m2), an RV EF above 40 % outside the abnormal-RV group, and an RV volume above

@@ -48,9 +48,10 @@ def _volumes_args(s) -> None:
 
 def _volumes(a) -> None:
     from fedssl.data.acdc import cavity_volumes, summarise_cavity_volumes
+    from fedssl.data.site_config import site_folders
 
     root = Path(a.data_root)
-    sites = sorted(d for d in root.glob("site-*") if d.is_dir()) or [root]
+    sites = [Path(p) for p in site_folders(root, required=False).values()] or [root]
     rows = [dict(r, site=d.name) for d in sites for r in cavity_volumes(d, site=d.name)]
     summary = summarise_cavity_volumes(rows)
     print("| group | n | RV ml (ED / ES) | MYO ml (ED / ES) | LV ml (ED / ES) | RV / LV at ED | RV EF | LV EF |")

@@ -5,6 +5,9 @@ A job folder never bakes in a site's paths.  Each site resolves its data root, i
 2. ``data_root`` in ``<site workspace>/local/fedssl_site.json`` (production: written by the site admin);
 3. the environment variable ``FEDSSL_DATA_ROOT`` of the client process.
 ``{site}`` in the value is replaced by the site's name, so one simulator setting serves every site.
+
+Experiments that run every site on one machine find them as the ``site-*`` folders of one root
+(:func:`site_folders`), in site number order.
 """
 
 from __future__ import annotations
@@ -14,6 +17,20 @@ import os
 
 SITE_CONFIG_FILE = "fedssl_site.json"
 ENV_DATA_ROOT = "FEDSSL_DATA_ROOT"
+
+
+def site_folders(data_root, make_hint: str = "", required: bool = True) -> dict[str, str]:
+    """The ``site-*`` folders of ``data_root``: name -> path, numbered sites by number (site-2 before site-10), then
+    any others by name.  None found -> ValueError naming the root and ``make_hint`` (how to write them), or ``{}``
+    when not ``required``."""
+    root = os.fspath(data_root)
+    if not os.path.isdir(root):
+        raise ValueError(f"data root {root} is not a directory; check the path")
+    names = [d for d in os.listdir(root) if d.startswith("site-") and os.path.isdir(os.path.join(root, d))]
+    if not names and required:
+        raise ValueError(f"no site-* folder under {root}" + (f"; {make_hint}" if make_hint else ""))
+    key = lambda d: (0, int(d[5:]), "") if d[5:].isdigit() else (1, 0, d)  # noqa: E731
+    return {d: os.path.join(root, d) for d in sorted(names, key=key)}
 
 
 def read_site_config(site_config_dir: str | None) -> dict:

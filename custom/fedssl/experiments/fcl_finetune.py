@@ -9,6 +9,7 @@ import torch
 
 from fedssl.core.safe_load import safe_load
 from fedssl.data.acdc import load_site
+from fedssl.data.site_config import site_folders as _site_folders
 from fedssl.data.volume import Volume
 from fedssl.train.protocol import LABELLED_FROM, centralised_finetune, evaluate_per_site, local_finetune
 from fedssl.train.segmentation import init_unet
@@ -38,13 +39,8 @@ def protocol_settings(profile: str | None, epochs: int | None = None) -> dict:
 
 
 def site_folders(data_root: str) -> dict[str, str]:
-    """``data_root/site-*`` folders (as written by ``fedssl fcl synth`` / ``fedssl fcl link-sites``)."""
-    if not os.path.isdir(data_root):
-        raise ValueError(f"data root {data_root} is not a directory")
-    sites = {d: os.path.join(data_root, d) for d in sorted(os.listdir(data_root)) if d.startswith("site-")}
-    if not sites:
-        raise ValueError(f"no site-* folder under {data_root}; run `fedssl fcl synth acdc` or `fedssl fcl link-sites`")
-    return dict(sorted(sites.items(), key=lambda kv: int(kv[0].split("-")[1]) if kv[0].split("-")[1].isdigit() else kv[0]))
+    """``data_root/site-*`` folders (as written by ``fedssl fcl synth`` / ``fedssl fcl link-sites``), in site order."""
+    return _site_folders(data_root, "run `fedssl fcl synth acdc` or `fedssl fcl link-sites`")
 
 
 def load_labelled_sites(data_root: str, settings: dict) -> dict[str, list[Volume]]:

@@ -20,6 +20,7 @@ import torch
 
 from fedssl.core.classification import ClassifierTrainer, classification_metrics, predict, require_trained_head
 from fedssl.core.seeds import site_seed
+from fedssl.data.site_config import site_folders as _site_folders
 from fedssl.data.images import ImageDataset, batches, class_names, load_image_records, select_labelled, train_val_split
 from fedssl.models.vit import TINY_VIT, read_state_dict
 from fedssl.models.vit_classifier import FineTuneViT, init_name, load_into, read_checkpoint
@@ -44,13 +45,7 @@ def local_settings(tiny: bool = False, **overrides) -> dict:
 
 def site_folders(data_root: str) -> dict[str, str]:
     """``data_root/site-*`` folders in site order (as ``fedssl sslfl partition`` writes them)."""
-    if not os.path.isdir(data_root):
-        raise ValueError(f"data root {data_root} is not a directory")
-    names = [d for d in os.listdir(data_root) if d.startswith("site-") and os.path.isdir(os.path.join(data_root, d))]
-    if not names:
-        raise ValueError(f"no site-* folder under {data_root}; run `fedssl sslfl partition` first")
-    key = lambda d: (0, int(d[5:])) if d[5:].isdigit() else (1, d)  # noqa: E731
-    return {d: os.path.join(data_root, d) for d in sorted(names, key=key)}
+    return _site_folders(data_root, "run `fedssl sslfl partition` first")
 
 
 def _model_for(settings: Mapping, n_classes: int, pretrained_path: str, imagenet_path: str) -> FineTuneViT:

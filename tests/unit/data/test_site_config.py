@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from fedssl.data.site_config import ENV_DATA_ROOT, SITE_CONFIG_FILE, resolve_data_root
+from fedssl.data.site_config import ENV_DATA_ROOT, SITE_CONFIG_FILE, resolve_data_root, site_folders
 
 
 def test_order_argument_then_site_config_then_env(tmp_path, monkeypatch):
@@ -29,3 +29,21 @@ def test_corrupt_site_config(tmp_path):
     (tmp_path / SITE_CONFIG_FILE).write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         resolve_data_root("", "site-1", str(tmp_path))
+
+
+def test_site_folders_in_site_number_order(tmp_path):
+    for d in ("site-10", "site-2", "site-1", "site-b", "site-a", "other"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "site-3").write_text("a file, not a site")
+    found = site_folders(tmp_path)
+    assert list(found) == ["site-1", "site-2", "site-10", "site-a", "site-b"]
+    assert found["site-10"] == str(tmp_path / "site-10")
+
+
+def test_site_folders_none_found(tmp_path):
+    (tmp_path / "data").mkdir()
+    with pytest.raises(ValueError, match=r"no site-\* folder under .*data; run `make them`"):
+        site_folders(tmp_path / "data", "run `make them`")
+    assert site_folders(tmp_path / "data", required=False) == {}
+    with pytest.raises(ValueError, match=r"data root .*nope is not a directory"):
+        site_folders(tmp_path / "nope")

@@ -20,8 +20,8 @@ import torch
 
 from fedssl.core.classification import ClassifierTrainer, classification_metrics, predict, require_trained_head
 from fedssl.core.seeds import site_seed
-from fedssl.data.site_config import site_folders as _site_folders
 from fedssl.data.images import ImageDataset, batches, class_names, load_image_records, select_labelled, train_val_split
+from fedssl.data.site_config import site_folders as _site_folders
 from fedssl.models.vit import TINY_VIT, read_state_dict
 from fedssl.models.vit_classifier import FineTuneViT, init_name, load_into, read_checkpoint
 

@@ -35,6 +35,7 @@ from typing import Callable, Optional
 
 from fedssl.core.checks import require, require_int
 from fedssl.data.images import load_image_records
+from fedssl.data.site_config import site_folders
 from fedssl.eval.paper_tables import SSLFL_SOURCE, sslfl_paper_rows
 from fedssl.eval.report import accuracy_verdict
 from fedssl.experiments.diagnostics import diagnose_vit, format_diagnostics
@@ -197,8 +198,7 @@ def diagnose_cell(key: dict, out: str, settings: dict, parts: dict, store: CellS
     model = store.get(pre_key)["global_model"]
     summary = os.path.join(_workspace(out, pre_key), "server", "simulate_job", "summary.json")
     root = parts[(seed, split)]
-    records = {site: load_image_records(os.path.join(root, site), "retina", site=site)
-               for site in sorted(os.listdir(root)) if site.startswith("site-")}
+    records = {site: load_image_records(path, "retina", site=site) for site, path in site_folders(root).items()}
     vit = vit_settings(settings, method, seed)
     label_fraction = vit.pop("label_fraction")
     d = diagnose_vit(f"{METHODS[method]['label']} (Split-{split}, seed {seed})",

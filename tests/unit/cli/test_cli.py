@@ -195,4 +195,8 @@ def test_fcl_volumes_prints_the_group_table_over_site_folders(tmp_path, capsys):
     assert sum(int(line.split("|")[2]) for line in lines[2:]) == 5  # --patients counts all sites
     data = json.loads((tmp_path / "v.json").read_text())
     assert len(data["patients"]) == 5 and {r["site"] for r in data["patients"]} == {"site-1", "site-2"}
+    n_site1 = sum(r["site"] == "site-1" for r in data["patients"])
+    assert main(["fcl", "volumes", str(tmp_path / "d" / "site-1")]) == 0  # one site's folder: its patients only
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(int(line.split("|")[2]) for line in lines[2:]) == n_site1
     assert [g["group"] for g in data["groups"]] == ["NOR", "MINF", "DCM", "HCM", "RV"]

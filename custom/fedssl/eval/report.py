@@ -89,6 +89,54 @@ def pretraining_verdict(rows: Sequence[Mapping[str, Any]], method: str, baseline
             f"{n_sites} sites -> pre-training {word}")
 
 
+PAIR_UNITS: dict[str, tuple[str, ...]] = {"local": ("site", "fold"), "federated": ("site", "fold"),
+                                           "centralised": ("fold",)}
+
+
+def paired_against(rows: Sequence[Mapping[str, Any]], baseline: str = "random", *, mode: str) -> list[dict]:
+    """Every method against ``baseline``, per N, paired by the unit each model was trained for: (site, fold) in
+    the local and federated modes, fold in the centralised one.
+
+    Returns ``{"method", "n_labelled", "diff_mean", "diff_se", "ahead", "pairs"}`` per (method, N) that has at
+    least one pair, methods in order of first appearance, N ascending: the mean of ``method - baseline`` over the
+    common pairs, its standard error (sample std / sqrt(pairs); None with one pair) and how many pairs the method
+    is ahead in (strictly)."""
+    if mode not in PAIR_UNITS:
+        raise ValueError(f"mode={mode!r} is not one of {sorted(PAIR_UNITS)}")
+    unit = PAIR_UNITS[mode]
+    dice: dict[tuple[str, int], dict[tuple, float]] = {}
+    order: dict[str, int] = {}
+    for r in rows:
+        if r["mode"] != mode:
+            continue
+        order.setdefault(str(r["method"]), len(order))
+        dice.setdefault((str(r["method"]), int(r["n_labelled"])), {})[tuple(str(r[u]) for u in unit)] = float(r["dice"])
+    out = []
+    for method, n in sorted(dice, key=lambda mn: (order[mn[0]], mn[1])):
+        base = dice.get((baseline, n))
+        if method == baseline or base is None:
+            continue
+        keys = sorted(set(dice[(method, n)]) & set(base))
+        if not keys:
+            continue
+        d = np.array([dice[(method, n)][k] - base[k] for k in keys], dtype=np.float64)
+        se = float(d.std(ddof=1) / np.sqrt(d.size)) if d.size > 1 else None
+        out.append({"method": method, "n_labelled": n, "diff_mean": float(d.mean()), "diff_se": se,
+                    "ahead": int((d > 0).sum()), "pairs": int(d.size)})
+    return out
+
+
+def format_paired(paired: Sequence[Mapping[str, Any]], baseline: str = "random") -> str:
+    """:func:`paired_against`'s result as one line per method: ``"FCL minus random: N=1 -0.070 (SE 0.025) ahead
+    in 2/15; ..."``; empty when there is nothing to compare."""
+    lines: dict[str, list[str]] = {}
+    for p in paired:
+        se = "SE n/a" if p["diff_se"] is None else f"SE {p['diff_se']:.3f}"
+        lines.setdefault(p["method"], []).append(
+            f"N={p['n_labelled']} {p['diff_mean']:+.3f} ({se}) ahead in {p['ahead']}/{p['pairs']}")
+    return "\n".join(f"{m} minus {baseline}: " + "; ".join(parts) for m, parts in lines.items())
+
+
 def accuracy_verdict(method: str, accuracy: float, baseline: str, baseline_accuracy: float, n_test: int) -> str:
     """One line: did ``method`` beat ``baseline`` on the same held-out test set of ``n_test`` images beyond the
     test set's sampling error?

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 from fedssl.data.acdc_synthetic import write_synthetic_acdc
 from fedssl.eval.paper_tables import FCL_METHODS, FCL_SOURCE, FCL_TABLE_MODES, fcl_paper_rows
-from fedssl.eval.report import pretraining_verdict, summarise
+from fedssl.eval.report import format_paired, paired_against, pretraining_verdict, summarise
 from fedssl.experiments.fcl_finetune import (
     encoder_init,
     evaluate_federated,
@@ -325,23 +325,46 @@ def run_fcl_tables(out: str, *, tables: Sequence[int] = TABLES, methods: Sequenc
         cells = table_cells(table, methods, n_labelled, used, sites)
         label = f"Table {table} ({FCL_TABLE_MODES[table]} fine-tuning, folds {used})"
         if table == 2:
-            results = run_cells(cells, lambda key: federated_one(
+            run_cells(cells, lambda key: federated_one(
                 key, init_path(key["method"], inits[key["method"]], None), os.path.join(
                     out, "ws", f"ft_{_slug(key['method'])}_n{key['n_labelled']}_f{key['fold']}"),
                 data_root=data_root, n_sites=n_sites, profile=profile, settings=settings),
                 store, say=say, label=label + ", FLARE simulator")
-            rows = [r for res in results for r in res["rows"]]
         else:
             fn = functools.partial(_finetune_cell, inits=inits, data_root=data_root, settings=settings)
             pool = workers > 1
-            rows = run_cells(cells, fn, store, say=say, cost=lambda key: key["n_labelled"], workers=workers,
-                             initializer=init_worker if pool else None,
-                             initargs=(data_root, settings) if pool else (), label=label)
-        written[table] = _write(out, table, rows, methods, n_labelled, used, profile, settings, inits, say)
+            run_cells(cells, fn, store, say=say, cost=lambda key: key["n_labelled"], workers=workers,
+                      initializer=init_worker if pool else None, initargs=(data_root, settings) if pool else (),
+                      label=label)
+        rows, shown = stored_rows(store, table, n_labelled, used)
+        written[table] = _write(out, table, rows, shown, n_labelled, used, profile, settings,
+                                stored_pretraining(store, shown), say)
         if diag_text:
             say(diag_text)
     say(f"FCL tables {tables} done in {time.time() - t0:.0f} s; files under {out}")
     return written
+
+
+def stored_rows(store: CellStore, table: int, n_labelled: Sequence[int],
+                folds: Sequence[int]) -> tuple[list[dict], list[str]]:
+    """Every finished fine-tuning row of ``table`` in the folder's cell store at these N and folds, whichever
+    command ran it, so methods added one command at a time end up in one table; with the methods they cover in
+    :data:`ALL_METHODS` order (rows sorted the same way, as :func:`summarise` orders methods by first row)."""
+    mode = FCL_TABLE_MODES[table]
+    rows = []
+    for record in store.results():
+        key = record["key"]
+        if key.get("stage") == mode and key.get("n_labelled") in n_labelled and key.get("fold") in folds:
+            rows.extend(record["result"]["rows"] if table == 2 else [record["result"]])
+    methods = [m for m in ALL_METHODS if any(r["method"] == m for r in rows)]
+    rows.sort(key=lambda r: methods.index(r["method"]))
+    return rows, methods
+
+
+def stored_pretraining(store: CellStore, methods: Sequence[str]) -> dict:
+    """The finished pre-training cells of ``methods`` (random has none): method -> its stored result."""
+    keys = {m: {"stage": "pretrain", "method": m} for m in methods if m != "random"}
+    return {m: store.get(k) for m, k in keys.items() if store.done(k)}
 
 
 def diagnose_one(method: str, pretrained: dict, *, data_root: str, settings: dict) -> dict:
@@ -353,14 +376,19 @@ def diagnose_one(method: str, pretrained: dict, *, data_root: str, settings: dic
 
 
 def _diagnostics(out: str, pre: dict, store: CellStore, *, data_root: str, settings: dict, say) -> str:
-    """Diagnostics cells (one per pre-trained method, resumable like every cell); written to
-    ``out/diagnostics.{json,txt}`` and returned as the text printed under every table."""
+    """Diagnostics cells (one per pre-trained method, resumable like every cell); the diagnostics of every
+    method finished in this folder are written to ``out/diagnostics.{json,txt}`` and returned as the text printed
+    under every table."""
     cells = [{"stage": "diagnostics", "method": m} for m in pre]
-    if not cells:
+    if cells:
+        run_cells(cells, lambda key: diagnose_one(key["method"], pre[key["method"]], data_root=data_root,
+                                                  settings=settings),
+                  store, say=say, label="diagnostics (spread, probe)")
+    # every method diagnosed in this folder, whichever command ran it (methods are often added one at a time)
+    done = [{"stage": "diagnostics", "method": m} for m in ALL_METHODS]
+    diags = [store.get(k) for k in done if store.done(k)]
+    if not diags:
         return ""
-    diags = run_cells(cells, lambda key: diagnose_one(key["method"], pre[key["method"]], data_root=data_root,
-                                                      settings=settings),
-                      store, say=say, label="diagnostics (spread, probe)")
     text = format_diagnostics(diags)
     with open(os.path.join(out, "diagnostics.json"), "w") as f:
         json.dump(diags, f, indent=2)
@@ -386,8 +414,14 @@ def _write(out: str, table: int, rows: list[dict], methods, n_labelled, folds, p
         notes.append(LOCAL_CL_NOTE)
     if "random" in methods and "FCL" in methods and mode != "centralised":
         notes.append(pretraining_verdict(rows, "FCL", mode=mode))
+    paired = paired_against(rows, "random", mode=mode)
+    if paired:
+        unit = "(site, fold) pairs" if mode != "centralised" else "folds"
+        notes.append(f"paired against random init over {unit}: mean difference (standard error), pairs ahead")
+        notes.extend(format_paired(paired, "random").splitlines())
     extra = {"folds": list(folds), "mode": mode, "profile": profile, "settings": settings,
-             "pretraining": {m: v for m, v in inits.items() if v is not None}, "cell_rows": rows}
+             "pretraining": {m: v for m, v in inits.items() if v is not None}, "paired_against_random": paired,
+             "cell_rows": rows}
     paths = write_table(out, f"table{table}", summary_rows(table, rows),
                         paper=fcl_paper_rows(table, methods, n_labelled),
                         paper_source=FCL_SOURCE.format(table=table), title=title, notes=notes, extra=extra)

@@ -6,7 +6,15 @@ import json
 
 import pytest
 
-from fedssl.eval.report import accuracy_verdict, format_table, pretraining_verdict, summarise, write_report
+from fedssl.eval.report import (
+    accuracy_verdict,
+    format_paired,
+    format_table,
+    paired_against,
+    pretraining_verdict,
+    summarise,
+    write_report,
+)
 
 
 def _row(mode, method, n, fold, site, dice):
@@ -101,6 +109,29 @@ def test_pretraining_verdict_pairs_sites_at_the_smallest_common_n():
     rows = [_vrow("FCL", 1, "a", 0.1), _vrow("random", 1, "a", 0.3), _vrow("FCL", 1, "b", 0.2), _vrow("random", 1, "b", 0.4)]
     assert pretraining_verdict(rows, "FCL").endswith("-0.200 +- 0.000 Dice over 2 sites -> pre-training hurt")
     assert "no local fine-tuning at a common N" in pretraining_verdict([_vrow("FCL", 1, "a", 0.1)], "FCL")
+
+
+def test_paired_against_pairs_site_and_fold_locally_and_folds_centrally():
+    # local, N=1, pairs (s1, f0), (s1, f1), (s2, f0): FCL - random = +0.1, -0.1, +0.2 -> mean 0.0667; sample sd
+    # sqrt((0.0333^2 + 0.1667^2 + 0.1333^2) / 2) = 0.15275, SE 0.15275 / sqrt(3) = 0.08819; ahead in 2 of 3.
+    # (s2, f1) has no random row: not a pair.  N=2 has one pair: SE undefined.
+    rows = [_vrow("random", 1, "s1", 0.5), _vrow("random", 1, "s1", 0.4, fold=1), _vrow("random", 1, "s2", 0.3),
+            _vrow("FCL", 1, "s1", 0.6), _vrow("FCL", 1, "s1", 0.3, fold=1), _vrow("FCL", 1, "s2", 0.5),
+            _vrow("FCL", 1, "s2", 0.9, fold=1), _vrow("FCL", 2, "s1", 0.4), _vrow("random", 2, "s1", 0.5)]
+    first, second = paired_against(rows, mode="local")
+    assert first["method"] == "FCL" and first["n_labelled"] == 1 and (first["ahead"], first["pairs"]) == (2, 3)
+    assert first["diff_mean"] == pytest.approx(0.2 / 3) and first["diff_se"] == pytest.approx(0.08819, abs=1e-5)
+    assert second == {"method": "FCL", "n_labelled": 2, "diff_mean": pytest.approx(-0.1), "diff_se": None,
+                      "ahead": 0, "pairs": 1}
+    assert format_paired([first, second]) == ("FCL minus random: N=1 +0.067 (SE 0.088) ahead in 2/3; "
+                                              "N=2 -0.100 (SE n/a) ahead in 0/1")
+    # centralised: one model per fold, so folds are the pairs (site is "all")
+    central = [dict(r, mode="centralised", site="all") for r in rows if r["site"] == "s1" and r["n_labelled"] == 1]
+    (c,) = paired_against(central, mode="centralised")
+    assert (c["ahead"], c["pairs"]) == (1, 2) and c["diff_mean"] == pytest.approx(0.0)
+    assert paired_against(rows, mode="federated") == [] and format_paired([]) == ""
+    with pytest.raises(ValueError, match="mode='global' is not one of"):
+        paired_against(rows, mode="global")
 
 
 def test_accuracy_verdict_uses_twice_the_binomial_standard_error():

@@ -123,6 +123,30 @@ def test_diagnostics_run_once_per_pretrained_method_and_print_under_every_table(
     assert again.diagnosed == []  # resumed from the cell store
 
 
+def test_methods_added_one_command_at_a_time_end_up_in_one_table(monkeypatch, tmp_path, data_root):
+    _run(monkeypatch, Fakes(), tmp_path / "out", data_root, methods=["random", "FCL"], tables=[1, 3])
+    said = []
+    paths = _run(monkeypatch, Fakes(), tmp_path / "out", data_root, methods=["random", "FedMoCo"], tables=[1],
+                 n_labelled=[1], say=said.append)
+    data = json.loads(open(paths[1]["json"]).read())
+    # the folder's table: random and FCL from the first command, FedMoCo from the second, in the paper's order;
+    # only the N asked for now
+    assert [r["method"] for r in data["rows"]] == ["random", "FedMoCo", "FCL"]
+    assert {r["column"] for r in data["rows"]} == {"N=1"}
+    # FCL is +0.1 on every (site, fold) pair (the fakes' Dice), FedMoCo level
+    paired = {p["method"]: p for p in data["extra"]["paired_against_random"]}
+    assert paired["FCL"]["diff_mean"] == pytest.approx(0.1) and (paired["FCL"]["ahead"], paired["FCL"]["pairs"]) == (4, 4)
+    assert paired["FedMoCo"]["diff_mean"] == pytest.approx(0.0) and paired["FedMoCo"]["ahead"] == 0
+    assert "FCL minus random: N=1 +0.100 (SE 0.000) ahead in 4/4" in open(paths[1]["txt"]).read()
+    assert set(data["extra"]["pretraining"]) == {"FedMoCo", "FCL"}
+    diags = json.loads((tmp_path / "out" / "diagnostics.json").read_text())
+    assert [d["method"] for d in diags] == ["FedMoCo", "FCL"]  # both commands' pre-trained methods
+    # a command with random init alone still prints the folder's diagnostics under its table
+    said = []
+    _run(monkeypatch, Fakes(), tmp_path / "out", data_root, methods=["random"], tables=[3], say=said.append)
+    assert any(s.startswith("Diagnostics") and "FedMoCo" in s and "FCL" in s for s in said)
+
+
 def test_interrupted_run_resumes_without_rerunning_finished_cells(monkeypatch, tmp_path, data_root):
     first = Fakes(fail_at=5)
     with pytest.raises(RuntimeError, match="killed"):

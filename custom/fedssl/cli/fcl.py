@@ -167,6 +167,9 @@ def _tables_args(s) -> None:
     s.add_argument("--pretrained-from", default=None, metavar="DIR",
                    help="reuse the finished pre-training runs of another tables folder (same data, sites, rounds "
                    "and the profile's job settings), e.g. to fine-tune with other epochs; diagnostics run here")
+    s.add_argument("--seeds", type=SEED, nargs="+", default=[0],
+                   help="training seeds: every pre-training and fine-tuning cell runs once per seed (the labelled "
+                   "patients stay the same); paired differences then give the spread over seeds (default: 0)")
 
 
 def _tables(a) -> None:
@@ -174,7 +177,7 @@ def _tables(a) -> None:
 
     run_fcl_tables(a.out, tables=a.tables, methods=a.methods, n_labelled=a.n, folds=a.folds, n_sites=a.sites,
                    profile=a.profile, data_root=a.data_root, difficulty=a.difficulty, epochs=a.epochs,
-                   rounds=a.rounds, workers=a.workers, pretrained_from=a.pretrained_from)
+                   rounds=a.rounds, workers=a.workers, pretrained_from=a.pretrained_from, seeds=a.seeds)
 
 
 def _hvsmr_synth_args(s) -> None:

@@ -72,10 +72,10 @@ def encoder_init(path: str) -> dict:
     return encoder_state_from_global(load_global_state(path))
 
 
-def export_unet_init(pretrained: str, out_path: str, features: Sequence[int]) -> str:
+def export_unet_init(pretrained: str, out_path: str, features: Sequence[int], seed: int = 0) -> str:
     """A full U-Net checkpoint whose encoder is the pre-trained one (FLARE persistor format), for
-    ``source_ckpt_file_full_name`` of the federated fine-tuning job."""
-    unet = UNet2D(features)
+    ``source_ckpt_file_full_name`` of the federated fine-tuning job; the decoder's initial weights from ``seed``."""
+    unet = UNet2D(features, seed=seed)
     load_encoder_into_unet(unet, encoder_init(pretrained))
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     torch.save({"model": unet.state_dict()}, out_path)

@@ -21,6 +21,14 @@ Local CL has no shared model; for Tables 2 and 3 it starts from **site-1's own e
 as if one site had pre-trained alone and shared its encoder.  Averaging the sites' encoders would be one FedAvg
 round the baseline does not have, so it is not done; the choice is printed under each table.
 
+Seeds (``seeds``, default [0]): every cell is run once per training seed -- the pre-training (the initial model and
+the sites' sampling, augmentations and bank draws) and the fine-tuning (the decoder's initial weights, batch order
+and augmentations) -- while the labelled patients of a (fold, N, site) stay the same for every seed.  A method's
+seed-s fine-tuning starts from its seed-s pre-training, and is paired with random init's seed-s run.  Tables
+average each site's (Table 3: each fold's) Dice over folds and seeds; the paired differences also give the mean per
+seed and the standard error over seeds, which holds the run-to-run spread that folds and sites do not.  Seed 0's
+cells carry no ``seed`` field, so a folder written before seeds existed resumes as seed 0.
+
 The split of a (fold, N, site) is the same for every method (:func:`fedssl.train.protocol.site_fold`,
 ``site_labelled``: seeded by split seed, fold and site name only).  Fine-tuning cells may run in worker processes
 (``workers``, one torch thread each); simulator cells run one at a time in this process.
@@ -81,30 +89,58 @@ def _slug(method: str) -> str:
 
 # ---------------------------------------------------------------- cells
 
-def pretrain_cells(methods: Sequence[str]) -> list[dict]:
-    return [{"stage": "pretrain", "method": m} for m in methods if m != "random"]
+def seeded(key: dict, seed: int) -> dict:
+    """``key`` for training seed ``seed``: seed 0 adds nothing (folders from before seeds resume as seed 0)."""
+    return dict(key, seed=int(seed)) if seed else dict(key)
+
+
+def seed_of(key: dict) -> int:
+    return int(key.get("seed", 0))
+
+
+def pretrain_cells(methods: Sequence[str], seeds: Sequence[int] = (0,)) -> list[dict]:
+    """One pre-training cell per seed and pre-trained method (random has none), seed-major."""
+    return [seeded({"stage": "pretrain", "method": m}, sd) for sd in seeds for m in methods if m != "random"]
 
 
 def table_cells(table: int, methods: Sequence[str], n_labelled: Sequence[int], folds: Sequence[int],
-                sites: Sequence[str]) -> list[dict]:
-    """The fine-tuning cells of ``table``, fold-major (an interrupted table has every method on its first folds)."""
+                sites: Sequence[str], seeds: Sequence[int] = (0,)) -> list[dict]:
+    """The fine-tuning cells of ``table``, seed- then fold-major (an interrupted table has every method on its
+    first seeds and folds)."""
     mode = FCL_TABLE_MODES[table]
     cells = []
-    for fold in folds:
-        for n in n_labelled:
-            for method in methods:
-                base = {"stage": mode, "method": method, "n_labelled": int(n), "fold": int(fold)}
-                cells += [dict(base, site=s) for s in sites] if table == 1 else [base]
+    for sd in seeds:
+        for fold in folds:
+            for n in n_labelled:
+                for method in methods:
+                    base = seeded({"stage": mode, "method": method, "n_labelled": int(n), "fold": int(fold)}, sd)
+                    cells += [dict(base, site=s) for s in sites] if table == 1 else [base]
     return cells
+
+
+#: the id of each pre-training job's site trainer (its ``seed`` argument is set per seed)
+TRAINER_IDS = {"fcl_acdc": "fcl_trainer", "fclopt_acdc": "byol_trainer"}
+
+
+def seed_sets(trainer: str, seed: int) -> list[str]:
+    """The job overrides of training seed ``seed``: the server's initial model and the sites' trainer."""
+    return [f"server.model.seed={int(seed)}", f"client.{trainer}.seed={int(seed)}"]
+
+
+def _suffix(seed: int) -> str:
+    """The workspace name suffix of a seed ("" for seed 0: the folders of runs from before seeds)."""
+    return f"_seed{seed}" if seed else ""
 
 
 # ---------------------------------------------------------------- stages (module level: tests replace them)
 
 def pretrain(method: str, workspace: str, *, data_root: str, n_sites: int, profile: str,
-             rounds: int | None) -> dict:
-    """One pre-training simulator run; the paths the fine-tuning cells and the diagnostics need."""
+             rounds: int | None, seed: int = 0) -> dict:
+    """One pre-training simulator run (training seed ``seed``); the paths the fine-tuning cells and the
+    diagnostics need."""
     job, sets = PRETRAINED[method]
-    sets = list(sets) + ([f"server.scatter_and_gather.num_rounds={rounds}"] if rounds else [])
+    sets = (list(sets) + ([f"server.scatter_and_gather.num_rounds={rounds}"] if rounds else [])
+            + seed_sets(TRAINER_IDS[job], seed))
     s = run_simulation(os.path.join(JOBS, job), workspace, n_sites=n_sites, data_root=os.path.join(data_root, "{site}"),
                        profile=profile, sets=sets, echo=False)
     out = {"summary": os.path.join(server_run_dir(workspace), "summary.json"), "wall_time_s": s["simulator_wall_time_s"],
@@ -152,7 +188,7 @@ def pretraining_files(result: dict) -> list[str]:
 
 
 def reuse_pretraining(source: str, store: CellStore, methods: Sequence[str], config: dict, profile: str,
-                      say=print) -> list[str]:
+                      say=print, seeds: Sequence[int] = (0,)) -> list[str]:
     """Copy the finished pre-training cells of ``methods`` from the tables folder ``source`` into ``store``, so a
     run with other fine-tuning settings (epochs, the step floor) starts from the same pre-trained encoders instead
     of pre-training again.  Refused, naming the setting, unless ``source`` ran on the same data, sites and rounds
@@ -174,7 +210,7 @@ def reuse_pretraining(source: str, store: CellStore, methods: Sequence[str], con
                          f"differently from profile {profile!r}; reuse needs the same job settings")
     theirs_store = CellStore(os.path.join(source, "cells.jsonl"))
     copied = []
-    for key in pretrain_cells(methods):
+    for key in pretrain_cells(methods, seeds):
         if store.done(key) or not theirs_store.done(key):
             continue
         result = theirs_store.get(key)
@@ -183,7 +219,7 @@ def reuse_pretraining(source: str, store: CellStore, methods: Sequence[str], con
             raise ValueError(f"pretrained_from={source!r}: {key['method']}'s pre-training points at {missing[0]}, "
                              "which is gone; pre-train here instead")
         store.put(key, {**result, "reused_from": source}, theirs_store.seconds(key))
-        copied.append(key["method"])
+        copied.append(key["method"] + (f" (seed {seed_of(key)})" if seed_of(key) else ""))
     if copied:
         say(f"pre-training of {', '.join(copied)} reused from {source} (same data, sites, rounds and job settings)")
     return copied
@@ -208,36 +244,42 @@ def init_worker(data_root: str, settings: dict) -> None:
 
 
 def finetune_one(key: dict, init: str, data_root: str, settings: dict) -> dict:
-    """One local (one site) or centralised fine-tuning run; the protocol's result row."""
+    """One local (one site) or centralised fine-tuning run with the key's training seed; the protocol's result
+    row, with ``seed``."""
     sites = load_sites(data_root, settings)
     start = "random" if init == "random" else encoder_init(init)
     kw = dict(n_labelled=[key["n_labelled"]], folds=[key["fold"]], features=settings["features"],
               epochs=settings["epochs"], lr=settings["lr"], device=settings["device"],
-              min_steps=settings["min_steps"])
+              min_steps=settings["min_steps"], seed=seed_of(key))
     if key["stage"] == "local":
         (row,) = local_finetune(sites, {key["method"]: start}, sites=[key["site"]], **kw)
     else:
         (row,) = centralised_finetune(sites, {key["method"]: start}, **kw)
-    return plain_json(row)
+    return plain_json(dict(row, seed=seed_of(key)))
 
 
 def federated_one(key: dict, init: str, workspace: str, *, data_root: str, n_sites: int, profile: str,
                   settings: dict) -> dict:
-    """One federated fine-tuning simulator run (``jobs/fcl_acdc_finetune``, as the demo) evaluated per site."""
-    sets = [f"client.seg_trainer.n_labelled={key['n_labelled']}", f"client.seg_trainer.fold={key['fold']}"]
+    """One federated fine-tuning simulator run (``jobs/fcl_acdc_finetune``, as the demo) evaluated per site; the
+    key's training seed sets the U-Net's initial weights (the decoder's, from a pre-trained encoder) and the
+    sites' batch order and augmentations."""
+    seed = seed_of(key)
+    sets = [f"client.seg_trainer.n_labelled={key['n_labelled']}", f"client.seg_trainer.fold={key['fold']}",
+            *seed_sets("seg_trainer", seed)]
     if init != "random":
-        unet = export_unet_init(init, workspace + "_unet_init.pt", settings["features"])
+        unet = export_unet_init(init, workspace + "_unet_init.pt", settings["features"], seed=seed)
         sets.append(f"server.persistor.source_ckpt_file_full_name={unet}")
     s = run_simulation(os.path.join(JOBS, "fcl_acdc_finetune"), workspace, n_sites=n_sites,
                        data_root=os.path.join(data_root, "{site}"), profile=profile, sets=sets, echo=False)
     rows = evaluate_federated(s["global_model"], load_sites(data_root, settings), method=key["method"],
                               n_labelled=key["n_labelled"], fold=key["fold"], settings=settings)
-    return {"rows": plain_json(rows), "wall_time_s": s["simulator_wall_time_s"]}
+    return {"rows": plain_json([dict(r, seed=seed) for r in rows]), "wall_time_s": s["simulator_wall_time_s"]}
 
 
 def _finetune_cell(key: dict, *, inits: dict, data_root: str, settings: dict) -> dict:
-    """A worker's cell: resolve the init of (method, site), then :func:`finetune_one`."""
-    return finetune_one(key, init_path(key["method"], inits.get(key["method"]), key.get("site")), data_root, settings)
+    """A worker's cell: resolve the init of (method, seed, site), then :func:`finetune_one`."""
+    pretrained = inits.get((key["method"], seed_of(key)))
+    return finetune_one(key, init_path(key["method"], pretrained, key.get("site")), data_root, settings)
 
 
 # ---------------------------------------------------------------- the run
@@ -256,7 +298,7 @@ def table_folds(profile: str, table: int, folds: Sequence[int] | None) -> list[i
     return [int(f) for f in chosen]
 
 
-def _check_args(tables, methods, n_labelled, n_sites: int, workers: int) -> None:
+def _check_args(tables, methods, n_labelled, n_sites: int, workers: int, seeds) -> None:
     bad_tables = [t for t in tables if t not in TABLES]
     if bad_tables or not tables:
         raise ValueError(f"tables={list(tables)} is invalid; use some of {list(TABLES)}")
@@ -270,6 +312,9 @@ def _check_args(tables, methods, n_labelled, n_sites: int, workers: int) -> None
         raise ValueError(f"n_sites={n_sites!r} is invalid; use an int >= 2 (federated runs need sites)")
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers={workers!r} is invalid; use an int >= 1")
+    if (not seeds or len(set(seeds)) != len(seeds)
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in seeds)):
+        raise ValueError(f"seeds={list(seeds)!r} is invalid; use distinct integers >= 0, e.g. [0, 1, 2]")
 
 
 def summary_rows(table: int, rows: Sequence[dict]) -> list[dict]:
@@ -282,16 +327,18 @@ def run_fcl_tables(out: str, *, tables: Sequence[int] = TABLES, methods: Sequenc
                    n_labelled: Sequence[int] = (1, 2, 4, 8), folds: Sequence[int] | None = None, n_sites: int = 3,
                    profile: str = "bench", data_root: str | None = None, difficulty: float | None = None,
                    epochs: int | None = None, rounds: int | None = None, workers: int = 2,
-                   pretrained_from: str | None = None, say=print) -> dict:
+                   pretrained_from: str | None = None, seeds: Sequence[int] = (0,), say=print) -> dict:
     """Run (or resume) the cells of FCL ``tables`` and write ``out/table{t}.{json,csv,txt,png}`` after each table.
 
     ``folds``: the folds of every table; None = the profile's per-table folds (``tables.fcl.folds``), else all five.
     ``data_root``: ``site-*`` folders; None = synthetic ACDC (10 patients per site, seed 0, ``difficulty`` when
     given) under ``out/data/acdc``.  ``epochs`` overrides the profile's fine-tuning epochs, ``rounds`` the
     pre-training rounds.  ``pretrained_from``: another tables folder whose finished pre-training cells are reused
-    (:func:`reuse_pretraining`).  Returns ``{table: paths of its files}``."""
-    tables, methods, n_labelled = [int(t) for t in tables], list(methods), [int(n) for n in n_labelled]
-    _check_args(tables, methods, n_labelled, n_sites, workers)
+    (:func:`reuse_pretraining`).  ``seeds``: training seeds, each pre-training and fine-tuning cell run once per
+    seed (module docstring); a later command may add seeds to a folder (its tables show the seeds it names).  Returns
+    ``{table: paths of its files}``."""
+    tables, methods, n_labelled, seeds = [int(t) for t in tables], list(methods), [int(n) for n in n_labelled], list(seeds)
+    _check_args(tables, methods, n_labelled, n_sites, workers, seeds)
     t0 = time.time()
     out = os.path.abspath(out)
     if data_root is None:
@@ -310,24 +357,25 @@ def run_fcl_tables(out: str, *, tables: Sequence[int] = TABLES, methods: Sequenc
     check_run_config(out, config)
     store = CellStore(os.path.join(out, "cells.jsonl"))
     if pretrained_from is not None:
-        reuse_pretraining(pretrained_from, store, methods, config, profile, say=say)
+        reuse_pretraining(pretrained_from, store, methods, config, profile, say=say, seeds=seeds)
 
-    pre_cells = pretrain_cells(methods)
-    pre = dict(zip([c["method"] for c in pre_cells], run_cells(
-        pre_cells, lambda key: pretrain(key["method"], os.path.join(out, "ws", f"pretrain_{_slug(key['method'])}"),
-                                        data_root=data_root, n_sites=n_sites, profile=profile, rounds=rounds),
+    pre_cells = pretrain_cells(methods, seeds)
+    pre = dict(zip([(c["method"], seed_of(c)) for c in pre_cells], run_cells(
+        pre_cells, lambda key: pretrain(
+            key["method"], os.path.join(out, "ws", f"pretrain_{_slug(key['method'])}{_suffix(seed_of(key))}"),
+            data_root=data_root, n_sites=n_sites, profile=profile, rounds=rounds, seed=seed_of(key)),
         store, say=say, label="pre-training (FLARE simulator, one run at a time)")))
-    inits = {m: pre.get(m) for m in methods}
+    inits = {(m, sd): pre.get((m, sd)) for m in methods for sd in seeds}
     diag_text = _diagnostics(out, pre, store, data_root=data_root, settings=settings, say=say)
     written = {}
     for table in tables:
         used = table_folds(profile, table, folds)
-        cells = table_cells(table, methods, n_labelled, used, sites)
+        cells = table_cells(table, methods, n_labelled, used, sites, seeds)
         label = f"Table {table} ({FCL_TABLE_MODES[table]} fine-tuning, folds {used})"
         if table == 2:
             run_cells(cells, lambda key: federated_one(
-                key, init_path(key["method"], inits[key["method"]], None), os.path.join(
-                    out, "ws", f"ft_{_slug(key['method'])}_n{key['n_labelled']}_f{key['fold']}"),
+                key, init_path(key["method"], inits[(key["method"], seed_of(key))], None), os.path.join(
+                    out, "ws", f"ft_{_slug(key['method'])}_n{key['n_labelled']}_f{key['fold']}{_suffix(seed_of(key))}"),
                 data_root=data_root, n_sites=n_sites, profile=profile, settings=settings),
                 store, say=say, label=label + ", FLARE simulator")
         else:
@@ -336,57 +384,66 @@ def run_fcl_tables(out: str, *, tables: Sequence[int] = TABLES, methods: Sequenc
             run_cells(cells, fn, store, say=say, cost=lambda key: key["n_labelled"], workers=workers,
                       initializer=init_worker if pool else None, initargs=(data_root, settings) if pool else (),
                       label=label)
-        rows, shown = stored_rows(store, table, n_labelled, used)
-        written[table] = _write(out, table, rows, shown, n_labelled, used, profile, settings,
-                                stored_pretraining(store, shown), say)
+        rows, shown = stored_rows(store, table, n_labelled, used, seeds)
+        written[table] = _write(out, table, rows, shown, n_labelled, used, seeds, profile, settings,
+                                stored_pretraining(store, shown, seeds), say)
         if diag_text:
             say(diag_text)
     say(f"FCL tables {tables} done in {time.time() - t0:.0f} s; files under {out}")
     return written
 
 
-def stored_rows(store: CellStore, table: int, n_labelled: Sequence[int],
-                folds: Sequence[int]) -> tuple[list[dict], list[str]]:
-    """Every finished fine-tuning row of ``table`` in the folder's cell store at these N and folds, whichever
-    command ran it, so methods added one command at a time end up in one table; with the methods they cover in
-    :data:`ALL_METHODS` order (rows sorted the same way, as :func:`summarise` orders methods by first row)."""
+def stored_rows(store: CellStore, table: int, n_labelled: Sequence[int], folds: Sequence[int],
+                seeds: Sequence[int] = (0,)) -> tuple[list[dict], list[str]]:
+    """Every finished fine-tuning row of ``table`` in the folder's cell store at these N, folds and seeds,
+    whichever command ran it, so methods added one command at a time end up in one table; with the methods they
+    cover in :data:`ALL_METHODS` order (rows sorted the same way, as :func:`summarise` orders methods by first
+    row).  Every row has its ``seed`` (0 for rows from before seeds)."""
     mode = FCL_TABLE_MODES[table]
     rows = []
     for record in store.results():
         key = record["key"]
-        if key.get("stage") == mode and key.get("n_labelled") in n_labelled and key.get("fold") in folds:
-            rows.extend(record["result"]["rows"] if table == 2 else [record["result"]])
+        if (key.get("stage") == mode and key.get("n_labelled") in n_labelled and key.get("fold") in folds
+                and seed_of(key) in seeds):
+            found = record["result"]["rows"] if table == 2 else [record["result"]]
+            rows.extend(dict(r, seed=seed_of(key)) for r in found)
     methods = [m for m in ALL_METHODS if any(r["method"] == m for r in rows)]
     rows.sort(key=lambda r: methods.index(r["method"]))
     return rows, methods
 
 
-def stored_pretraining(store: CellStore, methods: Sequence[str]) -> dict:
-    """The finished pre-training cells of ``methods`` (random has none): method -> its stored result."""
-    keys = {m: {"stage": "pretrain", "method": m} for m in methods if m != "random"}
+def stored_pretraining(store: CellStore, methods: Sequence[str], seeds: Sequence[int] = (0,)) -> dict:
+    """The finished pre-training cells of ``methods`` (random has none): method (``"<method> seed <s>"`` for
+    seeds other than 0) -> its stored result."""
+    keys = {m + (f" seed {sd}" if sd else ""): seeded({"stage": "pretrain", "method": m}, sd)
+            for sd in seeds for m in methods if m != "random"}
     return {m: store.get(k) for m, k in keys.items() if store.done(k)}
 
 
-def diagnose_one(method: str, pretrained: dict, *, data_root: str, settings: dict) -> dict:
+def diagnose_one(method: str, pretrained: dict, *, data_root: str, settings: dict, seed: int = 0) -> dict:
     """The diagnostics of one pre-trained method (:func:`fedssl.experiments.diagnostics.diagnose_acdc`): loss terms
     and bank fill per round from its run summary, feature spread and frozen-encoder probe (N=1, fold 0) of its
-    global model (Local CL: :data:`LOCAL_CL_SHARED`'s own encoder) against a random encoder."""
+    global model (Local CL: :data:`LOCAL_CL_SHARED`'s own encoder) against a random encoder.  Seeds other than 0
+    are named in the label ("FCL seed 1")."""
     state = load_global_state(init_path(method, pretrained, None))
-    return plain_json(diagnose_acdc(method, pretrained["summary"], state, load_sites(data_root, settings), settings))
+    label = method + (f" seed {seed}" if seed else "")
+    return plain_json(diagnose_acdc(label, pretrained["summary"], state, load_sites(data_root, settings), settings))
 
 
 def _diagnostics(out: str, pre: dict, store: CellStore, *, data_root: str, settings: dict, say) -> str:
     """Diagnostics cells (one per pre-trained method, resumable like every cell); the diagnostics of every
     method finished in this folder are written to ``out/diagnostics.{json,txt}`` and returned as the text printed
     under every table."""
-    cells = [{"stage": "diagnostics", "method": m} for m in pre]
+    cells = [seeded({"stage": "diagnostics", "method": m}, sd) for m, sd in pre]
     if cells:
-        run_cells(cells, lambda key: diagnose_one(key["method"], pre[key["method"]], data_root=data_root,
-                                                  settings=settings),
+        run_cells(cells, lambda key: diagnose_one(key["method"], pre[(key["method"], seed_of(key))],
+                                                  data_root=data_root, settings=settings, seed=seed_of(key)),
                   store, say=say, label="diagnostics (spread, probe)")
-    # every method diagnosed in this folder, whichever command ran it (methods are often added one at a time)
-    done = [{"stage": "diagnostics", "method": m} for m in ALL_METHODS]
-    diags = [store.get(k) for k in done if store.done(k)]
+    # every method and seed diagnosed in this folder, whichever command ran it (methods are often added one at a
+    # time), in the paper's method order, seeds ascending
+    found = [r for r in store.results() if r["key"].get("stage") == "diagnostics"]
+    found.sort(key=lambda r: (ALL_METHODS.index(r["key"]["method"]), seed_of(r["key"])))
+    diags = [r["result"] for r in found]
     if not diags:
         return ""
     text = format_diagnostics(diags)
@@ -397,12 +454,14 @@ def _diagnostics(out: str, pre: dict, store: CellStore, *, data_root: str, setti
     return text
 
 
-def _write(out: str, table: int, rows: list[dict], methods, n_labelled, folds, profile: str, settings: dict,
-           inits: dict, say) -> dict:
+def _write(out: str, table: int, rows: list[dict], methods, n_labelled, folds, seeds, profile: str,
+           settings: dict, inits: dict, say) -> dict:
     mode = FCL_TABLE_MODES[table]
-    over = "folds" if table == 3 else "sites (each fold-averaged first)"
+    avg = "folds" if len(seeds) == 1 else "folds and seeds"
+    over = ("folds" + (" (each seed-averaged first)" if len(seeds) > 1 else "") if table == 3
+            else f"sites (each {avg}-averaged first)")
     title = (f"FCL Table {table}: {mode} fine-tuning on ACDC, Dice mean +- std over {over}; folds {list(folds)}, "
-             f"profile {profile}")
+             + (f"seeds {list(seeds)}, " if seeds != [0] else "") + f"profile {profile}")
     if table == 2:
         notes = [f"fine-tuning: jobs/fcl_acdc_finetune in the FLARE simulator, rounds and local epochs of profile {profile}"]
     else:
@@ -416,10 +475,11 @@ def _write(out: str, table: int, rows: list[dict], methods, n_labelled, folds, p
         notes.append(pretraining_verdict(rows, "FCL", mode=mode))
     paired = paired_against(rows, "random", mode=mode)
     if paired:
-        unit = "(site, fold) pairs" if mode != "centralised" else "folds"
+        unit = ("(site, fold) pairs" if mode != "centralised" else "folds") if len(seeds) == 1 else \
+            ("(site, fold, seed)" if mode != "centralised" else "(fold, seed)") + " pairs"
         notes.append(f"paired against random init over {unit}: mean difference (standard error), pairs ahead")
         notes.extend(format_paired(paired, "random").splitlines())
-    extra = {"folds": list(folds), "mode": mode, "profile": profile, "settings": settings,
+    extra = {"folds": list(folds), "seeds": list(seeds), "mode": mode, "profile": profile, "settings": settings,
              "pretraining": {m: v for m, v in inits.items() if v is not None}, "paired_against_random": paired,
              "cell_rows": rows}
     paths = write_table(out, f"table{table}", summary_rows(table, rows),

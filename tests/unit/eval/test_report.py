@@ -122,7 +122,7 @@ def test_paired_against_pairs_site_and_fold_locally_and_folds_centrally():
     assert first["method"] == "FCL" and first["n_labelled"] == 1 and (first["ahead"], first["pairs"]) == (2, 3)
     assert first["diff_mean"] == pytest.approx(0.2 / 3) and first["diff_se"] == pytest.approx(0.08819, abs=1e-5)
     assert second == {"method": "FCL", "n_labelled": 2, "diff_mean": pytest.approx(-0.1), "diff_se": None,
-                      "ahead": 0, "pairs": 1}
+                      "ahead": 0, "pairs": 1, "seeds": 1}
     assert format_paired([first, second]) == ("FCL minus random: N=1 +0.067 (SE 0.088) ahead in 2/3; "
                                               "N=2 -0.100 (SE n/a) ahead in 0/1")
     # centralised: one model per fold, so folds are the pairs (site is "all")
@@ -132,6 +132,25 @@ def test_paired_against_pairs_site_and_fold_locally_and_folds_centrally():
     assert paired_against(rows, mode="federated") == [] and format_paired([]) == ""
     with pytest.raises(ValueError, match="mode='global' is not one of"):
         paired_against(rows, mode="global")
+
+
+def test_paired_against_pairs_runs_of_the_same_seed_and_gives_the_spread_over_seeds():
+    # local, N=1, two sites x fold 0 x seeds 0 and 1.  Seed 0: FCL - random = +0.1 (s1), +0.3 (s2) -> mean +0.2;
+    # seed 1: -0.2 (s1), 0.0 (s2) -> mean -0.1.  Over the 4 pairs: mean +0.05, sample sd
+    # sqrt((0.05^2 + 0.25^2 + 0.25^2 + 0.05^2) / 3) = 0.20817, SE 0.10408; ahead in 2/4.
+    # Over seeds: means +0.2 and -0.1, sample sd 0.21213, SE 0.15.  A seed-1 row must not overwrite seed 0's.
+    rows = [_vrow("random", 1, "s1", 0.5), _vrow("random", 1, "s2", 0.4),
+            dict(_vrow("random", 1, "s1", 0.6), seed=1), dict(_vrow("random", 1, "s2", 0.3), seed=1),
+            _vrow("FCL", 1, "s1", 0.6), _vrow("FCL", 1, "s2", 0.7),
+            dict(_vrow("FCL", 1, "s1", 0.4), seed=1), dict(_vrow("FCL", 1, "s2", 0.3), seed=1),
+            dict(_vrow("FCL", 1, "s1", 0.9), seed=2)]  # seed 2 has no random run: no pair
+    (p,) = paired_against(rows, mode="local")
+    assert (p["ahead"], p["pairs"], p["seeds"]) == (2, 4, 2) and p["diff_mean"] == pytest.approx(0.05)
+    assert p["diff_se"] == pytest.approx(0.10408, abs=1e-5)
+    assert p["by_seed"] == {"0": pytest.approx(0.2), "1": pytest.approx(-0.1)}
+    assert p["seed_se"] == pytest.approx(0.15)
+    assert format_paired([p]) == ("FCL minus random: N=1 +0.050 (SE 0.104) ahead in 2/4, by seed +0.200 / -0.100 "
+                                  "(SE over seeds 0.150)")
 
 
 def test_accuracy_verdict_uses_twice_the_binomial_standard_error():

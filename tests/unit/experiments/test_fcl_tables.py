@@ -24,9 +24,10 @@ SITES = ["site-1", "site-2"]
 METHODS = ["random", "FCL"]
 
 
-def _dice(method: str, n: int, fold: int, site: str) -> float:
-    """Fake Dice: 0.1 N + 0.01 fold, + 0.02 at site-2, + 0.1 for FCL."""
-    return 0.1 * n + 0.01 * fold + (0.02 if site == "site-2" else 0.0) + (0.1 if method == "FCL" else 0.0)
+def _dice(method: str, n: int, fold: int, site: str, seed: int = 0) -> float:
+    """Fake Dice: 0.1 N + 0.01 fold, + 0.02 at site-2, + 0.04 per seed, + 0.1 for FCL at seed 0 only."""
+    return (0.1 * n + 0.01 * fold + (0.02 if site == "site-2" else 0.0) + 0.04 * seed
+            + (0.1 if method == "FCL" and seed == 0 else 0.0))
 
 
 class Fakes:
@@ -36,19 +37,20 @@ class Fakes:
         self.pretrained, self.finetuned, self.federated, self.fail_at = [], [], [], fail_at
         self.diagnosed = []
 
-    def diagnose_one(self, method, pretrained, *, data_root, settings):
+    def diagnose_one(self, method, pretrained, *, data_root, settings, seed=0):
         self.diagnosed.append((method, pretrained["summary"]))
-        return {"method": method, "rounds": [{"round": 0, "loss": 2.0, "bank_fill": 0.5}],
+        return {"method": method + (f" seed {seed}" if seed else ""), "rounds": [{"round": 0, "loss": 2.0, "bank_fill": 0.5}],
                 "probe": {"metric": "dice", "setting": "N=1, fold 0", "n_sites": 2, "pretrained": 0.30,
                           "pretrained_std": 0.01, "random": 0.25, "random_std": 0.02}}
 
-    def pretrain(self, method, workspace, *, data_root, n_sites, profile, rounds):
-        self.pretrained.append(method)
+    def pretrain(self, method, workspace, *, data_root, n_sites, profile, rounds, seed=0):
+        self.pretrained.append(method if not seed else (method, seed))
         out = {"summary": f"{workspace}/summary.json"}
+        tag = f"_s{seed}" if seed else ""
         if method == "Local CL":  # as the real stage: the sites' own encoders, no global model
-            out["site_encoders"] = {s: f"local_cl_{s}.pt" for s in SITES}
+            out["site_encoders"] = {s: f"local_cl_{s}{tag}.pt" for s in SITES}
         else:
-            out["global_model"] = f"{method}.pt"
+            out["global_model"] = f"{method}{tag}.pt"
         return out
 
     def finetune_one(self, key, init, data_root, settings):
@@ -57,12 +59,13 @@ class Fakes:
         self.finetuned.append((dict(key), init))
         site = key.get("site", "all")
         return {"method": key["method"], "mode": key["stage"], "n_labelled": key["n_labelled"], "fold": key["fold"],
-                "site": site, "dice": _dice(key["method"], key["n_labelled"], key["fold"], site)}
+                "site": site, "dice": _dice(key["method"], key["n_labelled"], key["fold"], site, key.get("seed", 0))}
 
     def federated_one(self, key, init, workspace, *, data_root, n_sites, profile, settings):
         self.federated.append((dict(key), init))
         return {"rows": [{"method": key["method"], "mode": "federated", "n_labelled": key["n_labelled"],
-                          "fold": key["fold"], "site": s, "dice": _dice(key["method"], key["n_labelled"], key["fold"], s)}
+                          "fold": key["fold"], "site": s,
+                          "dice": _dice(key["method"], key["n_labelled"], key["fold"], s, key.get("seed", 0))}
                          for s in SITES], "wall_time_s": 0.0}
 
 
@@ -160,6 +163,88 @@ def test_interrupted_run_resumes_without_rerunning_finished_cells(monkeypatch, t
     assert not set(done) & set(rerun) and len(rerun) == 16 + 8 - 5
 
 
+def test_seeds_repeat_every_cell_pair_runs_of_one_seed_and_give_the_spread_over_seeds(monkeypatch, tmp_path, data_root):
+    fakes = Fakes()
+    paths = _run(monkeypatch, fakes, tmp_path / "out", data_root, n_labelled=[1], folds=[0], seeds=[0, 1])
+    out = tmp_path / "out"
+    assert fakes.pretrained == ["FCL", ("FCL", 1)]
+    assert [d[1] for d in fakes.diagnosed] == [f"{out}/ws/pretrain_FCL/summary.json",
+                                               f"{out}/ws/pretrain_FCL_seed1/summary.json"]
+    # seed 0's keys carry no seed (folders from before seeds resume as seed 0); a seed-s cell starts from seed s
+    keys = [(k["stage"], k["method"], k.get("site"), k.get("seed"), init) for k, init in fakes.finetuned + fakes.federated]
+    assert ("local", "FCL", "site-2", None, "FCL.pt") in keys and ("local", "FCL", "site-2", 1, "FCL_s1.pt") in keys
+    assert ("federated", "FCL", None, 1, "FCL_s1.pt") in keys and ("centralised", "random", None, 1, "random") in keys
+    assert len(fakes.finetuned) == 2 * (2 * 2 + 2) and len(fakes.federated) == 2 * 2
+    data = json.loads(open(paths[1]["json"]).read())
+    # random, N=1, each site averaged over seeds: site-1 (0.10, 0.14) -> 0.12, site-2 (0.12, 0.16) -> 0.14
+    (row,) = [r for r in data["rows"] if r["method"] == "random"]
+    assert row["mean"] == pytest.approx(0.13) and row["std"] == pytest.approx(0.01) and row["n"] == 2
+    # FCL - random: +0.1 on both sites at seed 0, 0.0 at seed 1 -> by seed +0.1 / 0.0, SE over seeds 0.05
+    (p,) = data["extra"]["paired_against_random"]
+    assert (p["pairs"], p["ahead"], p["seeds"]) == (4, 2, 2) and p["diff_mean"] == pytest.approx(0.05)
+    assert p["by_seed"] == {"0": pytest.approx(0.1), "1": pytest.approx(0.0)} and p["seed_se"] == pytest.approx(0.05)
+    text = open(paths[1]["txt"]).read()
+    assert "seeds [0, 1]" in text and "by seed +0.100 / +0.000 (SE over seeds 0.050)" in text
+    assert "over (site, fold, seed) pairs" in text and data["extra"]["seeds"] == [0, 1]
+    assert set(data["extra"]["pretraining"]) == {"FCL", "FCL seed 1"}
+    diags = json.loads((out / "diagnostics.json").read_text())
+    assert [d["method"] for d in diags] == ["FCL", "FCL seed 1"]
+    # resume: seed 0 alone reruns nothing and its table holds seed 0 only; adding seed 2 runs seed 2's cells only
+    again = Fakes()
+    paths = _run(monkeypatch, again, out, data_root, n_labelled=[1], folds=[0], tables=[1])
+    assert again.pretrained == [] and again.finetuned == []
+    (row,) = [r for r in json.loads(open(paths[1]["json"]).read())["rows"] if r["method"] == "random"]
+    assert row["mean"] == pytest.approx(0.11)
+    more = Fakes()
+    _run(monkeypatch, more, out, data_root, n_labelled=[1], folds=[0], tables=[1], seeds=[0, 1, 2])
+    assert more.pretrained == [("FCL", 2)] and {k["seed"] for k, _ in more.finetuned} == {2}
+    for bad in ([0, 0], [-1], []):
+        with pytest.raises(ValueError, match=r"seeds=.* is invalid; use distinct integers >= 0"):
+            _run(monkeypatch, Fakes(), out, data_root, seeds=bad)
+
+
+def test_seed_overrides_reach_the_jobs(monkeypatch, tmp_path):
+    """The real pre-training and federated stages pass the seed to the server's model and the sites' trainer, and
+    those overrides bind to every job's components."""
+    from fedssl.ops.jobs import build_job
+
+    seen = []
+
+    def fake_simulation(job_dir, workspace, *, sets, **kw):
+        seen.append((os.path.basename(job_dir), sets))
+        return {"simulator_wall_time_s": 0.0, "global_model": "g.pt"}
+
+    monkeypatch.setattr(fcl_tables, "run_simulation", fake_simulation)
+    for method in ("FCL", "FCLOpt"):
+        fcl_tables.pretrain(method, str(tmp_path / method), data_root="d", n_sites=2, profile="quick", rounds=None,
+                            seed=3)
+    assert "server.model.seed=3" in seen[0][1] and "client.fcl_trainer.seed=3" in seen[0][1]
+    assert "server.model.seed=3" in seen[1][1] and "client.byol_trainer.seed=3" in seen[1][1]
+    monkeypatch.setattr(fcl_tables, "evaluate_federated", lambda *a, **kw: [{"dice": 0.5}])
+    monkeypatch.setattr(fcl_tables, "load_sites", lambda data_root, settings: {})
+    key = {"stage": "federated", "method": "random", "n_labelled": 1, "fold": 0, "seed": 2}
+    result = fcl_tables.federated_one(key, "random", str(tmp_path / "ft"), data_root="d", n_sites=2, profile="quick",
+                                      settings={})
+    assert result["rows"] == [{"dice": 0.5, "seed": 2}]
+    assert "server.model.seed=2" in seen[2][1] and "client.seg_trainer.seed=2" in seen[2][1]
+    for job, sets in seen:  # each override names an argument the component's constructor takes
+        build_job(os.path.join(fcl_tables.JOBS, job), str(tmp_path / "built" / job), profile="quick", sets=sets, n_sites=2)
+
+
+def test_exported_unet_keeps_the_encoder_and_draws_the_decoder_from_the_seed(tmp_path):
+    from fedssl.experiments.fcl_finetune import encoder_init, export_unet_init
+    from fedssl.models.unet import MoCoUNetEncoder
+
+    torch.save({"model": MoCoUNetEncoder(TINY_FEATURES, proj_dim=8, seed=5).state_dict()}, tmp_path / "g.pt")
+    a, b, c = (torch.load(export_unet_init(str(tmp_path / "g.pt"), str(tmp_path / f"u{s}.pt"), TINY_FEATURES, seed=s),
+                          weights_only=True)["model"] for s in (0, 1, 1))
+    loaded = encoder_init(str(tmp_path / "g.pt"))
+    enc = [k for k in a if k in loaded]
+    dec = [k for k in a if k not in loaded and a[k].is_floating_point() and a[k].numel() > 1]
+    assert enc and dec and all(torch.equal(a[k], b[k]) for k in enc)
+    assert any(not torch.equal(a[k], b[k]) for k in dec) and all(torch.equal(b[k], c[k]) for k in a)
+
+
 def test_local_cl_local_cells_use_each_sites_own_encoder(monkeypatch, tmp_path, data_root):
     fakes = Fakes()
     _run(monkeypatch, fakes, tmp_path / "out", data_root, methods=["Local CL", "FCL"], n_labelled=[1], folds=[0])
@@ -195,6 +280,10 @@ def test_same_split_for_every_method(monkeypatch):
             row = fcl_tables.finetune_one(key, "random", "unused", settings)
             seen.append((row["train_patients"], row["val_patients"], row["site"]))
         assert seen[0] == seen[1]
+        key["seed"] = 1  # another training seed: the same patients, another run
+        other = fcl_tables.finetune_one(key, "random", "unused", settings)
+        assert (other["train_patients"], other["val_patients"]) == seen[0][:2] and other["seed"] == 1
+        assert other["dice"] != row["dice"] and row["seed"] == 0
         assert len(seen[0][0]) == 2 and len(seen[0][1]) == 2  # N=2; one validation patient per site, pooled
         if site:  # a local cell trains on its own site's patients only
             assert all(p.startswith(site) for p in seen[0][0]) and seen[0][2] == site
@@ -221,9 +310,9 @@ def test_rerun_with_other_settings_is_refused(monkeypatch, tmp_path, data_root):
 class FileFakes(Fakes):
     """Pre-training that leaves its files on disk (summary, global model or the sites' encoders), as the real one."""
 
-    def pretrain(self, method, workspace, *, data_root, n_sites, profile, rounds):
+    def pretrain(self, method, workspace, *, data_root, n_sites, profile, rounds, seed=0):
         out = super().pretrain(method, workspace, data_root=data_root, n_sites=n_sites, profile=profile,
-                               rounds=rounds)
+                               rounds=rounds, seed=seed)
         os.makedirs(workspace, exist_ok=True)
         out = {k: (os.path.join(workspace, os.path.basename(v)) if isinstance(v, str) else
                    {s: os.path.join(workspace, os.path.basename(p)) for s, p in v.items()}) for k, v in out.items()}
@@ -284,13 +373,13 @@ def test_cli_parses_into_run_fcl_tables(monkeypatch):
     monkeypatch.setattr(fcl_tables, "run_fcl_tables", lambda out, **kw: seen.update(out=out, **kw))
     assert main(["fcl", "tables", "--out", "o", "--tables", "1", "3", "--methods", "random", "Local CL",
                  "--n", "1", "8", "--folds", "0", "2", "--sites", "4", "--difficulty", "0.5", "--epochs", "3",
-                 "--rounds", "2", "--workers", "1", "--pretrained-from", "runs/pf"]) == 0
+                 "--rounds", "2", "--workers", "1", "--pretrained-from", "runs/pf", "--seeds", "0", "2"]) == 0
     assert seen == {"out": "o", "tables": [1, 3], "methods": ["random", "Local CL"], "n_labelled": [1, 8],
                     "folds": [0, 2], "n_sites": 4, "profile": "bench", "data_root": None, "difficulty": 0.5,
-                    "epochs": 3, "rounds": 2, "workers": 1, "pretrained_from": "runs/pf"}
+                    "epochs": 3, "rounds": 2, "workers": 1, "pretrained_from": "runs/pf", "seeds": [0, 2]}
     main(["fcl", "tables", "--out", "o"])
     assert seen["folds"] is None and seen["workers"] == 2 and seen["tables"] == [1, 2, 3]
-    assert seen["pretrained_from"] is None
+    assert seen["pretrained_from"] is None and seen["seeds"] == [0]
 
 
 @pytest.mark.slow

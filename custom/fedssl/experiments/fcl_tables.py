@@ -471,6 +471,10 @@ def _write(out: str, table: int, rows: list[dict], methods, n_labelled, folds, s
                  + f", {settings['image_size']} px at {settings['target_spacing']} mm, U-Net {settings['features']}"]
     if "Local CL" in methods:
         notes.append(LOCAL_CL_NOTE)
+    covered = {m: sorted({int(r["seed"]) for r in rows if r["method"] == m}) for m in methods}
+    if len({tuple(v) for v in covered.values()}) > 1:  # e.g. a method added at seed 0 only to a seeds run
+        notes.append("seeds finished per method (a row averages only these): "
+                     + ", ".join(f"{m} {v}" for m, v in covered.items()))
     if "random" in methods and "FCL" in methods and mode != "centralised":
         notes.append(pretraining_verdict(rows, "FCL", mode=mode))
     paired = paired_against(rows, "random", mode=mode)

@@ -198,6 +198,12 @@ def test_seeds_repeat_every_cell_pair_runs_of_one_seed_and_give_the_spread_over_
     more = Fakes()
     _run(monkeypatch, more, out, data_root, n_labelled=[1], folds=[0], tables=[1], seeds=[0, 1, 2])
     assert more.pretrained == [("FCL", 2)] and {k["seed"] for k, _ in more.finetuned} == {2}
+    # a method run at seed 0 only, shown with seeds 0-2: the table says which seeds each row averages
+    paths = _run(monkeypatch, Fakes(), out, data_root, n_labelled=[1], folds=[0], tables=[1],
+                 methods=["random", "FedMoCo"], seeds=[0])
+    paths = _run(monkeypatch, Fakes(), out, data_root, n_labelled=[1], folds=[0], tables=[1], seeds=[0, 1, 2])
+    assert ("seeds finished per method (a row averages only these): random [0, 1, 2], FedMoCo [0], FCL [0, 1, 2]"
+            in open(paths[1]["txt"]).read())
     for bad in ([0, 0], [-1], []):
         with pytest.raises(ValueError, match=r"seeds=.* is invalid; use distinct integers >= 0"):
             _run(monkeypatch, Fakes(), out, data_root, seeds=bad)

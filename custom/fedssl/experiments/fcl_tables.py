@@ -477,18 +477,19 @@ def _write(out: str, table: int, rows: list[dict], methods, n_labelled, folds, s
                      + ", ".join(f"{m} {v}" for m, v in covered.items()))
     if "random" in methods and "FCL" in methods and mode != "centralised":
         notes.append(pretraining_verdict(rows, "FCL", mode=mode))
-    paired = paired_against(rows, "random", mode=mode)
+    paired, footer = paired_against(rows, "random", mode=mode), []
     if paired:
         unit = ("(site, fold) pairs" if mode != "centralised" else "folds") if len(seeds) == 1 else \
             ("(site, fold, seed)" if mode != "centralised" else "(fold, seed)") + " pairs"
-        notes.append(f"paired against random init over {unit}: mean difference (standard error), pairs ahead")
-        notes.extend(format_paired(paired, "random").splitlines())
+        footer = [f"paired against random init over {unit}: mean difference (standard error), pairs ahead",
+                  *format_paired(paired, "random").splitlines()]
     extra = {"folds": list(folds), "seeds": list(seeds), "mode": mode, "profile": profile, "settings": settings,
              "pretraining": {m: v for m, v in inits.items() if v is not None}, "paired_against_random": paired,
              "cell_rows": rows}
     paths = write_table(out, f"table{table}", summary_rows(table, rows),
                         paper=fcl_paper_rows(table, methods, n_labelled),
-                        paper_source=FCL_SOURCE.format(table=table), title=title, notes=notes, extra=extra)
+                        paper_source=FCL_SOURCE.format(table=table), title=title, notes=notes, extra=extra,
+                        footer=footer)
     with open(paths["txt"]) as f:
         say("\n" + f.read())
     say(f"Table {table} written: " + ", ".join(paths[k] for k in ("txt", "csv", "json", "png")))

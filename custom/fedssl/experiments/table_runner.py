@@ -359,13 +359,17 @@ def _text_block(rows: Sequence[Mapping], methods: Sequence[str], columns: Sequen
 
 
 def format_paper_table(rows: Sequence[Mapping], *, title: str, paper: Sequence[Mapping] | None = None,
-                       paper_source: str = "", notes: Sequence[str] = (), digits: int = 3) -> str:
-    """The bundle's table (``mean +- std`` per method and column), then, when given, the paper's numbers for the
-    same methods and columns in a separate block labelled ``paper (<paper_source>)``."""
+                       paper_source: str = "", notes: Sequence[str] = (), digits: int = 3,
+                       footer: Sequence[str] = ()) -> str:
+    """The title and ``notes``, the bundle's table (``mean +- std`` per method and column), then, when given, the
+    paper's numbers for the same methods and columns in a separate block labelled ``paper (<paper_source>)``, then
+    the ``footer`` lines (what reads against the table, e.g. paired differences)."""
     methods, columns = _ordered(rows, "method"), _ordered(rows, "column")
     lines = [title, *notes, "", "bundle (measured here)"] + _text_block(rows, methods, columns, digits)
     if paper:
         lines += ["", f"paper ({paper_source})"] + _text_block(paper, methods, columns, digits)
+    if footer:
+        lines += ["", *footer]
     return "\n".join(lines) + "\n"
 
 
@@ -415,13 +419,15 @@ def plot_table(rows: Sequence[Mapping], path: str, *, title: str, paper: Sequenc
 
 def write_table(out_dir: str | os.PathLike, name: str, rows: Sequence[Mapping[str, Any]], *, title: str,
                 paper: Sequence[Mapping[str, Any]] | None = None, paper_source: str = "", score: str = "dice",
-                notes: Sequence[str] = (), extra: Mapping[str, Any] | None = None, digits: int = 3) -> dict[str, str]:
+                notes: Sequence[str] = (), extra: Mapping[str, Any] | None = None, digits: int = 3,
+                footer: Sequence[str] = ()) -> dict[str, str]:
     """Write ``{name}.json``, ``{name}.csv``, ``{name}.txt`` and ``{name}.png`` into ``out_dir``.
 
     ``rows``: summary rows ``{"table", "method", "column", "mean", "std", "n"}`` (``column`` e.g. ``"N=1"`` or
     ``"Split-3"``; ``n`` = how many sites / folds the mean and std are over).  ``paper``: the paper's rows in the
     same form (``std`` None where the paper gives none), labelled ``paper (<paper_source>)`` in the text and
-    marked ``source = "paper"`` in the CSV.  Returns ``{"json", "csv", "txt", "png"}`` paths."""
+    marked ``source = "paper"`` in the CSV.  ``notes`` print under the title, ``footer`` under the tables.  Returns
+    ``{"json", "csv", "txt", "png"}`` paths."""
     if not rows:
         raise ValueError(f"write_table {name}: no rows to write")
     if paper and not paper_source:
@@ -432,7 +438,8 @@ def write_table(out_dir: str | os.PathLike, name: str, rows: Sequence[Mapping[st
     os.makedirs(out, exist_ok=True)
     paths = {ext: os.path.join(out, f"{name}.{ext}") for ext in ("json", "csv", "txt", "png")}
     with open(paths["json"], "w") as f:
-        json.dump({"title": title, "score": score, "notes": list(notes), "rows": [dict(r) for r in rows],
+        json.dump({"title": title, "score": score, "notes": list(notes), "footer": list(footer),
+                   "rows": [dict(r) for r in rows],
                    "paper": {"source": paper_source, "rows": [dict(r) for r in paper or ()]},
                    "extra": dict(extra or {})}, f, indent=2)
     with open(paths["csv"], "w", newline="") as f:
@@ -441,7 +448,8 @@ def write_table(out_dir: str | os.PathLike, name: str, rows: Sequence[Mapping[st
         for source, group in (("bundle", rows), ("paper", paper or ())):
             for r in group:
                 w.writerow({"source": source, **{k: r.get(k) for k in ROW_FIELDS}})
-    text = format_paper_table(rows, title=title, paper=paper, paper_source=paper_source, notes=notes, digits=digits)
+    text = format_paper_table(rows, title=title, paper=paper, paper_source=paper_source, notes=notes, digits=digits,
+                              footer=footer)
     with open(paths["txt"], "w") as f:
         f.write(text)
     plot_table(rows, paths["png"], title=title, paper=paper, score=score)

@@ -140,7 +140,8 @@ def test_methods_added_one_command_at_a_time_end_up_in_one_table(monkeypatch, tm
     paired = {p["method"]: p for p in data["extra"]["paired_against_random"]}
     assert paired["FCL"]["diff_mean"] == pytest.approx(0.1) and (paired["FCL"]["ahead"], paired["FCL"]["pairs"]) == (4, 4)
     assert paired["FedMoCo"]["diff_mean"] == pytest.approx(0.0) and paired["FedMoCo"]["ahead"] == 0
-    assert "FCL minus random: N=1 +0.100 (SE 0.000) ahead in 4/4" in open(paths[1]["txt"]).read()
+    text = open(paths[1]["txt"]).read()
+    assert "FCL minus random: N=1 +0.100 (SE 0.000) ahead in 4/4" in text.split("paper (")[-1]  # under the tables
     assert set(data["extra"]["pretraining"]) == {"FedMoCo", "FCL"}
     diags = json.loads((tmp_path / "out" / "diagnostics.json").read_text())
     assert [d["method"] for d in diags] == ["FedMoCo", "FCL"]  # both commands' pre-trained methods

@@ -126,9 +126,11 @@ PAPER = [{"method": "random", "column": "N=1", "mean": 0.280, "std": 0.037},
 
 def test_write_table_files(tmp_path):
     paths = write_table(tmp_path, "table1", ROWS, title="Table 1 (local)", paper=PAPER,
-                        paper_source="FCL, Wu et al., MedIA 2022, Table 1", notes=["folds 0-2"])
+                        paper_source="FCL, Wu et al., MedIA 2022, Table 1", notes=["folds 0-2"],
+                        footer=["FCL minus random: N=1 +0.150"])
     data = json.loads(open(paths["json"]).read())
     assert data["rows"] == ROWS and data["paper"]["rows"] == PAPER and data["notes"] == ["folds 0-2"]
+    assert data["footer"] == ["FCL minus random: N=1 +0.150"]
     with open(paths["csv"]) as f:
         rows = list(csv.DictReader(f))
     assert [(r["source"], r["method"], r["column"], r["mean"], r["std"], r["n"]) for r in rows[:2]] == [
@@ -139,6 +141,8 @@ def test_write_table_files(tmp_path):
     assert "random  0.300 +- 0.100  0.500 +- 0.050" in bundle
     assert "FCL     0.450 +- 0.000  0.620 +- 0.020" in bundle
     assert "random  0.280 +- 0.037  -" in paper and "FCL     0.506 +- 0.056  -" in paper
+    assert bundle.index("folds 0-2") < bundle.index("random  0.300")  # notes under the title
+    assert paper.rstrip().endswith("\n\nFCL minus random: N=1 +0.150")  # the footer under both tables
     assert open(paths["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 

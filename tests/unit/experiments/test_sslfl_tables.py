@@ -200,3 +200,43 @@ def test_end_to_end_one_split_fedmae_one_round_each(tmp_path):
     diag = out["diagnostics"][0]
     assert diag["probe"]["n_sites"] == 3 and len(diag["rounds"]) == 1  # every site probed; the run's one round
     assert "frozen-encoder probe accuracy" in open(out["paths"]["txt"]).read()
+
+
+def test_diagnose_cell_hands_the_cells_own_pretraining_and_split_to_the_diagnostics(monkeypatch, tmp_path):
+    """diagnose_cell: the global model of the cell's own (method, split, seed) pre-training, that run's summary
+    (None when the run left none), the records of every site of the seed's split partition, and the ViT settings
+    without label_fraction, which goes to the probe."""
+    seen = {}
+
+    def fake_diagnose_vit(label, summary, model, records, vit, *, label_fraction):
+        seen.update(label=label, summary=summary, model=model, records=dict(records), vit=dict(vit),
+                    label_fraction=label_fraction)
+        return {"method": label}
+
+    monkeypatch.setattr(st, "diagnose_vit", fake_diagnose_vit)
+    monkeypatch.setattr(st, "load_image_records", lambda path, dataset, site: [(dataset, site, path)])
+    parts = {}
+    for seed, split in ((0, 3), (1, 3), (1, 2)):
+        root = tmp_path / f"part_s{seed}_split{split}"
+        for site in ("site-1", "site-2"):
+            (root / site).mkdir(parents=True)
+        parts[(seed, split)] = str(root)
+    store = st.CellStore(str(tmp_path / "cells.jsonl"))
+    for seed, split in parts:
+        store.put({"stage": "pretrain", "method": "fedmae", "split": split, "seed": seed},
+                  {"global_model": f"model_s{seed}_split{split}.pt"}, 1.0)
+    settings = st.table_settings("bench", methods=["fedmae"])
+    key = {"stage": "diagnostics", "method": "fedmae", "split": 3, "seed": 1}
+    summary = os.path.join(st._workspace(str(tmp_path), {**key, "stage": "pretrain"}), "server", "simulate_job",
+                           "summary.json")
+    assert st.diagnose_cell(key, str(tmp_path), settings, parts, store) == {"method": seen["label"]}
+    assert seen["model"] == "model_s1_split3.pt" and seen["summary"] is None  # no summary.json: no rounds
+    root = parts[(1, 3)]
+    assert seen["records"] == {s: [("retina", s, os.path.join(root, s))] for s in ("site-1", "site-2")}
+    assert seen["label"].endswith("(Split-3, seed 1)")
+    expected = st.vit_settings(settings, "fedmae", 1)
+    assert seen["label_fraction"] == expected.pop("label_fraction") and seen["vit"] == expected
+    os.makedirs(os.path.dirname(summary))
+    open(summary, "w").close()
+    st.diagnose_cell(key, str(tmp_path), settings, parts, store)
+    assert seen["summary"] == summary

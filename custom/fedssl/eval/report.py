@@ -73,18 +73,31 @@ def pretraining_verdict(rows: Sequence[Mapping[str, Any]], method: str, baseline
 
     Paired by site (each site's Dice averaged over folds first, as :func:`summarise` does): the mean difference
     and its population std over sites.  "helped" when the mean difference exceeds that std, "hurt" when it is
-    below minus the std, otherwise "within the spread" (no clear effect)."""
-    per: dict[tuple[str, int], dict[Any, list[float]]] = {}
+    below minus the std, otherwise "within the spread" (no clear effect).  Rows of several training seeds
+    (``row["seed"]``) are compared seed by seed: each seed's difference is its mean over the sites, and the spread
+    is the population std of those over the seeds (the run-to-run spread, which the sites' does not hold)."""
+    per: dict[tuple[str, int], dict[int, dict[Any, list[float]]]] = {}
     for r in rows:
         if r["mode"] == mode and r["method"] in (method, baseline):
-            per.setdefault((str(r["method"]), int(r["n_labelled"])), {}).setdefault(r["site"], []).append(float(r["dice"]))
+            per.setdefault((str(r["method"]), int(r["n_labelled"])), {}).setdefault(
+                int(r.get("seed", 0)), {}).setdefault(r["site"], []).append(float(r["dice"]))
     ns = sorted({n for m, n in per if m == method} & {n for m, n in per if m == baseline})
     if not ns:
         return f"{method} vs {baseline}: no {mode} fine-tuning at a common N to compare"
     n = ns[0]
     a, b = per[(method, n)], per[(baseline, n)]
-    mean, std, n_sites, word = paired_difference({s: np.mean(v) for s, v in a.items()},
-                                                 {s: np.mean(v) for s, v in b.items()})
+    seeds = sorted(set(a) & set(b))
+    if len(seeds) > 1:
+        by_seed = {sd: paired_difference({s: np.mean(v) for s, v in a[sd].items()},
+                                         {s: np.mean(v) for s, v in b[sd].items()})[0] for sd in seeds}
+        mean, std, count, word = paired_difference(by_seed, {sd: 0.0 for sd in seeds})
+        return (f"{method} vs {baseline}, {mode} fine-tuning at N={n}: {mean:+.3f} +- {std:.3f} Dice over "
+                f"{count} seeds (each the mean over its sites) -> pre-training {word}")
+    if not seeds:
+        return f"{method} vs {baseline}: no {mode} fine-tuning of a common seed at N={n} to compare"
+    (sd,) = seeds
+    mean, std, n_sites, word = paired_difference({s: np.mean(v) for s, v in a[sd].items()},
+                                                 {s: np.mean(v) for s, v in b[sd].items()})
     return (f"{method} vs {baseline}, {mode} fine-tuning at N={n}: {mean:+.3f} +- {std:.3f} Dice over "
             f"{n_sites} sites -> pre-training {word}")
 

@@ -109,6 +109,17 @@ def test_pretraining_verdict_pairs_sites_at_the_smallest_common_n():
     rows = [_vrow("FCL", 1, "a", 0.1), _vrow("random", 1, "a", 0.3), _vrow("FCL", 1, "b", 0.2), _vrow("random", 1, "b", 0.4)]
     assert pretraining_verdict(rows, "FCL").endswith("-0.200 +- 0.000 Dice over 2 sites -> pre-training hurt")
     assert "no local fine-tuning at a common N" in pretraining_verdict([_vrow("FCL", 1, "a", 0.1)], "FCL")
+    # seeds: each seed's difference is its mean over the sites; the spread is the std over seeds.  Seed 0: sites
+    # +0.2 and +0.1 -> +0.15; seed 1: -0.1 and -0.1 -> -0.1.  Mean +0.025, std 0.125 -> within the spread, although
+    # the std over sites of the seed-averaged differences (+0.05, 0.0) is only 0.025
+    rows = [_vrow("FCL", 1, "a", 0.6), _vrow("random", 1, "a", 0.4), _vrow("FCL", 1, "b", 0.5),
+            _vrow("random", 1, "b", 0.4), dict(_vrow("FCL", 1, "a", 0.3), seed=1),
+            dict(_vrow("random", 1, "a", 0.4), seed=1), dict(_vrow("FCL", 1, "b", 0.3), seed=1),
+            dict(_vrow("random", 1, "b", 0.4), seed=1)]
+    assert pretraining_verdict(rows, "FCL").endswith(
+        "+0.025 +- 0.125 Dice over 2 seeds (each the mean over its sites) -> pre-training within the spread (no clear effect)")
+    assert "no local fine-tuning of a common seed at N=1" in pretraining_verdict(
+        [_vrow("FCL", 1, "a", 0.1), dict(_vrow("random", 1, "a", 0.4), seed=1)], "FCL")
 
 
 def test_paired_against_pairs_site_and_fold_locally_and_folds_centrally():

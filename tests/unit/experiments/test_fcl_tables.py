@@ -187,6 +187,7 @@ def test_seeds_repeat_every_cell_pair_runs_of_one_seed_and_give_the_spread_over_
     text = open(paths[1]["txt"]).read()
     assert "seeds [0, 1]" in text and "by seed +0.100 / +0.000 (SE over seeds 0.050)" in text
     assert "over (site, fold, seed) pairs" in text and data["extra"]["seeds"] == [0, 1]
+    assert "at N=1: +0.050 +- 0.050 Dice over 2 seeds (each the mean over its sites) -> pre-training within" in text
     assert set(data["extra"]["pretraining"]) == {"FCL", "FCL seed 1"}
     diags = json.loads((out / "diagnostics.json").read_text())
     assert [d["method"] for d in diags] == ["FCL", "FCL seed 1"]

@@ -315,8 +315,9 @@ def _position_text(x: Mapping[str, Any]) -> str:
 
 
 def _scale_text(w: Mapping[str, Any]) -> str:
-    start = "the pre-training's start at the model's default seed" if w.get("seed", 0) == 0 else "not the start"
-    return (f"encoder kernels vs the random encoder (seed {w.get('seed', 0)}, {start}; {w['n']} kernels): norm "
+    seed = w.get("seed", 0)
+    return (f"encoder kernels vs the random encoder (seed {seed}: a pre-training's start at model seed {seed}; "
+            f"{w['n']} kernels): norm "
             f"x{w['geomean']:.2f} (x{w['min']:.2f} to x{w['max']:.2f}), cosine {w['cosine']:.2f}, relative change "
             f"{w['change']:.2f}")
 

@@ -423,11 +423,13 @@ def stored_pretraining(store: CellStore, methods: Sequence[str], seeds: Sequence
 def diagnose_one(method: str, pretrained: dict, *, data_root: str, settings: dict, seed: int = 0) -> dict:
     """The diagnostics of one pre-trained method (:func:`fedssl.experiments.diagnostics.diagnose_acdc`): loss terms
     and bank fill per round from its run summary, feature spread and frozen-encoder probe (N=1, fold 0) of its
-    global model (Local CL: :data:`LOCAL_CL_SHARED`'s own encoder) against a random encoder.  Seeds other than 0
-    are named in the label ("FCL seed 1")."""
+    global model (Local CL: :data:`LOCAL_CL_SHARED`'s own encoder) against a random encoder.  The training seed
+    ``seed`` is the random encoder's (so it is this pre-training's start) and the probe's; seeds other than 0 are
+    named in the label ("FCL seed 1")."""
     state = load_global_state(init_path(method, pretrained, None))
     label = method + (f" seed {seed}" if seed else "")
-    return plain_json(diagnose_acdc(label, pretrained["summary"], state, load_sites(data_root, settings), settings))
+    return plain_json(diagnose_acdc(label, pretrained["summary"], state, load_sites(data_root, settings), settings,
+                                    seed=seed))
 
 
 def _diagnostics(out: str, pre: dict, store: CellStore, *, data_root: str, settings: dict, say) -> str:

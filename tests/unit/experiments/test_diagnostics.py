@@ -12,7 +12,14 @@ import torch
 from fedssl.data.image_synthetic import write_synthetic_images
 from fedssl.data.images import load_image_records
 from fedssl.data.volume import Volume
-from fedssl.experiments.diagnostics import diagnose_acdc, diagnose_vit, format_diagnostics, pretraining_rounds, verdict
+from fedssl.experiments.diagnostics import (
+    _scale_text,
+    diagnose_acdc,
+    diagnose_vit,
+    format_diagnostics,
+    pretraining_rounds,
+    verdict,
+)
 from fedssl.models.unet import TINY_FEATURES, BYOLUNetEncoder, MoCoUNetEncoder, encoder_state_from_global
 from fedssl.models.vit import TINY_DECODER, TINY_VIT, MAEViT
 
@@ -83,7 +90,7 @@ def test_format_shows_first_middle_last_round_bank_fill_spread_probe_and_verdict
             "in training 0.080 -> 0.020") in lines
     assert ("    frozen-encoder probe dice (N=1, fold 0, 2 sites): pre-trained 0.412 +- 0.050 vs random 0.371 +- 0.040"
             in lines)
-    assert ("    encoder kernels vs the random encoder (seed 0, the pre-training's start at the model's default seed; 10 "
+    assert ("    encoder kernels vs the random encoder (seed 0: a pre-training's start at model seed 0; 10 "
             "kernels): norm x4.60 (x2.20 to x8.50), cosine 0.27, relative change 3.80") in lines
     assert lines[-1] == ("    verdict: encoder collapsed (spread 0.002, random encoder 0.020); frozen encoder beats "
                          "random by +0.041 Dice")
@@ -137,15 +144,17 @@ def test_diagnose_vit_of_a_mae_model(tmp_path):
     assert "frozen-encoder probe accuracy (label fraction 1, 1 sites)" in format_diagnostics([d])
 
 
-@pytest.mark.parametrize("net", [MoCoUNetEncoder(TINY_FEATURES, proj_dim=8), BYOLUNetEncoder(TINY_FEATURES, proj_dim=8)])
-def test_the_random_encoder_is_the_pretraining_start_at_the_default_seed(net):
-    """The kernel comparison line reads "the pre-training's seed-0 start": a MoCo / BYOL model at its default seed
-    holds exactly the diagnostics' random encoder, so an untrained model compares as unchanged."""
+@pytest.mark.parametrize("cls", [MoCoUNetEncoder, BYOLUNetEncoder])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_the_random_encoder_is_the_pretraining_start_at_its_seed(cls, seed):
+    """The kernel comparison line reads "a pre-training's start at model seed s": a MoCo / BYOL model built with
+    seed s holds exactly the diagnostics' random encoder of seed s, so an untrained model compares as unchanged."""
     from fedssl.core.weight_scale import compare_kernels, summarise
     from fedssl.experiments.diagnostics import _unet_encoder
-    start = encoder_state_from_global(net.state_dict())
-    summary = summarise(compare_kernels(start, _unet_encoder("random", list(TINY_FEATURES), 0).state_dict()))
+    start = encoder_state_from_global(cls(TINY_FEATURES, proj_dim=8, seed=seed).state_dict())
+    summary = summarise(compare_kernels(start, _unet_encoder("random", list(TINY_FEATURES), seed).state_dict()))
     assert summary == pytest.approx({"geomean": 1.0, "min": 1.0, "max": 1.0, "n": 10, "cosine": 1.0, "change": 0.0})
+    assert "seed 3: a pre-training's start at model seed 3" in _scale_text({**summary, "seed": 3})
 
 
 @pytest.mark.parametrize("cls", [MoCoUNetEncoder, BYOLUNetEncoder])

@@ -253,6 +253,16 @@ def test_exported_unet_keeps_the_encoder_and_draws_the_decoder_from_the_seed(tmp
     assert any(not torch.equal(a[k], b[k]) for k in dec) and all(torch.equal(b[k], c[k]) for k in a)
 
 
+def test_diagnostics_of_a_seed_compare_with_that_seeds_start(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(fcl_tables, "load_global_state", lambda path: {"path": path})
+    monkeypatch.setattr(fcl_tables, "load_sites", lambda data_root, settings: {})
+    monkeypatch.setattr(fcl_tables, "diagnose_acdc", lambda label, summary, state, sites, settings, *, seed:
+                        seen.update(label=label, state=state, seed=seed) or {"method": label})
+    fcl_tables.diagnose_one("FCL", {"summary": "s.json", "global_model": "FCL_s2.pt"}, data_root="d", settings={}, seed=2)
+    assert seen == {"label": "FCL seed 2", "state": {"path": "FCL_s2.pt"}, "seed": 2}
+
+
 def test_local_cl_local_cells_use_each_sites_own_encoder(monkeypatch, tmp_path, data_root):
     fakes = Fakes()
     _run(monkeypatch, fakes, tmp_path / "out", data_root, methods=["Local CL", "FCL"], n_labelled=[1], folds=[0])

@@ -211,6 +211,10 @@ def test_seeds_repeat_every_cell_pair_runs_of_one_seed_and_give_the_spread_over_
             _run(monkeypatch, Fakes(), out, data_root, seeds=bad)
 
 
+def test_every_pretraining_job_has_a_trainer_for_the_seed_override():
+    assert {job for job, _ in fcl_tables.PRETRAINED.values()} <= set(fcl_tables.TRAINER_IDS)
+
+
 def test_seed_overrides_reach_the_jobs(monkeypatch, tmp_path):
     """The real pre-training and federated stages pass the seed to the server's model and the sites' trainer, and
     those overrides bind to every job's components."""

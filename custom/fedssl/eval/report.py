@@ -87,14 +87,14 @@ def pretraining_verdict(rows: Sequence[Mapping[str, Any]], method: str, baseline
     n = ns[0]
     a, b = per[(method, n)], per[(baseline, n)]
     seeds = sorted(set(a) & set(b))
+    if not seeds:
+        return f"{method} vs {baseline}: no {mode} fine-tuning of a common seed at N={n} to compare"
     if len(seeds) > 1:
         by_seed = {sd: paired_difference({s: np.mean(v) for s, v in a[sd].items()},
                                          {s: np.mean(v) for s, v in b[sd].items()})[0] for sd in seeds}
         mean, std, count, word = paired_difference(by_seed, {sd: 0.0 for sd in seeds})
         return (f"{method} vs {baseline}, {mode} fine-tuning at N={n}: {mean:+.3f} +- {std:.3f} Dice over "
                 f"{count} seeds (each the mean over its sites) -> pre-training {word}")
-    if not seeds:
-        return f"{method} vs {baseline}: no {mode} fine-tuning of a common seed at N={n} to compare"
     (sd,) = seeds
     mean, std, n_sites, word = paired_difference({s: np.mean(v) for s, v in a[sd].items()},
                                                  {s: np.mean(v) for s, v in b[sd].items()})

@@ -45,7 +45,7 @@ from collections.abc import Sequence
 
 from fedssl.data.acdc_synthetic import write_synthetic_acdc
 from fedssl.eval.paper_tables import FCL_METHODS, FCL_SOURCE, FCL_TABLE_MODES, fcl_paper_rows
-from fedssl.eval.report import format_paired, paired_against, pretraining_verdict, summarise
+from fedssl.eval.report import PAIR_UNITS, format_paired, paired_against, pretraining_verdict, summarise
 from fedssl.experiments.fcl_finetune import (
     encoder_init,
     evaluate_federated,
@@ -459,9 +459,11 @@ def _diagnostics(out: str, pre: dict, store: CellStore, *, data_root: str, setti
 def _write(out: str, table: int, rows: list[dict], methods, n_labelled, folds, seeds, profile: str,
            settings: dict, inits: dict, say) -> dict:
     mode = FCL_TABLE_MODES[table]
-    avg = "folds" if len(seeds) == 1 else "folds and seeds"
-    over = ("folds" + (" (each seed-averaged first)" if len(seeds) > 1 else "") if table == 3
-            else f"sites (each {avg}-averaged first)")
+    several = len(seeds) > 1
+    if table == 3:
+        over = "folds (each seed-averaged first)" if several else "folds"
+    else:
+        over = f"sites (each {'fold- and seed' if several else 'fold'}-averaged first)"
     title = (f"FCL Table {table}: {mode} fine-tuning on ACDC, Dice mean +- std over {over}; folds {list(folds)}, "
              + (f"seeds {list(seeds)}, " if seeds != [0] else "") + f"profile {profile}")
     if table == 2:
@@ -481,8 +483,8 @@ def _write(out: str, table: int, rows: list[dict], methods, n_labelled, folds, s
         notes.append(pretraining_verdict(rows, "FCL", mode=mode))
     paired, footer = paired_against(rows, "random", mode=mode), []
     if paired:
-        unit = ("(site, fold) pairs" if mode != "centralised" else "folds") if len(seeds) == 1 else \
-            ("(site, fold, seed)" if mode != "centralised" else "(fold, seed)") + " pairs"
+        unit = PAIR_UNITS[mode] + (("seed",) if several else ())
+        unit = f"({', '.join(unit)}) pairs" if len(unit) > 1 else f"{unit[0]}s"
         footer = [f"paired against random init over {unit}: mean difference (standard error), pairs ahead",
                   *format_paired(paired, "random").splitlines()]
     extra = {"folds": list(folds), "seeds": list(seeds), "mode": mode, "profile": profile, "settings": settings,

@@ -111,6 +111,9 @@ def test_run_calls_each_stage_once_per_cell_and_writes_the_tables(monkeypatch, t
     assert "paper (FCL, Wu et al., MedIA 2022, Table 1)" in text and "0.280 +- 0.037" in text
     assert "folds [0, 1]" in text and data["extra"]["folds"] == [0, 1]
     assert "60 epochs (at least 140 optimiser steps" in text  # the bench profile's step floor is stated
+    assert "over sites (each fold-averaged first); folds [0, 1], profile bench" in text
+    assert "paired against random init over (site, fold) pairs:" in text
+    assert "paired against random init over folds:" in open(paths[3]["txt"]).read()
 
 
 def test_diagnostics_run_once_per_pretrained_method_and_print_under_every_table(monkeypatch, tmp_path, data_root):
@@ -187,6 +190,9 @@ def test_seeds_repeat_every_cell_pair_runs_of_one_seed_and_give_the_spread_over_
     text = open(paths[1]["txt"]).read()
     assert "seeds [0, 1]" in text and "by seed +0.100 / +0.000 (SE over seeds 0.050)" in text
     assert "over (site, fold, seed) pairs" in text and data["extra"]["seeds"] == [0, 1]
+    assert "Dice mean +- std over sites (each fold- and seed-averaged first); folds [0], seeds [0, 1]" in text
+    text3 = open(paths[3]["txt"]).read()
+    assert "over folds (each seed-averaged first)" in text3 and "over (fold, seed) pairs:" in text3
     assert "at N=1: +0.050 +- 0.050 Dice over 2 seeds (each the mean over its sites) -> pre-training within" in text
     assert set(data["extra"]["pretraining"]) == {"FCL", "FCL seed 1"}
     diags = json.loads((out / "diagnostics.json").read_text())

@@ -17,7 +17,7 @@ import torch
 #: modules that add their own subcommands: each defines ``register(sub)`` (sub = argparse subparsers); a method
 #: family registers ``fedssl <family> <verb>`` (and the verbs' deprecated flat aliases) with :func:`add_family`
 COMMAND_MODULES: tuple[str, ...] = ("fedssl.cli.fcl", "fedssl.cli.sslfl", "fedssl.cli.fedclf", "fedssl.cli.feddra",
-                                     "fedssl.cli.surgical", "fedssl.cli.bench",
+                                     "fedssl.cli.surgical", "fedssl.cli.bench", "fedssl.cli.cells",
                                      "fedssl.cli.ops")
 
 

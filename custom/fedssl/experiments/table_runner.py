@@ -149,6 +149,40 @@ class CellStore:
         """Every stored cell ``{"key", "result", "seconds"}`` in file order."""
         return list(self._cells.values())
 
+    def matching(self, match: Mapping[str, Any]) -> list[dict]:
+        """The stored cells whose key has every field of ``match`` with that value (a field the key lacks matches
+        no value), in file order.  ``match`` must name at least one field."""
+        if not isinstance(match, Mapping) or not match:
+            raise ValueError(f"match={match!r} is invalid; name at least one key field, e.g. "
+                             "{'stage': 'diagnostics'}")
+        key_id(match)  # the same scalar rules as a key
+        return [r for r in self._cells.values()
+                if all(k in r["key"] and r["key"][k] == v and type(r["key"][k]) is type(v) for k, v in match.items())]
+
+    def forget(self, match: Mapping[str, Any]) -> list[dict]:
+        """Take the cells :meth:`matching` ``match`` out of the store so that the next run computes them again
+        (e.g. after a fix to one stage); returns them.  Nothing is lost: they are first appended (fsync'ed) to
+        ``<name>.forgotten.jsonl`` beside the store, then the store is rewritten without them through a temporary
+        file and an atomic rename.  A crash in between leaves them in both files, never in neither.  Not while
+        a run is writing to the same store: its next cell would be appended to the replaced file."""
+        gone = self.matching(match)
+        if not gone:
+            return []
+        gone_ids = {key_id(r["key"]) for r in gone}
+        kept = [r for ident, r in self._cells.items() if ident not in gone_ids]
+        root, _ = os.path.splitext(self.path)
+        for path, records, mode in ((root + ".forgotten.jsonl", gone, "ab"), (self.path + ".tmp", kept, "wb")):
+            with open(path, mode) as f:
+                for r in records:
+                    f.write((json.dumps(r, allow_nan=True) + "\n").encode("utf-8"))
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(self.path + ".tmp", self.path)
+        self._torn_at = None  # the rewrite dropped a torn last line too
+        for ident in gone_ids:
+            del self._cells[ident]
+        return gone
+
 
 def plain_json(value: Any) -> Any:
     """Numpy / torch scalars -> Python numbers, recursively, so a cell's result is JSON for the cell store."""

@@ -75,7 +75,7 @@ def test_help_lists_families_and_generic_verbs_not_aliases(capsys):
     out = capsys.readouterr().out
     listed = [line.split()[0] for line in out.split("positional arguments:")[1].split("options:")[0].splitlines()
               if line.startswith("    ") and not line.startswith("     ")]
-    assert listed == ["fcl", "sslfl", "fedclf", "feddra", "surgical", "bench", "site-local", "job", "simulate", "deploy-local",
+    assert listed == ["fcl", "sslfl", "fedclf", "feddra", "surgical", "bench", "cells", "site-local", "job", "simulate", "deploy-local",
                       "submit"]
     assert "demo-sslfl = fedssl sslfl demo" in " ".join(out.split())
     with pytest.raises(SystemExit):

@@ -55,6 +55,42 @@ def test_torn_last_line_is_ignored_with_a_warning_and_cut_off_before_the_next_ap
     assert [r["key"] for r in CellStore(path).results()] == CELLS[:2]  # reads back clean
 
 
+def test_matching_needs_every_field_with_its_value_and_type(tmp_path):
+    store = CellStore(tmp_path / "cells.jsonl")
+    for i, key in enumerate([{"stage": "local", "n": 1}, {"stage": "local", "n": 1, "seed": 1},
+                             {"stage": "diagnostics", "n": 2}, {"stage": "local", "n": True}]):
+        store.put(key, i, 1.0)
+    assert [r["result"] for r in store.matching({"stage": "local", "n": 1})] == [0, 1]  # True is not 1
+    assert [r["result"] for r in store.matching({"seed": 1})] == [1]  # a key without the field never matches
+    assert [r["result"] for r in store.matching({"n": True})] == [3]
+    assert store.matching({"stage": "federated"}) == []
+    with pytest.raises(ValueError, match="at least one key field"):
+        store.matching({})
+
+
+def test_forget_moves_cells_aside_and_the_next_run_computes_exactly_them(tmp_path):
+    path = tmp_path / "cells.jsonl"
+    run_cells(CELLS, lambda key: {"value": key["n"]}, CellStore(path), say=lambda line: None)
+    with open(path, "a") as f:
+        f.write('{"key": {"method": "x", "n": 9}, "resu')  # a torn last line: the rewrite drops it
+    with pytest.warns(UserWarning, match="incomplete"):
+        store = CellStore(path)
+    gone = store.forget({"method": "FCL"})
+    assert [r["key"] for r in gone] == CELLS[2:]
+    assert [r["key"] for r in CellStore(path).results()] == CELLS[:2]  # the file, read again, lacks them
+    forgotten = tmp_path / "cells.forgotten.jsonl"
+    assert [json.loads(line)["key"] for line in forgotten.read_text().splitlines()] == CELLS[2:]
+    assert not (tmp_path / "cells.jsonl.tmp").exists()
+    called = []
+    results = run_cells(CELLS, lambda key: called.append(key) or {"value": 10 * key["n"]}, CellStore(path),
+                        say=lambda line: None)
+    assert called == CELLS[2:] and results == [{"value": 1}, {"value": 2}, {"value": 10}, {"value": 20}]
+    CellStore(path).forget({"method": "FCL", "n": 2})  # a second forget appends: both old results are kept
+    assert [json.loads(line)["result"] for line in forgotten.read_text().splitlines()] == [
+        {"value": 1}, {"value": 2}, {"value": 20}]
+    assert CellStore(path).forget({"method": "none"}) == [] and len(CellStore(path).results()) == 3
+
+
 def test_record_without_its_newline_is_kept_and_the_next_one_starts_a_new_line(tmp_path):
     path = tmp_path / "cells.jsonl"
     path.write_text(json.dumps({"key": CELLS[0], "result": 1, "seconds": 1.0}))  # no trailing newline

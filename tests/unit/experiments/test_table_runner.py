@@ -81,13 +81,16 @@ def test_forget_moves_cells_aside_and_the_next_run_computes_exactly_them(tmp_pat
     forgotten = tmp_path / "cells.forgotten.jsonl"
     assert [json.loads(line)["key"] for line in forgotten.read_text().splitlines()] == CELLS[2:]
     assert not (tmp_path / "cells.jsonl.tmp").exists()
+    store.put({"method": "x", "n": 9}, {"value": 9}, 1.0)  # the same store appends after the rewrite: no stale cut
+    assert [r["key"] for r in CellStore(path).results()] == [*CELLS[:2], {"method": "x", "n": 9}]
+    store.forget({"method": "x"})
     called = []
     results = run_cells(CELLS, lambda key: called.append(key) or {"value": 10 * key["n"]}, CellStore(path),
                         say=lambda line: None)
     assert called == CELLS[2:] and results == [{"value": 1}, {"value": 2}, {"value": 10}, {"value": 20}]
     CellStore(path).forget({"method": "FCL", "n": 2})  # a second forget appends: both old results are kept
     assert [json.loads(line)["result"] for line in forgotten.read_text().splitlines()] == [
-        {"value": 1}, {"value": 2}, {"value": 20}]
+        {"value": 1}, {"value": 2}, {"value": 9}, {"value": 20}]
     assert CellStore(path).forget({"method": "none"}) == [] and len(CellStore(path).results()) == 3
 
 

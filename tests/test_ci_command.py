@@ -17,10 +17,24 @@ def _readme_test_command() -> str:
     return commands[0]
 
 
-def test_ci_runs_the_readme_test_command():
+def _ci_commands() -> list[str]:
     lines = (ROOT / ".ci" / "run").read_text().splitlines()
-    ci = [line for line in lines if line and not line.startswith(("#", "set ", "cd "))]
-    assert ci == [_readme_test_command()]
+    return [line for line in lines if line and not line.startswith(("#", "set ", "cd "))]
+
+
+def test_ci_runs_the_readme_test_command():
+    assert _ci_commands()[-1] == _readme_test_command()
+
+
+def test_ci_runs_it_in_a_fresh_virtual_environment():
+    """A new venv made in a new folder and activated before anything is installed: a package left on the machine by
+    hand (scipy was) cannot make CI pass.  The venv must not see the system's site-packages."""
+    commands = _ci_commands()
+    made = [i for i, c in enumerate(commands) if re.match(r'python3 -m venv "\$VENV"$', c)]
+    activated = [i for i, c in enumerate(commands) if c == 'source "$VENV/bin/activate"']
+    assert made and activated and made[0] < activated[0] < len(commands) - 1, commands
+    assert any(re.match(r'VENV="\$\(mktemp -d\)/venv"$', c) for c in commands[:made[0]]), commands
+    assert not any("system-site-packages" in c for c in commands)
 
 
 def test_the_test_extras_hold_the_plugins_the_command_uses():

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from fedssl.core.fcl import cosine_lr
+from fedssl.core.rng import owned_global_rng
+from fedssl.core.seeds import derived_seed
 from fedssl.core.spread import SpreadMeter
 from fedssl.core.state_dict import ema_update
 from fedssl.core.trainer import MixedPrecision
@@ -78,9 +80,11 @@ class BYOLTrainer:
     def __init__(self, model: torch.nn.Module, cfg: BYOLConfig,  # model: a fedssl.models.unet.BYOLUNetEncoder
                  augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor], device="cpu", seed: int = 0,
                  amp: bool = False):
-        """``seed`` drives the augmentations only (data-side randomness: a site passes its site seed); the
-        model arrives initialised.  ``amp``: the networks' forward passes in bfloat16 autocast on GPUs that support
-        it (:class:`fedssl.core.trainer.MixedPrecision`; nothing on a CPU)."""
+        """``seed`` (data-side randomness: a site passes its site seed) drives the augmentations and seeds every
+        round's owned global RNG (:func:`fedssl.core.rng.owned_global_rng`); the model arrives initialised.  ``amp``:
+        the networks' forward passes in bfloat16 autocast on GPUs that support it
+        (:class:`fedssl.core.trainer.MixedPrecision`; nothing on a CPU)."""
+        self.seed = int(seed)
         self.model = model.to(device)
         self.cfg = cfg
         self.augment = augment
@@ -94,7 +98,12 @@ class BYOLTrainer:
                     progress: Callable[[int, float], None] | None = None) -> dict:
         """One local epoch over ``batches`` of images ``[N, 1, H, W]``.  Returns the mean loss, the steps, the
         last lr and ``feature_std``: the spread of the batch's online projections averaged over the steps
-        (0 = collapse, see :mod:`fedssl.core.spread`)."""
+        (0 = collapse, see :mod:`fedssl.core.spread`).  Runs in the owned global RNG of (seed, ``round_idx``)."""
+        with owned_global_rng(derived_seed(self.seed, "byol_round", round_idx), self.device):
+            return self._train_round(batches, steps_per_round, round_idx, progress)
+
+    def _train_round(self, batches: Iterable[torch.Tensor], steps_per_round: int, round_idx: int,
+                     progress: Callable[[int, float], None] | None) -> dict:
         m = self.model
         m.online.train()
         m.predictor.train()

@@ -36,7 +36,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedssl.core.rng import owned_global_rng
 from fedssl.core.schedule import warmup_cosine
+from fedssl.core.seeds import derived_seed
 from fedssl.core.trainer import MixedPrecision
 
 #: name of the buffer that counts optimiser steps on the classification head
@@ -258,6 +260,8 @@ class ClassifierTrainer:
                 epochs 12 and 16).  A constant lr is ``milestones=[total_rounds]``.
             amp: the forward pass in bfloat16 autocast on GPUs that support it
                 (:class:`fedssl.core.trainer.MixedPrecision`; nothing on a CPU); the loss is float32.
+            seed: the site's data seed; with the step count it seeds each round's owned global RNG (drop path,
+                dropout; :func:`fedssl.core.rng.owned_global_rng`).
         """
         if not isinstance(getattr(model, HEAD_STEPS, None), torch.Tensor):
             raise ValueError(f"{type(model).__name__} has no {HEAD_STEPS!r} buffer; register one "
@@ -275,7 +279,7 @@ class ClassifierTrainer:
         self.precision = MixedPrecision(self.device, amp)
         self.lr, self.total_rounds, self.warmup_rounds, self.min_lr = lr, total_rounds, warmup_rounds, min_lr
         self.fedprox_mu, self.label_smoothing, self.head_prefix = fedprox_mu, label_smoothing, head_prefix
-        self.seed = seed
+        self.seed = int(seed)
         self.layer_decay = layer_decay
         self.milestones, self.gamma = sorted(float(m) for m in milestones), float(gamma)
         groups: dict[tuple[int, bool], dict] = {}
@@ -309,8 +313,15 @@ class ClassifierTrainer:
                     max_steps: int | None = None, abort=None) -> float:
         """One round (or epoch) over ``batches`` (``n_steps`` of them, for the schedule); returns the mean loss.
 
-        ``abort``: optional callable checked between steps; when it returns True the round stops early.
+        ``abort``: optional callable checked between steps; when it returns True the round stops early.  Runs in the
+        owned global RNG (:func:`fedssl.core.rng.owned_global_rng`: drop path, dropout) of (seed, the step count at
+        its start), which the restart state holds.
         """
+        with owned_global_rng(derived_seed(self.seed, "classifier_round", self.step), self.device):
+            return self._train_round(batches, round_idx, n_steps, max_steps, abort)
+
+    def _train_round(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], round_idx: float, n_steps: int,
+                     max_steps: int | None, abort) -> float:
         if n_steps < 1:
             raise ValueError("a round needs at least one batch; the site has no labelled images to train on")
         if self.fedprox_mu > 0 and self._global is None:

@@ -18,6 +18,8 @@ import torch
 
 from fedssl.core.fcl_loss import fcl_loss_terms, paired_local_positives
 from fedssl.core.memory_bank import FeatureBank, sample_negatives
+from fedssl.core.rng import owned_global_rng
+from fedssl.core.seeds import derived_seed
 from fedssl.core.spread import SpreadMeter
 from fedssl.core.state_dict import ema_update
 from fedssl.core.trainer import MixedPrecision
@@ -70,7 +72,10 @@ class FCLTrainer:
         amp: bool = False,
     ):
         """``amp``: the encoders' forward passes in bfloat16 autocast on GPUs that support it (float16 with a
-        gradient scaler on older ones; nothing on a CPU); the loss and the bank stay float32."""
+        gradient scaler on older ones; nothing on a CPU); the loss and the bank stay float32.  ``seed`` (the site's)
+        drives the generator (augmentations, negative draws), the initial bank and the seed of every round's owned
+        global RNG (:func:`fedssl.core.rng.owned_global_rng`)."""
+        self.seed = int(seed)
         self.model = model.to(device)
         self.cfg = cfg
         self.augment = augment
@@ -93,7 +98,11 @@ class FCLTrainer:
         """One local epoch.  ``batches`` yields ``(x [V,S,1,H,W], part [V,S])``; ``remote`` is the
         exchanged bank ``(features [M,D], partitions [M])`` or None.  Returns loss statistics and
         ``feature_std``, the spread of the batch's query features averaged over the steps (0 = collapse, see
-        :mod:`fedssl.core.spread`)."""
+        :mod:`fedssl.core.spread`).  Runs in the owned global RNG of (seed, ``round_idx``)."""
+        with owned_global_rng(derived_seed(self.seed, "fcl_round", round_idx), self.device):
+            return self._train_round(batches, steps_per_round, round_idx, remote, progress)
+
+    def _train_round(self, batches, steps_per_round: int, round_idx: int, remote, progress) -> dict:
         cfg = self.cfg
         if not cfg.feature_exchange:
             remote = None

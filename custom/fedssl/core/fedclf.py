@@ -33,6 +33,8 @@ from fedssl.core.checks import require, require_choice, require_int
 from fedssl.core.fcl import cosine_lr
 from fedssl.core.fcl_loss import contrastive_term
 from fedssl.core.memory_bank import FeatureBank
+from fedssl.core.rng import owned_global_rng
+from fedssl.core.seeds import derived_seed
 from fedssl.core.spread import SpreadMeter
 from fedssl.core.state_dict import ema_update
 from fedssl.core.trainer import MixedPrecision
@@ -164,7 +166,10 @@ class FedCLFTrainer:
     def __init__(self, model: torch.nn.Module, cfg: FedCLFConfig, device: str | torch.device = "cpu", seed: int = 0,
                  amp: bool = False):
         """``amp``: the network's forward passes in bfloat16 autocast on GPUs that support it
-        (:class:`fedssl.core.trainer.MixedPrecision`; nothing on a CPU); losses, queue and bank stay float32."""
+        (:class:`fedssl.core.trainer.MixedPrecision`; nothing on a CPU); losses, queue and bank stay float32.
+        ``seed`` (the device's) drives the generator (remote draws), the initial bank and the seed of every round's
+        owned global RNG (:func:`fedssl.core.rng.owned_global_rng`)."""
+        self.seed = int(seed)
         self.model = model.to(device)
         self.cfg = cfg
         self.device = torch.device(device)
@@ -222,7 +227,12 @@ class FedCLFTrainer:
         """One local epoch over ``batches`` of two augmented views ``(v1 [B, 3, S, S], v2 [B, 3, S, S])`` (rotation
         uses ``v1``); ``remote``: ``Q_r [R, D]`` (unit features) or None.  Returns the mean loss, steps, the final
         lr, the bank fill, ``feature_std`` (0 = collapse), the ``Q_CL`` size and its remote fraction at the end
-        (MoCo), or the rotation accuracy."""
+        (MoCo), or the rotation accuracy.  Runs in the owned global RNG of (seed, ``round_idx``)."""
+        with owned_global_rng(derived_seed(self.seed, "fedclf_round", round_idx), self.device):
+            return self._train_round(batches, steps_per_round, round_idx, remote, progress)
+
+    def _train_round(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], steps_per_round: int, round_idx: int,
+                     remote: torch.Tensor | None, progress: Callable[[int, float], None] | None) -> dict:
         cfg = self.cfg
         self.model.train()
         if cfg.method == "moco":

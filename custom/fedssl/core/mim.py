@@ -24,7 +24,9 @@ from torch import nn
 
 from fedssl.core.masking import block_masking, block_masks, num_masked
 from fedssl.core.patches import normalize_patches
+from fedssl.core.rng import owned_global_rng
 from fedssl.core.schedule import warmup_cosine
+from fedssl.core.seeds import derived_seed
 from fedssl.core.spread import SpreadMeter
 from fedssl.core.trainer import MixedPrecision
 
@@ -213,7 +215,13 @@ class MIMTrainer:
         ``round_idx`` (0-based); the lr of step ``s`` is ``warmup_cosine(round_idx + s / steps_per_round)``.
         Returns the mean loss; ``last_stats`` holds steps, images, lr range and ``feature_std``, the spread of
         the encoder's mean-pooled visible tokens averaged over the steps (0 = collapse, :mod:`fedssl.core.spread`;
-        None for a model without ``encoder.norm``)."""
+        None for a model without ``encoder.norm``).  Runs in the owned global RNG of (seed, ``round_idx``): drop path
+        and any other draw outside the mask generator (:func:`fedssl.core.rng.owned_global_rng`)."""
+        with owned_global_rng(derived_seed(self.seed, "mim_round", round_idx), self.device):
+            return self._train_round(batches, round_idx, steps_per_round, progress)
+
+    def _train_round(self, batches: Iterable, round_idx: int, steps_per_round: int | None,
+                     progress: Callable[[int, float], None] | None) -> float:
         if steps_per_round is None:
             try:
                 steps_per_round = len(batches)  # type: ignore[arg-type]
@@ -256,11 +264,13 @@ class MIMTrainer:
 
     @torch.no_grad()
     def eval_loss(self, imgs: torch.Tensor, seed: int = 0) -> float:
-        """Loss of a fixed batch with masks drawn from a fresh generator seeded ``seed`` (model in eval mode)."""
+        """Loss of a fixed batch with masks drawn from a fresh generator seeded ``seed`` (model in eval mode, in the
+        owned global RNG of (trainer seed, ``seed``))."""
         was_training = self.model.training
         self.model.eval()
         try:
-            return float(self.compute_loss(imgs, torch.Generator().manual_seed(int(seed))).item())
+            with owned_global_rng(derived_seed(self.seed, "mim_eval_loss", int(seed)), self.device):
+                return float(self.compute_loss(imgs, torch.Generator().manual_seed(int(seed))).item())
         finally:
             self.model.train(was_training)
 

@@ -14,6 +14,7 @@ order) comes from ``secrets`` at the party that applies it, never from here.
 from __future__ import annotations
 
 import hashlib
+import numbers
 
 #: the derived seeds lie in [0, 2**31): valid for torch, numpy and random alike
 SEED_SPACE = 2 ** 31
@@ -38,6 +39,22 @@ def fold_seed(job_seed: int, site: str, fold: int) -> int:
     if isinstance(fold, bool) or not isinstance(fold, int) or fold < 0:
         raise ValueError(f"fold_seed: fold={fold!r} is not a non-negative integer; pass the fold index (0-4)")
     return _sha_seed(f"{job_seed}/{site}/fold{fold}")
+
+
+def derived_seed(seed: int, *keys: str | int) -> int:
+    """A seed for one use of ``seed`` named by ``keys`` (e.g. ``derived_seed(site_seed(0, "site-1"), "round", 3)``):
+    the first 8 bytes of SHA-256(``"derived:<seed>/<key>/<key>..."``) modulo 2**31.  Different keys give unrelated
+    seeds, the same keys the same seed on any machine.  A trainer seeds its owned global RNG from it
+    (:func:`fedssl.core.rng.owned_global_rng`) with a key it keeps in its state (round index, epoch, step), so a
+    restarted client draws what the uninterrupted one would have."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise ValueError(f"derived_seed: seed={seed!r} is not a non-negative integer")
+    parts = [str(int(seed))]
+    for key in keys:
+        if isinstance(key, bool) or not isinstance(key, (str, numbers.Integral)):
+            raise ValueError(f"derived_seed: key {key!r} is not a string or an integer")
+        parts.append(key if isinstance(key, str) else str(int(key)))
+    return _sha_seed("derived:" + "/".join(parts))
 
 
 def _check(caller: str, job_seed: object, site: object) -> None:

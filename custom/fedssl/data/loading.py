@@ -112,7 +112,11 @@ def load_batches(dataset: Dataset, index_batches: Sequence[Sequence[int]], *, wo
     if callable(warm):
         warm()
     # the loader's own generator: its worker base seed must not draw from torch's global generator, which the
-    # training step's dropout uses (the items' randomness comes from (seed, epoch, index), not from worker seeds)
+    # training step's dropout uses (the items' randomness comes from (seed, epoch, index), not from worker seeds).
+    # It is seeded from the global generator's seed without drawing from it: inside a trainer's owned global RNG
+    # (fedssl.core.rng) that is the round's seed, so each worker's torch / numpy / random seeds (which torch derives
+    # from the base seed) are the round's too, and workers=0 and workers>0 leave the same draws to the dropout
     loader = DataLoader(dataset, batch_sampler=index_batches, collate_fn=collate_fn, num_workers=workers,
-                        pin_memory=pin_memory, persistent_workers=False, generator=torch.Generator())
+                        pin_memory=pin_memory, persistent_workers=False,
+                        generator=torch.Generator().manual_seed(torch.initial_seed()))
     yield from loader

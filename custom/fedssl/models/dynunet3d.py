@@ -16,6 +16,7 @@ from monai.networks.nets import DynUNet
 from torch import nn
 
 from fedssl.core.checks import require
+from fedssl.models.seeding import seeded
 
 #: filters per level: "paper" as nnU-Net's 3D full-resolution network (32 doubling, capped at 320), "tiny" for CPUs
 PRESETS: dict[str, tuple[int, ...]] = {"paper": (32, 64, 128, 256, 320, 320), "small": (16, 32, 64, 128, 256),
@@ -71,10 +72,10 @@ class DynUNet3D(DynUNet):
                  roi_size: Sequence[int] = (160, 160, 16), num_classes: int = 3, encoder_path: str = "", seed: int = 0):
         check_dynunet_args(type(self).__name__, list(filters), list(pixdim), list(roi_size), num_classes)
         kernels, strides = plan_dynunet(pixdim, roi_size, len(filters))
-        torch.manual_seed(int(seed))
-        super().__init__(spatial_dims=3, in_channels=1, out_channels=num_classes + 1, kernel_size=kernels,
-                         strides=strides, upsample_kernel_size=strides[1:], filters=list(filters), norm_name="instance",
-                         res_block=True, deep_supervision=False)
+        with seeded(int(seed)):  # initial weights from ``seed``; torch's global generator is left as it was
+            super().__init__(spatial_dims=3, in_channels=1, out_channels=num_classes + 1, kernel_size=kernels,
+                             strides=strides, upsample_kernel_size=strides[1:], filters=list(filters),
+                             norm_name="instance", res_block=True, deep_supervision=False)
         # DynUNet registers its encoder and decoder blocks twice (``skip_layers.*`` aliases the same modules):
         # the state dict carries each alias once, under its canonical name, so a model message is not doubled
         full = super().state_dict(keep_vars=True)

@@ -49,7 +49,8 @@ class BYOLLocalTrainer:
     Randomness: the model's initial weights come from the job ``seed`` (every site builds the same network);
     everything drawn from the data (the slices sampled per partition, the batch order, the augmentations) from
     :attr:`data_seed` = ``fedssl.core.seeds.site_seed(seed, site)``, so sites draw independently and a site's
-    run is reproducible from (seed, site name).  ``state_dict`` = the BYOLTrainer's (model, optimiser,
+    run is reproducible from (seed, site name); each round runs in the owned global RNG of (data seed, round)
+    (:meth:`fedssl.core.byol.BYOLTrainer.train_round`).  ``state_dict`` = the BYOLTrainer's (model, optimiser,
     generator, config); a trainer restored from one has a local target network (:attr:`has_local_target`).
     """
 

@@ -10,7 +10,10 @@ current model; a model whose head was never trained is refused.
 
 Data-side randomness (validation split, labelled subset, augmentation, batch order) uses the site's seed
 ``fedssl.core.seeds.site_seed(seed, site)``, so sites draw independently; the model's initial weights use the job
-seed (every site builds the same model, and the server's broadcast replaces it anyway).
+seed (every site builds the same model, and the server's broadcast replaces it anyway).  Drop path draws from the
+global generators: each epoch runs in the owned global RNG of (site seed, step count) (in
+:meth:`fedssl.core.classification.ClassifierTrainer.train_round`) and each evaluation in that of (site seed, split)
+(:func:`fedssl.core.rng.owned_global_rng`), so a round is reproducible and leaves the global generators alone.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import torch
 
 from fedssl.core.checks import require, require_amp, require_choice, require_int, require_workers
 from fedssl.core.classification import ClassifierTrainer, classification_metrics, predict, require_trained_head
-from fedssl.core.seeds import site_seed
+from fedssl.core.rng import owned_global_rng
+from fedssl.core.seeds import derived_seed, site_seed
 from fedssl.core.trainer import RoundStats, check_optimizer_state, check_stop, detached, load_checked
 from fedssl.data.images import (
     DATASETS,
@@ -191,8 +195,9 @@ class ClassifierLocalTrainer:
             raise ValueError(f"{self.site}: no test data was given to this trainer (set_test_records)")
         require_trained_head(self.model, source or f"the {split} model of {self.site}")
         device = next(self.model.parameters()).device
-        probs, labels = predict(self.model, batches(dataset, self.eval_batch_size, seed=self.data_seed, epoch=0,
-                                                    **loader_options(self.workers, self.trainer.device)), device)
+        with owned_global_rng(derived_seed(self.data_seed, "evaluate", split), device):
+            probs, labels = predict(self.model, batches(dataset, self.eval_batch_size, seed=self.data_seed, epoch=0,
+                                                        **loader_options(self.workers, self.trainer.device)), device)
         return classification_metrics(probs, labels, self.classes)
 
     def state_dict(self) -> dict:

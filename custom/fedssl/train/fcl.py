@@ -37,10 +37,11 @@ from fedssl.models.unet import PAPER_FEATURES, MoCoUNetEncoder
 class FCLLocalTrainer(WrappedPretrainer):
     """One site's FCL pre-training (a ``LocalTrainer``); paper settings as defaults (FCL (Wu et al., MedIA 2022) section 5).
 
-    Build order (it fixes every random draw): the partition dataset (site seed), the batch check, the config,
-    ``torch.manual_seed(seed)`` (job seed), the MoCo encoder (its own fixed seed), the FCLTrainer (site seed: generator and initial
-    bank).  ``state_dict`` = the FCLTrainer's (model, optimiser, bank, generator, config): what a restarted
-    client resumes from.
+    Build order (it fixes every random draw): the partition dataset (site seed), the batch check, the config, the MoCo
+    encoder (its own fixed seed, drawn in a forked RNG), the FCLTrainer (site seed: generator, initial bank and the
+    owned global RNG of every round, :func:`fedssl.core.rng.owned_global_rng`).  Building one leaves torch's global
+    generator as it was.  ``state_dict`` = the FCLTrainer's (model, optimiser, bank, generator, config): what a
+    restarted client resumes from.
     """
 
     method_name = "FCL"
@@ -64,7 +65,6 @@ class FCLLocalTrainer(WrappedPretrainer):
         cfg = FCLConfig(tau=tau, momentum=momentum, bank_size=bank_size, lr=lr, num_rounds=num_rounds,
                         feature_exchange=feature_exchange, negative_sampling=negative_sampling,
                         structural_matching=structural_matching, plain_moco=plain_moco)
-        torch.manual_seed(seed)
         model = MoCoUNetEncoder(features, proj_dim)
         self.trainer = FCLTrainer(model, cfg, augment_views, device=device, seed=self.data_seed, amp=amp)
         self.max_steps_per_round = int(max_steps_per_round)

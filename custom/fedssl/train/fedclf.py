@@ -19,7 +19,9 @@ FedRotation     Rotation    ``none``      weights
 
 Randomness: the initial weights are the same on every device (the models seed their own construction, as the
 server's model component does); batch order, augmentations, the initial bank and remote draws use
-:func:`fedssl.core.seeds.site_seed` of the job seed and the device name.
+:func:`fedssl.core.seeds.site_seed` of the job seed and the device name, and each round runs in the owned global RNG of
+(that seed, round) (:meth:`fedssl.core.fedclf.FedCLFTrainer.train_round`), so nothing draws from, or moves, the
+process's global generators.
 """
 
 from __future__ import annotations

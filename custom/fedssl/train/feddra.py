@@ -20,6 +20,13 @@
   paper's protocol, and over the whole split) and the cosine of matched vs unmatched image-text pairs (Fig. 4d-f).
 
 Only the alignment part is uploaded after stage 1 (:meth:`global_state`).  No text or image leaves the site.
+
+Randomness: the initial weights come from the model's ``seed``; everything data-side (held-out split, batch picks,
+augmentations) from the site's seed ``site_seed(seed, site)``.  BERT's and the ViT's dropout draw from the global
+generators, so each task runs in the owned global RNG of (site seed, tasks done) and each evaluation in that of
+(site seed, split) (:func:`fedssl.core.rng.owned_global_rng`): two runs of one seed train the same weights (issue
+42: the worst client's R@1 was 2.0 in one run of a seed and 3.8 in another), and the global generators are left as
+they were.  The task count is in the restart state, and two tasks of one turn (stage 1, then stage 2) draw apart.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ import numpy as np
 import torch
 
 from fedssl.core.checks import require, require_choice, require_int
-from fedssl.core.seeds import site_seed
+from fedssl.core.rng import owned_global_rng
+from fedssl.core.seeds import derived_seed, site_seed
 from fedssl.core.trainer import MixedPrecision, RoundStats, detached, load_checked, stoppable
 from fedssl.core.vlp import STAGES, FedDRAConfig, trainable_names
 from fedssl.data.loading import check_workers, load_batches, loader_options
@@ -95,7 +103,7 @@ class FedDRALocalTrainer:
         self.model = VisionLanguageModel(**dict(model_args)).to(self.device)
         self.precision = MixedPrecision(self.device, amp)  # bfloat16 autocast on GPUs that support it
         size, chans = self.model.image_size, self.model.in_chans
-        own = site_seed(seed, site)
+        own = self.data_seed = site_seed(seed, site)
         self.dro_batch = dro_batch
         fit, held = split_holdout(train_records, holdout_fraction, own, min_pairs=dro_batch)
         if len(fit) < 2:
@@ -162,6 +170,10 @@ class FedDRALocalTrainer:
             yield images.to(self.device, non_blocking=True), texts
 
     def train_round(self, round_idx: int, should_stop: Callable[[], bool] | None = None) -> RoundStats:
+        with owned_global_rng(derived_seed(self.data_seed, "feddra_task", self.tasks_done), self.device):
+            return self._train_task(should_stop)
+
+    def _train_task(self, should_stop: Callable[[], bool] | None) -> RoundStats:
         names = trainable_names([n for n, _ in self.model.named_parameters()], self.stage, ALIGNMENT_PREFIXES)
         train = set(names)
         params = []
@@ -234,7 +246,8 @@ class FedDRALocalTrainer:
         dataset = {"test": self.test, "holdout": self.held}.get(split)
         if dataset is None or len(dataset) < 2:
             return {}
-        z_img, z_txt = self.embed(dataset)
+        with owned_global_rng(derived_seed(self.data_seed, "evaluate", split), self.device):
+            z_img, z_txt = self.embed(dataset)
         out: dict[str, Any] = {"n_pairs": len(z_img)}
         batch = min(self.retrieval_batch, len(z_img))
         for k, v in text_to_image_recall(z_img, z_txt, ks=(1, 5), batch_size=batch).items():

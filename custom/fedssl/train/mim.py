@@ -172,7 +172,8 @@ class MIMLocalTrainer:
         tokenizer_path: BEiT only: a local tokenizer (codebook .pt or TorchScript dVAE encoder);
             "" = the federated k-means codebook stored at ``codebook_path``.
         seed: the job seed: model initialisation (all sites alike: they start from the same weights); the
-            site's data seed ``site_seed(seed, site)`` draws augmentations, batches and masks.
+            site's data seed ``site_seed(seed, site)`` draws augmentations, batches and masks, and seeds each round's
+            owned global RNG (drop path; :meth:`fedssl.core.mim.MIMTrainer.train_round`).
         device: a torch device.
     """
 

@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from fedssl.core.checks import require, require_int, require_workers
-from fedssl.core.seeds import site_seed
+from fedssl.core.rng import owned_global_rng
+from fedssl.core.seeds import derived_seed, site_seed
 from fedssl.core.multilabel import column_index, expand_targets, labelled, masked_bce
 from fedssl.core.surgical import check_class_list, is_head_key, local_keys
 from fedssl.core.trainer import MixedPrecision, RoundStats, check_stop, detached, load_checked
@@ -238,7 +239,10 @@ class MultiLabelLocalTrainer:
     partial loss; the centralised baseline: C for both); ``method`` picks the loss and what is exchanged,
     ``backbone`` ("fedavg" / "fedbn" / "fedbn_plus") what stays local and whether batch-norm is frozen.
     ``imagenet_path``: a torchvision densenet121 checkpoint for the features (the server's initial model).
-    The initial weights come from the job seed (``settings.seed``), the batch order from ``site_seed(seed, site)``.
+    The initial weights come from the job seed (``settings.seed``), the batch order from ``site_seed(seed, site)``;
+    every epoch (warm-up included) runs in the owned global RNG of (site seed, epoch count), every evaluation in that
+    of (site seed, split) (:func:`fedssl.core.rng.owned_global_rng`), so the head's dropout draws are reproducible
+    and the global generators are left as they were.
     The restart state (``state_dict``) holds the model, the optimiser, the warm-up flag and the epoch counter.
     """
 
@@ -278,6 +282,11 @@ class MultiLabelLocalTrainer:
 
     def _run_epoch(self, opt: torch.optim.Optimizer, should_stop: Callable[[], bool] | None,
                    frozen_features: bool) -> tuple[float, int]:
+        with owned_global_rng(derived_seed(self.data_seed, "multilabel_epoch", self.epoch), self.device):
+            return self._epoch(opt, should_stop, frozen_features)
+
+    def _epoch(self, opt: torch.optim.Optimizer, should_stop: Callable[[], bool] | None,
+               frozen_features: bool) -> tuple[float, int]:
         model, device, s = self.model, self.device, self.settings
         model.train()
         if frozen_features:
@@ -335,7 +344,10 @@ class MultiLabelLocalTrainer:
         """``"val"``: ``val_loss`` (NaN-aware BCE) and ``val_auroc`` (mean AUROC) of the model on the validation
         split; ``"test"``: the test reply (:func:`auroc_report`) of ``model`` (default: this trainer's model; e.g.
         :meth:`global_model`), named ``source``, with the external set at ``external_root`` when given."""
-        model = self.model if model is None else model
+        with owned_global_rng(derived_seed(self.data_seed, "evaluate", split), self.device):
+            return self._evaluate(split, self.model if model is None else model, source, external_root)
+
+    def _evaluate(self, split: str, model: MultiLabelDenseNet, source: str, external_root: str) -> dict[str, Any]:
         if split == "val":
             probs, targets = scores(model, self.splits["val"], self.settings)
             cols = column_index(self.classes, list(model.classes), self.site)

@@ -6,6 +6,11 @@ foreground, :func:`fedssl.data.seg3d.train_transform`), capped at ``max_steps_pe
 forward pass runs under autocast in bfloat16 where the GPU supports it (float16 with a gradient scaler
 otherwise), the network uses ``channels_last_3d`` memory, and the loader pins memory with ``workers`` processes;
 on a CPU: float32, no workers.
+
+Randomness: ``seed`` (a site passes ``site_seed(job seed, site)``) seeds the trainer's generator, which draws each
+epoch's seed (patch sampling, batch order, the loader's worker seeds); each round runs in the owned global RNG of
+(seed, round index) and each evaluation in that of (seed, split) (:func:`fedssl.core.rng.owned_global_rng`), so
+nothing draws from, or moves, the process's global generators.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from fedssl.core.rng import owned_global_rng
+from fedssl.core.seeds import derived_seed
 from fedssl.core.trainer import MixedPrecision, RoundStats, check_optimizer_state, check_stop, detached, load_checked
 from fedssl.data.seg3d import train_transform
 from fedssl.eval.segmentation3d import mean_metrics, predict_volume3d, volume_metrics
@@ -62,6 +69,10 @@ class Seg3DLocalTrainer:
                           pin_memory=self.device.type == "cuda", persistent_workers=False)
 
     def train_round(self, round_idx: int, should_stop: Callable[[], bool] | None = None) -> RoundStats:
+        with owned_global_rng(derived_seed(self.seed, "seg3d_round", round_idx), self.device):
+            return self._train_round(should_stop)
+
+    def _train_round(self, should_stop: Callable[[], bool] | None) -> RoundStats:
         self.model.train()
         step0, losses, curve = self.step, [], []
         for _ in range(self.local_epochs):
@@ -91,9 +102,11 @@ class Seg3DLocalTrainer:
         if not self.val_volumes:
             return {"dice": float("nan"), "hd95": float("nan"), "volumes": 0}
         rows = []
-        for v in self.val_volumes:
-            pred = predict_volume3d(self.model, v["image"], self.roi_size, device=self.device, amp_dtype=self.precision.dtype)
-            rows.append(volume_metrics(pred, v["label"][0], self.classes, self.pixdim))
+        with owned_global_rng(derived_seed(self.seed, "evaluate", split), self.device):
+            for v in self.val_volumes:
+                pred = predict_volume3d(self.model, v["image"], self.roi_size, device=self.device,
+                                        amp_dtype=self.precision.dtype)
+                rows.append(volume_metrics(pred, v["label"][0], self.classes, self.pixdim))
         return {**mean_metrics(rows, self.classes), "volumes": len(rows)}
 
     def state_dict(self) -> dict:

@@ -18,6 +18,8 @@ from monai.losses import DiceCELoss
 from monai.networks.nets import BasicUNet
 from torch import nn
 
+from fedssl.core.rng import owned_global_rng
+from fedssl.core.seeds import derived_seed
 from fedssl.core.trainer import MixedPrecision, RoundStats, check_optimizer_state, check_stop, detached, load_checked
 from fedssl.data.transforms import augment_segmentation
 from fedssl.data.volume import Volume
@@ -117,7 +119,9 @@ class SegmentationTrainer:
     ``total_steps`` optimiser steps (e.g. epochs x batches per epoch, or rounds x local batches in
     federated fine-tuning), so a FLARE executor can call :meth:`train_epoch` once per round and keep
     the optimiser moments and the schedule between rounds. One seeded ``torch.Generator`` (CPU) drives
-    both the shuffling and the augmentation, so runs are reproducible.
+    both the shuffling and the augmentation, so runs are reproducible; every epoch runs in the owned global
+    RNG of (seed, epoch count) (:func:`fedssl.core.rng.owned_global_rng`), so a hidden draw (a dropout) is
+    reproducible too and the global generators are left as they were.
 
     ``state_dict()`` holds the optimiser, the scheduler, the generator and the step/epoch counters,
     not the model weights (checkpoint those with ``unet.state_dict()``).
@@ -166,6 +170,11 @@ class SegmentationTrainer:
         """One pass over all slices of ``volumes`` in shuffled batches (at most ``max_steps`` batches);
         returns the mean loss over the batches.  ``should_stop`` is checked before every step
         (:class:`fedssl.core.trainer.StopRequested` when it returns True)."""
+        with owned_global_rng(derived_seed(self.seed, "segmentation_epoch", self.epoch), self.device):
+            return self._train_epoch(volumes, max_steps, should_stop)
+
+    def _train_epoch(self, volumes: Sequence[Volume], max_steps: int | None,
+                     should_stop: Callable[[], bool] | None) -> float:
         if max_steps is not None and max_steps <= 0:
             raise ValueError(f"max_steps={max_steps}: must be a positive integer or None")
         images, labels = slices_from_volumes(volumes)
@@ -278,8 +287,9 @@ class SegmentationLocalTrainer:
     ``max_steps_per_epoch`` batches; 0 = no cap) with one Adam optimiser and one cosine schedule over all
     ``num_rounds`` rounds; ``samples`` = labelled slices (the FedAvg weight).  ``evaluate("val")`` = Dice of
     the current model on ``val_volumes``.  The restart state is the optimiser / schedule / generator (the
-    weights come from the server every round).  ``seed`` drives the batch order and augmentations only (the
-    U-Net arrives initialised): a site passes ``fedssl.core.seeds.site_seed(job seed, site)``.
+    weights come from the server every round).  ``seed`` drives the batch order, the augmentations and the owned
+    global RNG of every epoch and evaluation (the U-Net arrives initialised): a site passes
+    ``fedssl.core.seeds.site_seed(job seed, site)``.
     """
 
     def __init__(self, unet: nn.Module, train_volumes: Sequence[Volume], val_volumes: Sequence[Volume], *,
@@ -313,7 +323,8 @@ class SegmentationLocalTrainer:
     def evaluate(self, split: str = "val") -> dict[str, Any]:
         if split != "val":
             raise ValueError(f"split={split!r}: this trainer holds only a validation split ('val')")
-        summary = mean_dice(dice_per_volume(self.model, self.val_volumes, device=self.device))
+        with owned_global_rng(derived_seed(self.trainer.seed, "evaluate", split), self.device):
+            summary = mean_dice(dice_per_volume(self.model, self.val_volumes, device=self.device))
         return {"dice": summary["mean"], **{name: summary[name] for name in ACDC_CLASSES.values()}}
 
     def state_dict(self) -> dict:

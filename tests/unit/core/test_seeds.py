@@ -1,10 +1,12 @@
-"""site_seed: reproducible, distinct per site, job seed outside FLARE; fold_seed: distinct per fold too."""
+"""site_seed: reproducible, distinct per site, job seed outside FLARE; fold_seed: distinct per fold too; derived_seed:
+one seed per named use (a trainer's round, epoch, ...)."""
 
 import hashlib
 
+import numpy as np
 import pytest
 
-from fedssl.core.seeds import SEED_SPACE, fold_seed, site_seed
+from fedssl.core.seeds import SEED_SPACE, derived_seed, fold_seed, site_seed
 
 
 def test_value_is_sha256_of_job_seed_and_site():
@@ -50,3 +52,23 @@ def test_fold_seeds_differ_by_fold_site_and_job_seed():
 def test_bad_fold_seed_argument_is_named(args, match):
     with pytest.raises(ValueError, match=match):
         fold_seed(*args)
+
+
+def test_derived_seed_is_sha256_of_seed_and_keys_and_apart_from_site_seeds():
+    expected = int.from_bytes(hashlib.sha256(b"derived:5/round/3").digest()[:8], "big") % SEED_SPACE
+    assert derived_seed(5, "round", 3) == expected
+    seeds = {derived_seed(s, "round", r) for s in (0, 1) for r in range(5)} | {derived_seed(0, "epoch", 0)}
+    assert len(seeds) == 11 and all(0 <= s < SEED_SPACE for s in seeds)
+    assert derived_seed(0, "site-1") != site_seed(0, "site-1")  # a site name is no key collision
+    assert derived_seed(0, "round", np.int64(3)) == derived_seed(0, "round", 3)  # numpy integers are integers
+
+
+@pytest.mark.parametrize("args, match", [((-1, "round"), "derived_seed: seed=-1"),
+                                         ((True, "round"), "derived_seed: seed=True"),
+                                         ((1.0, "round"), "derived_seed: seed=1.0"),
+                                         ((0, 1.5), "derived_seed: key 1.5"),
+                                         ((0, None), "derived_seed: key None"),
+                                         ((0, False), "derived_seed: key False")])
+def test_bad_derived_seed_argument_is_named(args, match):
+    with pytest.raises(ValueError, match=match):
+        derived_seed(*args)

@@ -127,6 +127,31 @@ def test_workers_leave_torch_global_generator_to_the_training_step():
     assert torch.equal(torch.get_rng_state(), before)
 
 
+class _WorkerDraws(torch.utils.data.Dataset):
+    """Items drawn from a worker's global generators (what a hidden draw in a library would see)."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor]:
+        import random
+
+        return (torch.tensor([float(torch.rand(())), float(np.random.rand()), random.random()]),)
+
+
+def test_worker_seeds_follow_the_owned_rng_of_the_round():
+    """Issue 42: a worker's torch / numpy / random seeds come from the loader's generator, seeded from the global
+    generator's seed (the round's, inside fedssl.core.rng.owned_global_rng) without drawing from it."""
+    from fedssl.core.rng import owned_global_rng
+
+    def worker_draws(seed: int) -> torch.Tensor:
+        with owned_global_rng(seed):
+            return next(iter(load_batches(_WorkerDraws(), [[0, 1]], workers=1)))[0]
+
+    first = worker_draws(3)
+    assert torch.equal(worker_draws(3), first) and not torch.equal(worker_draws(4), first)
+
+
 def test_a_corrupt_image_with_workers_names_the_file_and_the_site(tmp_path):
     from fedssl.data.images import ImageDataError
 

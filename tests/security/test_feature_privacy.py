@@ -1,9 +1,11 @@
 """A curious site against FCL's feature exchange: what it receives, what the server keeps, what the noise hides.
 
 - nothing derived from one site (its bank, its loss) enters the global model that the persistor saves;
-- a receiving site that knows the whole job configuration cannot attribute remote rows to their sender;
+- a receiving site that knows the whole job configuration and its own secret cannot attribute remote rows to their
+  sender: the order comes from the server's secret, kept in the server's own folder;
 - the size of the remote bank tells it neither the number of sites nor how full their banks are;
-- the perturbation noise cannot be subtracted by someone who knows the configuration;
+- the perturbation noise cannot be subtracted by a receiver that knows the configuration and its own secret: it comes
+  from the sender's secret, kept in the sender's own folder;
 - a malformed bank is dropped at the server and never forwarded.
 """
 
@@ -17,18 +19,34 @@ from nvflare.app_common.abstract.model import ModelLearnableKey, make_model_lear
 from nvflare.app_common.app_constant import AppConstants
 
 from fedssl.core.memory_bank import remote_bank_for
+from fedssl.core.party_secret import party_secret
 from fedssl.core.privacy import perturb_features
+from fedssl.core.seeds import site_seed
 from fedssl.flare.constants import BANK_FEATURES, BANK_PARTITIONS, COLLECTED, REMOTE_FEATURES, REMOTE_PARTITIONS
 from fedssl.flare.fedavg_aggregator import FedAvgAggregator
 from fedssl.flare.feature_bank_collector import FeatureBankCollector
 from fedssl.flare.feature_bank_perturbation import FeatureBankPerturbation
 from fedssl.flare.feature_bank_shuttle import FeatureBankShuttle
 from fedssl.flare.merging_shareable_generator import MergingShareableGenerator
+from fedssl.flare.party_folder import SECRETS_DIR_ENV
 from tests.unit.flare.fakes import FakeEngine, context, contribution
 
 K, D, S = 9, 32, 4
 SITES = ["site-1", "site-2", "site-3"]
 GLOBAL = {"w": np.zeros(2, np.float32)}
+JOB_SEED = 0
+
+
+@pytest.fixture(autouse=True)
+def no_secrets_dir(monkeypatch):
+    monkeypatch.delenv(SECRETS_DIR_ENV, raising=False)
+
+
+def known_seeds(own_folder):
+    """Every seed a curious site could know: small integers (the job configuration's seed among them), every site's
+    data seed (``site_seed``: job seed and site names are in the configuration), and its own secrets (its folder)."""
+    own = [party_secret(str(own_folder), name) for name in ("feature_bank_perturbation", "feature_bank_shuttle")]
+    return list(range(16)) + [site_seed(JOB_SEED, s) for s in SITES] + own
 
 
 def site_bank(i):
@@ -52,10 +70,11 @@ def aggregate_banks(tmp_path, banks):
     return agg.aggregate(ctx), accepted, ctx
 
 
-def receive(shuttle, base, site):
+def receive(shuttle, base, site, folder):
+    """What ``site`` receives from a server whose own folder (site config dir) is ``folder``."""
     copy = Shareable()
     copy.update(base)
-    out = from_shareable(shuttle.process(copy, context(peer_site=site)))
+    out = from_shareable(shuttle.process(copy, context(peer_site=site, engine=FakeEngine(folder), site="server")))
     return out.get_meta_prop(REMOTE_FEATURES), out.get_meta_prop(REMOTE_PARTITIONS)
 
 
@@ -71,10 +90,10 @@ def test_global_model_and_its_meta_carry_no_bank_loss_or_site_name(tmp_path):
     assert COLLECTED not in from_shareable(gen.learnable_to_shareable(learnable, ctx)).get_meta_props()
 
 
-def attribution_with_config_seed(feats_received, banks, site, seed=0, round_idx=1):
-    """The attack on a shuffle seeded from the configuration: a site that knows the seed replays the shuttle on
-    stand-in banks of the same shapes whose rows carry their sender's index, and reads each received row's sender
-    off the replayed order.  Returns the share of rows it attributes correctly."""
+def attribution_with_seed(feats_received, banks, site, seed, round_idx=1):
+    """The attack on a shuffle whose seed the site knows: it replays the shuttle on stand-in banks of the same shapes
+    whose rows carry their sender's index, and reads each received row's sender off the replayed order.  Returns
+    the share of rows it attributes correctly."""
     standins = {s: (np.tile(np.eye(D, dtype=np.float32)[SITES.index(s)], (b[0].shape[0], 1)), b[1]) for s, b in banks.items()}
     replay = np.random.default_rng([seed, round_idx, zlib.crc32(site.encode())])
     guessed, _ = remote_bank_for(standins, site, feats_received.shape[0], replay)
@@ -82,16 +101,40 @@ def attribution_with_config_seed(feats_received, banks, site, seed=0, round_idx=
     return float(np.mean(guessed.argmax(axis=1) == truth))
 
 
-def test_a_site_knowing_the_job_config_cannot_attribute_remote_rows(tmp_path):
+def test_a_site_knowing_the_job_config_and_its_own_secret_cannot_attribute_remote_rows(tmp_path):
     banks = {s: site_bank(i) for i, s in enumerate(SITES)}
     base, _, _ = aggregate_banks(tmp_path, banks)
     base.set_header("current_round", 1)
-    rates = []
-    for _ in range(20):  # 20 server starts, 20 secrets
-        feats, _ = receive(FeatureBankShuttle(bank_size=2 * K), base, "site-1")
-        rates.append(attribution_with_config_seed(feats, banks, "site-1"))
-    # two senders: a guess is right half of the time (a shuffle seeded from the job config: 18 of 18)
-    assert 0.3 < np.mean(rates) < 0.7 and max(rates) < 1.0
+    seeds = known_seeds(tmp_path / "site-1")
+    rates, perfect = [], 0
+    for start in range(10):  # 10 servers, each with its own folder: 10 secrets
+        feats, _ = receive(FeatureBankShuttle(bank_size=2 * K), base, "site-1", tmp_path / f"server{start}")
+        for seed in seeds:
+            rates.append(attribution_with_seed(feats, banks, "site-1", seed))
+            perfect += rates[-1] == 1.0
+    # two senders: a guess is right half of the time, whatever seed it replays (a known seed: 18 of 18)
+    assert 0.45 < np.mean(rates) < 0.55 and perfect <= 1, (np.mean(rates), perfect)
+    # the attack itself works: against a server whose secret is a seed the site knows, it attributes every row
+    leaked = tmp_path / "leaky_server"
+    leaked.mkdir()
+    (leaked / "feature_bank_shuttle.secret").write_text(f"{seeds[-1]:032x}\n")
+    (leaked / "feature_bank_shuttle.secret").chmod(0o600)
+    feats, _ = receive(FeatureBankShuttle(bank_size=2 * K), base, "site-1", leaked)
+    assert attribution_with_seed(feats, banks, "site-1", seeds[-1]) == 1.0
+
+
+def test_a_rerun_on_the_servers_folder_repeats_the_order_and_nothing_of_the_secret_travels(tmp_path):
+    banks = {s: site_bank(i) for i, s in enumerate(SITES)}
+    base, _, _ = aggregate_banks(tmp_path, banks)
+    base.set_header("current_round", 1)
+    first, _ = receive(FeatureBankShuttle(bank_size=2 * K), base, "site-1", tmp_path / "server")
+    again, _ = receive(FeatureBankShuttle(bank_size=2 * K), base, "site-1", tmp_path / "server")
+    np.testing.assert_array_equal(first, again)
+    secret = party_secret(str(tmp_path / "server"), "feature_bank_shuttle")
+    copy = Shareable()
+    copy.update(base)
+    out = FeatureBankShuttle(bank_size=2 * K).process(copy, context(peer_site="site-1", engine=FakeEngine(tmp_path / "server")))
+    assert str(secret) not in repr(out) and f"{secret:032x}" not in repr(out)
 
 
 #: filled rows the other sites (site-2 .. site-n; site i holds partition i mod S) offer site-1, by partition id
@@ -112,7 +155,7 @@ def test_remote_bank_size_reveals_neither_site_count_nor_fill_level(n_sites, fil
     for s, (f, p) in banks.items():
         assert agg.accept(contribution(s, {"w": np.ones(2, np.float32)},
                                        {"num_samples": 1, BANK_FEATURES: f, BANK_PARTITIONS: p}), ctx)
-    feats, parts = receive(FeatureBankShuttle(bank_size=K), agg.aggregate(ctx), names[0])
+    feats, parts = receive(FeatureBankShuttle(bank_size=K), agg.aggregate(ctx), names[0], tmp_path / "server")
     assert feats.shape == (K, D) and parts.shape == (K,)
     # the others hold >= K filled rows between them: K of those, no padding (-1) and none of site-1's own rows
     counts = dict(zip(*np.unique(parts, return_counts=True)))
@@ -120,30 +163,48 @@ def test_remote_bank_size_reveals_neither_site_count_nor_fill_level(n_sites, fil
     assert sum(counts.values()) == K and all(0 < n <= available.get(int(p), 0) for p, n in counts.items()), counts
 
 
-def test_perturbation_noise_cannot_be_subtracted_with_a_known_seed():
-    """With a seed from the configuration the receiver regenerates the noise n, and since f is a unit vector
-    it recovers f from g = (f + n) / |f + n| exactly; the site-secret noise leaves it with nothing better than g."""
+def subtract(g, noise):
+    """The attack on the noise: since f is a unit vector, solve |c g - n| = 1 for c > 0, then f = c g - n (exact when
+    n is the real noise; rows without a real solution give nan)."""
+    gn = (g * noise).sum(1)
+    with np.errstate(invalid="ignore"):
+        c = gn + np.sqrt(gn**2 - (noise**2).sum(1) + 1)
+    return c[:, None] * g - noise
+
+
+def cosine(a, b):
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def test_perturbation_noise_cannot_be_subtracted_with_any_seed_the_receiver_knows(tmp_path):
+    """site-2 perturbs its bank with noise from its own secret (its folder); site-1 knows the job configuration, the
+    round and its own secret, and subtracts the noise every seed it knows would give (as the old filter's
+    ``default_rng(seed)``, per round ``[seed, round]``): no guess correlates with the real noise, and no recovery is
+    closer to f than the perturbed g it started from.  With site-2's real secret the same attack recovers f exactly."""
+    sigma, round_idx = 0.1, 4
     rng = np.random.default_rng(0)
     f = rng.standard_normal((200, 128)).astype(np.float32)
     f /= np.linalg.norm(f, axis=1, keepdims=True)
     from nvflare.apis.dxo import DXO, DataKind
     s = DXO(DataKind.WEIGHTS, data={}, meta={BANK_FEATURES: f}).to_shareable()
-    g = from_shareable(FeatureBankPerturbation(sigma=0.1).process(s, context())).get_meta_prop(BANK_FEATURES)
-    noise = np.random.default_rng([0, 0]).normal(0.0, 0.1, size=f.shape).astype(np.float32)  # the old filter's draw
-    # solve |c g - n| = 1 for c > 0, then f = c g - n
-    gn = (g * noise).sum(1)
-    with np.errstate(invalid="ignore"):  # no real solution for many rows: the guessed noise is not the real one
-        c = gn + np.sqrt(gn**2 - (noise**2).sum(1) + 1)
-    recovered = c[:, None] * g - noise
-    cos = (recovered * f).sum(1) / np.linalg.norm(recovered, axis=1)
-    assert np.nanmean(cos) < 0.9  # the old filter with seed 0: cosine 1.000 (exact recovery)
+    s.set_header("current_round", round_idx)
+    sender = context(engine=FakeEngine(tmp_path / "site-2"), site="site-2")
+    g = from_shareable(FeatureBankPerturbation(sigma=sigma).process(s, sender)).get_meta_prop(BANK_FEATURES)
+    true_noise = np.random.default_rng([party_secret(str(tmp_path / "site-2"), "feature_bank_perturbation"), round_idx])
+    true_noise = true_noise.normal(0.0, sigma, size=f.shape).astype(np.float32)
+    baseline = float(cosine(g, f).mean())  # what g alone tells: about 0.66 at sigma 0.1
+    for seed in known_seeds(tmp_path / "site-1"):
+        for entropy in (seed, [seed, 0], [seed, round_idx], [JOB_SEED, seed, round_idx]):
+            noise = np.random.default_rng(entropy).normal(0.0, sigma, size=f.shape).astype(np.float32)
+            assert abs(np.corrcoef(noise.ravel(), true_noise.ravel())[0, 1]) < 0.05  # chance: about 0.006
+            assert np.nanmean(cosine(subtract(g, noise), f)) < baseline  # worse than not trying
     with pytest.raises(TypeError):
         FeatureBankPerturbation(sigma=0.1, seed=0)  # no seed can be configured
-    # the same perturbation function with the attacker's noise recovers f exactly: the attack works when it can
-    g_old = perturb_features(f, 0.1, np.random.default_rng([0, 0]))
-    gn = (g_old * noise).sum(1)
-    rec = (gn + np.sqrt(gn**2 - (noise**2).sum(1) + 1))[:, None] * g_old - noise
-    assert np.allclose(rec, f, atol=1e-4)
+    # the attack works when it has the noise: the sender's real secret recovers f exactly
+    assert np.allclose(subtract(g, true_noise), f, atol=1e-4)
+    assert np.allclose(subtract(perturb_features(f, sigma, np.random.default_rng([0, 0])),
+                                np.random.default_rng([0, 0]).normal(0.0, sigma, size=f.shape).astype(np.float32)), f,
+                       atol=1e-4)  # the old filter with a configured seed 0: exact recovery
 
 
 @pytest.mark.parametrize("sigma", [0, -0.1, 0.001, 5.0, float("nan"), float("inf"), "0.1", True, None])
@@ -167,6 +228,6 @@ def test_a_malformed_bank_is_dropped_and_never_forwarded(attack, tmp_path, caplo
     base, accepted, _ = aggregate_banks(tmp_path, {"site-1": site_bank(0), "site-2": site_bank(1), "site-3": bad})
     assert accepted == {"site-1": True, "site-2": True, "site-3": False} and "site-3" in caplog.text
     base.set_header("current_round", 1)
-    feats, parts = receive(FeatureBankShuttle(bank_size=K), base, "site-1")
+    feats, parts = receive(FeatureBankShuttle(bank_size=K), base, "site-1", tmp_path / "server")
     origin = feats[parts >= 0].argmax(axis=1) // K
     assert set(origin.tolist()) == {1}  # only site-2's rows reach site-1; site-3's bank went nowhere

@@ -8,13 +8,15 @@ The broadcast DXO shared by all sites is never edited in place.
 A receiving site must not be able to attribute a remote feature to its source: the bank always has exactly
 ``bank_size`` rows (``fedssl.core.memory_bank.remote_bank_for``: drawn from the others' filled entries, padded
 with unfilled-slot rows while they hold fewer), so it reveals neither the number of sites nor how full their
-banks are once they hold K features between them; its order comes from a secret drawn from the operating
-system when the server starts (never a seed of the job configuration), so it cannot be undone by a site.
+banks are once they hold K features between them.  Its order is a pure function of (the server's secret, round,
+receiving site), so it cannot be undone by a site.  The secret is the server's own (``fedssl.flare.party_folder``):
+drawn from the operating system on first use into the server's site config dir (in the simulator
+``$FEDSSL_SECRETS_DIR/<server name>/``) and read again on every later run, so a rerun in the same workspace
+repeats the order exactly; never a seed of the job configuration, never sent anywhere.
 """
 
 from __future__ import annotations
 
-import secrets
 import zlib
 
 import numpy as np
@@ -26,6 +28,10 @@ from nvflare.apis.shareable import Shareable
 from fedssl.core.checks import require_int
 from fedssl.core.memory_bank import remote_bank_for
 from fedssl.flare.constants import COLLECTED, REMOTE_FEATURES, REMOTE_PARTITIONS
+from fedssl.flare.party_folder import flare_party_secret
+
+#: the file name of the server's shuttle secret in its own folder
+SECRET_NAME = "feature_bank_shuttle"
 
 
 class FeatureBankShuttle(Filter):
@@ -34,7 +40,7 @@ class FeatureBankShuttle(Filter):
         super().__init__()
         require_int(type(self).__name__, "bank_size", bank_size, 1, "use the sites' bank size K (paper: 4096)")
         self.bank_size = bank_size
-        self._secret = secrets.randbits(128)  # the server's alone: not in the job config, not sent anywhere
+        self._secret: int | None = None  # the server's alone, read at the first process (which has the context)
 
     def process(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
         peer = fl_ctx.get_peer_context()
@@ -47,6 +53,8 @@ class FeatureBankShuttle(Filter):
         banks = {s: (np.asarray(b["bank_features"]), np.asarray(b["bank_partitions"])) for s, b in collected.items()}
         if banks:
             round_idx = int(shareable.get_header("current_round", 0) or 0)
+            if self._secret is None:
+                self._secret = flare_party_secret(fl_ctx, SECRET_NAME, type(self).__name__)
             rng = np.random.default_rng([self._secret, round_idx, zlib.crc32(site.encode())])
             feats, parts = remote_bank_for(banks, site, self.bank_size, rng)
             meta[REMOTE_FEATURES], meta[REMOTE_PARTITIONS] = feats, parts

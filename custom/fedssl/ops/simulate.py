@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import time
 
+from fedssl.flare.party_folder import SECRETS_DIR_ENV
 from fedssl.ops.jobs import build_job
 from fedssl.ops.policy import REFUSED, refusals, write_allow_list
 
@@ -80,6 +81,12 @@ class SimulationError(RuntimeError):
     """The simulator run did not produce its results (exit code, missing model/summary, failed sites)."""
 
 
+def secrets_dir(workspace: str) -> str:
+    """Where the simulated parties keep their secrets (``<workspace>_secrets/<party name>/``): beside the workspace,
+    which the simulator clears, so they survive a rerun into the same workspace."""
+    return os.path.abspath(workspace) + "_secrets"
+
+
 def server_run_dir(workspace: str) -> str:
     return os.path.join(workspace, "server", RUN_NAME)
 
@@ -108,6 +115,10 @@ def run_simulation(
     (bad data, rejected contribution, a refused component) makes this raise SimulationError, unless
     ``tolerate_site_failures``: then the run must still complete, and the failures are listed in the
     summary under ``site_failures``.
+
+    Each party's secrets (feature noise, remote-bank order) are kept in ``<workspace>_secrets/<party>/``
+    (:func:`secrets_dir`, passed as ``FEDSSL_SECRETS_DIR``): rerunning into the same workspace repeats the run,
+    a new workspace draws new secrets.
     """
     workspace = os.path.abspath(workspace)
     os.makedirs(workspace, exist_ok=True)
@@ -122,7 +133,9 @@ def run_simulation(
         path = os.path.join(workspace, stale)
         if os.path.isdir(path):
             shutil.rmtree(path)
-    env = dict(os.environ, FEDSSL_DATA_ROOT=data_root, PYTHONUNBUFFERED="1")
+    # the simulator deletes every party's workspace (site config dir included) before each run, so the parties'
+    # secrets (fedssl.flare.party_folder) live beside it: a rerun into this workspace repeats them, another draws anew
+    env = dict(os.environ, FEDSSL_DATA_ROOT=data_root, PYTHONUNBUFFERED="1", **{SECRETS_DIR_ENV: secrets_dir(workspace)})
     # all sites share this machine's cores: one process per site, so split the cores between them
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n_sites)))
     threads = threads or n_sites  # -t = -n: no client restarts between tasks

@@ -75,7 +75,7 @@ def test_each_site_receives_the_others_banks_shuffled_and_without_names(tmp_path
     for i, site in enumerate(SITES):
         copy = Shareable()
         copy.update(base)  # what FLARE hands each site's filter chain
-        out = from_shareable(shuttle.process(copy, context(peer_site=site)))
+        out = from_shareable(shuttle.process(copy, context(peer_site=site, engine=FakeEngine(tmp_path / "server"))))
         feats, parts = out.get_meta_prop(REMOTE_FEATURES), out.get_meta_prop(REMOTE_PARTITIONS)
         origin = feats.argmax(axis=1)  # 3 * site + row
         expected = sorted(3 * j + r for j in range(len(SITES)) if j != i for r in range(K))

@@ -446,7 +446,7 @@ def _ids(pins: list[Pin]) -> list[str]:
     return [p.id for p in pins]
 
 
-# issue 17 item 5: the ViT jobs train in mixed precision. Decided by a measurement (README "Throughput on a GPU":
+# issue 17 item 5: the ViT jobs train in mixed precision. Decided by a measurement (jobs/SSL-FL.md "Throughput on a GPU":
 # the Fed-MAE ViT-B/16 step at batch 128 on an H100 ran 1710 img/s under bfloat16 autocast against 486 in float32),
 # and it is what SSL-FL's code does (engine_for_pretraining / engine_for_finetuning run every step under
 # torch.cuda.amp.autocast). The CNN jobs (FCL's U-Net, FedCLF's ResNet, the DenseNet) were not measured: off.

@@ -23,7 +23,7 @@ def test_segmentation_executor_rejects_bad_fold():
 
 
 # every executor whose batches come from a dataset, with its data loader switch (issue 17 item 5); the ACDC
-# fine-tuning and FedDRA executors keep their in-memory batches in the training process (README)
+# fine-tuning and FedDRA executors keep their in-memory batches in the training process (jobs/README.md)
 LOADER_EXECUTORS = [
     ("fedssl.flare.fcl_executor", "FCLExecutor"),
     ("fedssl.flare.byol_executor", "BYOLExecutor"),

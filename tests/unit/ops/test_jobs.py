@@ -240,7 +240,8 @@ def _filter_ids(config: dict, chain: str) -> list:
     return [(sorted(e["tasks"]), [f["id"] for f in e["filters"]]) for e in config.get(chain, [])]
 
 
-@pytest.mark.parametrize("job", sorted(os.listdir(os.path.join(REPO_ROOT, "jobs"))))
+@pytest.mark.parametrize("job", sorted(d for d in os.listdir(os.path.join(REPO_ROOT, "jobs"))
+                                     if os.path.isfile(os.path.join(REPO_ROOT, "jobs", d, "meta.json"))))  # not *.md
 def test_the_wire_switch_puts_the_filters_between_the_meters_and_the_rest_in_every_job(job):
     files = configured_job(os.path.join(REPO_ROOT, "jobs", job), sets=["wire.weights=float16"])
     server = next(v for k, v in files.items() if k.endswith("config_fed_server.json"))

@@ -72,6 +72,17 @@ NON_NEGATIVE_REAL = Number(float, 0)
 FRACTION = Number(float, 0, 1, above=True)
 
 
+def add_threads_argument(s: argparse.ArgumentParser) -> None:
+    """``--threads N``: the torch threads of every process a verb computes in (itself and each worker process),
+    default :data:`fedssl.experiments.environment.DEFAULT_THREADS` (one); recorded in the run's run_config.json."""
+    from fedssl.experiments.environment import DEFAULT_THREADS  # light: no torch
+
+    s.add_argument("--threads", type=COUNT, default=DEFAULT_THREADS,
+                   help=f"torch threads of every process that computes (this one and each worker process; default "
+                        f"{DEFAULT_THREADS}): a setting recorded in run_config.json with the environment, since "
+                        "another count can change the numbers")
+
+
 def os_error_line(e: OSError) -> str:
     """One line for an OSError that names the path(s): ``out/job: Permission denied``; shutil's copy errors list
     (source, destination, reason) triples: the first is named."""

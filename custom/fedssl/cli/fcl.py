@@ -7,7 +7,16 @@ import json
 import os
 from pathlib import Path
 
-from fedssl.cli import COUNT, NON_NEGATIVE, NON_NEGATIVE_REAL, POSITIVE, SEED, Verb, add_family
+from fedssl.cli import (
+    COUNT,
+    NON_NEGATIVE,
+    NON_NEGATIVE_REAL,
+    POSITIVE,
+    SEED,
+    Verb,
+    add_family,
+    add_threads_argument,
+)
 
 
 def _synth_args(s) -> None:
@@ -139,12 +148,14 @@ def _demo_args(s) -> None:
     s.add_argument("--n", type=COUNT, nargs="+", default=[1, 2])
     s.add_argument("--epochs", type=COUNT, default=None, help="local fine-tuning epochs, without the step floor "
                    "(default: the quick profile's epochs and floor)")
+    add_threads_argument(s)
 
 
 def _demo(a) -> None:
     from fedssl.experiments.fcl_demo import run_demo
 
-    run_demo(a.out, n_sites=a.sites, rounds=a.rounds, ft_rounds=a.ft_rounds, n_labelled=a.n, epochs=a.epochs)
+    run_demo(a.out, n_sites=a.sites, rounds=a.rounds, ft_rounds=a.ft_rounds, n_labelled=a.n, epochs=a.epochs,
+             threads=a.threads)
 
 
 def _tables_args(s) -> None:
@@ -167,9 +178,11 @@ def _tables_args(s) -> None:
     s.add_argument("--pretrained-from", default=None, metavar="DIR",
                    help="reuse the finished pre-training runs of another tables folder (same data, sites, rounds "
                    "and the profile's job settings), e.g. to fine-tune with other epochs; diagnostics run here")
-    s.add_argument("--seeds", type=SEED, nargs="+", default=[0],
+    s.add_argument("--seeds", type=SEED, nargs="+", default=[0, 1, 2],
                    help="training seeds: every pre-training and fine-tuning cell runs once per seed (the labelled "
-                   "patients stay the same); paired differences then give the spread over seeds (default: 0)")
+                   "patients stay the same); paired differences then give the spread over seeds (default: 0 1 2; "
+                   "a table of fewer seeds says it is not a finding)")
+    add_threads_argument(s)
 
 
 def _tables(a) -> None:
@@ -177,7 +190,8 @@ def _tables(a) -> None:
 
     run_fcl_tables(a.out, tables=a.tables, methods=a.methods, n_labelled=a.n, folds=a.folds, n_sites=a.sites,
                    profile=a.profile, data_root=a.data_root, difficulty=a.difficulty, epochs=a.epochs,
-                   rounds=a.rounds, workers=a.workers, pretrained_from=a.pretrained_from, seeds=a.seeds)
+                   rounds=a.rounds, workers=a.workers, pretrained_from=a.pretrained_from, seeds=a.seeds,
+                   threads=a.threads)
 
 
 def _hvsmr_synth_args(s) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 
-from fedssl.cli import COUNT, FRACTION, NON_NEGATIVE_REAL, SEED, Verb, add_family
+from fedssl.cli import COUNT, FRACTION, NON_NEGATIVE_REAL, SEED, Verb, add_family, add_threads_argument
 
 SOURCE_FLAGS = (("isic", "ISIC 2019 training set (ground-truth CSV + ISIC_2019_Training_Input/)"),
                 ("atlasderm", "AtlasDerm class-per-folder tree"), ("dermnet", "Dermnet class-per-folder tree"),
@@ -68,13 +68,15 @@ def _tables_args(s) -> None:
                    help="seed of the synthetic sources and the device splits (default: the profile's; one --out per seed)")
     s.add_argument("--data-root", default=None, help="device folders (fedssl fedclf devices); default: synthetic")
     s.add_argument("--workers", type=COUNT, default=1, help="processes for Table I's local fine-tuning cells")
+    add_threads_argument(s)
 
 
 def _tables(a) -> None:
     from fedssl.experiments.fedclf_tables import run_fedclf_tables, table_settings
 
     settings = table_settings(a.profile, tables=a.tables, methods=a.methods, fractions=a.fractions, seed=a.seed)
-    run_fedclf_tables(a.out, settings, data_root=a.data_root, workers=a.workers, say=lambda m: print(m, flush=True))
+    run_fedclf_tables(a.out, settings, data_root=a.data_root, workers=a.workers, say=lambda m: print(m, flush=True),
+                      threads=a.threads)
 
 
 def _table3_args(s) -> None:
@@ -88,24 +90,27 @@ def _table3_args(s) -> None:
     s.add_argument("--data-root", default=None,
                    help="a partition folder (fedssl sslfl partition derm SRC OUT --job fedmae_derm); default: synthetic")
     s.add_argument("--workers", type=COUNT, default=1, help="processes for the local fine-tuning cells")
+    add_threads_argument(s)
 
 
 def _table3(a) -> None:
     from fedssl.experiments.fedmae_table3 import run_table3, table3_settings
 
     settings = table3_settings(a.profile, methods=a.methods, seed=a.seed)
-    run_table3(a.out, settings, data_root=a.data_root, workers=a.workers, say=lambda m: print(m, flush=True))
+    run_table3(a.out, settings, data_root=a.data_root, workers=a.workers, say=lambda m: print(m, flush=True),
+               threads=a.threads)
 
 
 def _demo_args(s) -> None:
     s.add_argument("--out", default="runs/fedclf_demo", help="output folder (resumable: finished cells are kept)")
     s.add_argument("--workers", type=COUNT, default=2, help="processes for the local fine-tuning cells")
+    add_threads_argument(s)
 
 
 def _demo(a) -> None:
     from fedssl.experiments.fedclf_tables import run_fedclf_demo
 
-    run_fedclf_demo(a.out, workers=a.workers, say=lambda m: print(m, flush=True))
+    run_fedclf_demo(a.out, workers=a.workers, say=lambda m: print(m, flush=True), threads=a.threads)
 
 
 VERBS = (
@@ -115,11 +120,11 @@ VERBS = (
                     "72 px shorter edge", _devices_args, _devices),
     Verb("tables", "FedCLF Tables I (local) and II (federated fine-tuning) and Fig. 6 beside the paper's; resumable",
          _tables_args, _tables),
-    Verb("table3", "Table III (FedMAE-KS setting, 8 ISIC classes, 10 IID clients): local fine-tuning at 80 % labels "
+    Verb("table3", "Table III (FedMAE-KS setting, 8 ISIC classes, 10 IID clients): local fine-tuning at 80 %% labels "
                    "of the CNN methods (ResNet-50) and FedMAE / random ViT beside the paper's; resumable",
          _table3_args, _table3),
     Verb("demo", "FedCLF vs FedMoCo vs random init on synthetic devices, local and federated fine-tuning at "
-                 "L = 10 / 80 % (quick profile, about 15 min on 2 cores)", _demo_args, _demo),
+                 "L = 10 / 80 %% (quick profile, about 15 min on 2 cores)", _demo_args, _demo),
 )
 
 

@@ -8,7 +8,7 @@ import json
 import os
 import time
 
-from fedssl.cli import COUNT, POSITIVE, SEED, Verb, add_family
+from fedssl.cli import COUNT, POSITIVE, SEED, Verb, add_family, add_threads_argument
 
 
 def _synth_args(s) -> None:
@@ -69,14 +69,16 @@ def _split(a) -> None:
 def _demo_args(s) -> None:
     s.add_argument("--out", default="runs/feddra_demo", help="output folder (resumable: finished cells are kept)")
     s.add_argument("--ablations", action="store_true", help="also the three Table 3 ablations (about +25 min)")
-    s.add_argument("--seed", type=SEED, default=0)
+    s.add_argument("--seed", type=SEED, default=0,
+                   help="one seed: the demo says its comparison is not a finding (fedssl feddra table runs 0 1 2)")
+    add_threads_argument(s)
 
 
 def _demo(a) -> None:
     from fedssl.experiments.feddra_demo import run
 
     variants = ["fedavg", "feddra"] + (["no_two_stage", "no_anchor", "no_dro"] if a.ablations else [])
-    run(a.out, variants=variants, seeds=[a.seed])
+    run(a.out, variants=variants, seeds=[a.seed], threads=a.threads)
 
 
 def _table_args(s) -> None:
@@ -87,13 +89,14 @@ def _table_args(s) -> None:
     s.add_argument("--seeds", type=SEED, nargs="+", default=[0, 1, 2])
     s.add_argument("--turns", type=COUNT, default=None, help="communication turns (default: the demo's)")
     s.add_argument("--data-root", default=None, help="a folder with sites/ and ood/ (default: synthetic under --out)")
+    add_threads_argument(s)
 
 
 def _table(a) -> None:
     from fedssl.experiments.feddra_demo import run
 
     run(a.out, variants=a.variants, seeds=a.seeds, settings={"turns": a.turns} if a.turns else None,
-        data_root=a.data_root)
+        data_root=a.data_root, threads=a.threads)
 
 
 VERBS = (

@@ -8,7 +8,17 @@ import json
 import os
 import time
 
-from fedssl.cli import COUNT, FRACTION, NON_NEGATIVE, NON_NEGATIVE_REAL, POSITIVE, SEED, Verb, add_family
+from fedssl.cli import (
+    COUNT,
+    FRACTION,
+    NON_NEGATIVE,
+    NON_NEGATIVE_REAL,
+    POSITIVE,
+    SEED,
+    Verb,
+    add_family,
+    add_threads_argument,
+)
 from fedssl.data.images import SSLFL_DATASETS
 
 
@@ -124,13 +134,15 @@ def _demo_args(s) -> None:
                    help="at most this many local steps per epoch (0 = full epochs); few steps limit client drift under Split-3")
     s.add_argument("--ft-lr", type=POSITIVE, default=0.003)
     s.add_argument("--seed", type=SEED, default=0)
+    add_threads_argument(s)
 
 
 def _demo(a) -> None:
     from fedssl.experiments.sslfl_demo import run_sslfl_demo
 
     run_sslfl_demo(a.out, methods=a.methods, scratch=not a.no_scratch, n_images=a.images, image_px=a.px, n_sites=a.sites, alpha=a.alpha, pre_rounds=a.pre_rounds,
-                   ft_rounds=a.ft_rounds, ft_epochs=a.ft_epochs, ft_steps=a.ft_steps, ft_lr=a.ft_lr, seed=a.seed)
+                   ft_rounds=a.ft_rounds, ft_epochs=a.ft_epochs, ft_steps=a.ft_steps, ft_lr=a.ft_lr, seed=a.seed,
+                   threads=a.threads)
 
 
 def _tables_args(s) -> None:
@@ -142,14 +154,17 @@ def _tables_args(s) -> None:
     s.add_argument("--methods", nargs="+", choices=list(METHODS), default=None,
                    help="scratch (random init), fedmae, fedbeit (default: the profile's, all three)")
     s.add_argument("--profile", default="bench", help="profile of the jobs and of tables.sslfl (default bench)")
-    s.add_argument("--seeds", nargs="+", type=SEED, default=None, help="data + job seeds (default: the profile's, [0])")
+    s.add_argument("--seeds", nargs="+", type=SEED, default=None,
+                   help="data + job seeds (default: the profile's, 0 1 2; a row of fewer seeds is marked as not a "
+                        "finding)")
+    add_threads_argument(s)
 
 
 def _tables(a) -> None:
     from fedssl.experiments.sslfl_tables import run_sslfl_table, table_settings
 
     settings = table_settings(a.profile, splits=a.splits, methods=a.methods, seeds=a.seeds)
-    run_sslfl_table(a.out, settings, say=lambda m: print(m, flush=True))
+    run_sslfl_table(a.out, settings, say=lambda m: print(m, flush=True), threads=a.threads)
 
 
 def _vit_opts(s) -> None:

@@ -8,7 +8,7 @@ import os
 
 import json
 
-from fedssl.cli import COUNT, FRACTION, NON_NEGATIVE, POSITIVE, SEED, Verb, add_family
+from fedssl.cli import COUNT, FRACTION, NON_NEGATIVE, POSITIVE, SEED, Verb, add_family, add_threads_argument
 
 
 def _demo_args(s) -> None:
@@ -24,6 +24,7 @@ def _demo_args(s) -> None:
     s.add_argument("--no-central", action="store_true", help="leave out the centralised baseline row")
     s.add_argument("--central-missing", default="negative", choices=["negative", "ignore"],
                    help="centralised baseline: a source's unlabelled classes are negatives (paper) or ignored")
+    add_threads_argument(s)
 
 
 def _demo(a) -> None:
@@ -31,7 +32,7 @@ def _demo(a) -> None:
 
     run_surgical_demo(a.out, rounds=a.rounds, n_patients=a.patients, methods=a.methods, lr=a.lr,
                       local_epochs=a.local_epochs, backbone=a.backbone,
-                      central=not a.no_central, central_missing=a.central_missing)
+                      central=not a.no_central, central_missing=a.central_missing, threads=a.threads)
 
 
 def _central_args(c) -> None:

@@ -21,17 +21,21 @@ Local CL has no shared model; for Tables 2 and 3 it starts from **site-1's own e
 as if one site had pre-trained alone and shared its encoder.  Averaging the sites' encoders would be one FedAvg
 round the baseline does not have, so it is not done; the choice is printed under each table.
 
-Seeds (``seeds``, default [0]): every cell is run once per training seed -- the pre-training (the initial model and
+Seeds (``seeds``, default [0, 1, 2]): every cell is run once per training seed -- the pre-training (the initial model and
 the sites' sampling, augmentations and bank draws) and the fine-tuning (the decoder's initial weights, batch order
 and augmentations) -- while the labelled patients of a (fold, N, site) stay the same for every seed.  A method's
 seed-s fine-tuning starts from its seed-s pre-training, and is paired with random init's seed-s run.  Tables
 average each site's (Table 3: each fold's) Dice over folds and seeds; the paired differences also give the mean per
 seed and the standard error over seeds, which holds the run-to-run spread that folds and sites do not.  Seed 0's
-cells carry no ``seed`` field, so a folder written before seeds existed resumes as seed 0.
+cells carry no ``seed`` field, so a folder written before seeds existed resumes as seed 0.  A table whose rows
+rest on fewer than three seeds says so under it (:func:`~fedssl.experiments.table_runner.few_seeds_note`): one
+seed's sign is not a finding (FCL minus random at N = 1 was -0.058 / -0.042 / +0.029 over seeds 0-2).
 
 The split of a (fold, N, site) is the same for every method (:func:`fedssl.train.protocol.site_fold`,
 ``site_labelled``: seeded by split seed, fold and site name only).  Fine-tuning cells may run in worker processes
-(``workers``, one torch thread each); simulator cells run one at a time in this process.
+(``workers``); every process computing cells uses ``threads`` torch threads (default one), recorded in
+``run_config.json`` with the environment (:func:`~fedssl.experiments.table_runner.begin_run`); simulator cells run
+one at a time in this process.
 """
 
 from __future__ import annotations
@@ -57,9 +61,11 @@ from fedssl.experiments.fcl_finetune import (
 )
 from fedssl.experiments.diagnostics import diagnose_acdc, format_diagnostics
 from fedssl.experiments.table7 import JOBS, ROWS
+from fedssl.experiments.environment import DEFAULT_THREADS
 from fedssl.experiments.table_runner import (
     CellStore,
-    check_run_config,
+    begin_run,
+    few_seeds_note,
     plain_json,
     read_run_config,
     run_cells,
@@ -236,10 +242,8 @@ def load_sites(data_root: str, settings: dict) -> dict:
 
 
 def init_worker(data_root: str, settings: dict) -> None:
-    """Worker process start: one torch thread (two workers share two cores), the sites' volumes loaded once."""
-    import torch
-
-    torch.set_num_threads(1)
+    """Worker process start (after :func:`~fedssl.experiments.table_runner.run_cells` has set its torch threads):
+    the sites' volumes loaded once."""
     load_sites(data_root, settings)
 
 
@@ -323,11 +327,16 @@ def summary_rows(table: int, rows: Sequence[dict]) -> list[dict]:
              "mean": s["dice_mean"], "std": s["dice_std"], "n": s["n"]} for s in summarise(rows)]
 
 
+#: the training seeds of a table run unless told otherwise: one seed's sign is not a finding
+DEFAULT_SEEDS = (0, 1, 2)
+
+
 def run_fcl_tables(out: str, *, tables: Sequence[int] = TABLES, methods: Sequence[str] = ALL_METHODS,
                    n_labelled: Sequence[int] = (1, 2, 4, 8), folds: Sequence[int] | None = None, n_sites: int = 3,
                    profile: str = "bench", data_root: str | None = None, difficulty: float | None = None,
                    epochs: int | None = None, rounds: int | None = None, workers: int = 2,
-                   pretrained_from: str | None = None, seeds: Sequence[int] = (0,), say=print) -> dict:
+                   pretrained_from: str | None = None, seeds: Sequence[int] = DEFAULT_SEEDS,
+                   threads: int = DEFAULT_THREADS, say=print) -> dict:
     """Run (or resume) the cells of FCL ``tables`` and write ``out/table{t}.{json,csv,txt,png}`` after each table.
 
     ``folds``: the folds of every table; None = the profile's per-table folds (``tables.fcl.folds``), else all five.
@@ -335,8 +344,9 @@ def run_fcl_tables(out: str, *, tables: Sequence[int] = TABLES, methods: Sequenc
     given) under ``out/data/acdc``.  ``epochs`` overrides the profile's fine-tuning epochs, ``rounds`` the
     pre-training rounds.  ``pretrained_from``: another tables folder whose finished pre-training cells are reused
     (:func:`reuse_pretraining`).  ``seeds``: training seeds, each pre-training and fine-tuning cell run once per
-    seed (module docstring); a later command may add seeds to a folder (its tables show the seeds it names).  Returns
-    ``{table: paths of its files}``."""
+    seed (module docstring); a later command may add seeds to a folder (its tables show the seeds it names).
+    ``threads``: torch threads of this process and of each worker (a setting of the folder, like the epochs).
+    Returns ``{table: paths of its files}``."""
     tables, methods, n_labelled, seeds = [int(t) for t in tables], list(methods), [int(n) for n in n_labelled], list(seeds)
     _check_args(tables, methods, n_labelled, n_sites, workers, seeds)
     t0 = time.time()
@@ -354,7 +364,7 @@ def run_fcl_tables(out: str, *, tables: Sequence[int] = TABLES, methods: Sequenc
     settings = protocol_settings(profile, epochs)
     config = {"profile": profile, "data_root": data_root, "difficulty": difficulty, "n_sites": n_sites,
               "epochs": settings["epochs"], "min_steps": settings["min_steps"], "rounds": rounds}
-    check_run_config(out, config)
+    begin_run(out, config, threads=threads, say=say)
     store = CellStore(os.path.join(out, "cells.jsonl"))
     if pretrained_from is not None:
         reuse_pretraining(pretrained_from, store, methods, config, profile, say=say, seeds=seeds)
@@ -364,9 +374,9 @@ def run_fcl_tables(out: str, *, tables: Sequence[int] = TABLES, methods: Sequenc
         pre_cells, lambda key: pretrain(
             key["method"], os.path.join(out, "ws", f"pretrain_{_slug(key['method'])}{_suffix(seed_of(key))}"),
             data_root=data_root, n_sites=n_sites, profile=profile, rounds=rounds, seed=seed_of(key)),
-        store, say=say, label="pre-training (FLARE simulator, one run at a time)")))
+        store, say=say, label="pre-training (FLARE simulator, one run at a time)", threads=threads)))
     inits = {(m, sd): pre.get((m, sd)) for m in methods for sd in seeds}
-    diag_text = _diagnostics(out, pre, store, data_root=data_root, settings=settings, say=say)
+    diag_text = _diagnostics(out, pre, store, data_root=data_root, settings=settings, say=say, threads=threads)
     written = {}
     for table in tables:
         used = table_folds(profile, table, folds)
@@ -377,13 +387,13 @@ def run_fcl_tables(out: str, *, tables: Sequence[int] = TABLES, methods: Sequenc
                 key, init_path(key["method"], inits[(key["method"], seed_of(key))], None), os.path.join(
                     out, "ws", f"ft_{_slug(key['method'])}_n{key['n_labelled']}_f{key['fold']}{_suffix(seed_of(key))}"),
                 data_root=data_root, n_sites=n_sites, profile=profile, settings=settings),
-                store, say=say, label=label + ", FLARE simulator")
+                store, say=say, label=label + ", FLARE simulator", threads=threads)
         else:
             fn = functools.partial(_finetune_cell, inits=inits, data_root=data_root, settings=settings)
             pool = workers > 1
             run_cells(cells, fn, store, say=say, cost=lambda key: key["n_labelled"], workers=workers,
                       initializer=init_worker if pool else None, initargs=(data_root, settings) if pool else (),
-                      label=label)
+                      label=label, threads=threads)
         rows, shown = stored_rows(store, table, n_labelled, used, seeds)
         written[table] = _write(out, table, rows, shown, n_labelled, used, seeds, profile, settings,
                                 stored_pretraining(store, shown, seeds), say)
@@ -432,7 +442,8 @@ def diagnose_one(method: str, pretrained: dict, *, data_root: str, settings: dic
                                     seed=seed))
 
 
-def _diagnostics(out: str, pre: dict, store: CellStore, *, data_root: str, settings: dict, say) -> str:
+def _diagnostics(out: str, pre: dict, store: CellStore, *, data_root: str, settings: dict, say,
+                 threads: int | None = None) -> str:
     """Diagnostics cells (one per pre-trained method, resumable like every cell); the diagnostics of every
     method finished in this folder are written to ``out/diagnostics.{json,txt}`` and returned as the text printed
     under every table."""
@@ -440,7 +451,7 @@ def _diagnostics(out: str, pre: dict, store: CellStore, *, data_root: str, setti
     if cells:
         run_cells(cells, lambda key: diagnose_one(key["method"], pre[(key["method"], seed_of(key))],
                                                   data_root=data_root, settings=settings, seed=seed_of(key)),
-                  store, say=say, label="diagnostics (spread, probe)")
+                  store, say=say, label="diagnostics (spread, probe)", threads=threads)
     # every method and seed diagnosed in this folder, whichever command ran it (methods are often added one at a
     # time), in the paper's method order, seeds ascending
     found = [r for r in store.results() if r["key"].get("stage") == "diagnostics"]
@@ -487,6 +498,9 @@ def _write(out: str, table: int, rows: list[dict], methods, n_labelled, folds, s
         unit = f"({', '.join(unit)}) pairs" if len(unit) > 1 else f"{unit[0]}s"
         footer = [f"paired against random init over {unit}: mean difference (standard error), pairs ahead",
                   *format_paired(paired, "random").splitlines()]
+    few = few_seeds_note(covered)  # the rows (and their paired differences) of fewer than three seeds
+    if few:
+        footer.append(few)
     extra = {"folds": list(folds), "seeds": list(seeds), "mode": mode, "profile": profile, "settings": settings,
              "pretraining": {m: v for m, v in inits.items() if v is not None}, "paired_against_random": paired,
              "cell_rows": rows}

@@ -14,7 +14,12 @@ Each table is written for mean recall and for mean precision (mean +- std over t
 paper's numbers beside it (labelled as the paper's); Fig. 6 is Table II's L = 10 % recall of W/o FE (FedMoCo), FE
 and FE+Neg (FedCLF).  A verdict line compares FedCLF with random init at the smallest L, paired by device.  Cells
 run through :mod:`fedssl.experiments.table_runner` (resume, progress with ETA); data: the device folders under
-``data_root`` or, by default, synthetic sources written and built under ``out/data``.
+``data_root`` or, by default, synthetic sources written and built under ``out/data``.  The local cells compute with
+``threads`` torch threads per process (this one and each worker), recorded in ``run_config.json`` with the
+environment.
+
+One seed per folder (``seed``: the synthetic sources, the device splits and the models): every table says under it
+that its comparison is not a finding (:data:`RERUN`); there is no training-seed axis yet.
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ from fedssl.data.fedclf_devices import build_devices, load_device
 from fedssl.data.fedclf_synthetic import SOURCES, write_synthetic_derm_sources
 from fedssl.eval.paper_tables import FEDCLF_SOURCE, fedclf_paper_rows
 from fedssl.eval.report import paired_difference
+from fedssl.experiments.environment import DEFAULT_THREADS
 from fedssl.experiments.fcl_finetune import load_global_state
-from fedssl.experiments.table_runner import plain_json, run_cells, start_run, write_table
+from fedssl.experiments.table_runner import few_seeds_note, plain_json, run_cells, start_run, write_table
 from fedssl.ops.jobs import REPO_ROOT, component_specs, configured_job, load_profile
 from fedssl.ops.simulate import run_simulation
 from fedssl.train.resnet_classifier import local_finetune_device
@@ -67,6 +73,13 @@ DEFAULTS = {"n_isic": 2000, "image_px": 80, "difficulty": None, "seed": 0, "meth
             "pretrain_sets": [], "finetune_sets": [], "local": {}}
 #: settings that only pick cells (their cells' keys hold them): a re-run may add some to a folder
 SELECTORS = ("methods", "fractions", "tables")
+#: how a one-seed table becomes one over seeds (no training-seed axis: the seed draws data and models)
+RERUN = "the tables again with --seed 1 and --seed 2, one --out per seed"
+
+
+def seeds_note(s: dict, methods) -> str | None:
+    """The line under a table: its rows rest on the folder's one seed."""
+    return few_seeds_note({METHODS[m]["label"]: [s["seed"]] for m in methods}, rerun=RERUN)
 
 
 def table_settings(profile: str = "bench", **overrides) -> dict:
@@ -275,13 +288,14 @@ def write_tables(out: str, s: dict, results: Mapping, say: Callable[[str], None]
             continue
         notes = [f"profile {s['profile']}; {stage} fine-tuning; mean +- std over the {N_DEVICES} devices' test sets",
                  verdict(values, f"Table {roman}")]
+        few = seeds_note(s, dict.fromkeys(m for m, _ in values))
         for metric in METRICS:
             name = f"table{roman}_{metric}"
             written[name] = write_table(out, name, summary_rows(values, f"Table {roman}", metric),
                                         title=f"FedCLF Table {roman}: {stage} fine-tuning, mean {metric} (%)",
                                         paper=_paper(roman, metric, s["methods"]),
                                         paper_source=FEDCLF_SOURCE.format(table=f"Table {roman}"), score=f"{metric} (%)",
-                                        notes=notes, digits=2)
+                                        notes=notes, digits=2, footer=[few] if few else [])
             with open(written[name]["txt"]) as f:
                 say(f.read().rstrip())
         fig = {k: v for k, v in values.items() if METHODS[k[0]].get("fig6") and k[1] == 0.1}
@@ -289,32 +303,36 @@ def write_tables(out: str, s: dict, results: Mapping, say: Callable[[str], None]
             rows = summary_rows(fig, "Fig. 6", "recall")
             paper = [{**r, "method": next(METHODS[m]["label"] for m in METHODS if METHODS[m].get("fig6") == r["method"])}
                      for r in fedclf_paper_rows("Fig6")]
+            few = seeds_note(s, dict.fromkeys(m for m, _ in fig))
             written["fig6"] = write_table(out, "fig6_recall", rows, title="FedCLF Fig. 6: ablation, federated L=10%",
                                           paper=paper, paper_source=FEDCLF_SOURCE.format(table="Fig. 6"),
-                                          score="recall (%)", digits=2)
+                                          score="recall (%)", digits=2, footer=[few] if few else [])
     return written
 
 
 def run_fedclf_tables(out: str, settings: dict, *, data_root: str | None = None, workers: int = 1,
-                      say: Callable[[str], None] = print, simulate=run_simulation) -> dict:
-    """Run (or resume) the cells of the chosen tables into ``out`` and write their files."""
+                      say: Callable[[str], None] = print, simulate=run_simulation,
+                      threads: int = DEFAULT_THREADS) -> dict:
+    """Run (or resume) the cells of the chosen tables into ``out`` and write their files.  ``threads``: torch
+    threads of this process and of each of the ``workers`` (a setting of the folder)."""
     t0 = time.time()
-    out, devices, store = start_run(out, settings, SELECTORS, data_root, lambda o: prepare_devices(o, settings, say))
+    out, devices, store = start_run(out, settings, SELECTORS, data_root, lambda o: prepare_devices(o, settings, say),
+                                    threads=threads, say=say)
     pre = pretrain_cells(settings)
     done = run_cells(pre, lambda key: pretrain(key, out, devices, settings, simulate), store, say=say,
-                     label="FedCLF pre-training (FLARE simulator)")
+                     label="FedCLF pre-training (FLARE simulator)", threads=threads)
     pretrained = {k["method"]: r for k, r in zip(pre, done)}
     results = {}
     cells = local_cells(settings)
     if cells:
         fn = functools.partial(local_one, devices=devices, s=settings, pretrained=pretrained)
         rows = run_cells(cells, fn, store, say=say, workers=workers, cost=lambda key: key["fraction"],
-                         label="Table I cells (local fine-tuning)")
+                         label="Table I cells (local fine-tuning)", threads=threads)
         results.update({("local", k["method"], k["fraction"], k["site"]): r for k, r in zip(cells, rows)})
     cells = federated_cells(settings)
     if cells:
         rows = run_cells(cells, lambda key: federated_one(key, out, devices, settings, pretrained, simulate), store,
-                         say=say, label="Table II cells (federated fine-tuning, FLARE simulator)")
+                         say=say, label="Table II cells (federated fine-tuning, FLARE simulator)", threads=threads)
         results.update({("federated", k["method"], k["fraction"], None): r for k, r in zip(cells, rows)})
     written = write_tables(out, settings, results, say)
     diag = pretrain_diagnostics(out, settings["methods"])
@@ -335,7 +353,8 @@ DEMO = {"methods": ["random", "fedmoco", "fedclf"], "fractions": [0.1, 0.8], "ta
 
 
 def run_fedclf_demo(out: str, *, workers: int = 2, profile: str = "quick", say: Callable[[str], None] = print,
-                    simulate=run_simulation) -> dict:
+                    simulate=run_simulation, threads: int = DEFAULT_THREADS) -> dict:
     """The FedCLF demo: :func:`run_fedclf_tables` with :data:`DEMO`'s cells at ``profile`` (resumable like it)."""
-    return run_fedclf_tables(out, table_settings(profile, **DEMO), workers=workers, say=say, simulate=simulate)
+    return run_fedclf_tables(out, table_settings(profile, **DEMO), workers=workers, say=say, simulate=simulate,
+                             threads=threads)
 

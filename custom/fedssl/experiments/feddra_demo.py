@@ -19,7 +19,9 @@ Every cell reports per-client text-to-image R@1 / R@5 on the clients' test split
 paper's protocol), the average and the worst client, the DRO weights per turn, the matched-pair cosine per turn
 (held-out pairs, Fig. 4d-f), and a few-shot linear probe (1 % and 10 % labels) of the frozen image encoder on two
 out-of-distribution sets (RSNA-Pneumonia-like and COVIDx-like layouts).  Cells are stored as they finish
-(``cells.jsonl``): an interrupted run resumes.
+(``cells.jsonl``): an interrupted run resumes.  The in-process baselines and the probes compute with ``threads``
+torch threads, recorded in ``run_config.json`` with the environment.  Seeds 0, 1 and 2 unless told otherwise; a
+run of fewer (the demo: one) says under its table that its comparison is not a finding.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ from fedssl.data.vlp import VLPDataset, VLPRecord, load_covidx, load_manifest, l
 from fedssl.data.vocab import build_wordpiece_vocab, make_tokenizer, merge_word_counts, site_word_counts
 from fedssl.eval.feddra_report import cosine_per_turn_png, format_table3, lambda_trajectory_png
 from fedssl.eval.retrieval import client_summary
+from fedssl.experiments.environment import DEFAULT_THREADS
 from fedssl.experiments.fcl_finetune import load_global_state
-from fedssl.experiments.table_runner import format_duration, run_cells, start_run
+from fedssl.experiments.table_runner import few_seeds_note, format_duration, run_cells, start_run
 from fedssl.models.vlp import VisionLanguageModel
 from fedssl.ops.jobs import REPO_ROOT
 from fedssl.ops.simulate import global_model_path, run_simulation, server_run_dir
@@ -334,16 +337,19 @@ def paired_worst(rows: Sequence[Mapping[str, Any]], a: str, b: str, key: str = "
     return {"diff": m, "std": sd, "n": len(diffs), "beyond_spread": bool(len(diffs) > 1 and abs(m) > sd)}
 
 
-def run(out: str, variants: Sequence[str] = ("fedavg", "feddra"), seeds: Sequence[int] = (0,),
-        settings: Mapping[str, Any] | None = None, data_root: str | None = None) -> dict:
-    """Run (or resume) every (variant, seed) cell; write results.json / results.md / per-seed PNGs under ``out``."""
+def run(out: str, variants: Sequence[str] = ("fedavg", "feddra"), seeds: Sequence[int] = (0, 1, 2),
+        settings: Mapping[str, Any] | None = None, data_root: str | None = None,
+        threads: int = DEFAULT_THREADS) -> dict:
+    """Run (or resume) every (variant, seed) cell; write results.json / results.md / per-seed PNGs under ``out``.
+    ``threads``: torch threads of this process (a setting of the folder, in its run_config.json)."""
     settings = {**DEMO, **(settings or {})}
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         raise ValueError(f"unknown variants {bad}; choose from {list(VARIANTS)}")
     out, data, store = start_run(out, {**settings, "variants": list(variants), "seeds": list(seeds)},
                                  ("variants", "seeds"), data_root,
-                                 lambda o: write_demo_data(os.path.join(o, "data"), settings, seed=0))
+                                 lambda o: write_demo_data(os.path.join(o, "data"), settings, seed=0),
+                                 threads=threads)
     cells = [{"variant": v, "seed": s} for s in seeds for v in variants]
 
     def one(key: dict) -> dict:
@@ -351,7 +357,8 @@ def run(out: str, variants: Sequence[str] = ("fedavg", "feddra"), seeds: Sequenc
         return fn(key, data, out, settings)
 
     t0 = time.time()
-    results = run_cells(cells, one, store, label="FedDRA", cost=lambda k: 0.5 if k["variant"] in LOCAL else 1.0)
+    results = run_cells(cells, one, store, label="FedDRA", cost=lambda k: 0.5 if k["variant"] in LOCAL else 1.0,
+                        threads=threads)
     rows = [cell_row(r) for r in results]
     table = format_results(rows, variants)
     verdicts = {f"{a} - fedavg, {k}": paired_worst(rows, a, "fedavg", k) for a in variants if a != "fedavg"
@@ -364,7 +371,10 @@ def run(out: str, variants: Sequence[str] = ("fedavg", "feddra"), seeds: Sequenc
            for r in results if r["seed"] == seeds[0] for c in r["cosine_per_turn"]]
     if cos:
         cosine_per_turn_png(cos, os.path.join(out, "cosine_per_turn.png"), "matched image-text cosine (held-out pairs)")
-    report = {"settings": settings, "rows": rows, "cells": results, "verdicts": verdicts,
+    # a comparison of fewer than three seeds is not a finding: said under the table
+    note = few_seeds_note({v: [r["seed"] for r in rows if r["variant"] == v] for v in variants},
+                          rerun="fedssl feddra table --seeds 0 1 2") if len(variants) > 1 else None
+    report = {"settings": settings, "rows": rows, "cells": results, "verdicts": verdicts, "seeds_note": note,
               "wall_time_s": round(time.time() - t0, 1)}
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(report, f, indent=1)
@@ -378,6 +388,8 @@ def run(out: str, variants: Sequence[str] = ("fedavg", "feddra"), seeds: Sequenc
             verdict = ("one seed: no spread" if v["n"] < 2 else
                        "beyond the spread" if v["beyond_spread"] else "within the spread")
             lines.append(f"{name}: {100 * v['diff']:+.1f} +- {100 * v['std']:.1f} points over {v['n']} seed(s), {verdict}")
+    if note:
+        lines.append(note)
     lines.append(f"\nwall time {format_duration(time.time() - t0)}")
     text = "\n".join(lines)
     with open(os.path.join(out, "results.md"), "w") as f:

@@ -17,7 +17,9 @@ Each metric (recall = balanced accuracy, precision, F1, specificity, AUC, accura
 the mean +- std over the 10 clients' models on the test set, beside the paper's (the mean of its 3 runs).  Cells
 (one pre-training per method, one local fine-tuning per method and client) run through
 :mod:`fedssl.experiments.table_runner`: resumable, with progress and ETA.  A profile's ``tables.fedmae_table3``
-shortens it for a CPU (``quick``: the demo-sized run).
+shortens it for a CPU (``quick``: the demo-sized run).  The local cells compute with ``threads`` torch threads per
+process (this one and each worker), recorded in ``run_config.json`` with the environment.  One seed per folder
+(``seed``: the images, the partition and the models): the table says under it that its comparison is not a finding.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ from fedssl.eval.paper_tables import FEDCLF_SOURCE, FEDMAE_TABLE3_METRICS, fedma
 from fedssl.eval.report import paired_difference
 from fedssl.experiments import fedclf_tables
 from fedssl.experiments.fcl_finetune import load_global_state
+from fedssl.experiments.environment import DEFAULT_THREADS
 from fedssl.experiments.sslfl_local import PAPER_LOCAL, finetune_site
-from fedssl.experiments.table_runner import plain_json, run_cells, start_run, write_table
+from fedssl.experiments.table_runner import few_seeds_note, plain_json, run_cells, start_run, write_table
 from fedssl.ops.jobs import REPO_ROOT, component_specs, configured_job, load_profile
 from fedssl.ops.simulate import run_simulation
 from fedssl.train.resnet_classifier import local_finetune_device
@@ -216,13 +219,15 @@ def verdicts(results: Mapping[tuple[str, str], dict]) -> list[str]:
 
 
 def run_table3(out: str, settings: dict, *, data_root: str | None = None, workers: int = 1,
-               say: Callable[[str], None] = print, simulate=run_simulation) -> dict:
-    """Run (or resume) Table III's cells into ``out`` and write ``tableIII.{json,csv,txt,png}``."""
+               say: Callable[[str], None] = print, simulate=run_simulation, threads: int = DEFAULT_THREADS) -> dict:
+    """Run (or resume) Table III's cells into ``out`` and write ``tableIII.{json,csv,txt,png}``.  ``threads``: torch
+    threads of this process and of each of the ``workers`` (a setting of the folder)."""
     t0 = time.time()
-    out, parts, store = start_run(out, settings, SELECTORS, data_root, lambda o: prepare_partition(o, settings, say))
+    out, parts, store = start_run(out, settings, SELECTORS, data_root, lambda o: prepare_partition(o, settings, say),
+                                  threads=threads, say=say)
     pre = [{"stage": "pretrain", "method": m} for m in settings["methods"] if METHODS[m]["sets"] is not None]
     done = run_cells(pre, lambda key: pretrain(key, out, parts, settings, simulate), store, say=say,
-                     label="Table III pre-training (FLARE simulator)")
+                     label="Table III pre-training (FLARE simulator)", threads=threads)
     pretrained = {k["method"]: r for k, r in zip(pre, done)}
     cells = [{"stage": "local", "method": m, "site": f"site-{k}"} for m in settings["methods"]
              for k in range(1, N_CLIENTS + 1)]
@@ -230,13 +235,16 @@ def run_table3(out: str, settings: dict, *, data_root: str | None = None, worker
     kw = {"CNN": cnn_local_settings(settings) if "CNN" in families else None,
           "ViT": vit_local_settings(settings) if "ViT" in families else None}
     rows = run_cells(cells, functools.partial(_local_cell, parts=parts, s=settings, pretrained=pretrained, kw=kw), store,
-                     say=say, workers=workers, label="Table III cells (local fine-tuning, 80 % labels)")
+                     say=say, workers=workers, label="Table III cells (local fine-tuning, 80 % labels)", threads=threads)
     results = {(k["method"], k["site"]): r for k, r in zip(cells, rows)}
     lines = verdicts(results)
     notes = [f"profile {settings['profile']}; local fine-tuning with {int(100 * LABEL_FRACTION)} % labels; mean +- std "
              f"over the {N_CLIENTS} clients' models on the test set; CNN = ResNet-50, ViT = FedMAE-KS's ViT", *lines]
     paper = fedmae_table3_rows([(METHODS[m]["family"], METHODS[m]["row"]) for m in settings["methods"]])
+    few = few_seeds_note({label(m): [settings["seed"]] for m in settings["methods"]},
+                         rerun="the table again with --seed 1 and --seed 2, one --out per seed")
     written = {"table3": write_table(out, "tableIII", summary_rows(results), paper=paper, notes=notes, digits=2,
+                                     footer=[few] if few else [],
                                      title="FedMAE-KS Table III: local fine-tuning, 80 % labels (%)",
                                      paper_source=FEDCLF_SOURCE.format(table="Table III"), score="metric (%)")}
     with open(written["table3"]["txt"]) as f:

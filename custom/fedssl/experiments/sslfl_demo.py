@@ -14,7 +14,9 @@ synthetic dermatology.  Runs at the quick profile on a CPU (tiny ViT: 32 px, pat
    randomly initialised ViT ("ViT scratch"), each with model selection on the sites' validation splits and a
    final test of the selected global model (FinalEvaluation);
 4. prints the table (test accuracy, balanced accuracy, AUC, macro F1 of the validation-selected model) and
-   writes ``sslfl_demo_summary.json`` (with bytes per site per round of every run) and ``sslfl_demo.png``.
+   writes ``sslfl_demo_summary.json`` (with bytes per site per round of every run) and ``sslfl_demo.png``;
+   ``run_config.json`` holds the settings, the torch thread count of this process and the environment.  One seed:
+   the table says its comparison is not a finding (``fedssl sslfl tables`` runs seeds 0-2).
 
 Every number printed is read back from the runs' ``test_metrics.json``; nothing is estimated.
 """
@@ -26,6 +28,8 @@ import os
 import time
 
 from fedssl.eval.report import accuracy_verdict
+from fedssl.experiments.environment import DEFAULT_THREADS, set_threads
+from fedssl.experiments.table_runner import few_seeds_note, write_run_config
 from fedssl.ops.jobs import REPO_ROOT
 from fedssl.ops.simulate import run_simulation
 
@@ -175,12 +179,19 @@ def write_demo_images(out: str, dataset: str, n_images: int, image_px: int, n_si
 
 def run_sslfl_demo(out: str, *, methods=("fedmae",), n_images: int = 2800, image_px: int = 40, n_sites: int = 5,
                    alpha: float = 0.5, pre_rounds: int = 20, ft_rounds: int = 60, ft_epochs: int = 1, ft_steps: int = 4,
-                   ft_lr: float = 0.003, seed: int = 0, scratch: bool = True) -> dict:
+                   ft_lr: float = 0.003, seed: int = 0, scratch: bool = True,
+                   threads: int = DEFAULT_THREADS) -> dict:
     """Pre-train with each of ``methods`` (keys of :data:`VARIANTS`, one data set), fine-tune each encoder and (with
-    ``scratch``) a randomly initialised ViT federatedly, print and write the test table."""
+    ``scratch``) a randomly initialised ViT federatedly, print and write the test table.  ``threads``: torch
+    threads of this process, recorded in ``out/run_config.json`` with the environment."""
     dataset = check_methods(methods)
     t0 = time.time()
     out = os.path.abspath(out)
+    set_threads(threads)
+    write_run_config(out, {"demo": "sslfl", "methods": list(methods), "scratch": scratch, "n_images": n_images,
+                           "image_px": image_px, "n_sites": n_sites, "alpha": alpha, "pre_rounds": pre_rounds,
+                           "ft_rounds": ft_rounds, "ft_epochs": ft_epochs, "ft_steps": ft_steps, "ft_lr": ft_lr,
+                           "seed": seed}, threads=threads)
     split = VARIANTS[list(methods)[0]]["split"]
     split_text = f"Dirichlet alpha {alpha:g}" if split == "dirichlet" else "IID shards"
     parts = write_demo_images(out, dataset, n_images, image_px, n_sites, alpha, seed, t0, split)
@@ -231,6 +242,8 @@ def run_sslfl_demo(out: str, *, methods=("fedmae",), n_images: int = 2800, image
         "pretraining": pretraining,
         "finetuning": rows,
         "verdicts": verdicts(rows),
+        "seeds_note": few_seeds_note({r["method"]: [seed] for r in rows}, rerun=(
+            "fedssl sslfl tables --seeds 0 1 2" if dataset == "retina" else "the demo with --seed 1 and --seed 2 too")),
         "demo_wall_time_s": round(time.time() - t0, 1),
     }
     with open(os.path.join(out, "sslfl_demo_summary.json"), "w") as f:
@@ -241,6 +254,8 @@ def run_sslfl_demo(out: str, *, methods=("fedmae",), n_images: int = 2800, image
     print(format_table(rows))
     for line in summary["verdicts"]:
         print(line)
+    if len(rows) > 1:  # a comparison: of one seed
+        print(summary["seeds_note"])
     print(f"\nsummary: {os.path.join(out, 'sslfl_demo_summary.json')}; plot: {os.path.join(out, 'sslfl_demo.png')}")
     _say(t0, "demo finished")
     return summary

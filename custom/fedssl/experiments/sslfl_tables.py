@@ -23,6 +23,11 @@ FLARE simulator at the profile's settings (``bench`` by default):
 Cells run through :mod:`fedssl.experiments.table_runner` (``cells.jsonl`` in the output folder: an interrupted run
 resumes at the first unfinished cell; progress lines with ETA) and the table is written as JSON / CSV / TXT / PNG
 with the paper's Table II beside it (labelled as the paper's).  Every number is read back from a run's files.
+
+Seeds: every cell runs once per seed (data, partition and jobs), seeds 0, 1 and 2 unless told otherwise (the bench
+profile's ``tables.sslfl.seeds``); a row of fewer than three seeds is marked under the table as not a finding.  The
+diagnostics compute in this process with ``threads`` torch threads, recorded in ``run_config.json`` with the
+environment.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ from fedssl.eval.paper_tables import SSLFL_SOURCE, sslfl_paper_rows
 from fedssl.eval.report import accuracy_verdict
 from fedssl.experiments.diagnostics import diagnose_vit, format_diagnostics
 from fedssl.experiments.sslfl_demo import VARIANTS, balance_retina
-from fedssl.experiments.table_runner import CellStore, check_run_config, plain_json, run_cells, write_table
+from fedssl.experiments.environment import DEFAULT_THREADS
+from fedssl.experiments.table_runner import CellStore, begin_run, few_seeds_note, plain_json, run_cells, write_table
 from fedssl.ops.jobs import REPO_ROOT, component_specs, configured_job, load_profile
 from fedssl.ops.simulate import run_simulation
 
@@ -63,7 +69,7 @@ PAPER_SOURCE = SSLFL_SOURCE.format(table="II") + " (ViT-B, 9,000 Kaggle DR image
 #: the table's settings when the profile's "tables": {"sslfl": {...}} leaves them out (the demo's data size);
 #: ``pretrain_rounds`` / ``finetune_rounds`` None = the profile's job settings
 DEFAULTS = {"n_images": 2800, "image_px": 40, "difficulty": None, "n_sites": 5, "test_fraction": 0.2, "min_per_site": 10,
-            "splits": [1, 2, 3], "methods": ["scratch", "fedmae", "fedbeit"], "seeds": [0],
+            "splits": [1, 2, 3], "methods": ["scratch", "fedmae", "fedbeit"], "seeds": [0, 1, 2],
             "pretrain_rounds": None, "finetune_rounds": None}
 
 
@@ -257,15 +263,23 @@ def paper_rows(settings: dict) -> list[dict]:
             for r in sslfl_paper_rows("II", [PAPER_LABELS[m]]) if r["column"] in columns]
 
 
+def seeds_note(settings: dict, results: dict) -> str | None:
+    """The line under the table where a row (method, split) rests on fewer than three finished seeds."""
+    covered = {f"{METHODS[m]['label']} Split{sp}": [sd for sd in settings["seeds"] if (m, sp, sd) in results]
+               for m in settings["methods"] for sp in settings["splits"]}
+    return few_seeds_note({k: v for k, v in covered.items() if v})
+
+
 def run_sslfl_table(out: str, settings: dict, say: Callable[[str], None] = print, simulate=run_simulation,
-                    diagnose=diagnose_cell) -> dict:
+                    diagnose=diagnose_cell, threads: int = DEFAULT_THREADS) -> dict:
     """Run (or resume) the table's cells into ``out`` and write ``sslfl_retina_table.{json,csv,txt,png}`` (the
     diagnostics block appended to the text).  ``simulate`` / ``diagnose`` stand in for the simulator and
-    :func:`diagnose_cell` in tests."""
+    :func:`diagnose_cell` in tests.  ``threads``: torch threads of this process (the diagnostics), a setting of
+    the folder."""
     t0 = time.time()
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
-    check_run_config(out, {k: v for k, v in settings.items() if k not in SELECTORS})
+    begin_run(out, {k: v for k, v in settings.items() if k not in SELECTORS}, threads=threads, say=say)
     store = CellStore(os.path.join(out, "cells.jsonl"))
     parts = {}
     for seed in settings["seeds"]:
@@ -277,13 +291,13 @@ def run_sslfl_table(out: str, settings: dict, say: Callable[[str], None] = print
 
     pre = pretrain_cells(settings)
     if pre:
-        run_cells(pre, cell, store, say=say, label="SSL-FL retina pre-training")
+        run_cells(pre, cell, store, say=say, label="SSL-FL retina pre-training", threads=threads)
     fine = finetune_cells(settings)
-    done = run_cells(fine, cell, store, say=say, label="SSL-FL retina fine-tuning")
+    done = run_cells(fine, cell, store, say=say, label="SSL-FL retina fine-tuning", threads=threads)
     results = {(k["method"], k["split"], k["seed"]): r for k, r in zip(fine, done)}
     diag_keys = diagnostics_cells(settings)
     diags = run_cells(diag_keys, lambda key: diagnose(key, out, settings, parts, store), store, say=say,
-                      label="diagnostics (spread, linear probe)") if diag_keys else []
+                      label="diagnostics (spread, linear probe)", threads=threads) if diag_keys else []
     rows = summary_rows(settings, results)
     n_seeds = len(settings["seeds"])
     notes = [f"synthetic retina: {settings['n_images']} images written ({settings['image_px']} px), balanced subset, "
@@ -294,9 +308,10 @@ def run_sslfl_table(out: str, settings: dict, say: Callable[[str], None] = print
              "block is its Table II", *table_verdicts(settings, results)]
     extra = {"settings": settings, "cells": [{"key": k, "result": r} for k, r in zip(fine, done)],
              "diagnostics": diags, "wall_time_s": round(time.time() - t0, 1)}
+    few = seeds_note(settings, results)
     paths = write_table(out, "sslfl_retina_table", rows, title="SSL-FL retina table (Table II): test accuracy (%)",
                         paper=paper_rows(settings), paper_source=PAPER_SOURCE, score="accuracy (%)", notes=notes,
-                        extra=extra, digits=2)
+                        extra=extra, digits=2, footer=[few] if few else [])
     diag_text = format_diagnostics(diags) if diags else ""
     if diag_text:
         with open(paths["txt"], "a") as f:

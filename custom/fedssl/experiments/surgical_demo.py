@@ -6,7 +6,9 @@ mean AUROC over shared and unique classes and on the external set.
 Site 1 holds the 14 NIH classes, site 2 the 13 CheXpert classes (7 shared), as in the paper.  Every run is
 the same job with switches (``server.class_registration.method`` and ``.backbone``).  Everything lands in
 ``out``: data, simulator workspaces (each server run folder has results.md / results.json / auroc.png),
-``central/`` (the same files), and ``surgical_demo.json`` / ``surgical_demo.md`` with the comparison.
+``central/`` (the same files), ``surgical_demo.json`` / ``surgical_demo.md`` with the comparison, and
+``run_config.json`` (the settings, the torch thread count of this process -- the centralised baseline trains here --
+and the environment).  Every method runs once, at the job's seed 0: the comparison says it is not a finding.
 """
 
 from __future__ import annotations
@@ -16,12 +18,17 @@ import os
 import time
 
 from fedssl.core.multilabel import MISSING_CLASS_RULES
+from fedssl.experiments.environment import DEFAULT_THREADS, set_threads
 from fedssl.experiments.surgical_central import run_centralised
+from fedssl.experiments.table_runner import few_seeds_note, write_run_config
 from fedssl.ops.jobs import REPO_ROOT
 from fedssl.ops.simulate import run_simulation
 
 JOB = os.path.join(REPO_ROOT, "jobs", "surgical_cxr")
 METHODS = ("surgical", "vanilla", "partial_loss")
+#: how a comparison of the demo's one-seed runs becomes one over seeds
+RERUN = ("each method at job seeds 0 1 2 (--set server.model.seed=S --set client.cxr_trainer.seed=S) and "
+         "fedssl surgical compare over the runs")
 
 
 def _say(t0: float, msg: str) -> None:
@@ -95,12 +102,13 @@ def _verdict(part: dict, threshold: float) -> str:
 
 def run_surgical_demo(out: str, *, rounds: int = 10, n_patients: int = 500, methods=METHODS, lr: float = 0.01,
                       local_epochs: int = 3, backbone: str = "fedavg", central: bool = True,
-                      central_missing: str = "negative") -> dict:
+                      central_missing: str = "negative", threads: int = DEFAULT_THREADS) -> dict:
     """Without ImageNet weights there are no pre-trained batch-norm statistics for FedBN+ (the job's paper
     setting) to freeze, so the demo runs the paper's other global-model strategy, FedAvg, by default.
     ``central``: add the centralised baseline (``fedssl.experiments.surgical_central``: same code, pooled data, same
     settings; nothing is exchanged, so its KB/site/round is 0); ``central_missing``: its sources' unlabelled classes
-    are "negative" (paper sec. 2.3) or "ignore"d (masked)."""
+    are "negative" (paper sec. 2.3) or "ignore"d (masked).  ``threads``: torch threads of this process (the
+    centralised baseline), recorded in ``out/run_config.json`` with the environment."""
     t0 = time.time()
     out = os.path.abspath(out)
     from fedssl.flare.constants import BACKBONES
@@ -109,6 +117,10 @@ def run_surgical_demo(out: str, *, rounds: int = 10, n_patients: int = 500, meth
         raise ValueError(f"backbone={backbone!r}: use one of {list(BACKBONES)}")
     if central_missing not in MISSING_CLASS_RULES:
         raise ValueError(f"central_missing={central_missing!r}: use one of {list(MISSING_CLASS_RULES)}")
+    set_threads(threads)
+    write_run_config(out, {"demo": "surgical", "rounds": rounds, "n_patients": n_patients, "methods": list(methods),
+                           "lr": lr, "local_epochs": local_epochs, "backbone": backbone, "central": central,
+                           "central_missing": central_missing, "seeds": [0]}, threads=threads)
     data = os.path.join(out, "data")
     if not os.path.isdir(os.path.join(data, "mimic")):
         _say(t0, f"writing synthetic NIH-like (site-1), CheXpert-like (site-2) and MIMIC-like (external) data, "
@@ -144,18 +156,23 @@ def run_surgical_demo(out: str, *, rounds: int = 10, n_patients: int = 500, meth
         _say(t0, f"centralised: site mean AUROC {_fmt(row['mean_auroc'])} (shared {_fmt(row['shared_auroc'])}, unique "
                  f"{_fmt(row['unique_auroc'])}), external {_fmt(row['external_auroc'])} in {row['wall_time_s']} s")
     table = comparison_table(rows)
-    report = {"backbone": backbone, "rows": rows, "runs": runs, "demo_wall_time_s": round(time.time() - t0, 1)}
+    note = few_seeds_note({r["method"]: [0] for r in rows}, rerun=RERUN) if len(rows) > 1 else None
+    report = {"backbone": backbone, "rows": rows, "runs": runs, "seeds_note": note,
+              "demo_wall_time_s": round(time.time() - t0, 1)}
     check = None
     if "surgical" in runs:
         check = report["surgical_predicts_every_class"] = class_check(runs["surgical"])
     with open(os.path.join(out, "surgical_demo.json"), "w") as f:
         json.dump(report, f, indent=2)
     with open(os.path.join(out, "surgical_demo.md"), "w") as f:
-        f.write("# Surgical aggregation demo (synthetic data, quick profile)\n\n```\n" + table + "\n```\n")
+        f.write("# Surgical aggregation demo (synthetic data, quick profile)\n\n```\n" + table + "\n```\n"
+                + (f"\n{note}\n" if note else ""))
     print()
     print(f"Mean AUROC (backbone {backbone}; site test sets: each site's classes; external: the MIMIC-like set, "
           "all 20 classes)")
     print(table)
+    if note:
+        print(note)
     if check is not None:
         print(f"\nsurgical global model, per class ({check['classes']} classes of the union; site test sets: lowest over "
               "the sites labelling the class):")

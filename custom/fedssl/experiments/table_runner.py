@@ -11,6 +11,10 @@ hours on a CPU, so:
   cells in worker processes (``workers``) for throughput on a few CPU cores.
 - :func:`write_table` writes the summary rows as JSON, CSV, a text table (the paper's numbers beside the bundle's,
   in a block labelled as the paper's) and a PNG (score vs column per method, error bars; the paper's dashed).
+- :func:`begin_run` / :func:`start_run`: the torch thread count of the run's processes (a setting: a cell gives
+  other numbers with another one) and the environment it computes in (:mod:`fedssl.experiments.environment`: a
+  fact, listed per folder) in ``run_config.json`` beside the other settings (:func:`check_run_config`).
+- :func:`few_seeds_note`: the line a table prints where its rows rest on fewer than :data:`MIN_SEEDS` seeds.
 """
 
 from __future__ import annotations
@@ -26,6 +30,14 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
+
+from fedssl.experiments.environment import (
+    DEFAULT_THREADS,
+    check_threads,
+    environment,
+    environment_changes,
+    set_threads,
+)
 
 SCALARS = (str, int, float, bool, type(None))
 
@@ -194,15 +206,29 @@ def plain_json(value: Any) -> Any:
 
 
 def start_run(out: str, settings: Mapping[str, Any], selectors: Sequence[str], data_root: str | None,
-              prepare: Callable[[str], str]) -> tuple[str, str, CellStore]:
-    """The common start of a table run: ``out`` made absolute and created, its run_config checked (``settings``
-    less the cell ``selectors``, plus ``data_root``), the data folder (``data_root``, or ``prepare(out)`` that
-    writes synthetic data under ``out``) and the run's cell store.  Returns ``(out, data folder, store)``."""
+              prepare: Callable[[str], str], *, threads: int = DEFAULT_THREADS,
+              say: Callable[[str], None] = print) -> tuple[str, str, CellStore]:
+    """The common start of a table run: ``out`` made absolute and created, this process set to ``threads`` torch
+    threads and the run_config checked (:func:`begin_run`: ``settings`` less the cell ``selectors``, plus
+    ``data_root`` and ``threads``), the data folder (``data_root``, or ``prepare(out)`` that writes synthetic data
+    under ``out``) and the run's cell store.  Returns ``(out, data folder, store)``."""
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
-    check_run_config(out, {**{k: v for k, v in settings.items() if k not in selectors}, "data_root": data_root})
+    begin_run(out, {**{k: v for k, v in settings.items() if k not in selectors}, "data_root": data_root},
+              threads=threads, say=say)
     root = os.path.abspath(data_root) if data_root else prepare(out)
     return out, root, CellStore(os.path.join(out, "cells.jsonl"))
+
+
+def begin_run(out: str, config: Mapping[str, Any], *, threads: int = DEFAULT_THREADS,
+              say: Callable[[str], None] = print) -> dict:
+    """Set this process's torch thread count to ``threads`` (the cells computed here, and :func:`run_cells`'
+    workers when it is passed on), then :func:`check_run_config` of ``config`` plus ``threads`` with this
+    process's :func:`~fedssl.experiments.environment.environment`.  Returns the config as recorded."""
+    set_threads(check_threads(threads))
+    config = {**config, "threads": threads}
+    check_run_config(out, config, env=environment(), say=say)
+    return config
 
 
 def read_run_config(out: str, fix: str) -> dict | None:
@@ -221,22 +247,91 @@ def read_run_config(out: str, fix: str) -> dict | None:
     return config
 
 
-def check_run_config(out: str, config: Mapping[str, Any]) -> None:
+#: the key of ``run_config.json`` that lists the environments a folder's cells were computed in (facts, not settings)
+ENVIRONMENTS = "environments"
+#: settings recorded only since a later version: a run_config written before lacks them and still resumes (the
+#: setting is recorded from then on, with a line saying so); one that has them must match like any setting
+LATER_SETTINGS = ("threads",)
+
+
+def check_run_config(out: str, config: Mapping[str, Any], *, env: Mapping[str, Any] | None = None,
+                     say: Callable[[str], None] = print) -> None:
     """The settings a table run's cells are computed with, recorded in ``out/run_config.json`` on the first run; a
     re-run into the same folder must use the same ones (cells of other settings would otherwise be mixed into one
-    table): a ValueError names the file and every setting that changed."""
+    table): a ValueError names the file and every setting that changed (the thread count among them: another one
+    gives other numbers).  A setting of :data:`LATER_SETTINGS` that an older run_config lacks is recorded now.
+
+    ``env`` (:func:`~fedssl.experiments.environment.environment`) is a fact, not a setting: it is appended to the
+    file's :data:`ENVIRONMENTS` list when it is not there yet, and a folder whose earlier cells were computed in
+    another environment resumes with a warning line naming what differs (versions, CPU, BLAS, thread variables)."""
     path = os.path.join(out, "run_config.json")
+    if ENVIRONMENTS in config:
+        raise ValueError(f"check_run_config: {ENVIRONMENTS!r} is the record of environments, not a setting")
     old = read_run_config(out, f"remove it only if {out} holds no cells of other settings, or use another --out")
+    seen: list = []
+    added: list[str] = []
     if old is not None:
-        changed = sorted(k for k in set(old) | set(config) if old.get(k) != config.get(k))
+        seen = old.pop(ENVIRONMENTS, [])
+        seen = seen if isinstance(seen, list) else []
+        added = [k for k in LATER_SETTINGS if k in config and k not in old]
+        changed = sorted(k for k in set(old) | set(config) if old.get(k) != config.get(k) and k not in added)
         if changed:
+            fix = ("re-run with the same settings to resume, or use another --out"
+                   + (f" (threads: pass --threads {old['threads']} to resume this folder)" if "threads" in changed
+                      and "threads" in old else ""))
             raise ValueError(f"{path}: the cells in {out} were computed with other settings: "
-                             + ", ".join(f"{k}={old.get(k)!r} (now {config.get(k)!r})" for k in changed)
-                             + "; re-run with the same settings to resume, or use another --out")
-        return
+                             + ", ".join(f"{k}={old.get(k)!r} (now {config.get(k)!r})" for k in changed) + "; " + fix)
+        if added:
+            say(f"{path}: " + ", ".join(f"{k}={config[k]!r}" for k in added) + " recorded from now on (the cells "
+                "already there were computed before it was recorded)")
+    new_env = env is not None and dict(env) not in seen
+    if new_env and seen:
+        say(f"warning: {path}: this run's environment differs from the one its cells were last computed in ("
+            + environment_changes(seen[-1], env) + "); resuming, and adding it to the record: cells of the two may "
+            "differ in the last digits")
+    if old is None or added or new_env:
+        os.makedirs(out, exist_ok=True)
+        record = {**config, ENVIRONMENTS: seen + ([dict(env)] if new_env else [])}
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f, indent=2)
+        os.replace(path + ".tmp", path)
+
+
+def write_run_config(out: str, config: Mapping[str, Any], *, threads: int) -> str:
+    """A demo's ``out/run_config.json``: its settings, ``threads`` and the environment of this process (a list of
+    one, as a table run's).  A demo runs all of its steps again, so the file is written anew every time.  Returns
+    its path."""
     os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "run_config.json")
     with open(path, "w") as f:
-        json.dump(dict(config), f, indent=2)
+        json.dump({**config, "threads": check_threads(threads), ENVIRONMENTS: [environment()]}, f, indent=2)
+    return path
+
+
+#: a table's rows and paired differences are findings only over at least this many training seeds
+MIN_SEEDS = 3
+
+
+def _seeds_text(seeds: Sequence[int]) -> str:
+    words = {1: "one seed", 2: "two seeds"}
+    return f"{words.get(len(seeds), f'{len(seeds)} seeds')} ({', '.join(str(s) for s in seeds)})"
+
+
+def few_seeds_note(covered: Mapping[str, Sequence[int]], rerun: str = "--seeds 0 1 2") -> str | None:
+    """The line a table prints where a row (a method, and so its paired difference) rests on fewer than
+    :data:`MIN_SEEDS` training seeds: ``"one seed (0): not a finding; run --seeds 0 1 2"`` when every row has the
+    same few seeds, else the rows named, ``"FedMoCo: one seed (0): not a finding; ..."``.  ``covered``: row label ->
+    the seeds it averages (a row of none is not shown, so not counted); ``rerun``: how to get more seeds.  None
+    when every row has enough."""
+    shown = {m: sorted(set(int(s) for s in v)) for m, v in covered.items() if v}
+    few = {m: v for m, v in shown.items() if len(v) < MIN_SEEDS}
+    if not few:
+        return None
+    spread = "a method's sign can change from one seed to the next"
+    if len(few) == len(shown) and len({tuple(v) for v in few.values()}) == 1:
+        return f"{_seeds_text(next(iter(few.values())))}: not a finding; run {rerun} ({spread})"
+    return ("; ".join(f"{m}: {_seeds_text(v)}" for m, v in few.items())
+            + f": not a finding; run {rerun} ({spread})")
 
 
 def format_duration(seconds: float) -> str:
@@ -253,7 +348,8 @@ class _Progress:
     """Progress lines of one :func:`run_cells` call: ETA = remaining cost x (seconds per cost unit of the cells
     run in this invocation) / workers busy."""
 
-    def __init__(self, cells: Sequence[Mapping], store: CellStore, say, cost, workers: int, label: str):
+    def __init__(self, cells: Sequence[Mapping], store: CellStore, say, cost, workers: int, label: str,
+                 worker_threads: int = DEFAULT_THREADS):
         self.total = len(cells)
         self.say, self.cost, self.workers = say, cost or (lambda key: 1.0), workers
         self.todo = [k for k in cells if not store.done(k)]
@@ -262,7 +358,8 @@ class _Progress:
         self.spent_s = self.spent_cost = 0.0
         head = f"{label}: " if label else ""
         self.say(f"{head}{self.total} cells, {self.done} already done in {store.path} (resumed: skipped), "
-                 f"{len(self.todo)} to run" + (f" on {workers} worker processes" if workers > 1 else ""))
+                 f"{len(self.todo)} to run" + (f" on {workers} worker processes ({worker_threads} torch thread"
+                                              f"{'s' if worker_threads > 1 else ''} each)" if workers > 1 else ""))
 
     def finished(self, key: Mapping, seconds: float) -> None:
         c = float(self.cost(key))
@@ -279,6 +376,13 @@ class _Progress:
     def failed(self, key: Mapping, error: BaseException) -> None:
         self.say(f"[{self.done}/{self.total}] {key_summary(key)} FAILED ({type(error).__name__}: {error}); "
                  "nothing recorded for it: a re-run resumes at this cell")
+
+
+def _start_worker(threads: int, initializer: Callable[..., None] | None, initargs: tuple) -> None:
+    """A worker process's start: its torch thread count first, then the caller's ``initializer``."""
+    set_threads(threads)
+    if initializer is not None:
+        initializer(*initargs)
 
 
 def _timed(fn: Callable[[dict], Any], key: dict) -> tuple[Any, float]:
@@ -300,6 +404,7 @@ def run_cells(
     initargs: tuple = (),
     label: str = "",
     clock: Callable[[], float] = time.perf_counter,
+    threads: int | None = None,
 ) -> list[Any]:
     """Run ``fn(key)`` for every cell not yet in ``store``, in order, storing each result as it finishes; returns
     the results of all ``cells`` in cell order (resumed and fresh alike).
@@ -310,17 +415,26 @@ def run_cells(
     per worker (load what every cell needs there); the parent stores results as they complete, so resume works
     the same.  A cell that raises is not recorded: its failure is printed and the exception re-raised (with
     workers, after the cells already running have finished and been stored; cells not started are cancelled).
+    ``threads``: torch threads of the processes computing cells: set in this process before its cells, and in every
+    worker before ``initializer``; None leaves this process as it is and gives each worker
+    :data:`~fedssl.experiments.environment.DEFAULT_THREADS` (one).
     """
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ValueError(f"run_cells: argument workers={workers!r} is invalid; use an int >= 1 (1 = in this process)")
+    if threads is not None:
+        check_threads(threads, "run_cells: argument threads")
     ids = [key_id(k) for k in cells]
     if len(set(ids)) != len(ids):
         dup = next(k for k, i in zip(cells, ids) if ids.count(i) > 1)
         raise ValueError(f"run_cells: cell {key_summary(dup)} is listed twice; every cell must be unique")
-    progress = _Progress(cells, store, say, cost, workers, label)
+    worker_threads = DEFAULT_THREADS if threads is None else threads
+    progress = _Progress(cells, store, say, cost, workers, label, worker_threads)
     if progress.todo and workers > 1:
-        _run_pool(progress.todo, fn, store, progress, workers, initializer, initargs)
+        _run_pool(progress.todo, fn, store, progress, workers, _start_worker,
+                  (worker_threads, initializer, tuple(initargs)))
     elif progress.todo:
+        if threads is not None:
+            set_threads(threads)
         if initializer is not None:
             initializer(*initargs)
         for key in progress.todo:

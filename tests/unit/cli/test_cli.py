@@ -200,3 +200,32 @@ def test_fcl_volumes_prints_the_group_table_over_site_folders(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert sum(int(line.split("|")[2]) for line in lines[2:]) == n_site1
     assert [g["group"] for g in data["groups"]] == ["NOR", "MINF", "DCM", "HCM", "RV"]
+
+
+#: the verbs that compute (demos and table runners): argv, and the function (module, name) it hands its settings to
+COMPUTING_VERBS = (
+    (["fcl", "tables", "--out", "o"], ("fcl_tables", "run_fcl_tables")), (["fcl", "demo"], ("fcl_demo", "run_demo")),
+    (["sslfl", "tables", "--out", "o"], ("sslfl_tables", "run_sslfl_table")),
+    (["sslfl", "demo"], ("sslfl_demo", "run_sslfl_demo")),
+    (["fedclf", "tables", "--out", "o"], ("fedclf_tables", "run_fedclf_tables")),
+    (["fedclf", "table3", "--out", "o"], ("fedmae_table3", "run_table3")),
+    (["fedclf", "demo"], ("fedclf_tables", "run_fedclf_demo")), (["feddra", "demo"], ("feddra_demo", "run")),
+    (["feddra", "table", "--out", "o"], ("feddra_demo", "run")),
+    (["surgical", "demo"], ("surgical_demo", "run_surgical_demo")))
+
+
+@pytest.mark.parametrize("argv, target", COMPUTING_VERBS, ids=lambda v: " ".join(v[:2]) if isinstance(v, list) else "")
+def test_every_computing_verb_takes_threads_default_one_and_hands_it_on(argv, target, monkeypatch):
+    import importlib
+
+    p, _ = _parser()
+    assert p.parse_args(argv).threads == 1  # one torch thread per process unless told otherwise
+    with pytest.raises(SystemExit):
+        p.parse_args([*argv, "--threads", "0"])
+    seen = {}
+    monkeypatch.setattr(importlib.import_module(f"fedssl.experiments.{target[0]}"), target[1],
+                        lambda *a, **kw: seen.update(kw))
+    assert main([*argv, "--threads", "3"]) == 0 and seen["threads"] == 3
+    aliases = {v: k for k, v in ALIASES.items()}  # a demo's flat alias takes the same flag
+    if " ".join(argv[:2]) in aliases:
+        assert p.parse_args([aliases[" ".join(argv[:2])], "--threads", "2"]).threads == 2

@@ -32,5 +32,7 @@ def test_tables_verb_passes_the_settings(tmp_path, monkeypatch):
     assert main(["fedclf", "tables", "--out", str(tmp_path), "--tables", "2", "--methods", "random", "fedclf",
                  "--fractions", "0.1", "--workers", "2"]) == 0
     assert seen["s"]["tables"] == [2] and seen["s"]["methods"] == ["random", "fedclf"] and seen["workers"] == 2
+    assert seen["threads"] == 1  # one torch thread per process unless told otherwise
+    assert main(["fedclf", "tables", "--out", str(tmp_path), "--threads", "2"]) == 0 and seen["threads"] == 2
     with pytest.raises(SystemExit):
         main(["fedclf", "tables", "--out", str(tmp_path), "--fractions", "0.3"])

@@ -10,3 +10,10 @@ def sleep_or_fail(key: dict) -> int:
         raise KeyError(f"cell n={key['n']} fails on purpose")
     time.sleep(key.get("sleep", 0.0))
     return key["n"]
+
+
+def torch_threads(key: dict) -> int:
+    """The torch thread count of the process computing the cell (torch is imported by the worker's start already)."""
+    import torch
+
+    return torch.get_num_threads()

@@ -80,7 +80,7 @@ def _run(monkeypatch, fakes, out, data_root, **kw):
     for name in ("pretrain", "finetune_one", "federated_one", "diagnose_one"):
         monkeypatch.setattr(fcl_tables, name, getattr(fakes, name))
     args = dict(methods=METHODS, n_labelled=[1, 2], folds=[0, 1], n_sites=2, profile="bench", data_root=data_root,
-                workers=1, say=lambda s: None)
+                workers=1, seeds=[0], say=lambda s: None)
     args.update(kw)
     return run_fcl_tables(str(out), **args)
 
@@ -114,6 +114,9 @@ def test_run_calls_each_stage_once_per_cell_and_writes_the_tables(monkeypatch, t
     assert "over sites (each fold-averaged first); folds [0, 1], profile bench" in text
     assert "paired against random init over (site, fold) pairs:" in text
     assert "paired against random init over folds:" in open(paths[3]["txt"]).read()
+    # one seed: said under the tables, after the paired differences it qualifies
+    note = "one seed (0): not a finding; run --seeds 0 1 2 (a method's sign can change from one seed to the next)"
+    assert text.rstrip().endswith(note) and data["footer"][-1] == note
 
 
 def test_diagnostics_run_once_per_pretrained_method_and_print_under_every_table(monkeypatch, tmp_path, data_root):
@@ -189,6 +192,7 @@ def test_seeds_repeat_every_cell_pair_runs_of_one_seed_and_give_the_spread_over_
     assert p["by_seed"] == {"0": pytest.approx(0.1), "1": pytest.approx(0.0)} and p["seed_se"] == pytest.approx(0.05)
     text = open(paths[1]["txt"]).read()
     assert "seeds [0, 1]" in text and "by seed +0.100 / +0.000 (SE over seeds 0.050)" in text
+    assert "two seeds (0, 1): not a finding; run --seeds 0 1 2" in text.split("paper (")[-1]
     assert "over (site, fold, seed) pairs" in text and data["extra"]["seeds"] == [0, 1]
     assert "Dice mean +- std over sites (each fold- and seed-averaged first); folds [0], seeds [0, 1]" in text
     text3 = open(paths[3]["txt"]).read()
@@ -210,8 +214,13 @@ def test_seeds_repeat_every_cell_pair_runs_of_one_seed_and_give_the_spread_over_
     paths = _run(monkeypatch, Fakes(), out, data_root, n_labelled=[1], folds=[0], tables=[1],
                  methods=["random", "FedMoCo"], seeds=[0])
     paths = _run(monkeypatch, Fakes(), out, data_root, n_labelled=[1], folds=[0], tables=[1], seeds=[0, 1, 2])
+    text = open(paths[1]["txt"]).read()
     assert ("seeds finished per method (a row averages only these): random [0, 1, 2], FedMoCo [0], FCL [0, 1, 2]"
-            in open(paths[1]["txt"]).read())
+            in text)
+    assert "FedMoCo: one seed (0): not a finding; run --seeds 0 1 2" in text.split("paper (")[-1]
+    paths = _run(monkeypatch, Fakes(), tmp_path / "three", data_root, n_labelled=[1], folds=[0], tables=[1],
+                 seeds=[0, 1, 2])
+    assert "not a finding" not in open(paths[1]["txt"]).read()  # three seeds on every row: nothing to say
     for bad in ([0, 0], [-1], []):
         with pytest.raises(ValueError, match=r"seeds=.* is invalid; use distinct integers >= 0"):
             _run(monkeypatch, Fakes(), out, data_root, seeds=bad)
@@ -335,6 +344,45 @@ def test_rerun_with_other_settings_is_refused(monkeypatch, tmp_path, data_root):
         _run(monkeypatch, Fakes(), tmp_path / "out", data_root, tables=[3], epochs=3)
 
 
+@pytest.fixture
+def one_thread_after():
+    """Tests that run a runner at another thread count leave this process at one thread, as the suite runs."""
+    yield
+    torch.set_num_threads(1)
+
+
+def test_thread_count_is_a_setting_and_the_environment_is_recorded(monkeypatch, tmp_path, data_root, one_thread_after):
+    said = []
+    _run(monkeypatch, Fakes(), tmp_path / "out", data_root, tables=[3], threads=2, say=said.append)
+    assert torch.get_num_threads() == 2  # this process computes with the run's threads
+    config = json.loads((tmp_path / "out" / "run_config.json").read_text())
+    assert config["threads"] == 2 and config["environments"][0]["threads"] == 2
+    assert {"torch", "nvflare", "monai", "numpy", "python", "cpu", "blas", "env"} <= set(config["environments"][0])
+    with pytest.raises(ValueError, match=r"threads=2 \(now 1\).*pass --threads 2 to resume this folder"):
+        _run(monkeypatch, Fakes(), tmp_path / "out", data_root, tables=[3], threads=1)
+
+
+def test_a_cell_run_again_with_the_recorded_settings_is_bit_identical(tmp_path):
+    """The real Table 1 cell (local fine-tuning of a U-Net on one site, one epoch) run twice, into two folders at the
+    same recorded settings and thread count: the same result to the last bit, not merely close."""
+    from fedssl.data.acdc_synthetic import write_synthetic_acdc
+
+    write_synthetic_acdc(tmp_path / "data", n_patients=10, n_sites=2, shape=(32, 32), n_frames=2, slices_range=(2, 3))
+    profile = tmp_path / "tiny.json"
+    profile.write_text(json.dumps({"extends": "quick", "finetune": {"features": list(TINY_FEATURES), "image_size": 32,
+                                                                    "target_spacing": 5.0}}))
+    runs = []
+    for name in ("a", "b"):
+        torch.manual_seed(len(runs))  # the process's global generator is not the cell's: its own seed decides
+        run_fcl_tables(str(tmp_path / name), tables=[1], methods=["random"], n_labelled=[1], folds=[0], n_sites=2,
+                       profile=str(profile), data_root=str(tmp_path / "data"), epochs=1, workers=1, seeds=[0],
+                       threads=1, say=lambda m: None)
+        runs.append([json.loads(line) for line in open(tmp_path / name / "cells.jsonl")])
+        assert json.loads((tmp_path / name / "run_config.json").read_text())["threads"] == 1
+    (a, b) = ([(r["key"], r["result"]) for r in run] for run in runs)
+    assert len(a) == 2 and a == b  # every key and result field, Dice included, exactly equal
+
+
 class FileFakes(Fakes):
     """Pre-training that leaves its files on disk (summary, global model or the sites' encoders), as the real one."""
 
@@ -404,10 +452,20 @@ def test_cli_parses_into_run_fcl_tables(monkeypatch):
                  "--rounds", "2", "--workers", "1", "--pretrained-from", "runs/pf", "--seeds", "0", "2"]) == 0
     assert seen == {"out": "o", "tables": [1, 3], "methods": ["random", "Local CL"], "n_labelled": [1, 8],
                     "folds": [0, 2], "n_sites": 4, "profile": "bench", "data_root": None, "difficulty": 0.5,
-                    "epochs": 3, "rounds": 2, "workers": 1, "pretrained_from": "runs/pf", "seeds": [0, 2]}
+                    "epochs": 3, "rounds": 2, "workers": 1, "pretrained_from": "runs/pf", "seeds": [0, 2],
+                    "threads": 1}
     main(["fcl", "tables", "--out", "o"])
     assert seen["folds"] is None and seen["workers"] == 2 and seen["tables"] == [1, 2, 3]
-    assert seen["pretrained_from"] is None and seen["seeds"] == [0]
+    assert seen["pretrained_from"] is None and seen["seeds"] == [0, 1, 2] and seen["threads"] == 1
+    main(["fcl", "tables", "--out", "o", "--threads", "2"])
+    assert seen["threads"] == 2
+
+
+def test_the_runner_defaults_to_three_seeds_and_one_thread():
+    import inspect
+
+    params = inspect.signature(run_fcl_tables).parameters
+    assert params["seeds"].default == (0, 1, 2) and params["threads"].default == 1
 
 
 @pytest.mark.slow
@@ -415,7 +473,7 @@ def test_end_to_end_tiny(tmp_path):
     """The real thing: synthetic ACDC, FCL pre-training in the FLARE simulator (1 round), local and centralised
     fine-tuning (1 epoch), tables 1 and 3 written and parseable."""
     paths = run_fcl_tables(str(tmp_path / "out"), tables=[1, 3], methods=["random", "FCL"], n_labelled=[1],
-                           folds=[0], n_sites=2, profile="quick", epochs=1, rounds=1, workers=1)
+                           folds=[0], n_sites=2, profile="quick", epochs=1, rounds=1, workers=1, seeds=[0])
     for table in (1, 3):
         data = json.loads(open(paths[table]["json"]).read())
         assert {r["method"] for r in data["rows"]} == {"random", "FCL"}

@@ -100,6 +100,10 @@ def test_runner_inits_rows_verdict_and_resume(tmp_path, fake_local):
     text = open(written["tableII_recall"]["txt"]).read()
     assert "FedCLF vs Random Init., Table II at L=10%: +10.00 +- 0.00 mean recall (points) over 10 devices -> " \
            "pre-training helped" in text
+    # the folder's one seed: said under every table (its verdict above is not a finding)
+    note = "one seed (0): not a finding; run the tables again with --seed 1 and --seed 2, one --out per seed"
+    assert note in text.split("paper (")[-1]
+    assert all(note in open(written[name]["txt"]).read() for name in ("tableI_recall", "tableI_precision", "fig6"))
     assert os.path.isfile(written["fig6"]["png"])
     # diagnostics: first / middle / last round of each pre-training's summary
     diag = open(written["diagnostics"]["txt"]).read()
@@ -110,6 +114,7 @@ def test_runner_inits_rows_verdict_and_resume(tmp_path, fake_local):
     fake_local.clear()
     ft.run_fedclf_tables(str(tmp_path / "out"), s, data_root=str(tmp_path), say=lines.append, simulate=again)
     assert again.calls == [] and fake_local == []
+    assert json.load(open(tmp_path / "out" / "run_config.json"))["threads"] == 1
 
 
 def test_stage_sets_reach_every_run_of_their_stage(tmp_path, fake_local):

@@ -58,3 +58,38 @@ def test_the_baselines_run_and_a_rerun_resumes(tmp_path, monkeypatch):
     again = fd.run(out, variants=["decentralised", "centralised"], seeds=[0], settings=TINY)
     assert again["rows"] == report["rows"]
     assert os.path.isfile(os.path.join(out, "results.md")) and os.path.isfile(os.path.join(out, "results.json"))
+
+
+def _fake_cell(key, data, out, settings):
+    """A finished cell without training: FedDRA's worst client 10 points above FedAvg's at every seed."""
+    r1 = 0.2 + (0.1 if key["variant"] == "feddra" else 0.0) + 0.01 * key["seed"]
+    return {"variant": key["variant"], "seed": key["seed"], "clients": {"site-1": {"R@1": r1, "R@5": 0.6},
+                                                                        "site-2": {"R@1": 0.5, "R@5": 0.9}},
+            "probe": {}, "lambda": [], "cosine_per_turn": [], "wall_time_s": 1.0}
+
+
+def test_three_seeds_by_default_and_fewer_say_the_comparison_is_not_a_finding(tmp_path, monkeypatch):
+    monkeypatch.setattr(fd, "run_federated", _fake_cell)
+    (tmp_path / "data").mkdir()
+    report = fd.run(str(tmp_path / "one"), seeds=[0], settings=TINY, data_root=str(tmp_path / "data"))
+    note = ("one seed (0): not a finding; run fedssl feddra table --seeds 0 1 2 (a method's sign can change from one "
+            "seed to the next)")
+    assert report["seeds_note"] == note and note in open(tmp_path / "one" / "results.md").read()
+    assert json.load(open(tmp_path / "one" / "results.json"))["seeds_note"] == note
+    report = fd.run(str(tmp_path / "three"), settings=TINY, data_root=str(tmp_path / "data"))  # the runner's default
+    assert [(r["variant"], r["seed"]) for r in report["rows"]] == [
+        (v, s) for s in (0, 1, 2) for v in ("fedavg", "feddra")]
+    assert report["seeds_note"] is None and "not a finding" not in open(tmp_path / "three" / "results.md").read()
+    config = json.load(open(tmp_path / "three" / "run_config.json"))
+    assert config["threads"] == 1 and config["environments"][0]["threads"] == 1
+
+
+def test_cli_table_defaults_to_three_seeds_and_the_demo_to_its_one(monkeypatch, tmp_path):
+    from fedssl.cli import main
+
+    seen = {}
+    monkeypatch.setattr(fd, "run", lambda out, **kw: seen.update(kw))
+    assert main(["feddra", "table", "--out", str(tmp_path)]) == 0
+    assert seen["seeds"] == [0, 1, 2] and seen["threads"] == 1
+    assert main(["feddra", "demo", "--out", str(tmp_path), "--seed", "4", "--threads", "2"]) == 0
+    assert seen["seeds"] == [4] and seen["threads"] == 2

@@ -115,6 +115,8 @@ def test_runs_inits_rows_verdicts_and_resume(tmp_path, fakes):
     notes = " ".join(table["notes"])
     assert "CNN: FedCLF vs CNN: Random Init.: +6.00 +- 0.00" in notes and "helped" in notes
     assert "ViT: FedMAE vs ViT: Random Init.: +5.00 +- 0.00" in notes
+    assert table["footer"] == ["one seed (0): not a finding; run the table again with --seed 1 and --seed 2, one --out "
+                               "per seed (a method's sign can change from one seed to the next)"]
     costs = json.load(open(os.path.join(out, "pretraining.json")))
     assert costs["fedmae"]["bytes_per_site_per_round"] == {"up": 10, "down": 20}
     # resume: nothing re-runs

@@ -75,3 +75,31 @@ def test_verdicts_compare_each_pretrained_row_with_scratch():
     assert verdicts(rows) == ["Fed-MAE vs ViT scratch: test accuracy +0.100 (2 x binomial SE 0.067, 400 test images, "
                               "one seed) -> pre-training helped"]
     assert verdicts(rows[:1]) == []  # no scratch row: nothing to compare with
+
+
+def test_demo_records_its_threads_and_says_its_one_seed_comparison_is_not_a_finding(tmp_path, monkeypatch, capsys):
+    """Data, simulator and test reports faked: what is checked is run_config.json and the note under the table."""
+    import torch
+
+    from fedssl.experiments import sslfl_demo as sd
+
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    (parts / "partition.json").write_text(json.dumps({"sites": {"site-1": {"class_counts": {"0": 3, "1": 3}}},
+                                                      "test": {"class_counts": {"0": 2, "1": 2}}}))
+    monkeypatch.setattr(sd, "write_demo_images", lambda *a, **kw: str(parts))
+    monkeypatch.setattr(sd, "run_simulation", lambda job, ws, **kw: {
+        "rounds": [{"mean_loss": 1.0}], "simulator_wall_time_s": 1.0, "bytes_per_site_per_round": {},
+        "global_model": "g.pt"})
+    monkeypatch.setattr(sd, "_test_row", lambda method, run: {
+        "method": method, "accuracy": 0.5, "balanced_accuracy": 0.5, "auc": 0.5, "macro_f1": 0.5, "n_test": 4,
+        "selected": "round 1", "model_source": "best"})
+    monkeypatch.setattr(sd, "_plot", lambda rows, path, title: None)
+    try:
+        summary = sd.run_sslfl_demo(str(tmp_path / "out"), seed=3, threads=2)
+    finally:
+        torch.set_num_threads(1)
+    note = "one seed (3): not a finding; run fedssl sslfl tables --seeds 0 1 2"
+    assert summary["seeds_note"].startswith(note) and note in capsys.readouterr().out
+    config = json.load(open(tmp_path / "out" / "run_config.json"))
+    assert config["threads"] == 2 and config["seed"] == 3 and config["environments"][0]["threads"] == 2

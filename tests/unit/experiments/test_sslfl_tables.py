@@ -83,7 +83,7 @@ def test_settings_are_checked_naming_the_setting():
 
 
 def test_resume_after_a_failed_cell_runs_only_the_unfinished_cells(tmp_path):
-    settings = st.table_settings("bench", splits=[3], methods=["scratch", "fedmae"], **TINY)
+    settings = st.table_settings("bench", splits=[3], methods=["scratch", "fedmae"], seeds=[0], **TINY)
     lines: list[str] = []
     failing, diagnose = FakeSimulator(fail_at=2), FakeDiagnose()  # 1: Fed-MAE pre-training, 2: scratch fine-tuning dies
     with pytest.raises(RuntimeError, match="simulator died"):
@@ -100,6 +100,9 @@ def test_resume_after_a_failed_cell_runs_only_the_unfinished_cells(tmp_path):
     assert ("Split-3, seed 0: Fed-MAE vs ViT scratch: test accuracy +0.125 (2 x binomial SE 0.375, 12 test images, "
             "one seed) -> pre-training within the spread") in text
     assert json.load(open(out["paths"]["json"]))["extra"]["diagnostics"][0]["method"] == "fedmae split 3"
+    # one seed: said under the table, after the paper's block
+    assert ("one seed (0): not a finding; run --seeds 0 1 2 (a method's sign can change from one seed to the next)"
+            in text.split("paper (SSL-FL")[1])
     assert any("1 already done" in m for m in lines)
     # Fed-MAE fine-tunes from its split's pre-trained global model; scratch from random init; Split-3's sites
     pre_model = failing.calls[0]["workspace"] + "/server/simulate_job/FL_global_model.pt"
@@ -145,6 +148,7 @@ def test_table_files_carry_the_paper_numbers_beside_and_std_over_seeds(tmp_path)
     text = open(out["paths"]["txt"]).read()
     assert "paper (SSL-FL" in text and "74.33" in text and "64.13" in text  # Table II's None row, Split-1 / 3
     assert "n=2 seeds" in text
+    assert "two seeds (0, 1): not a finding" in text
     with open(out["paths"]["json"]) as f:
         assert [r["mean"] for r in json.load(f)["paper"]["rows"]] == [74.33, 64.13]
 
@@ -174,12 +178,16 @@ def test_cli_tables_parses_and_passes_the_settings(tmp_path, monkeypatch):
     from fedssl.cli import main
 
     seen = {}
-    monkeypatch.setattr(st, "run_sslfl_table", lambda out, settings, say: seen.update(out=out, settings=settings))
+    monkeypatch.setattr(st, "run_sslfl_table", lambda out, settings, say, threads: seen.update(
+        out=out, settings=settings, threads=threads))
     assert main(["sslfl", "tables", "--out", str(tmp_path), "--splits", "3", "--methods", "scratch", "fedmae",
-                 "--seeds", "0", "1"]) == 0
-    assert seen["out"] == str(tmp_path)
+                 "--seeds", "0", "1", "--threads", "2"]) == 0
+    assert seen["out"] == str(tmp_path) and seen["threads"] == 2
     s = seen["settings"]
     assert (s["splits"], s["methods"], s["seeds"], s["profile"]) == ([3], ["scratch", "fedmae"], [0, 1], "bench")
+    assert main(["sslfl", "tables", "--out", str(tmp_path)]) == 0  # the defaults: three seeds, one thread
+    assert seen["settings"]["seeds"] == [0, 1, 2] and seen["threads"] == 1
+    assert st.table_settings("quick")["seeds"] == [0, 1, 2]  # a profile without tables.sslfl: the runner's own
     with pytest.raises(SystemExit):
         main(["sslfl", "tables", "--out", str(tmp_path), "--splits", "4"])
 
@@ -190,7 +198,7 @@ def test_end_to_end_one_split_fedmae_one_round_each(tmp_path):
     quick, 3 sites). The fine-tuning job from scratch runs in tests/integration; the runner's scratch rows are
     covered with the fake simulator above, so one fine-tuning run is enough here."""
     settings = st.table_settings("quick", splits=[3], methods=["fedmae"], n_images=160, image_px=32,
-                                 n_sites=3, min_per_site=4, pretrain_rounds=1, finetune_rounds=1)
+                                 n_sites=3, min_per_site=4, pretrain_rounds=1, finetune_rounds=1, seeds=[0])
     out = st.run_sslfl_table(str(tmp_path), settings, say=print)
     rows = {(r["method"], r["column"]): r for r in out["rows"]}
     assert set(rows) == {("Fed-MAE", "Split3")}

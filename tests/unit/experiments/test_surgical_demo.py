@@ -1,8 +1,10 @@
 """The demo switches the backbone strategy by --set alone: the job's batch-norm filters follow the strategy."""
 
+import json
 import os
 
 import pytest
+import torch
 
 from fedssl.experiments.surgical_demo import JOB, comparison_table, run_surgical_demo
 from fedssl.ops.jobs import component_specs, job_configs
@@ -48,3 +50,30 @@ def test_every_class_is_checked_on_the_sites_that_label_it_and_on_the_external_s
     check = class_check(run)
     assert check["site_test"] == {"undefined": ["C"], "at_most_threshold": {"B": 0.55}, "min": 0.55}
     assert check["external"] == {"undefined": [], "at_most_threshold": {"C": 0.4}, "min": 0.4}
+
+
+def test_demo_records_its_threads_and_says_its_one_seed_comparison_is_not_a_finding(tmp_path, monkeypatch, capsys):
+    """The simulator and the results are faked: what is checked is run_config.json and the note under the table."""
+    from fedssl.experiments import surgical_demo as sd
+
+    row = {"mean_auroc": 0.7, "shared_auroc": 0.6, "unique_auroc": 0.8, "external_auroc": 0.65, "external_shared": 0.6,
+           "external_unique": 0.7, "external_min_class": 0.55, "rounds": 1, "wall_time_s": 1.0, "kb_per_site_round": 1.5}
+
+    def simulate(job, workspace, **kw):
+        os.makedirs(os.path.join(workspace, "server", "simulate_job"))
+        open(os.path.join(workspace, "server", "simulate_job", "results.json"), "w").write("{}")
+        return {"workspace": workspace, "simulator_wall_time_s": 1.0, "bytes_per_site_per_round": {"total": 1500}}
+
+    monkeypatch.setattr(sd, "write_demo_data", lambda data, n: os.makedirs(os.path.join(data, "mimic")))
+    monkeypatch.setattr(sd, "run_simulation", simulate)
+    monkeypatch.setattr(sd, "result_row", lambda method, *a: ({"method": method, **row}, {}))
+    try:
+        report = sd.run_surgical_demo(str(tmp_path), rounds=1, methods=("vanilla", "partial_loss"), central=False,
+                                      threads=2)
+    finally:
+        torch.set_num_threads(1)
+    note = "one seed (0): not a finding; run " + sd.RERUN
+    assert report["seeds_note"].startswith(note) and note in capsys.readouterr().out
+    assert note in open(tmp_path / "surgical_demo.md").read()
+    config = json.load(open(tmp_path / "run_config.json"))
+    assert config["threads"] == 2 and config["methods"] == ["vanilla", "partial_loss"] and config["seeds"] == [0]

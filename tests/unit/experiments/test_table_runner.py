@@ -3,11 +3,22 @@
 import csv
 import functools
 import json
+import platform
 
 import pytest
 import torch
 
-from fedssl.experiments.table_runner import CellStore, format_duration, key_id, run_cells, write_table
+from fedssl.experiments import environment as env_mod
+from fedssl.experiments.table_runner import (
+    CellStore,
+    check_run_config,
+    few_seeds_note,
+    format_duration,
+    key_id,
+    run_cells,
+    write_run_config,
+    write_table,
+)
 
 torch.set_num_threads(1)
 
@@ -206,8 +217,6 @@ def test_failing_cell_in_a_worker_is_not_recorded_and_reraises_after_running_cel
 
 
 def test_check_run_config_records_then_refuses_changed_or_unreadable_settings(tmp_path):
-    from fedssl.experiments.table_runner import check_run_config
-
     out = str(tmp_path / "run")
     check_run_config(out, {"profile": "bench", "epochs": 60})
     check_run_config(out, {"profile": "bench", "epochs": 60})  # same settings: resume
@@ -221,8 +230,101 @@ def test_check_run_config_records_then_refuses_changed_or_unreadable_settings(tm
 
 
 def test_a_run_config_that_is_not_an_object_is_refused_by_name(tmp_path):
-    from fedssl.experiments.table_runner import check_run_config
-
     (tmp_path / "run_config.json").write_text("[1, 2]")  # valid JSON, but a hand-edited list, not settings
     with pytest.raises(ValueError, match=r"run_config\.json is unreadable \(a JSON list, not an object"):
         check_run_config(str(tmp_path), {"profile": "bench"})
+
+
+ENV = {"threads": 1, "torch": "2.4.1", "nvflare": "2.9.0", "monai": "1.5.0", "numpy": "2.1.0", "python": "3.11.7",
+       "cpu": "AMD EPYC", "cpu_count": 2, "blas": "BLAS mkl", "env": {}}
+
+
+def test_thread_count_is_a_setting_named_with_its_fix_and_an_older_folder_without_it_resumes(tmp_path):
+    out = str(tmp_path / "run")
+    check_run_config(out, {"profile": "bench"})  # a folder from before threads were recorded
+    said = []
+    check_run_config(out, {"profile": "bench", "threads": 1}, env=ENV, say=said.append)
+    assert said == [f"{out}/run_config.json: threads=1 recorded from now on (the cells already there were computed "
+                    "before it was recorded)"]
+    config = json.loads((tmp_path / "run" / "run_config.json").read_text())
+    assert config == {"profile": "bench", "threads": 1, "environments": [ENV]}
+    check_run_config(out, {"profile": "bench", "threads": 1}, env=ENV, say=said.append)  # the same: quiet resume
+    assert len(said) == 1
+    with pytest.raises(ValueError, match=r"threads=1 \(now 2\); re-run with the same settings to resume, or use "
+                                         r"another --out \(threads: pass --threads 1 to resume this folder\)"):
+        check_run_config(out, {"profile": "bench", "threads": 2}, env=ENV, say=said.append)
+
+
+def test_another_environment_resumes_with_a_warning_and_is_added_to_the_record(tmp_path):
+    out = str(tmp_path / "run")
+    settings = {"profile": "bench", "threads": 1}
+    check_run_config(out, settings, env=ENV, say=pytest.fail)
+    newer = {**ENV, "torch": "2.5.0", "env": {"OMP_NUM_THREADS": "1"}}
+    said = []
+    check_run_config(out, settings, env=newer, say=said.append)  # versions differ: not refused
+    assert len(said) == 1 and said[0].startswith(f"warning: {out}/run_config.json: this run's environment differs")
+    assert "env {} -> {'OMP_NUM_THREADS': '1'}, torch 2.4.1 -> 2.5.0" in said[0]
+    check_run_config(out, settings, env=newer, say=said.append)  # seen before: recorded once, no second warning
+    check_run_config(out, settings, env=ENV, say=said.append)  # back to the first: known, quiet
+    assert len(said) == 1
+    config = json.loads((tmp_path / "run" / "run_config.json").read_text())
+    assert config["environments"] == [ENV, newer] and config["threads"] == 1
+    with pytest.raises(ValueError, match="record of environments, not a setting"):
+        check_run_config(out, {**settings, "environments": []})
+
+
+def test_environment_names_versions_cpu_blas_and_the_thread_variables(monkeypatch, tmp_path):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setenv("MKL_DYNAMIC", "FALSE")
+    env = env_mod.environment()
+    assert env["threads"] == torch.get_num_threads() and env["torch"] == torch.__version__
+    assert env["env"]["OMP_NUM_THREADS"] == "3" and env["env"]["MKL_DYNAMIC"] == "FALSE"
+    assert env["python"].count(".") == 2 and env["cpu"] and env["blas"]
+    assert json.loads(json.dumps(env)) == env  # JSON as it is
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Test CPU @ 2.0GHz\nflags\t\t: avx2\n")
+    assert env_mod.cpu_model(str(cpuinfo)) == "Test CPU @ 2.0GHz"
+    assert env_mod.cpu_model(str(tmp_path / "none")) == (platform.processor() or platform.machine() or "unknown")
+    config = ("  - Intel(R) oneAPI Math Kernel Library Version 2024.2-Product Build 20240605\n"
+              "  - CPU capability usage: AVX2\n  - Build settings: BLAS_INFO=mkl, BUILD_TYPE=Release, LAPACK_INFO=mkl, ")
+    assert env_mod.blas(config) == ("BLAS mkl, LAPACK mkl (Intel(R) oneAPI Math Kernel Library Version "
+                                    "2024.2-Product Build 20240605), CPU capability AVX2")
+    assert env_mod.blas("nothing said") == "unknown"
+    with pytest.raises(ValueError, match=r"threads=0 is invalid; use an int >= 1"):
+        env_mod.check_threads(0)
+
+
+def test_a_demo_writes_its_settings_threads_and_environment(tmp_path):
+    path = write_run_config(str(tmp_path / "demo"), {"demo": "fcl", "rounds": 2}, threads=1)
+    config = json.loads(open(path).read())
+    assert config["demo"] == "fcl" and config["threads"] == 1
+    assert [e["threads"] for e in config["environments"]] == [torch.get_num_threads()]
+
+
+def test_cells_compute_at_the_given_thread_count_here_and_in_every_worker(tmp_path):
+    from tests.unit.experiments.cell_fns import torch_threads
+
+    lines = []
+    cells = [{"n": 1}, {"n": 2}]
+    try:
+        assert run_cells(cells[:1], torch_threads, CellStore(tmp_path / "one.jsonl"), say=lines.append,
+                         threads=2) == [2]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
+    # each worker sets the count before the caller's initializer and its cells
+    assert run_cells(cells, torch_threads, CellStore(tmp_path / "two.jsonl"), say=lines.append, workers=2,
+                     threads=3) == [3, 3]
+    assert any("on 2 worker processes (3 torch threads each)" in line for line in lines)
+    with pytest.raises(ValueError, match="threads=0 is invalid"):
+        run_cells(cells, torch_threads, CellStore(tmp_path / "x.jsonl"), threads=0)
+
+
+def test_few_seeds_note_names_the_rows_of_fewer_than_three_seeds():
+    spread = "(a method's sign can change from one seed to the next)"
+    assert few_seeds_note({"random": [0], "FCL": [0]}) == f"one seed (0): not a finding; run --seeds 0 1 2 {spread}"
+    assert (few_seeds_note({"random": [0, 1], "FCL": [1, 0]}, rerun="X")
+            == f"two seeds (0, 1): not a finding; run X {spread}")
+    assert few_seeds_note({"random": [0, 1, 2], "FedMoCo": [0], "FCL": [0, 1, 2], "none": []}) == (
+        f"FedMoCo: one seed (0): not a finding; run --seeds 0 1 2 {spread}")
+    assert few_seeds_note({"random": [0, 1, 2], "FCL": [2, 3, 4]}) is None

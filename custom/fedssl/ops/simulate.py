@@ -181,4 +181,5 @@ def run_simulation(
     summary["site_failures"] = failures
     summary["duplicate_results_discarded"] = failure_log.duplicates
     summary["log"] = log_path
+    summary["torch_threads_per_site"] = int(env["OMP_NUM_THREADS"])  # what the sites' torch ran with (recorded)
     return summary

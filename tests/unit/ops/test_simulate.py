@@ -116,3 +116,35 @@ def test_a_refusal_during_the_run_is_named_not_only_the_missing_model(tmp_path, 
                                 data_root=str(tmp_path), echo=False, tolerate_site_failures=tolerate)
     assert str(e.value).startswith(f"fcl_acdc: {NAMED}; ")
     assert "no global model" in str(e.value)
+
+
+class _ResultSimulator:
+    """``nvflare simulator``: writes the server's summary and global model; remembers the environment it got."""
+
+    envs = []
+
+    def __init__(self, cmd, env, **kwargs):
+        run = simulate.server_run_dir(cmd[cmd.index("-w") + 1])
+        os.makedirs(os.path.join(run, "app_server"), exist_ok=True)
+        with open(os.path.join(run, "summary.json"), "w") as f:
+            json.dump({"rounds": []}, f)
+        open(simulate.global_model_path(cmd[cmd.index("-w") + 1]), "wb").close()
+        self.envs.append(env)
+        self.stdout = io.StringIO("")
+
+    def wait(self, timeout=None):
+        return 0
+
+
+@pytest.mark.parametrize("preset, expected", [(None, 2), ("3", 3)])
+def test_the_summary_records_the_sites_torch_thread_count(tmp_path, monkeypatch, preset, expected):
+    """The cores split between the site processes (4 cores, 2 sites: 2 each) unless OMP_NUM_THREADS is set."""
+    monkeypatch.setattr(simulate.subprocess, "Popen", _ResultSimulator)
+    monkeypatch.setattr(simulate.os, "cpu_count", lambda: 4)
+    if preset is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", preset)
+    s = simulate.run_simulation(os.path.join(REPO_ROOT, "jobs", "fcl_acdc"), str(tmp_path / "ws"), n_sites=2,
+                                data_root=str(tmp_path), echo=False)
+    assert s["torch_threads_per_site"] == expected == int(_ResultSimulator.envs[-1]["OMP_NUM_THREADS"])

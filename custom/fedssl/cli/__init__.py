@@ -12,10 +12,11 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import torch
-
 #: modules that add their own subcommands: each defines ``register(sub)`` (sub = argparse subparsers); a method
-#: family registers ``fedssl <family> <verb>`` (and the verbs' deprecated flat aliases) with :func:`add_family`
+#: family registers ``fedssl <family> <verb>`` with :func:`add_family`.  Building the parser imports these modules
+#: only: they import torch, MONAI, FLARE or an experiment module inside the verb that runs, never at the top or in
+#: the function adding a verb's arguments (the choices such a module lists are in :mod:`fedssl.cli.choices`), so
+#: ``fedssl --help`` answers at once (tests/unit/cli/test_cli_help.py)
 COMMAND_MODULES: tuple[str, ...] = ("fedssl.cli.fcl", "fedssl.cli.sslfl", "fedssl.cli.fedclf", "fedssl.cli.feddra",
                                      "fedssl.cli.surgical", "fedssl.cli.bench", "fedssl.cli.cells",
                                      "fedssl.cli.ops")
@@ -23,23 +24,20 @@ COMMAND_MODULES: tuple[str, ...] = ("fedssl.cli.fcl", "fedssl.cli.sslfl", "fedss
 
 @dataclass(frozen=True)
 class Verb:
-    """One subcommand: name, help line, the function adding its arguments and the one running it.
-
-    ``alias``: its former flat name (``fedssl demo-sslfl``), kept with the same arguments for one release.
-    """
+    """One subcommand: name, help line (plain text: a ``%`` is a percent sign), the function adding its arguments
+    and the one running it."""
 
     name: str
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], None]
-    alias: str | None = None
 
 
 @dataclass(frozen=True)
 class Number:
     """argparse ``type``: an int (``kind=int``) or a finite float in ``[minimum, maximum]`` (``above``: minimum
     itself excluded), so ``--sites -3`` or ``--lr nan`` stop at the command line with the flag named, before
-    anything runs or is written.  Frozen: an alias and its verb share the same instances (and compare equal)."""
+    anything runs or is written.  Frozen: the verbs share the same instances (and they compare equal)."""
 
     kind: type
     minimum: float
@@ -95,48 +93,48 @@ def os_error_line(e: OSError) -> str:
     return f"{paths}: {reason}" if paths else reason
 
 
+def _as_help(text: str) -> str:
+    """A plain-text line as an argparse ``help=``: argparse %-formats every help string (for ``%(default)s``)."""
+    return text.replace("%", "%%")
+
+
+def _as_description(text: str) -> str:
+    """A plain-text line as an argparse ``description=``: argparse %-formats one only when it holds ``%(prog)``."""
+    return _as_help(text) if "%(prog)" in text else text
+
+
 def add_verb(sub, verb: Verb, command: str | None = None) -> argparse.ArgumentParser:
     """Add ``verb`` to the subparsers ``sub``; ``command`` is how messages name it (default: its name)."""
-    s = sub.add_parser(verb.name, help=verb.help, description=verb.help)
+    s = sub.add_parser(verb.name, help=_as_help(verb.help), description=_as_description(verb.help))
     verb.add_arguments(s)
     s.set_defaults(fn=verb.run, command=command or verb.name)
     return s
 
 
 def add_family(sub, family: str, help: str, verbs: Sequence[Verb]) -> None:
-    """``fedssl <family> <verb>`` for every verb, and each verb's deprecated flat alias (same arguments, built
-    by the same ``add_arguments``; not listed in ``fedssl --help``, announced on stderr when used)."""
-    f = sub.add_parser(family, help=help, description=help)
+    """``fedssl <family> <verb>`` for every verb (``help``: plain text, as a :class:`Verb`'s)."""
+    f = sub.add_parser(family, help=_as_help(help), description=_as_description(help))
     fsub = f.add_subparsers(dest="verb", required=True, metavar="VERB")
     for verb in verbs:
         add_verb(fsub, verb, f"{family} {verb.name}")
-    for verb in verbs:
-        if verb.alias:
-            new = f"fedssl {family} {verb.name}"
-            s = sub.add_parser(verb.alias, description=f"Deprecated alias of '{new}', kept for one release: {verb.help}")
-            verb.add_arguments(s)
-            s.set_defaults(fn=verb.run, command=verb.alias, alias_of=new,
-                           deprecated=f"fedssl {verb.alias}: deprecated alias of '{new}', kept for one release")
 
 
-def _aliases_epilog(sub) -> str:
-    aliases = [f"{name} = {parser.get_default('alias_of')}" for name, parser in sub.choices.items()
-               if parser.get_default("alias_of")]
-    return ("Deprecated flat names, kept as aliases for one release: " + "; ".join(aliases) + ".") if aliases else ""
-
-
-def main(argv: list[str] | None = None) -> int:
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fedssl`` parser: every family and verb of :data:`COMMAND_MODULES`, nothing run, nothing heavy imported."""
     p = argparse.ArgumentParser(prog="fedssl", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     for module in COMMAND_MODULES:
         importlib.import_module(module).register(sub)
-    p.epilog = _aliases_epilog(sub)
+    return p
 
-    a = p.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)  # --help and bad arguments stop here, before torch is imported
     command = getattr(a, "command", a.cmd)
-    if getattr(a, "deprecated", None):
-        print(a.deprecated, file=sys.stderr)
+    import torch
+
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
     try:
         a.fn(a)
     except KeyboardInterrupt:

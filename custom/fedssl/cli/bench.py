@@ -28,7 +28,8 @@ def _wire_args(s) -> None:
                    choices=["none", "float16", "adaquant", "float16+banks", "blockwise8", "normfloat4"],
                    help="wire settings; blockwise8 / normfloat4 need a GPU (FLARE runs them on CUDA)")
     s.add_argument("--repeats", type=COUNT, default=2, help="runs of 'none' (seeds 0..R-1): the run-to-run spread")
-    s.add_argument("--paired", action="store_true", help="every setting over the same seeds as 'none' (paired differences)")
+    s.add_argument("--paired", action="store_true",
+                   help="every setting over the same seeds as 'none' (paired differences)")
     s.add_argument("--pre-rounds", type=COUNT, default=4)
     s.add_argument("--ft-rounds", type=COUNT, default=4)
 
@@ -90,4 +91,5 @@ VERBS = (
 
 
 def register(sub) -> None:
-    add_family(sub, "bench", "cost of federation: FLARE overhead per round, server aggregation scaling, bytes on the wire", VERBS)
+    add_family(sub, "bench", "cost of federation: FLARE overhead per round, server aggregation scaling, bytes on the "
+                             "wire", VERBS)

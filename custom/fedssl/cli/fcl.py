@@ -1,5 +1,5 @@
-"""``fedssl fcl <verb>``: ACDC / FCL / FCLOpt (FCL (Wu et al., MedIA 2022)): synthetic ACDC, site folders, U-Net export, local and
-centralised fine-tuning with the Dice table, Table 7 and the README's demo."""
+"""``fedssl fcl <verb>``: ACDC / FCL / FCLOpt (FCL (Wu et al., MedIA 2022)): synthetic ACDC, site folders, U-Net export,
+local and centralised fine-tuning with the Dice table, Table 7 and the README's demo."""
 
 from __future__ import annotations
 
@@ -118,7 +118,8 @@ def _finetune(a) -> None:
 
     rows = run_finetune(a.data_root, _parse_inits(a.init), a.out, modes=a.modes, n_labelled=a.n, folds=a.folds,
                         profile=a.profile, epochs=a.epochs, labelled_from=a.labelled_from,
-                        progress=lambda r: print(f"  {r['mode']:<11} {r['method']:<8} N={r['n_labelled']} fold {r['fold']} {r['site']}: Dice {r['dice']:.3f}", flush=True))
+                        progress=lambda r: print(f"  {r['mode']:<11} {r['method']:<8} N={r['n_labelled']} fold "
+                                                 f"{r['fold']} {r['site']}: Dice {r['dice']:.3f}", flush=True))
     print(format_table(summarise(rows)))
 
 
@@ -127,7 +128,8 @@ def _table7_args(s) -> None:
     s.add_argument("--sites", type=COUNT, default=3)
     s.add_argument("--rounds", type=COUNT, default=11, help="pre-training rounds (11 include two DP calibrations)")
     s.add_argument("--n", type=COUNT, nargs="+", default=[1, 2, 4, 8])
-    s.add_argument("--epochs", type=COUNT, default=None, help="local fine-tuning epochs, without the profile's step floor "
+    s.add_argument("--epochs", type=COUNT, default=None,
+                   help="local fine-tuning epochs, without the profile's step floor "
                    "(default: the profile's epochs and floor)")
     s.add_argument("--data-root", default=None, help="folder with site-* folders (default: synthetic)")
     s.add_argument("--profile", default="quick", help="quick on CPU; paper where a GPU is available")
@@ -170,7 +172,8 @@ def _tables_args(s) -> None:
     s.add_argument("--sites", type=COUNT, default=3)
     s.add_argument("--profile", default="bench")
     s.add_argument("--data-root", default=None, help="folder with site-* folders (default: synthetic ACDC under --out)")
-    s.add_argument("--difficulty", type=NON_NEGATIVE_REAL, default=None, help="synthetic data difficulty (default: calibrated)")
+    s.add_argument("--difficulty", type=NON_NEGATIVE_REAL, default=None,
+                   help="synthetic data difficulty (default: calibrated)")
     s.add_argument("--epochs", type=COUNT, default=None, help="fine-tuning epochs, without the profile's step floor "
                    "(default: the profile's epochs and floor)")
     s.add_argument("--rounds", type=COUNT, default=None, help="pre-training rounds (default: the profile's)")
@@ -245,19 +248,17 @@ def _transfer(a) -> None:
 
 
 VERBS = (
-    Verb("synth", "write a synthetic dataset in its real on-disk layout", _synth_args, _synth, alias="synth"),
+    Verb("synth", "write a synthetic dataset in its real on-disk layout", _synth_args, _synth),
     Verb("link-sites", "split a real ACDC training/ folder into site-k folders (symlinks)", _link_sites_args,
-         _link_sites, alias="link-sites"),
+         _link_sites),
     Verb("volumes", "RV / MYO / LV volumes (ml) at ED and ES per ACDC group, RV / LV and ejection fractions",
          _volumes_args, _volumes),
-    Verb("finetune", "local / centralised fine-tuning protocol and Dice table", _finetune_args, _finetune,
-         alias="finetune"),
-    Verb("export-unet", "pre-trained FL_global_model.pt -> U-Net init checkpoint", _export_unet_args, _export_unet,
-         alias="export-unet"),
-    Verb("table7", "FCL (Wu et al., MedIA 2022) Table 7: bytes per round (FCL = 1) and Dice, six methods", _table7_args, _table7,
-         alias="table7"),
+    Verb("finetune", "local / centralised fine-tuning protocol and Dice table", _finetune_args, _finetune),
+    Verb("export-unet", "pre-trained FL_global_model.pt -> U-Net init checkpoint", _export_unet_args, _export_unet),
+    Verb("table7", "FCL (Wu et al., MedIA 2022) Table 7: bytes per round (FCL = 1) and Dice, six methods",
+         _table7_args, _table7),
     Verb("demo", "synthetic ACDC -> FCL in the simulator -> fine-tuning -> Dice table (CPU, ~10 min)", _demo_args,
-         _demo, alias="demo"),
+         _demo),
     Verb("tables", "FCL Tables 1-3 (local, federated, centralised fine-tuning) beside the paper's; resumable",
          _tables_args, _tables),
     Verb("hvsmr-synth", "write synthetic HVSMR 2016 subjects in the challenge's layout", _hvsmr_synth_args,

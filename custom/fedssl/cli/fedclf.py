@@ -8,6 +8,7 @@ import os
 import time
 
 from fedssl.cli import COUNT, FRACTION, NON_NEGATIVE_REAL, SEED, Verb, add_family, add_threads_argument
+from fedssl.cli.choices import FEDCLF_FRACTIONS, FEDCLF_METHODS, FEDCLF_TABLES, TABLE3_METHODS
 
 SOURCE_FLAGS = (("isic", "ISIC 2019 training set (ground-truth CSV + ISIC_2019_Training_Input/)"),
                 ("atlasderm", "AtlasDerm class-per-folder tree"), ("dermnet", "Dermnet class-per-folder tree"),
@@ -57,15 +58,14 @@ def _devices(a) -> None:
 
 
 def _tables_args(s) -> None:
-    from fedssl.experiments.fedclf_tables import FRACTIONS, METHODS, TABLES
-
     s.add_argument("--out", required=True, help="output folder: cells.jsonl (resume), tableI/II_{recall,precision}.*")
-    s.add_argument("--tables", type=COUNT, nargs="+", choices=list(TABLES), default=None)
-    s.add_argument("--methods", nargs="+", choices=list(METHODS), default=None)
-    s.add_argument("--fractions", type=FRACTION, nargs="+", choices=list(FRACTIONS), default=None)
+    s.add_argument("--tables", type=COUNT, nargs="+", choices=list(FEDCLF_TABLES), default=None)
+    s.add_argument("--methods", nargs="+", choices=list(FEDCLF_METHODS), default=None)
+    s.add_argument("--fractions", type=FRACTION, nargs="+", choices=list(FEDCLF_FRACTIONS), default=None)
     s.add_argument("--profile", default="bench")
     s.add_argument("--seed", type=SEED, default=None,
-                   help="seed of the synthetic sources and the device splits (default: the profile's; one --out per seed)")
+                   help="seed of the synthetic sources and the device splits (default: the profile's; one --out per "
+                        "seed)")
     s.add_argument("--data-root", default=None, help="device folders (fedssl fedclf devices); default: synthetic")
     s.add_argument("--workers", type=COUNT, default=1, help="processes for Table I's local fine-tuning cells")
     add_threads_argument(s)
@@ -80,15 +80,14 @@ def _tables(a) -> None:
 
 
 def _table3_args(s) -> None:
-    from fedssl.experiments.fedmae_table3 import METHODS
-
     s.add_argument("--out", required=True, help="output folder: cells.jsonl (resume), tableIII.{json,csv,txt,png}")
-    s.add_argument("--methods", nargs="+", choices=list(METHODS), default=None)
+    s.add_argument("--methods", nargs="+", choices=list(TABLE3_METHODS), default=None)
     s.add_argument("--profile", default="bench")
     s.add_argument("--seed", type=SEED, default=None,
                    help="seed of the synthetic images, the partitions and the models (one --out per seed)")
     s.add_argument("--data-root", default=None,
-                   help="a partition folder (fedssl sslfl partition derm SRC OUT --job fedmae_derm); default: synthetic")
+                   help="a partition folder (fedssl sslfl partition derm SRC OUT --job fedmae_derm); default: "
+                        "synthetic")
     s.add_argument("--workers", type=COUNT, default=1, help="processes for the local fine-tuning cells")
     add_threads_argument(s)
 
@@ -120,11 +119,11 @@ VERBS = (
                     "72 px shorter edge", _devices_args, _devices),
     Verb("tables", "FedCLF Tables I (local) and II (federated fine-tuning) and Fig. 6 beside the paper's; resumable",
          _tables_args, _tables),
-    Verb("table3", "Table III (FedMAE-KS setting, 8 ISIC classes, 10 IID clients): local fine-tuning at 80 %% labels "
+    Verb("table3", "Table III (FedMAE-KS setting, 8 ISIC classes, 10 IID clients): local fine-tuning at 80 % labels "
                    "of the CNN methods (ResNet-50) and FedMAE / random ViT beside the paper's; resumable",
          _table3_args, _table3),
     Verb("demo", "FedCLF vs FedMoCo vs random init on synthetic devices, local and federated fine-tuning at "
-                 "L = 10 / 80 %% (quick profile, about 15 min on 2 cores)", _demo_args, _demo),
+                 "L = 10 / 80 % (quick profile, about 15 min on 2 cores)", _demo_args, _demo),
 )
 
 

@@ -9,6 +9,7 @@ import os
 import time
 
 from fedssl.cli import COUNT, POSITIVE, SEED, Verb, add_family, add_threads_argument
+from fedssl.cli.choices import FEDDRA_VARIANTS
 
 
 def _synth_args(s) -> None:
@@ -25,7 +26,8 @@ def _synth(a) -> None:
 
     t = time.perf_counter()
     info = vs.write_synthetic_mimic(os.path.join(a.out, "mimic"), n_patients=a.patients, image_px=a.size, seed=a.seed)
-    vs.write_synthetic_messidor2(os.path.join(a.out, "messidor2"), n_images=a.retina_images, image_px=a.size, seed=a.seed)
+    vs.write_synthetic_messidor2(os.path.join(a.out, "messidor2"), n_images=a.retina_images, image_px=a.size,
+                                 seed=a.seed)
     vs.write_synthetic_brset(os.path.join(a.out, "brset"), n_images=a.retina_images, image_px=a.size, seed=a.seed + 1)
     vs.write_synthetic_rsna(os.path.join(a.out, "rsna"), n_images=a.ood_images, image_px=a.size, seed=a.seed + 2)
     vs.write_synthetic_covidx(os.path.join(a.out, "covidx"), n_images=a.ood_images, image_px=a.size, seed=a.seed + 3)
@@ -82,10 +84,8 @@ def _demo(a) -> None:
 
 
 def _table_args(s) -> None:
-    from fedssl.experiments.feddra_demo import VARIANTS
-
     s.add_argument("--out", required=True, help="output folder: cells.jsonl (resume), results.{json,md}, PNGs")
-    s.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    s.add_argument("--variants", nargs="+", choices=list(FEDDRA_VARIANTS), default=list(FEDDRA_VARIANTS))
     s.add_argument("--seeds", type=SEED, nargs="+", default=[0, 1, 2])
     s.add_argument("--turns", type=COUNT, default=None, help="communication turns (default: the demo's)")
     s.add_argument("--data-root", default=None, help="a folder with sites/ and ood/ (default: synthetic under --out)")
@@ -100,15 +100,18 @@ def _table(a) -> None:
 
 
 VERBS = (
-    Verb("synth", "synthetic MIMIC-CXR(-JPG), MESSIDOR-2, BRSET, RSNA-Pneumonia and COVIDx layouts", _synth_args, _synth),
+    Verb("synth", "synthetic MIMIC-CXR(-JPG), MESSIDOR-2, BRSET, RSNA-Pneumonia and COVIDx layouts", _synth_args,
+         _synth),
     Verb("split", "the paper's client split into per-site manifests: MIMIC-CXR by LDA over the 2^5 finding code, or "
                   "one retina source per client", _split_args, _split),
-    Verb("demo", "FedAvg vs FedDRA (and the Table 3 ablations) on synthetic MIMIC-CXR in the FLARE simulator: per-client "
-                 "R@1/R@5, average and worst client, DRO weights per turn (12-15 min on 2 shared cores)", _demo_args, _demo),
+    Verb("demo", "FedAvg vs FedDRA (and the Table 3 ablations) on synthetic MIMIC-CXR in the FLARE simulator: "
+                 "per-client R@1/R@5, average and worst client, DRO weights per turn (12-15 min on 2 shared cores)",
+                 _demo_args, _demo),
     Verb("table", "Table 3 (and FedAvg, decentralised, centralised) over seeds with spread; resumable",
          _table_args, _table),
 )
 
 
 def register(sub) -> None:
-    add_family(sub, "feddra", "FedDRA vision-language pre-training: synthetic layouts, client split, demo, Table 3", VERBS)
+    add_family(sub, "feddra", "FedDRA vision-language pre-training: synthetic layouts, client split, demo, Table 3",
+               VERBS)

@@ -19,7 +19,7 @@ from fedssl.cli import (
     add_family,
     add_threads_argument,
 )
-from fedssl.data.images import SSLFL_DATASETS
+from fedssl.cli.choices import SSLFL_DATASETS, SSLFL_TABLE_METHODS, SSLFL_TABLE_SPLITS
 
 
 def _synth_args(s) -> None:
@@ -123,7 +123,8 @@ def _demo_args(s) -> None:
     s.add_argument("--methods", nargs="+", default=["fedmae"], choices=["fedmae", "fedbeit", "fedmae_ks"],
                    help="pre-training methods, one data set: fedmae / fedbeit (retina) or fedmae_ks (derm)")
     s.add_argument("--no-scratch", action="store_true", help="leave out the ViT-from-scratch baseline")
-    s.add_argument("--images", type=COUNT, default=2800, help="images written (retina: a balanced subset, ~53%%, is kept)")
+    s.add_argument("--images", type=COUNT, default=2800,
+                   help="images written (retina: a balanced subset, ~53%%, is kept)")
     s.add_argument("--px", type=COUNT, default=40, help="height of the synthetic fundus images")
     s.add_argument("--sites", type=COUNT, default=5)
     s.add_argument("--alpha", type=POSITIVE, default=0.5, help="Dirichlet alpha (0.5 = SSL-FL Split-3)")
@@ -131,7 +132,8 @@ def _demo_args(s) -> None:
     s.add_argument("--ft-rounds", type=COUNT, default=60)
     s.add_argument("--ft-epochs", type=COUNT, default=1, help="local epochs per fine-tuning round")
     s.add_argument("--ft-steps", type=NON_NEGATIVE, default=4,
-                   help="at most this many local steps per epoch (0 = full epochs); few steps limit client drift under Split-3")
+                   help="at most this many local steps per epoch (0 = full epochs); few steps limit client drift under "
+                        "Split-3")
     s.add_argument("--ft-lr", type=POSITIVE, default=0.003)
     s.add_argument("--seed", type=SEED, default=0)
     add_threads_argument(s)
@@ -140,18 +142,17 @@ def _demo_args(s) -> None:
 def _demo(a) -> None:
     from fedssl.experiments.sslfl_demo import run_sslfl_demo
 
-    run_sslfl_demo(a.out, methods=a.methods, scratch=not a.no_scratch, n_images=a.images, image_px=a.px, n_sites=a.sites, alpha=a.alpha, pre_rounds=a.pre_rounds,
+    run_sslfl_demo(a.out, methods=a.methods, scratch=not a.no_scratch, n_images=a.images, image_px=a.px,
+                   n_sites=a.sites, alpha=a.alpha, pre_rounds=a.pre_rounds,
                    ft_rounds=a.ft_rounds, ft_epochs=a.ft_epochs, ft_steps=a.ft_steps, ft_lr=a.ft_lr, seed=a.seed,
                    threads=a.threads)
 
 
 def _tables_args(s) -> None:
-    from fedssl.experiments.sslfl_tables import METHODS, SPLIT_ALPHA
-
     s.add_argument("--out", required=True, help="output folder (cells.jsonl there: a re-run resumes)")
-    s.add_argument("--splits", nargs="+", type=COUNT, choices=sorted(SPLIT_ALPHA), default=None,
+    s.add_argument("--splits", nargs="+", type=COUNT, choices=list(SSLFL_TABLE_SPLITS), default=None,
                    help="SSL-FL splits: 1 / 2 / 3 = Dirichlet alpha 100 / 1.0 / 0.5 (default: the profile's, all)")
-    s.add_argument("--methods", nargs="+", choices=list(METHODS), default=None,
+    s.add_argument("--methods", nargs="+", choices=list(SSLFL_TABLE_METHODS), default=None,
                    help="scratch (random init), fedmae, fedbeit (default: the profile's, all three)")
     s.add_argument("--profile", default="bench", help="profile of the jobs and of tables.sslfl (default bench)")
     s.add_argument("--seeds", nargs="+", type=SEED, default=None,
@@ -178,11 +179,13 @@ def _settings(a) -> dict:
     from fedssl.experiments.sslfl_local import local_settings
 
     return local_settings(a.tiny, **{key: getattr(a, key, None)
-                                     for key in ("epochs", "lr", "label_fraction", "val_fraction", "device", "layer_scale")})
+                                     for key in ("epochs", "lr", "label_fraction", "val_fraction", "device",
+                                                 "layer_scale")})
 
 
 def _finetune_args(s) -> None:
-    s.add_argument("--data-root", required=True, help="folder with site-* folders (and test/) from `fedssl sslfl partition`")
+    s.add_argument("--data-root", required=True, help="folder with site-* folders (and test/) from `fedssl sslfl "
+                                                      "partition`")
     s.add_argument("--init", action="append", required=True, metavar="NAME=PATH|scratch|imagenet:PATH")
     s.add_argument("--test-root", default="", help="default: DATA_ROOT/test")
     s.add_argument("--epochs", type=COUNT, default=None)
@@ -215,8 +218,9 @@ def _finetune(a) -> None:
                               progress=(lambda m: print("  " + m, flush=True)) if a.verbose else None)
     for r in rows:
         t = r["test"]
-        print(f"{r['method']:<12} {r['site']:<8} best epoch {r['best_epoch']:>3}: test accuracy {format_metric(t['accuracy'])}, "
-              f"balanced {format_metric(t['balanced_accuracy'])}, AUC {format_metric(t['auc'])}")
+        print(f"{r['method']:<12} {r['site']:<8} best epoch {r['best_epoch']:>3}: test accuracy "
+              f"{format_metric(t['accuracy'])}, balanced {format_metric(t['balanced_accuracy'])}, AUC "
+              f"{format_metric(t['auc'])}")
     print(f"wrote {a.out}")
 
 
@@ -246,7 +250,8 @@ def _evaluate(a) -> None:
 
 def _bench_args(b) -> None:
     b.add_argument("--methods", nargs="+", default=["mae", "beit", "finetune"], choices=["mae", "beit", "finetune"])
-    b.add_argument("--size", default="vit_b16", choices=["vit_b16", "tiny"], help="vit_b16 = paper (224 px); tiny = CPU twin")
+    b.add_argument("--size", default="vit_b16", choices=["vit_b16", "tiny"],
+                   help="vit_b16 = paper (224 px); tiny = CPU twin")
     b.add_argument("--batch-sizes", nargs="+", type=COUNT, default=[64])
     b.add_argument("--steps", type=COUNT, default=20, help="timed steps per measurement")
     b.add_argument("--warmup", type=NON_NEGATIVE, default=5, help="untimed steps before timing")
@@ -263,22 +268,20 @@ def _bench(a) -> None:
 
 
 VERBS = (
-    Verb("synth", "write a synthetic retina / derm / covidfl / derm_mel data set in its real layout", _synth_args, _synth,
-         alias="synth-images"),
-    Verb("partition", "held-out test set + Dirichlet / IID (or the release's COVID-FL clients) site folders", _partition_args,
-         _partition, alias="partition"),
+    Verb("synth", "write a synthetic retina / derm / covidfl / derm_mel data set in its real layout", _synth_args,
+         _synth),
+    Verb("partition", "held-out test set + Dirichlet / IID (or the release's COVID-FL clients) site folders",
+         _partition_args, _partition),
     Verb("demo", "synthetic retina -> Split-3 -> Fed-MAE (or Fed-BEiT; FedMAE-KS on derm) -> federated fine-tuning "
-                 "vs scratch (quick)", _demo_args, _demo, alias="demo-sslfl"),
+                 "vs scratch (quick)", _demo_args, _demo),
     Verb("tables", "SSL-FL's retina table (Table II): Split-1/2/3 x scratch / Fed-MAE / Fed-BEiT in the simulator, "
                    "resumable, beside the paper's numbers", _tables_args, _tables),
     Verb("finetune", "local (per-site) ViT fine-tuning: epoch chosen on validation, then test", _finetune_args,
-         _finetune, alias="finetune-vit"),
-    Verb("export-encoder", "pre-training FL_global_model.pt -> encoder-only state dict", _export_args, _export,
-         alias="export-vit-encoder"),
-    Verb("evaluate", "test metrics of a fine-tuned checkpoint (refuses an untrained head)", _evaluate_args, _evaluate,
-         alias="evaluate-vit"),
+         _finetune),
+    Verb("export-encoder", "pre-training FL_global_model.pt -> encoder-only state dict", _export_args, _export),
+    Verb("evaluate", "test metrics of a fine-tuned checkpoint (refuses an untrained head)", _evaluate_args, _evaluate),
     Verb("bench", "training throughput (images/s) of the ViT-B/16 MAE, BEiT and fine-tuning steps", _bench_args,
-         _bench, alias="bench-vit"),
+         _bench),
 )
 
 

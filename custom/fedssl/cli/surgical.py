@@ -1,6 +1,6 @@
-"""``fedssl surgical <verb>``: surgical aggregation (surgical aggregation (Kulkarni et al., ML4H 2024)) on chest X-rays: the demo on synthetic NIH / CheXpert /
-MIMIC data, the centralised baseline of jobs/surgical_cxr, the ablation partitioner (sec. 2.4.1) and the paired
-comparison of two methods (sec. 2.6)."""
+"""``fedssl surgical <verb>``: surgical aggregation (surgical aggregation (Kulkarni et al., ML4H 2024)) on chest X-rays:
+the demo on synthetic NIH / CheXpert / MIMIC data, the centralised baseline of jobs/surgical_cxr, the ablation
+partitioner (sec. 2.4.1) and the paired comparison of two methods (sec. 2.6)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from fedssl.cli import COUNT, FRACTION, NON_NEGATIVE, POSITIVE, SEED, Verb, add_
 def _demo_args(s) -> None:
     s.add_argument("--out", default="runs/surgical_demo")
     s.add_argument("--backbone", default="fedavg", choices=["fedavg", "fedbn", "fedbn_plus"],
-                   help="backbone strategy (the job's paper setting fedbn_plus needs ImageNet weights to mean anything)")
+                   help="backbone strategy (the job's paper setting fedbn_plus needs ImageNet weights to mean "
+                        "anything)")
     s.add_argument("--rounds", type=COUNT, default=10, help="federated rounds per method")
     s.add_argument("--patients", type=COUNT, default=500, help="synthetic patients per site")
     s.add_argument("--methods", nargs="+", default=["surgical", "vanilla", "partial_loss"],
@@ -88,9 +89,11 @@ def _partition(a) -> None:
 
 
 def _compare_args(c) -> None:
-    c.add_argument("--a", nargs="+", required=True, metavar="RESULTS", help="method A: results.json file(s) or run folders")
+    c.add_argument("--a", nargs="+", required=True, metavar="RESULTS",
+                   help="method A: results.json file(s) or run folders")
     c.add_argument("--b", nargs="+", required=True, metavar="RESULTS", help="method B, in the same (seed) order")
-    c.add_argument("--on", default="test", choices=["test", "external"], help="the sites' test sets or the external set")
+    c.add_argument("--on", default="test", choices=["test", "external"],
+                   help="the sites' test sets or the external set")
     c.add_argument("--out", default="", help="also write the comparison as JSON here")
 
 
@@ -109,9 +112,9 @@ def _compare(a) -> None:
 
 VERBS = (
     Verb("demo", "synthetic NIH + CheXpert sites -> surgical vs vanilla vs partial-loss FL in the simulator -> mean "
-                 "AUROC table (quick profile, CPU)", _demo_args, _demo, alias="demo-surgical"),
+                 "AUROC table (quick profile, CPU)", _demo_args, _demo),
     Verb("central", "centralised baseline of jobs/surgical_cxr: the same training code on the pooled data of every "
-                    "site, evaluated like the federated runs", _central_args, _central, alias="surgical-central"),
+                    "site, evaluated like the federated runs", _central_args, _central),
     Verb("partition", "ablation data (paper sec. 2.4.1): IID subsets of NIH for K clients with S shared classes and a "
                       "held-out NIH test set, plus the job overrides to run them", _partition_args, _partition),
     Verb("compare", "paired t-test and Wilcoxon signed-rank test of two methods from their results.json (per class, "

@@ -50,7 +50,8 @@ def test_forget_moves_the_matching_cells_to_the_forgotten_file(tmp_path, capsys)
     assert main(["cells", "forget", str(path), "stage=diagnostics", "method=FCL"]) == 0
     assert "forgot 1 cells; 2 remain" in capsys.readouterr().out
     assert [r["key"] for r in CellStore(path).results()] == [KEYS[0], KEYS[2]]
-    assert [json.loads(line)["key"] for line in (tmp_path / "cells.forgotten.jsonl").read_text().splitlines()] == [KEYS[1]]
+    assert ([json.loads(line)["key"] for line in (tmp_path / "cells.forgotten.jsonl").read_text().splitlines()]
+            == [KEYS[1]])
 
 
 def test_a_missing_store_or_field_is_refused_by_name(tmp_path, capsys):

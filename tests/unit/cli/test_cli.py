@@ -1,4 +1,4 @@
-"""``fedssl <family> <verb>``, the generic top-level verbs, and the deprecated flat aliases (same arguments)."""
+"""``fedssl <family> <verb>`` and the generic top-level verbs: the command line's structure, its checks and errors."""
 
 import argparse
 import os
@@ -8,76 +8,43 @@ import sys
 import pytest
 
 import fedssl.cli
-from fedssl.cli import COMMAND_MODULES, main
+from fedssl.cli import COMMAND_MODULES, build_parser, main
 from fedssl.ops.jobs import REPO_ROOT
 
-#: every pre-family flat name and the command it now stands for
-ALIASES = {
-    "synth": "fcl synth", "link-sites": "fcl link-sites", "finetune": "fcl finetune", "export-unet": "fcl export-unet",
-    "table7": "fcl table7", "demo": "fcl demo",
-    "synth-images": "sslfl synth", "partition": "sslfl partition", "demo-sslfl": "sslfl demo",
-    "finetune-vit": "sslfl finetune", "export-vit-encoder": "sslfl export-encoder", "evaluate-vit": "sslfl evaluate",
-    "bench-vit": "sslfl bench",
-    "demo-surgical": "surgical demo", "surgical-central": "surgical central",
-}
-TOP_LEVEL = ("job", "simulate", "site-local", "deploy-local", "submit")
+#: the flat names of the verbs before they were grouped by family (0.1.0 development); none is a command
+FORMER_FLAT_NAMES = ("synth", "link-sites", "finetune", "export-unet", "table7", "demo", "synth-images", "partition",
+                     "demo-sslfl", "finetune-vit", "export-vit-encoder", "evaluate-vit", "bench-vit", "demo-surgical",
+                     "surgical-central")
 
 
 def _parser() -> tuple[argparse.ArgumentParser, dict]:
-    import importlib
-
-    p = argparse.ArgumentParser(prog="fedssl")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    for module in COMMAND_MODULES:
-        importlib.import_module(module).register(sub)
+    p = build_parser()
+    (sub,) = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
     return p, sub.choices
 
 
-def _options(parser: argparse.ArgumentParser) -> list[tuple]:
-    return [(tuple(a.option_strings), a.dest, a.default, a.nargs, a.type, tuple(a.choices or ()), a.required)
-            for a in parser._actions]
-
-
-def test_every_flat_name_is_an_alias_with_the_arguments_of_its_new_verb():
+def test_the_former_flat_names_are_no_commands(capsys):
     _, top = _parser()
-    for old, new in ALIASES.items():
-        family, verb = new.split()
-        new_parser = top[family]._subparsers._group_actions[0].choices[verb]
-        assert _options(top[old]) == _options(new_parser), old
-        assert top[old].get_default("fn") is new_parser.get_default("fn"), old
-        assert top[old].get_default("alias_of") == f"fedssl {new}"
-    for name in TOP_LEVEL:
-        assert name in top and not top[name].get_default("alias_of")
-
-
-def test_alias_warns_once_on_stderr_and_runs_the_new_verb(tmp_path, capsys):
-    assert main(["synth", "acdc", str(tmp_path / "old"), "--patients", "2", "--sites", "1", "--size", "32"]) == 0
-    out, err = capsys.readouterr()
-    assert err == "fedssl synth: deprecated alias of 'fedssl fcl synth', kept for one release\n"
-    assert main(["fcl", "synth", "acdc", str(tmp_path / "new"), "--patients", "2", "--sites", "1", "--size", "32"]) == 0
-    out2, err2 = capsys.readouterr()
-    assert err2 == "" and out2.replace("new", "old") == out
-    assert sorted(p.name for p in (tmp_path / "new").rglob("*")) == sorted(p.name for p in (tmp_path / "old").rglob("*"))
+    assert not set(FORMER_FLAT_NAMES) & set(top)
+    with pytest.raises(SystemExit) as stop:
+        main(["synth", "acdc", "out"])
+    assert stop.value.code == 2 and "invalid choice: 'synth'" in capsys.readouterr().err
 
 
 def test_errors_name_the_command_as_typed(tmp_path, capsys):
     assert main(["sslfl", "finetune", "--data-root", str(tmp_path / "none"), "--init", "x=scratch"]) == 2
     assert capsys.readouterr().err.startswith("fedssl sslfl finetune: error: data root")
-    assert main(["finetune-vit", "--data-root", str(tmp_path / "none"), "--init", "x=scratch"]) == 2
-    err = capsys.readouterr().err.splitlines()
-    assert err[0].startswith("fedssl finetune-vit: deprecated alias of 'fedssl sslfl finetune'")
-    assert err[1].startswith("fedssl finetune-vit: error: data root")
 
 
-def test_help_lists_families_and_generic_verbs_not_aliases(capsys):
+def test_help_lists_families_and_generic_verbs(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
     listed = [line.split()[0] for line in out.split("positional arguments:")[1].split("options:")[0].splitlines()
               if line.startswith("    ") and not line.startswith("     ")]
-    assert listed == ["fcl", "sslfl", "fedclf", "feddra", "surgical", "bench", "cells", "site-local", "job", "simulate", "deploy-local",
-                      "submit"]
-    assert "demo-sslfl = fedssl sslfl demo" in " ".join(out.split())
+    assert listed == ["fcl", "sslfl", "fedclf", "feddra", "surgical", "bench", "cells", "site-local", "job", "simulate",
+                      "deploy-local", "submit"]
+    assert "deprecated" not in out.lower()
     with pytest.raises(SystemExit):
         main(["sslfl"])  # a family needs a verb
     assert "required: VERB" in capsys.readouterr().err
@@ -117,8 +84,7 @@ WHOLE, POSITIVE = "expected a whole number >= 1", "expected a number > 0"
     (["deploy-local", FCL_JOB, "-w", "OUT", "--data-root", "d", "--sites", "2", "--timeout", "0"],
      "--timeout: '0' is out of range: " + POSITIVE),
     (["fcl", "demo", "--out", "OUT", "--rounds", "0"], "--rounds: '0' is out of range: " + WHOLE),
-    # a deprecated alias: the same checks
-    (["table7", "--out", "OUT", "--sites", "0"], "--sites: '0' is out of range: " + WHOLE),
+    (["fcl", "table7", "--out", "OUT", "--sites", "0"], "--sites: '0' is out of range: " + WHOLE),
     (["sslfl", "partition", "retina", "src", "OUT", "--alpha", "0"], "--alpha: '0' is out of range: " + POSITIVE),
     (["sslfl", "demo", "--out", "OUT", "--ft-lr", "nan"], "--ft-lr: 'nan' is out of range: " + POSITIVE),
     (["surgical", "demo", "--out", "OUT", "--patients", "-1"], "--patients: '-1' is out of range: " + WHOLE),
@@ -226,6 +192,3 @@ def test_every_computing_verb_takes_threads_default_one_and_hands_it_on(argv, ta
     monkeypatch.setattr(importlib.import_module(f"fedssl.experiments.{target[0]}"), target[1],
                         lambda *a, **kw: seen.update(kw))
     assert main([*argv, "--threads", "3"]) == 0 and seen["threads"] == 3
-    aliases = {v: k for k, v in ALIASES.items()}  # a demo's flat alias takes the same flag
-    if " ".join(argv[:2]) in aliases:
-        assert p.parse_args([aliases[" ".join(argv[:2])], "--threads", "2"]).threads == 2

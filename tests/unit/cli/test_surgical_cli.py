@@ -1,4 +1,5 @@
-"""``fedssl surgical compare`` / ``partition`` / ``central --missing-classes``: the CLI hooks of issue 13 items 10, 15."""
+"""``fedssl surgical compare`` / ``partition`` / ``central --missing-classes``: the CLI hooks of issue 13 items 10,
+15."""
 
 import json
 
@@ -8,7 +9,8 @@ from fedssl.cli import main
 
 
 def write(path, per_class):
-    path.write_text(json.dumps({"sites": {"site-1": {"test": {"per_class": {c: {"auroc": v} for c, v in per_class.items()}}}},
+    path.write_text(json.dumps({"sites": {"site-1": {"test": {"per_class": {c: {"auroc": v}
+                                                                            for c, v in per_class.items()}}}},
                                 "table": {"mean": {"mean_auroc": 0.5}, "external": []}}))
     return str(path)
 

@@ -103,7 +103,8 @@ def private_access_violations(module: str, source: str, flare_private: set[str])
                 isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
             problems.append(f"{module}:{node.lineno} touches {node.attr}, a private member of a fedssl.flare class")
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
-              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in flare_private):
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+              and node.args[1].value in flare_private):
             problems.append(f"{module}:{node.lineno} reads {node.args[1].value!r} of a fedssl.flare class by getattr")
     return problems
 

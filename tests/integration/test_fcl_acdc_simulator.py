@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from fedssl.data.acdc_synthetic import write_synthetic_acdc
-from fedssl.experiments.fcl_finetune import encoder_init, evaluate_federated, export_unet_init, load_labelled_sites, protocol_settings, run_protocols
+from fedssl.experiments.fcl_finetune import (encoder_init, evaluate_federated, export_unet_init, load_labelled_sites,
+                                             protocol_settings, run_protocols)
 from fedssl.models.unet import MoCoUNetEncoder, encoder_state_from_global
 from fedssl.ops.jobs import REPO_ROOT
 from fedssl.ops.simulate import run_simulation, server_run_dir
@@ -33,7 +34,8 @@ def data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pretrained(data, tmp_path_factory):
     ws = tmp_path_factory.mktemp("ws") / "fcl"
-    return run_simulation(os.path.join(JOBS, "fcl_acdc"), str(ws), n_sites=SITES, data_root=os.path.join(data, "{site}"),
+    return run_simulation(os.path.join(JOBS, "fcl_acdc"), str(ws), n_sites=SITES,
+                          data_root=os.path.join(data, "{site}"),
                           profile="quick", sets=["server.scatter_and_gather.num_rounds=2"], echo=False)
 
 

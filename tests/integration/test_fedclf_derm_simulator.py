@@ -20,7 +20,8 @@ JOBS = os.path.join(REPO_ROOT, "jobs")
 def devices(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("fedclf")
     write_synthetic_derm_sources(str(root / "raw"), n_isic=160, seed=0, image_size=40)
-    build_devices(str(root / "devices"), *(str(root / "raw" / s) for s in ("isic2019", "atlasderm", "dermnet", "darkderm")),
+    build_devices(str(root / "devices"), *(str(root / "raw" / s) for s in ("isic2019", "atlasderm", "dermnet",
+                                                                           "darkderm")),
                   seed=0, short_edge=36)
     return str(root / "devices")
 
@@ -38,17 +39,19 @@ def test_fedclf_pretraining_exchanges_banks_then_finetunes(devices, tmp_path):
     assert run["rounds"][1]["site_record_means"]["queue_remote_fraction"] == 1.0
     log = open(run["log"]).read()
     assert "sending site-1 a remote bank of 128 features" in log
-    ft = simulate("fedclf_derm_finetune", devices, tmp_path / "ft", f"server.model.pretrained_path={run['global_model']}",
-                  "client.cls_trainer.label_fraction=0.4")
+    ft = simulate("fedclf_derm_finetune", devices, tmp_path / "ft",
+                  f"server.model.pretrained_path={run['global_model']}", "client.cls_trainer.label_fraction=0.4")
     with open(os.path.join(ft["workspace"], "server", "simulate_job", "test_metrics.json")) as f:
         report = json.load(f)
     assert sorted(report["sites"]) == ["site-1", "site-2", "site-3"]
     for metrics in report["sites"].values():
-        assert 0.0 <= metrics["balanced_accuracy"] <= 1.0 and set(metrics["per_class"]) == {"BCC", "DF", "MEL", "NV", "SCC"}
+        assert (0.0 <= metrics["balanced_accuracy"] <= 1.0
+                and set(metrics["per_class"]) == {"BCC", "DF", "MEL", "NV", "SCC"})
 
 
 def test_fedmoco_switch_sends_no_feature(devices, tmp_path):
-    run = simulate("fedclf_derm", devices, tmp_path, "client.fedclf_trainer.queue=none", "server.aggregator.collectors=[]")
+    run = simulate("fedclf_derm", devices, tmp_path, "client.fedclf_trainer.queue=none",
+                   "server.aggregator.collectors=[]")
     assert run["rounds"][1]["site_record_means"]["queue_remote_fraction"] == 0.0
     assert "remote bank" not in open(run["log"]).read()
 

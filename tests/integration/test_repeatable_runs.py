@@ -53,7 +53,8 @@ def fedclf_devices(root):
     from fedssl.data.fedclf_synthetic import write_synthetic_derm_sources
 
     write_synthetic_derm_sources(str(root / "raw"), n_isic=160, seed=0, image_size=40)
-    build_devices(str(root / "devices"), *(str(root / "raw" / s) for s in ("isic2019", "atlasderm", "dermnet", "darkderm")),
+    build_devices(str(root / "devices"), *(str(root / "raw" / s) for s in ("isic2019", "atlasderm", "dermnet",
+                                                                           "darkderm")),
                   seed=0, short_edge=36)
     return str(root / "devices" / "{site}")
 
@@ -113,7 +114,8 @@ def test_fcl_repeats_with_shuttle_and_perturbation_and_another_seed_differs(tmp_
     check_repeatable(perturbing_fcl_job(tmp_path / "job"), str(tmp_path / "ws"), n_sites=3, data_root=data,
                      sets=["server.scatter_and_gather.num_rounds=2", "client.fcl_trainer.max_steps_per_round=2"],
                      other_seed=["client.fcl_trainer.seed=1"])
-    secrets = sorted(p.relative_to(tmp_path / "ws_secrets").as_posix() for p in (tmp_path / "ws_secrets").rglob("*.secret"))
+    secrets = sorted(p.relative_to(tmp_path / "ws_secrets").as_posix()
+                     for p in (tmp_path / "ws_secrets").rglob("*.secret"))
     assert secrets == sorted([*(f"site-{i}/feature_bank_perturbation.secret" for i in (1, 2, 3)),
                               "simulator_server/feature_bank_shuttle.secret"]), secrets
 

@@ -77,15 +77,17 @@ def check_run(run, data, dataset="retina", key_metric="val_accuracy", val_fracti
 
 
 def test_finetune_from_pretrained_encoder(data, pretrained, tmp_path):
-    run = run_simulation(JOB, str(tmp_path / "ws"), n_sites=SITES, data_root=os.path.join(data, "{site}"), profile="quick",
-                         echo=False, sets=["server.scatter_and_gather.num_rounds=2", f"server.model.pretrained_path={pretrained}"])
+    run = run_simulation(JOB, str(tmp_path / "ws"), n_sites=SITES, data_root=os.path.join(data, "{site}"),
+                         profile="quick", echo=False, sets=["server.scatter_and_gather.num_rounds=2",
+                                           f"server.model.pretrained_path={pretrained}"])
     log = check_run(run, data)
     assert f"encoder initialised from pretrained weights {pretrained}" in log
 
 
 def test_finetune_from_scratch_with_fedprox(data, tmp_path):
-    run = run_simulation(JOB, str(tmp_path / "ws"), n_sites=SITES, data_root=os.path.join(data, "{site}"), profile="quick",
-                         echo=False, sets=["server.scatter_and_gather.num_rounds=2", "client.cls_trainer.fedprox_mu=0.001"])
+    run = run_simulation(JOB, str(tmp_path / "ws"), n_sites=SITES, data_root=os.path.join(data, "{site}"),
+                         profile="quick", echo=False, sets=["server.scatter_and_gather.num_rounds=2",
+                                           "client.cls_trainer.fedprox_mu=0.001"])
     log = check_run(run, data)
     assert "encoder initialised from" not in log
 
@@ -94,8 +96,9 @@ def test_fedmae_ks_finetune_on_derm(tmp_path, pretrained):
     """jobs/fedmae_derm_finetune: 8 ISIC classes, selection on validation macro F1, FedMAE's metric table."""
     data = write_parts(tmp_path / "derm", "derm", 320)
     job = os.path.join(REPO_ROOT, "jobs", "fedmae_derm_finetune")
-    run = run_simulation(job, str(tmp_path / "ws"), n_sites=SITES, data_root=os.path.join(data, "{site}"), profile="quick",
-                         echo=False, sets=["server.scatter_and_gather.num_rounds=2", f"server.model.pretrained_path={pretrained}"])
+    run = run_simulation(job, str(tmp_path / "ws"), n_sites=SITES, data_root=os.path.join(data, "{site}"),
+                         profile="quick", echo=False, sets=["server.scatter_and_gather.num_rounds=2",
+                                           f"server.model.pretrained_path={pretrained}"])
     # the job's validation fraction and labelled fraction (FedMAE-KS: 80% labelled); the quick profile keeps both
     log = check_run(run, data, "derm", "val_macro_f1", val_fraction=0.25, label_fraction=0.8)
     assert f"encoder initialised from pretrained weights {pretrained}" in log

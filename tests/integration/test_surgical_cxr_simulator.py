@@ -48,7 +48,8 @@ def stand_in_imagenet(tmp_path_factory):
 def surgical(data, stand_in_imagenet, tmp_path_factory):
     ws = tmp_path_factory.mktemp("ws") / "surgical"
     return run_simulation(JOB, str(ws), n_sites=2, data_root=str(data / "{site}"), profile="quick", echo=False,
-                          sets=["server.scatter_and_gather.num_rounds=2", f"client.cxr_trainer.external_test_root={data / 'mimic'}",
+                          sets=["server.scatter_and_gather.num_rounds=2",
+                                f"client.cxr_trainer.external_test_root={data / 'mimic'}",
                                 f"server.model.imagenet_path={stand_in_imagenet}"])
 
 
@@ -70,7 +71,8 @@ def test_run_completes_and_registers_14_plus_13_classes(surgical):
 def test_each_site_receives_only_its_own_head_rows(surgical):
     ws = surgical["workspace"]
     for site, n in (("site-1", 14), ("site-2", 13)):
-        metrics = [m for m in read_jsonl(os.path.join(ws, site, "simulate_job", "multilabel_metrics.jsonl")) if "round" in m]
+        metrics = [m for m in read_jsonl(os.path.join(ws, site, "simulate_job", "multilabel_metrics.jsonl"))
+                   if "round" in m]
         assert [m["received_head_shape"][0] for m in metrics] == [n, n]
     # the download of the site holding one class more is larger by one head row (16 floats + 1 bias in the tiny model)
     comm = read_jsonl(os.path.join(ws, "server", "simulate_job", "communication.jsonl"))

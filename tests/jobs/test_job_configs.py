@@ -43,7 +43,8 @@ def check_job(job_dir: str) -> int:
                     if k not in own:  # passed on to a FLARE base class (e.g. ScatterAndGather) that stores its own way
                         continue
                     stored = getattr(obj, k)
-                    assert (list(stored) if isinstance(stored, tuple) else stored) == v, f"{comp['id']}.{k} not stored verbatim"
+                    assert (list(stored) if isinstance(stored, tuple)
+                            else stored) == v, f"{comp['id']}.{k} not stored verbatim"
             n += 1
     return n
 
@@ -73,7 +74,8 @@ def test_override_typos_are_errors(tmp_path):
 
 def test_set_override_value(tmp_path):
     out = build_job(os.path.join(JOBS_DIR, "fcl_acdc"), str(tmp_path / "j"), profile="quick",
-                    sets=["server.scatter_and_gather.num_rounds=7", "client.fcl_trainer.feature_exchange=false"], n_sites=4)
+                    sets=["server.scatter_and_gather.num_rounds=7", "client.fcl_trainer.feature_exchange=false"],
+                    n_sites=4)
     with open(os.path.join(out, "app", "config", "config_fed_server.json")) as f:
         server = json.load(f)
     with open(os.path.join(out, "app", "config", "config_fed_client.json")) as f:
@@ -124,7 +126,8 @@ def test_every_job_streams_training_curves_to_the_server(job):
     event = writer["args"].get("event_type", ANALYTIC_EVENT_TYPE)
     fed = [c for c in client.values() if c["path"].endswith(".ConvertToFedEvent")]
     assert len(fed) == 1 and event in fed[0]["args"]["events_to_convert"]
-    receivers = [c for c in server.values() if c["path"] == "nvflare.app_opt.tracking.tb.tb_receiver.TBAnalyticsReceiver"]
+    receivers = ([c for c in server.values() if c["path"]
+                  == "nvflare.app_opt.tracking.tb.tb_receiver.TBAnalyticsReceiver"])
     assert len(receivers) == 1
     assert receivers[0]["args"]["events"] == [fed[0]["args"].get("fed_event_prefix", "fed.") + event]
 
@@ -175,7 +178,8 @@ def test_every_profile_override_binds_to_a_constructor_argument(profile):
             hits = [c for c in comps[part] if c["id"] == comp_id]
             assert len(hits) == 1, f"{profile}: {part}.{comp_id} of {job} is not one component"
         for comp in hits:
-            assert _takes(comp, arg), f"{profile}: {job} {comp['id']} ({comp['path']}) has no constructor argument {arg}"
+            assert _takes(comp, arg), (f"{profile}: {job} {comp['id']} ({comp['path']}) has no constructor argument "
+                                       f"{arg}")
             checked += 1
     assert checked or profile == "paper"
 

@@ -6,9 +6,9 @@ default (what FLARE would build).  Settings that are not job arguments (the opti
 pinned in ``CODE_PINS`` against the class that holds them.
 
 Papers (/work/shared/seeds): 004 FCL / FCLOpt (Wu et al., MedIA 2022), 000 SSL-FL (Yan et al., IEEE TMI 2023),
-001 FedMAE-KS (Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis"), 002 Surgical aggregation (Kulkarni et al., ML4H 2024),
-003 FedDRA (Shuai, Wu, Tang and Shen, "Distributionally Robust Alignment for Medical Federated Vision-Language
-Pre-training Under Data Heterogeneity", TMLR).
+001 FedMAE-KS (Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis"), 002 Surgical
+aggregation (Kulkarni et al., ML4H 2024), 003 FedDRA (Shuai, Wu, Tang and Shen, "Distributionally Robust Alignment for
+Medical Federated Vision-Language Pre-training Under Data Heterogeneity", TMLR).
 
 Not pinned, because the paper does not state them (the job's value is the bundle's choice or the reference code's):
 
@@ -141,7 +141,8 @@ def matches(value: Any, paper: Any) -> bool:
 
 def check(pin: Pin) -> None:
     value = job_value(pin)
-    assert matches(value, pin.paper), f"{pin.job}: {pin.comp or 'meta'}.{pin.arg} = {value!r}, paper: {pin.paper!r} ({pin.cite})"
+    assert matches(value, pin.paper), (f"{pin.job}: {pin.comp or 'meta'}.{pin.arg} = {value!r}, paper: {pin.paper!r} "
+                                       f"({pin.cite})")
 
 
 def exists(job: str) -> bool:
@@ -175,7 +176,8 @@ FCL_PINS = [
     Pin("fcl_acdc", "client", "fcl_trainer", "n_partitions", 4, TD + ": 4 partitions per volume"),
     Pin("fcl_acdc", "client", "fcl_trainer", "max_steps_per_round", 0, TD + ": 1 local epoch per round (0 = full)"),
     Pin("fcl_acdc", "client", "fcl_trainer", "target_spacing", 1.25, DP + ": 1.25x1.25 mm2"),
-    Pin("fcl_acdc", "client", "fcl_trainer", "frames", "all", DP + ": ~15 volumes per patient, pre-training unlabelled"),
+    Pin("fcl_acdc", "client", "fcl_trainer", "frames", "all",
+        DP + ": ~15 volumes per patient, pre-training unlabelled"),
     Pin("fcl_acdc", "client", "fcl_trainer", "features[0]", 48, FS + ": U-Net initial channels 48"),
     Pin("fcl_acdc", "client", "fcl_trainer", "feature_exchange", True, "FCL sec.3 eq.(1) FE"),
     Pin("fcl_acdc", "client", "fcl_trainer", "negative_sampling", True, "FCL sec.3 eq.(2) NS"),
@@ -199,11 +201,13 @@ FCL_PINS = [
     Pin("fclopt_acdc", "client", "byol_trainer", "n_partitions", 4, TD + ": 4 partitions per volume"),
     Pin("fclopt_acdc", "client", "byol_trainer", "max_steps_per_round", 0, TD + ": 1 local epoch per round (0 = full)"),
     Pin("fclopt_acdc", "client", "byol_trainer", "target_spacing", 1.25, DP + ": 1.25x1.25 mm2"),
-    Pin("fclopt_acdc", "client", "byol_trainer", "frames", "all", DP + ": ~15 volumes per patient, pre-training unlabelled"),
+    Pin("fclopt_acdc", "client", "byol_trainer", "frames", "all",
+        DP + ": ~15 volumes per patient, pre-training unlabelled"),
     Pin("fclopt_acdc", "client", "byol_trainer", "features[0]", 48, FS + ": U-Net initial channels 48"),
     Pin("fclopt_acdc", "server", "model", "features[0]", 48, FS + ": U-Net initial channels 48"),
     Pin("fclopt_acdc", "server", "aggregator", "weighting", "num_samples", "FCL sec.4 eq.(8): n_c/n"),
-    Pin("fclopt_acdc", "server", "scatter_and_gather", "calibration_every", 10, TD + ": alpha adjusted every 10 rounds"),
+    Pin("fclopt_acdc", "server", "scatter_and_gather", "calibration_every", 10,
+        TD + ": alpha adjusted every 10 rounds"),
     Pin("fclopt_acdc", "server", "scatter_and_gather", "num_rounds", 200, TD + ": 200 rounds"),
     Pin("fclopt_acdc", "server", "scatter_and_gather", "min_clients", 10, FS + ": 10 clients, active fraction 1.0"),
     Pin("fclopt_acdc", "meta", "", "min_clients", 10, FS + ": 10 clients"),
@@ -217,7 +221,8 @@ FCL_PINS = [
     Pin("fcl_acdc_finetune", "client", "seg_trainer", "features[0]", 48, FS + ": U-Net initial channels 48"),
     Pin("fcl_acdc_finetune", "server", "model", "features[0]", 48, FS + ": U-Net initial channels 48"),
     Pin("fcl_acdc_finetune", "server", "model", "out_channels", 4, DP + ": LV, MYO, RV + background"),
-    Pin("fcl_acdc_finetune", "server", "scatter_and_gather", "num_rounds", 200, TD + ": 200 rounds federated fine-tuning"),
+    Pin("fcl_acdc_finetune", "server", "scatter_and_gather", "num_rounds", 200,
+        TD + ": 200 rounds federated fine-tuning"),
     Pin("fcl_acdc_finetune", "server", "scatter_and_gather", "min_clients", 10, FS + ": 10 clients"),
     Pin("fcl_acdc_finetune", "meta", "", "min_clients", 10, FS + ": 10 clients"),
 ]
@@ -229,11 +234,12 @@ SPLIT = "SSL-FL sec.IV-B.1: N=5 clients"
 COVID = "SSL-FL sec.IV-B.1: COVID-FL 12 clients"
 SSLFL_PINS = [
     Pin("sslfl_mae_retina", "client", "mim_trainer", "method", "mae", PT + ": Fed-MAE"),
-    Pin("sslfl_mae_retina", "client", "mim_trainer", "peak lr", 1e-3, "SSL-FL Table I: Retina Fed-MAE eta 1e-3 (absolute)",
-        mim_peak_lr),
+    Pin("sslfl_mae_retina", "client", "mim_trainer", "peak lr", 1e-3,
+        "SSL-FL Table I: Retina Fed-MAE eta 1e-3 (absolute)", mim_peak_lr),
     Pin("sslfl_mae_retina", "client", "mim_trainer", "batch_size", 128, "SSL-FL Table I: Retina Fed-MAE B 128"),
     Pin("sslfl_mae_retina", "client", "mim_trainer", "mask_ratio", 0.6, PT + ": mask 60% for MAE; Table IX"),
-    Pin("sslfl_mae_retina", "client", "mim_trainer", "warmup_rounds", 5, PT + ": Fed-MAE warm-up 5 epochs (1 epoch/round)"),
+    Pin("sslfl_mae_retina", "client", "mim_trainer", "warmup_rounds", 5,
+        PT + ": Fed-MAE warm-up 5 epochs (1 epoch/round)"),
     *vit_b("sslfl_mae_retina", "client", "mim_trainer", PT + ": ViT-B"),
     *vit_b("sslfl_mae_retina", "server", "model", PT + ": ViT-B"),
     Pin("sslfl_mae_retina", "server", "scatter_and_gather", "num_rounds", 1600, PT + ": Fed-MAE 1600 rounds"),
@@ -243,15 +249,18 @@ SSLFL_PINS = [
         mim_peak_lr),
     Pin("sslfl_beit_retina", "client", "mim_trainer", "batch_size", 256, "SSL-FL Table I: Retina Fed-BEiT B 256"),
     Pin("sslfl_beit_retina", "client", "mim_trainer", "mask_ratio", 0.4, PT + ": at most 40% for BEiT; Table IX"),
-    Pin("sslfl_beit_retina", "client", "mim_trainer", "warmup_rounds", 10, PT + ": Fed-BEiT warm-up 10 epochs (1 epoch/round)"),
+    Pin("sslfl_beit_retina", "client", "mim_trainer", "warmup_rounds", 10,
+        PT + ": Fed-BEiT warm-up 10 epochs (1 epoch/round)"),
     *vit_b("sslfl_beit_retina", "client", "mim_trainer", PT + ": ViT-B, 14x14 patch grid"),
     *vit_b("sslfl_beit_retina", "server", "model", PT + ": ViT-B, 14x14 patch grid"),
     Pin("sslfl_beit_retina", "server", "scatter_and_gather", "num_rounds", 1000, PT + ": Fed-BEiT 1000 rounds"),
     Pin("sslfl_beit_retina", "server", "scatter_and_gather", "min_clients", 5, SPLIT),
     Pin("sslfl_retina_finetune", "client", "cls_trainer", "lr", 3e-3, FT + ": lr 3e-3"),
     Pin("sslfl_retina_finetune", "client", "cls_trainer", "batch_size", 256, FT + ": batch 256 (COVID-FL 64)"),
-    Pin("sslfl_retina_finetune", "client", "cls_trainer", "label_fraction", 1.0, "SSL-FL Table II: all labels (Fig.9 ablates)"),
-    Pin("sslfl_retina_finetune", "client", "cls_trainer", "fedprox_mu", 0.0, "SSL-FL sec.IV-C: FedAvg (FedProx only in Fig.10a)"),
+    Pin("sslfl_retina_finetune", "client", "cls_trainer", "label_fraction", 1.0,
+        "SSL-FL Table II: all labels (Fig.9 ablates)"),
+    Pin("sslfl_retina_finetune", "client", "cls_trainer", "fedprox_mu", 0.0,
+        "SSL-FL sec.IV-C: FedAvg (FedProx only in Fig.10a)"),
     *vit_b("sslfl_retina_finetune", "client", "cls_trainer", PT + ": ViT-B"),
     *vit_b("sslfl_retina_finetune", "server", "model", PT + ": ViT-B"),
     Pin("sslfl_retina_finetune", "server", "model", "num_classes", 2, "SSL-FL sec.IV-A: Retina Normal vs Diseased"),
@@ -259,10 +268,12 @@ SSLFL_PINS = [
     Pin("sslfl_retina_finetune", "server", "scatter_and_gather", "min_clients", 5, SPLIT),
     # Derm (melanoma vs benign, sec. IV-A) and COVID-FL (12 clients, sec. IV-B.1)
     Pin("sslfl_mae_derm", "client", "mim_trainer", "method", "mae", PT + ": Fed-MAE"),
-    Pin("sslfl_mae_derm", "client", "mim_trainer", "peak lr", 7.5e-4, "SSL-FL Table I: Derm Fed-MAE eta 7.5e-4", mim_peak_lr),
+    Pin("sslfl_mae_derm", "client", "mim_trainer", "peak lr", 7.5e-4, "SSL-FL Table I: Derm Fed-MAE eta 7.5e-4",
+        mim_peak_lr),
     Pin("sslfl_mae_derm", "client", "mim_trainer", "batch_size", 128, "SSL-FL Table I: Derm Fed-MAE B 128"),
     Pin("sslfl_mae_derm", "client", "mim_trainer", "mask_ratio", 0.6, PT + ": mask 60% for MAE; Table IX"),
-    Pin("sslfl_mae_derm", "client", "mim_trainer", "warmup_rounds", 5, PT + ": Fed-MAE warm-up 5 epochs (1 epoch/round)"),
+    Pin("sslfl_mae_derm", "client", "mim_trainer", "warmup_rounds", 5,
+        PT + ": Fed-MAE warm-up 5 epochs (1 epoch/round)"),
     *vit_b("sslfl_mae_derm", "client", "mim_trainer", PT + ": ViT-B"),
     *vit_b("sslfl_mae_derm", "server", "model", PT + ": ViT-B"),
     Pin("sslfl_mae_derm", "server", "scatter_and_gather", "num_rounds", 1600, PT + ": Fed-MAE 1600 rounds"),
@@ -277,12 +288,13 @@ SSLFL_PINS = [
     Pin("sslfl_derm_finetune", "server", "scatter_and_gather", "num_rounds", 100, FT + ": 100 rounds"),
     Pin("sslfl_derm_finetune", "server", "scatter_and_gather", "min_clients", 5, SPLIT),
     Pin("sslfl_mae_covidfl", "client", "mim_trainer", "method", "mae", PT + ": Fed-MAE"),
-    Pin("sslfl_mae_covidfl", "client", "mim_trainer", "peak lr", 3.75e-4, "SSL-FL Table I: COVID-FL Fed-MAE eta 3.75e-4",
-        mim_peak_lr),
+    Pin("sslfl_mae_covidfl", "client", "mim_trainer", "peak lr", 3.75e-4,
+        "SSL-FL Table I: COVID-FL Fed-MAE eta 3.75e-4", mim_peak_lr),
     Pin("sslfl_mae_covidfl", "client", "mim_trainer", "batch_size", 64, "SSL-FL Table I: COVID-FL Fed-MAE B 64"),
     Pin("sslfl_mae_covidfl", "client", "mim_trainer", "mask_ratio", OneOf((0.3, 0.6)),
         PT + ": 60% main setting; Table IX: 30% best for COVID-FL MAE"),
-    Pin("sslfl_mae_covidfl", "client", "mim_trainer", "warmup_rounds", 5, PT + ": Fed-MAE warm-up 5 epochs (1 epoch/round)"),
+    Pin("sslfl_mae_covidfl", "client", "mim_trainer", "warmup_rounds", 5,
+        PT + ": Fed-MAE warm-up 5 epochs (1 epoch/round)"),
     *vit_b("sslfl_mae_covidfl", "client", "mim_trainer", PT + ": ViT-B"),
     *vit_b("sslfl_mae_covidfl", "server", "model", PT + ": ViT-B"),
     Pin("sslfl_mae_covidfl", "server", "scatter_and_gather", "num_rounds", 1600, PT + ": Fed-MAE 1600 rounds"),
@@ -311,21 +323,28 @@ FEDMAE_PINS = [
     Pin("fedmae_derm", "client", "mim_trainer", "peak lr", 1.5e-4, VB + ": AdamW lr 1.5e-4 cosine", mim_peak_lr),
     *vit_b("fedmae_derm", "client", "mim_trainer", VB + ": ViT-B; " + VBD + " 224x224"),
     *vit_b("fedmae_derm", "server", "model", VB + ": ViT-B"),
-    Pin("fedmae_derm", "client", "exclude_upload", "patterns", ["encoder.cls_token"], "FedMAE-KS sec.IV-D: class token local"),
-    Pin("fedmae_derm", "client", "exclude_upload", "average_at_end", True, "FedMAE-KS sec.IV-D: averaged once at the end"),
-    Pin("fedmae_derm", "server", "exclude_download", "patterns", ["encoder.cls_token"], "FedMAE-KS sec.IV-D: class token local"),
+    Pin("fedmae_derm", "client", "exclude_upload", "patterns", ["encoder.cls_token"],
+        "FedMAE-KS sec.IV-D: class token local"),
+    Pin("fedmae_derm", "client", "exclude_upload", "average_at_end", True,
+        "FedMAE-KS sec.IV-D: averaged once at the end"),
+    Pin("fedmae_derm", "server", "exclude_download", "patterns", ["encoder.cls_token"],
+        "FedMAE-KS sec.IV-D: class token local"),
     Pin("fedmae_derm", "server", "aggregator", "exclude_patterns", ["encoder.cls_token"], "FedMAE-KS sec.IV-D"),
-    Pin("fedmae_derm", "server", "aggregator", "average_excluded_at_end", True, "FedMAE-KS sec.IV-D: aggregated after last round"),
+    Pin("fedmae_derm", "server", "aggregator", "average_excluded_at_end", True,
+        "FedMAE-KS sec.IV-D: aggregated after last round"),
     Pin("fedmae_derm", "server", "scatter_and_gather", "min_clients", 10, VBD + ": 10 clients"),
     Pin("fedmae_derm", "meta", "", "min_clients", 10, VBD + ": 10 clients"),
     Pin("fedmae_derm_finetune", "client", "cls_trainer", "lr", 5e-4, VB + ": federated fine-tuning lr 5e-4"),
     Pin("fedmae_derm_finetune", "client", "cls_trainer", "batch_size", 256, VB + ": federated fine-tuning batch 256"),
-    Pin("fedmae_derm_finetune", "client", "cls_trainer", "label_fraction", 0.8, "FedMAE-KS Table IV: 80% labelled per device"),
-    Pin("fedmae_derm_finetune", "client", "cls_trainer", "val_fraction", 0.25, VBD + ": 60/20/20 -> val = 20/80 of the non-test pool"),
+    Pin("fedmae_derm_finetune", "client", "cls_trainer", "label_fraction", 0.8,
+        "FedMAE-KS Table IV: 80% labelled per device"),
+    Pin("fedmae_derm_finetune", "client", "cls_trainer", "val_fraction", 0.25,
+        VBD + ": 60/20/20 -> val = 20/80 of the non-test pool"),
     *vit_b("fedmae_derm_finetune", "client", "cls_trainer", VB + ": ViT-B"),
     *vit_b("fedmae_derm_finetune", "server", "model", VB + ": ViT-B"),
     Pin("fedmae_derm_finetune", "server", "model", "num_classes", 8, VBD + ": ISIC 2019, 8 categories"),
-    Pin("fedmae_derm_finetune", "server", "scatter_and_gather", "num_rounds", 50, VB + ": 50 rounds federated fine-tuning"),
+    Pin("fedmae_derm_finetune", "server", "scatter_and_gather", "num_rounds", 50,
+        VB + ": 50 rounds federated fine-tuning"),
     Pin("fedmae_derm_finetune", "server", "scatter_and_gather", "min_clients", 10, VBD + ": 10 clients"),
 ]
 
@@ -334,7 +353,8 @@ VA = "FedCLF sec.V-A Training details"
 VAD = "FedCLF sec.V-A Datasets / Federated setting"
 FEDCLF_PINS = [
     Pin("fedclf_derm", "client", "fedclf_trainer", "method", "moco", "FedCLF sec.III-B: MoCo main + momentum model"),
-    Pin("fedclf_derm", "client", "fedclf_trainer", "queue", "fe_neg", "FedCLF sec.III-D eq.5: Q_CL from Q_r, remote only"),
+    Pin("fedclf_derm", "client", "fedclf_trainer", "queue", "fe_neg",
+        "FedCLF sec.III-D eq.5: Q_CL from Q_r, remote only"),
     Pin("fedclf_derm", "client", "fedclf_trainer", "federated", True, VA + ": FedAvg"),
     Pin("fedclf_derm", "client", "fedclf_trainer", "batch_size", 128, VA + ": batch size 128"),
     Pin("fedclf_derm", "client", "fedclf_trainer", "lr", 0.03, VA + ": initial lr 0.03, cosine"),
@@ -345,8 +365,10 @@ FEDCLF_PINS = [
     Pin("fedclf_derm", "client", "fedclf_trainer", "momentum", 0.999, "MoCo v2 (paper silent)"),
     Pin("fedclf_derm", "server", "model", "width", 64, VAD + ": ResNet-18"),
     Pin("fedclf_derm", "server", "model", "proj_dim", 128, VAD + ": 128-d"),
-    Pin("fedclf_derm", "server", "aggregator", "collectors", ["bank_collector"], "FedCLF sec.III-C eq.2: banks exchanged"),
-    Pin("fedclf_derm", "server", "bank_shuttle", "bank_size", 9 * 4096, "FedCLF eq.2: Q_r = the 9 other devices' banks"),
+    Pin("fedclf_derm", "server", "aggregator", "collectors", ["bank_collector"],
+        "FedCLF sec.III-C eq.2: banks exchanged"),
+    Pin("fedclf_derm", "server", "bank_shuttle", "bank_size", 9 * 4096,
+        "FedCLF eq.2: Q_r = the 9 other devices' banks"),
     Pin("fedclf_derm", "server", "scatter_and_gather", "num_rounds", 100, VA + ": 100 communication rounds"),
     Pin("fedclf_derm", "server", "scatter_and_gather", "min_clients", 10, VAD + ": 10 devices, active ratio 1.0"),
     Pin("fedclf_derm", "meta", "", "min_clients", 10, VAD + ": 10 devices"),
@@ -354,10 +376,12 @@ FEDCLF_PINS = [
     Pin("fedclf_derm_finetune", "client", "cls_trainer", "batch_size", 128, VA + ": federated fine-tuning batch 128"),
     Pin("fedclf_derm_finetune", "client", "cls_trainer", "weight_decay", 0.0, VA + ": Adam"),
     Pin("fedclf_derm_finetune", "client", "cls_trainer", "local_epochs", 1, VA + ": 1 local epoch per round"),
-    Pin("fedclf_derm_finetune", "client", "cls_trainer", "label_fraction", 0.1, "FedCLF Table II: L = 10% (first column)"),
+    Pin("fedclf_derm_finetune", "client", "cls_trainer", "label_fraction", 0.1,
+        "FedCLF Table II: L = 10% (first column)"),
     Pin("fedclf_derm_finetune", "client", "cls_trainer", "width", 64, VAD + ": ResNet-18"),
     Pin("fedclf_derm_finetune", "server", "model", "num_classes", 5, VAD + ": BCC, DF, MEL, NV, SCC"),
-    Pin("fedclf_derm_finetune", "server", "scatter_and_gather", "num_rounds", 100, VA + ": 100 rounds federated fine-tuning"),
+    Pin("fedclf_derm_finetune", "server", "scatter_and_gather", "num_rounds", 100,
+        VA + ": 100 rounds federated fine-tuning"),
     Pin("fedclf_derm_finetune", "server", "scatter_and_gather", "min_clients", 10, VAD + ": 10 devices"),
     Pin("fedclf_derm_finetune", "server", "model_selector", "key_metric", "val_balanced_accuracy",
         VAD + ": mean recall is the primary metric"),
@@ -374,7 +398,8 @@ SURGICAL_PINS = [
     Pin("surgical_cxr", "client", "cxr_trainer", "warmup_lr", 5e-3, CS + ": warm-up lr 5e-3"),
     Pin("surgical_cxr", "client", "cxr_trainer", "lr", 5e-5, CS + ": all weights lr 5e-5"),
     Pin("surgical_cxr", "client", "cxr_trainer", "split", [0.7, 0.1, 0.2], DS + ": 70/10/20 split"),
-    Pin("surgical_cxr", "client", "cxr_trainer", "flip", True, "Surgical sec.2.3: random rotation, flip, zoom, contrast"),
+    Pin("surgical_cxr", "client", "cxr_trainer", "flip", True,
+        "Surgical sec.2.3: random rotation, flip, zoom, contrast"),
     Pin("surgical_cxr", "client", "cxr_trainer", "growth_rate", 32, DENSENET121),
     Pin("surgical_cxr", "client", "cxr_trainer", "block_config", [6, 12, 24, 16], DENSENET121),
     Pin("surgical_cxr", "client", "cxr_trainer", "num_init_features", 64, DENSENET121),
@@ -384,14 +409,16 @@ SURGICAL_PINS = [
     Pin("surgical_cxr", "server", "model", "len(classes)", 20, DS + ": NIH 14 + CheXpert 13, 7 shared = 20",
         lambda a: len(a["classes"])),
     Pin("surgical_cxr", "server", "class_registration", "method", "surgical", "Surgical sec.2.1.2"),
-    Pin("surgical_cxr", "server", "class_registration", "backbone", "fedbn_plus", "Surgical sec.3: FedBN+ for all FL approaches"),
-    Pin("surgical_cxr", "server", "model_selector", "key_metric", "val_loss", FD + ": convergence by mean local val BCE"),
+    Pin("surgical_cxr", "server", "class_registration", "backbone", "fedbn_plus",
+        "Surgical sec.3: FedBN+ for all FL approaches"),
+    Pin("surgical_cxr", "server", "model_selector", "key_metric", "val_loss",
+        FD + ": convergence by mean local val BCE"),
     Pin("surgical_cxr", "server", "model_selector", "negate_key_metric", True, FD + ": lower val BCE is better"),
 ]
 
 # ---------------------------------------------------------------- FedDRA (seed 003, sec. 4-5.1 and appendix)
 M = "FedDRA sec.5.1.1 / appendix (MIMIC-CXR)"
-O = "FedDRA sec.5.1.2 / appendix (ophthalmology)"
+OPH = "FedDRA sec.5.1.2 / appendix (ophthalmology)"
 B = "FedDRA sec.5.1.3: ViT-base + BERT-base, one extra block each as the alignment module"
 FEDDRA_PINS = [
     Pin("feddra_mimic", "meta", "", "min_clients", 5, M + ": 5 clients by LDA (alpha 1)"),
@@ -408,22 +435,22 @@ FEDDRA_PINS = [
     Pin("feddra_mimic", "client", "feddra_trainer", "preset", "base", B),
     Pin("feddra_mimic", "server", "model", "preset", "base", B),
     Pin("feddra_mimic", "server", "model", "proj_dim", 128, "issue 16 / SPEC: shared 128-d embedding"),
-    Pin("feddra_retina", "meta", "", "min_clients", 2, O + ": MESSIDOR and BRSET, one client each"),
-    Pin("feddra_retina", "server", "scatter_and_gather", "num_rounds", 20, O + ": 20 communications"),
-    Pin("feddra_retina", "server", "scatter_and_gather", "rho", 0.5, O + ": rho = 0.5"),
-    Pin("feddra_retina", "client", "feddra_trainer", "steps", 20, O + ": 20 batches per communication"),
-    Pin("feddra_retina", "client", "feddra_trainer", "lr", 1e-5, O + ": learning rate 1e-5"),
-    Pin("feddra_retina", "client", "feddra_trainer", "mu", 1.0, O + ": mu = 1"),
-    Pin("feddra_retina", "client", "feddra_trainer", "batch_size", 100, O + ": batch size 100"),
-    Pin("feddra_retina", "client", "feddra_trainer", "colour", "rgb", O + ": colour fundus photographs"),
+    Pin("feddra_retina", "meta", "", "min_clients", 2, OPH + ": MESSIDOR and BRSET, one client each"),
+    Pin("feddra_retina", "server", "scatter_and_gather", "num_rounds", 20, OPH + ": 20 communications"),
+    Pin("feddra_retina", "server", "scatter_and_gather", "rho", 0.5, OPH + ": rho = 0.5"),
+    Pin("feddra_retina", "client", "feddra_trainer", "steps", 20, OPH + ": 20 batches per communication"),
+    Pin("feddra_retina", "client", "feddra_trainer", "lr", 1e-5, OPH + ": learning rate 1e-5"),
+    Pin("feddra_retina", "client", "feddra_trainer", "mu", 1.0, OPH + ": mu = 1"),
+    Pin("feddra_retina", "client", "feddra_trainer", "batch_size", 100, OPH + ": batch size 100"),
+    Pin("feddra_retina", "client", "feddra_trainer", "colour", "rgb", OPH + ": colour fundus photographs"),
 ]
 
 # ---------------------------------------------------------------- constants the job JSON cannot set
 CODE_PINS = [
-    ("fedssl.core.fcl.FCLConfig", "sgd_momentum", 0.9, TD + ": SGD momentum 0.9"),
-    ("fedssl.core.fcl.FCLConfig", "weight_decay", 1e-4, TD + ": weight decay 0.0001"),
-    ("fedssl.core.byol.BYOLConfig", "sgd_momentum", 0.9, TD + ": SGD momentum 0.9 (FCLOpt trained alike)"),
-    ("fedssl.core.byol.BYOLConfig", "weight_decay", 1e-4, TD + ": weight decay 0.0001 (FCLOpt trained alike)"),
+    ("fedssl.train.fcl.FCLSettings", "sgd_momentum", 0.9, TD + ": SGD momentum 0.9"),
+    ("fedssl.train.fcl.FCLSettings", "weight_decay", 1e-4, TD + ": weight decay 0.0001"),
+    ("fedssl.train.byol.BYOLSettings", "sgd_momentum", 0.9, TD + ": SGD momentum 0.9 (FCLOpt trained alike)"),
+    ("fedssl.train.byol.BYOLSettings", "weight_decay", 1e-4, TD + ": weight decay 0.0001 (FCLOpt trained alike)"),
     ("fedssl.core.mim.MIMTrainer", "betas", (0.9, 0.999), PT + ": AdamW beta1 0.9, beta2 0.999"),
 ]
 
@@ -433,7 +460,8 @@ SEG3D_PINS = [  # the FCL paper's segmentation is 2D; the 3D job takes nnU-Net's
     Pin("acdc_seg3d", "meta", "", "min_clients", 10, "FCL (MedIA 2022) sec. 5: 10 sites of ACDC"),
     Pin("acdc_seg3d", "server", "scatter_and_gather", "num_rounds", 200, "FCL sec. 5: 200 rounds of fine-tuning"),
     Pin("acdc_seg3d", "server", "model", "filters", [32, 64, 128, 256, 320, 320], NN + ": 32 doubling, capped at 320"),
-    Pin("acdc_seg3d", "server", "model", "pixdim", [1.25, 1.25, 10.0], I17 + ": ACDC in-plane 1.25 mm (FCL), 10 mm slices"),
+    Pin("acdc_seg3d", "server", "model", "pixdim", [1.25, 1.25, 10.0],
+        I17 + ": ACDC in-plane 1.25 mm (FCL), 10 mm slices"),
     Pin("acdc_seg3d", "server", "model", "num_classes", 3, "ACDC: RV, MYO, LV"),
     Pin("acdc_seg3d", "client", "seg3d_trainer", "filters", [32, 64, 128, 256, 320, 320], NN),
     Pin("acdc_seg3d", "client", "seg3d_trainer", "batch_size", 2, NN + ": batch 2"),
@@ -446,9 +474,9 @@ def _ids(pins: list[Pin]) -> list[str]:
     return [p.id for p in pins]
 
 
-# issue 17 item 5: the ViT jobs train in mixed precision. Decided by a measurement (jobs/SSL-FL.md "Throughput on a GPU":
-# the Fed-MAE ViT-B/16 step at batch 128 on an H100 ran 1710 img/s under bfloat16 autocast against 486 in float32),
-# and it is what SSL-FL's code does (engine_for_pretraining / engine_for_finetuning run every step under
+# issue 17 item 5: the ViT jobs train in mixed precision. Decided by a measurement (jobs/SSL-FL.md "Throughput on a
+# GPU": the Fed-MAE ViT-B/16 step at batch 128 on an H100 ran 1710 img/s under bfloat16 autocast against 486 in
+# float32), and it is what SSL-FL's code does (engine_for_pretraining / engine_for_finetuning run every step under
 # torch.cuda.amp.autocast). The CNN jobs (FCL's U-Net, FedCLF's ResNet, the DenseNet) were not measured: off.
 AMP = "measured: ViT-B step 3.5x faster under bf16 autocast (H100); SSL-FL code trains under autocast"
 AMP_PINS = [
@@ -513,6 +541,7 @@ def test_fixed_optimiser_constants(path, attr, paper, cite):
 
 def test_every_job_has_a_table():
     """A new job folder must get its paper's pins here (or an explicit reason it has none)."""
-    pinned = {p.job for p in FCL_PINS + SSLFL_PINS + FEDMAE_PINS + FEDCLF_PINS + SURGICAL_PINS + FEDDRA_PINS + SEG3D_PINS}
+    pinned = {p.job for p in FCL_PINS + SSLFL_PINS + FEDMAE_PINS + FEDCLF_PINS + SURGICAL_PINS + FEDDRA_PINS
+              + SEG3D_PINS}
     jobs = {d for d in os.listdir(JOBS_DIR) if exists(d)}
     assert jobs - pinned == set(), f"job folders without paper pins: {sorted(jobs - pinned)}"

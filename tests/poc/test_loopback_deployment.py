@@ -99,7 +99,8 @@ def test_ctrl_c_stops_everything(data, tmp_path):
 
     ws = str(tmp_path / "ws")
     proc = subprocess.Popen([sys.executable, "-m", "fedssl.cli", "deploy-local", "-w", ws, "--sites", "1",
-                             "--data-root", data, "--hold"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--data-root", data, "--hold"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
     for line in proc.stdout:
         if "holding the system up" in line:
             break

@@ -157,8 +157,8 @@ def surgical_ctx(tmp_path):
 def surgical_contribution(site, head_value, meta=None, backbone=None):
     classes = SURG_CLASSES[site]
     data = {"features.w": np.full((2, 2), 2.0, np.float32) if backbone is None else backbone,
-            "classifier.weight": np.full((2, 2), head_value, np.float32) if not isinstance(head_value, np.ndarray) else head_value,
-            "classifier.bias": np.full(2, 0.5, np.float32)}
+            "classifier.weight": np.full((2, 2), head_value, np.float32) if not isinstance(head_value, np.ndarray)
+            else head_value, "classifier.bias": np.full(2, 0.5, np.float32)}
     return contribution(site, data, {CLASSES_KEY: classes, "num_samples": 5, **(meta or {})})
 
 
@@ -172,7 +172,8 @@ def test_surgical_head_and_backbone_refuse_poison(attack, tmp_path, caplog):
         "num_samples above its registration": lambda: surgical_contribution(ATTACKER, 1.0, {"num_samples": 6}),
         "backbone 1e300": lambda: surgical_contribution(ATTACKER, 1.0, backbone=np.full((2, 2), 1e300)),
     }[attack]()
-    accepted = [agg.accept(s, ctx) for s in (bad, surgical_contribution("site-1", 1.0), surgical_contribution("site-2", 3.0))]
+    accepted = [agg.accept(s, ctx) for s in (bad, surgical_contribution("site-1", 1.0),
+                                             surgical_contribution("site-2", 3.0))]
     assert accepted == [False, True, True] and ATTACKER in caplog.text
     out = from_shareable(agg.aggregate(ctx)).data
     assert np.isfinite(out["classifier.weight"]).all()

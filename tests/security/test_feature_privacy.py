@@ -94,7 +94,8 @@ def attribution_with_seed(feats_received, banks, site, seed, round_idx=1):
     """The attack on a shuffle whose seed the site knows: it replays the shuttle on stand-in banks of the same shapes
     whose rows carry their sender's index, and reads each received row's sender off the replayed order.  Returns
     the share of rows it attributes correctly."""
-    standins = {s: (np.tile(np.eye(D, dtype=np.float32)[SITES.index(s)], (b[0].shape[0], 1)), b[1]) for s, b in banks.items()}
+    standins = {s: (np.tile(np.eye(D, dtype=np.float32)[SITES.index(s)], (b[0].shape[0], 1)), b[1])
+                for s, b in banks.items()}
     replay = np.random.default_rng([seed, round_idx, zlib.crc32(site.encode())])
     guessed, _ = remote_bank_for(standins, site, feats_received.shape[0], replay)
     truth = feats_received.argmax(axis=1) // K
@@ -133,12 +134,14 @@ def test_a_rerun_on_the_servers_folder_repeats_the_order_and_nothing_of_the_secr
     secret = party_secret(str(tmp_path / "server"), "feature_bank_shuttle")
     copy = Shareable()
     copy.update(base)
-    out = FeatureBankShuttle(bank_size=2 * K).process(copy, context(peer_site="site-1", engine=FakeEngine(tmp_path / "server")))
+    out = FeatureBankShuttle(bank_size=2 * K).process(copy, context(peer_site="site-1",
+                                                                    engine=FakeEngine(tmp_path / "server")))
     assert str(secret) not in repr(out) and f"{secret:032x}" not in repr(out)
 
 
 #: filled rows the other sites (site-2 .. site-n; site i holds partition i mod S) offer site-1, by partition id
-OTHERS_FILLED = {(3, K): {1: 9, 2: 9}, (6, K): {1: 9, 2: 9, 3: 9, 0: 9}, (3, 5): {1: 5, 2: 5}, (6, 2): {1: 4, 2: 2, 3: 2, 0: 2}}
+OTHERS_FILLED = {(3, K): {1: 9, 2: 9}, (6, K): {1: 9, 2: 9, 3: 9, 0: 9}, (3, 5): {1: 5, 2: 5},
+                 (6, 2): {1: 4, 2: 2, 3: 2, 0: 2}}
 
 
 @pytest.mark.parametrize("n_sites, filled", [(3, K), (6, K), (3, 5), (6, 2)])

@@ -53,7 +53,8 @@ def test_a_poisoned_site_is_refused_and_the_global_model_is_the_honest_average(t
     # for this test only, the two test executors
     resources = write_allow_list(str(ws / "local"))
     spec = json.load(open(resources))
-    spec["class_allow_list"] += [f"tests.security.poisoned_site.{c}" for c in ("RecordingFCLExecutor", "PoisonedFCLExecutor")]
+    spec["class_allow_list"] += [f"tests.security.poisoned_site.{c}" for c in ("RecordingFCLExecutor",
+                                                                               "PoisonedFCLExecutor")]
     json.dump(spec, open(resources, "w"))
     env = dict(os.environ, FEDSSL_DATA_ROOT=str(data / "{site}"), PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1")
     proc = subprocess.run(["nvflare", "simulator", job, "-w", str(ws), "-n", str(SITES), "-t", str(SITES)],

@@ -67,8 +67,8 @@ DATASET = {**{job: {"derm_devices": "derm5", "surgical": "cxr"}.get(kind, kind) 
 RELEASES = ("covidfl", "derm_mel")
 IMAGE_SETS = ("retina", "derm", *RELEASES)
 #: on top of the quick profile: fewer steps (what is uploaded does not depend on how long a site trains)
-SPEED = {"fcl_trainer": {"max_steps_per_round": 2}, "fedclf_trainer": {"max_steps_per_round": 2}, "byol_trainer": {"max_steps_per_round": 2},
-         "seg_trainer": {"local_epochs": 1, "max_steps_per_epoch": 2},
+SPEED = {"fcl_trainer": {"max_steps_per_round": 2}, "fedclf_trainer": {"max_steps_per_round": 2},
+         "byol_trainer": {"max_steps_per_round": 2}, "seg_trainer": {"local_epochs": 1, "max_steps_per_epoch": 2},
          "seg3d_trainer": {"local_epochs": 1, "max_steps_per_epoch": 1}, "mim_trainer": {"max_steps_per_round": 2},
          "cls_trainer": {"max_steps_per_epoch": 2}, "feddra_trainer": {"align_steps": 1, "steps": 1},
          "cxr_trainer": {"local_epochs": 1, "max_steps_per_epoch": 1,
@@ -119,7 +119,8 @@ def site_data(kind: str, root: Path, site: str, args: dict) -> SiteData:
             out.add_files(str(sub))
     elif kind == "derm5":  # a FedCLF device: its three splits
         for split in ("train", "val", "test"):
-            ds = ImageDataset(load_image_records(str(folder / split), kind, site=site), args["image_size"], "eval", kind)
+            ds = ImageDataset(load_image_records(str(folder / split), kind, site=site), args["image_size"], "eval",
+                              kind)
             out.add_images(torch.stack([ds[i][0] for i in range(len(ds))]))
         out.add_files(str(folder))
     elif kind.startswith("vlp_"):  # a FedDRA site: its manifest's images, as the model sees them and as stored
@@ -290,7 +291,8 @@ def feddra_round(run: SiteRun, site: str = "site-1") -> None:
     run.send(site, "test", weights_task(weights, {"model_source": "last"}))
     texts = [r.text.lower() for r in load_manifest(str(Path(run.args["data_root"].replace("{site}", site))
                                                            / "manifest.csv"), None, site=site)]
-    sent = json.dumps([{k: v for k, v in from_shareable(reply).get_meta_props().items() if isinstance(v, (str, dict, list))}
+    sent = json.dumps([{k: v for k, v in from_shareable(reply).get_meta_props().items()
+                        if isinstance(v, (str, dict, list))}
                        for _, reply in run.uploads[site]] + [counts], default=str).lower()
     assert not any(t in sent for t in texts)  # no report / caption
     floor = max(run.args["min_word_count"], 1)

@@ -1,13 +1,14 @@
-"""Supervised fine-tuning of a classifier (SSL-FL (Yan et al., IEEE TMI 2023) sec. III-D) and the metrics every fine-tuning job reports.
+"""Supervised fine-tuning of a classifier (SSL-FL (Yan et al., IEEE TMI 2023) sec. III-D) and the metrics every
+fine-tuning job reports.
 
 Pure torch / numpy (no FLARE, no scikit-learn): the FLARE executor, the local fine-tuning protocol and the
 tests all call these.
 
 ``ClassifierTrainer``: AdamW (beta 0.9, 0.999), weight decay 0.05, learning rate warmed up then cosine-decayed,
 indexed by (fractional) round as in SSL-FL; cross-entropy with optional label smoothing; optional FedProx
-proximal term (Li et al., MLSys 2020; SSL-FL (Yan et al., IEEE TMI 2023) sec. IV-F) ``mu/2 ||w - w_t||^2`` against the weights received
-this round (``set_global``).  The model must carry a ``head_steps`` buffer: the trainer counts every optimiser
-step that updated the classification head in it, so a checkpoint tells whether its head was ever trained
+proximal term (Li et al., MLSys 2020; SSL-FL (Yan et al., IEEE TMI 2023) sec. IV-F) ``mu/2 ||w - w_t||^2`` against the
+weights received this round (``set_global``).  The model must carry a ``head_steps`` buffer: the trainer counts every
+optimiser step that updated the classification head in it, so a checkpoint tells whether its head was ever trained
 (``require_trained_head``) and evaluation of an untrained head is refused.
 
 ``classification_metrics``: from the confusion matrix ``M[t, p]`` (rows true class, columns predicted) with
@@ -130,7 +131,8 @@ def classification_metrics(probs: np.ndarray | torch.Tensor, labels: Sequence[in
     y = np.asarray(labels, dtype=np.int64).reshape(-1)
     n_classes = len(class_names)
     if p.ndim != 2 or p.shape[1] != n_classes:
-        raise ValueError(f"probabilities must have shape [N, {n_classes}] for classes {list(class_names)}; got {p.shape}")
+        raise ValueError(f"probabilities must have shape [N, {n_classes}] for classes {list(class_names)}; got "
+                         f"{p.shape}")
     if p.shape[0] != y.size:
         raise ValueError(f"{p.shape[0]} probability rows for {y.size} labels")
     if y.size == 0:
@@ -177,7 +179,8 @@ def classification_metrics(probs: np.ndarray | torch.Tensor, labels: Sequence[in
 
 
 #: the scalar metrics every job reports, in table order
-SCALAR_METRICS = ("accuracy", "balanced_accuracy", "macro_precision", "macro_recall", "macro_f1", "macro_specificity", "auc")
+SCALAR_METRICS = ("accuracy", "balanced_accuracy", "macro_precision", "macro_recall", "macro_f1", "macro_specificity",
+                  "auc")
 
 
 def flat_metrics(metrics: Mapping[str, object], prefix: str = "") -> dict[str, float | None]:
@@ -271,8 +274,9 @@ class ClassifierTrainer:
             raise ValueError(f"{type(model).__name__} has no parameters named {head_prefix}*; set head_prefix")
         if (lr <= 0 or total_rounds < 1 or warmup_rounds < 0 or fedprox_mu < 0 or not 0 <= label_smoothing < 1
                 or not 0 < layer_decay <= 1 or not 0 < gamma <= 1 or any(m <= 0 for m in milestones)):
-            raise ValueError(f"invalid trainer settings: lr={lr}, total_rounds={total_rounds}, warmup_rounds={warmup_rounds}, "
-                             f"fedprox_mu={fedprox_mu}, label_smoothing={label_smoothing}, layer_decay={layer_decay}, "
+            raise ValueError(f"invalid trainer settings: lr={lr}, total_rounds={total_rounds}, "
+                             f"warmup_rounds={warmup_rounds}, fedprox_mu={fedprox_mu}, "
+                             f"label_smoothing={label_smoothing}, layer_decay={layer_decay}, "
                              f"milestones={list(milestones)}, gamma={gamma}")
         self.device = torch.device(device)
         self.model = model.to(self.device)

@@ -29,7 +29,8 @@ import numpy as np
 def check_dro_args(component: str, rho: object, gamma: object) -> None:
     """ValueError unless rho and gamma are finite numbers > 0 (the uncertainty radius and the mirror step)."""
     for name, value, fix in (("rho", rho, "use the uncertainty radius, > 0 (paper: 0.1 on MIMIC-CXR, 0.5 on retina)"),
-                             ("gamma", gamma, "use the mirror-ascent step, > 0 (the authors' code: 0.01 x steps per turn)")):
+                             ("gamma", gamma, "use the mirror-ascent step, > 0 (the authors' code: 0.01 x steps per "
+                                              "turn)")):
         if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
             raise ValueError(f"{component}: argument {name}={value!r} is invalid; {fix}")
 

@@ -1,4 +1,5 @@
-"""FCL contrastive loss with local and remote positives (FCL (Wu et al., MedIA 2022), section 3.2-3.3, equations (3)-(5)).
+"""FCL contrastive loss with local and remote positives (FCL (Wu et al., MedIA 2022), section 3.2-3.3, equations
+(3)-(5)).
 
 For one query feature q, a set of positives P and a set of negatives N (all L2-normalised):
 

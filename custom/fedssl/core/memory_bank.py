@@ -1,8 +1,8 @@
 """Local memory bank of momentum features with partition ids, and FCL negative sampling.
 
-FCL (Wu et al., MedIA 2022) section 3.2: each client keeps a size-K FIFO bank Q_{l,c} of momentum features ("progressively
-updated by replacing the oldest features with the latest ones"); with feature exchange (FE) it also holds
-the banks of the other clients, Q = Q_{l,c} U {Q_{l,i}, i != c} (1); negative sampling (NS) draws a
+FCL (Wu et al., MedIA 2022) section 3.2: each client keeps a size-K FIFO bank Q_{l,c} of momentum features
+("progressively updated by replacing the oldest features with the latest ones"); with feature exchange (FE) it also
+holds the banks of the other clients, Q = Q_{l,c} U {Q_{l,i}, i != c} (1); negative sampling (NS) draws a
 size-K subset Q' of Q uniformly (2).
 """
 
@@ -44,7 +44,8 @@ class FeatureBank:
         """Replace the oldest entries by ``feats [n, D]`` (n <= K), wrapping around."""
         n = int(feats.shape[0])
         if feats.ndim != 2 or feats.shape[1] != self.dim or parts.shape != (n,):
-            raise ValueError(f"enqueue expects feats [n, {self.dim}] and parts [n]; got {tuple(feats.shape)}, {tuple(parts.shape)}")
+            raise ValueError(f"enqueue expects feats [n, {self.dim}] and parts [n]; got {tuple(feats.shape)}, "
+                             f"{tuple(parts.shape)}")
         if n > self.capacity:
             feats, parts, n = feats[-self.capacity :], parts[-self.capacity :], self.capacity
         idx = (self.ptr + torch.arange(n)) % self.capacity
@@ -54,7 +55,8 @@ class FeatureBank:
         self.filled = min(self.capacity, self.filled + n)
 
     def state_dict(self) -> dict:
-        return {"features": self.features.clone(), "partitions": self.partitions.clone(), "ptr": self.ptr, "filled": self.filled}
+        return {"features": self.features.clone(), "partitions": self.partitions.clone(), "ptr": self.ptr,
+                "filled": self.filled}
 
     def load_state_dict(self, state: dict) -> None:
         feats, parts = torch.as_tensor(state["features"]), torch.as_tensor(state["partitions"])
@@ -109,7 +111,8 @@ def check_bank(features: object, partitions: object, site: str, dim: int, max_ro
     """
     f = cast_array(features, np.float32, "its feature bank", site)
     if f.ndim != 2 or f.shape[1] != dim or not 0 < f.shape[0] <= max_rows:
-        raise ContributionError(f"{site} sent a feature bank of shape {f.shape}; expected [K, {dim}] with 1 <= K <= {max_rows}")
+        raise ContributionError(f"{site} sent a feature bank of shape {f.shape}; expected [K, {dim}] with 1 <= K <= "
+                                f"{max_rows}")
     p = cast_array(partitions, np.int64, "its bank partition ids", site, shape=(f.shape[0],))
     norms = np.linalg.norm(f.astype(np.float64), axis=1)
     if np.any(np.abs(norms - 1.0) > UNIT_NORM_TOL):

@@ -1,12 +1,13 @@
-"""One client's masked-image-modelling pre-training (SSL-FL (Yan et al., IEEE TMI 2023) section III-C, Alg. 1), free of any FLARE type.
+"""One client's masked-image-modelling pre-training (SSL-FL (Yan et al., IEEE TMI 2023) section III-C, Alg. 1), free of
+any FLARE type.
 
 Losses:
 
-* MAE (SSL-FL (Yan et al., IEEE TMI 2023) eq. 4): ``sum_{i in M} |x_i - x^_i|^2 / |M|``, the mean squared pixel error of each patch
-  averaged over the masked patches only (visible patches do not count); with ``norm_pix`` the target
+* MAE (SSL-FL (Yan et al., IEEE TMI 2023) eq. 4): ``sum_{i in M} |x_i - x^_i|^2 / |M|``, the mean squared pixel error of
+  each patch averaged over the masked patches only (visible patches do not count); with ``norm_pix`` the target
   patch is normalised by its own mean and variance (MAE's ``norm_pix_loss``).
-* BEiT (SSL-FL (Yan et al., IEEE TMI 2023) eq. 3): ``-sum_{i in M} log p(z_i | x^M) / |M|``, cross-entropy of the visual-token id
-  of each masked patch.
+* BEiT (SSL-FL (Yan et al., IEEE TMI 2023) eq. 3): ``-sum_{i in M} log p(z_i | x^M) / |M|``, cross-entropy of the
+  visual-token id of each masked patch.
 
 :class:`MIMTrainer` keeps the model, AdamW state and mask generator of one client across rounds;
 the learning rate follows :func:`fedssl.core.schedule.warmup_cosine` indexed by round (fractional within
@@ -165,7 +166,8 @@ class MIMTrainer:
         return self._loss(imgs, generator)[0]
 
     def _loss(self, imgs: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The loss and the visible-patch mask ``[B, L]`` (BEiT; None for MAE, whose encoder sees only visible patches)."""
+        """The loss and the visible-patch mask ``[B, L]`` (BEiT; None for MAE, whose encoder sees only visible
+        patches)."""
         g = self.generator if generator is None else generator
         imgs = imgs.to(self.device, non_blocking=True).float()
         if self.method == "mae":
@@ -190,7 +192,8 @@ class MIMTrainer:
         MAE: the visible ones only).  None when the model has no such module."""
         seen: list[torch.Tensor] = []
         norm = getattr(getattr(self.model, "encoder", None), "norm", None)
-        hook = norm.register_forward_hook(lambda m, i, out: seen.append(out.detach())) if isinstance(norm, nn.Module) else None
+        hook = (norm.register_forward_hook(lambda m, i, out: seen.append(out.detach())) if isinstance(norm, nn.Module)
+                else None)
         try:
             loss, visible = self._loss(imgs, None)
         finally:

@@ -1,4 +1,5 @@
-"""Multi-label BCE over a head whose columns are bound to class names (surgical aggregation (Kulkarni et al., ML4H 2024), sec. 2.3).
+"""Multi-label BCE over a head whose columns are bound to class names (surgical aggregation (Kulkarni et al., ML4H
+2024), sec. 2.3).
 
 A site's targets cover its own classes ``C_k`` (in its declared order); the head may cover the union ``C``
 (vanilla FL, FL with partial loss) or exactly ``C_k`` (surgical aggregation, personalised heads):
@@ -43,7 +44,8 @@ def expand_targets(
     if missing not in MISSING_CLASS_RULES:
         raise ValueError(f"missing={missing!r}: use one of {list(MISSING_CLASS_RULES)}")
     if targets.ndim != 2 or targets.shape[1] != len(local_classes):
-        raise ValueError(f"{site}: targets of shape {tuple(targets.shape)} do not match {len(local_classes)} local classes")
+        raise ValueError(f"{site}: targets of shape {tuple(targets.shape)} do not match {len(local_classes)} local "
+                         "classes")
     idx = torch.as_tensor(column_index(local_classes, head_classes, site), dtype=torch.long, device=targets.device)
     full = torch.zeros(targets.shape[0], len(head_classes), dtype=targets.dtype, device=targets.device)
     full[:, idx] = targets
@@ -74,7 +76,8 @@ def masked_bce(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor |
     return (loss * mask).sum() / n
 
 
-def pool_targets(targets: torch.Tensor, local_classes: Sequence[str], head_classes: Sequence[str], site: str = "?") -> torch.Tensor:
+def pool_targets(targets: torch.Tensor, local_classes: Sequence[str], head_classes: Sequence[str],
+                 site: str = "?") -> torch.Tensor:
     """Local targets [B, |C_k|] -> [B, |C|] over the head's classes with NaN ("not labelled") in every column of a
     class the site does not annotate: pooled (centralised) training data, where a source's missing classes are
     unknown rather than negative (masked out of the loss by :func:`labelled`, as partial loss does)."""

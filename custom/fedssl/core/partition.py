@@ -32,8 +32,8 @@ def split_patients(patient_ids: Sequence[str], n_sites: int, per_site: int, seed
 def kfold_split(
     patient_ids: Sequence[str], fold: int, n_folds: int = 5, seed: int = 0
 ) -> tuple[list[str], list[str]]:
-    """Patient-level k-fold split of one site: fold ``fold`` is the validation set (FCL (Wu et al., MedIA 2022) section 5:
-    10 patients -> 8 train / 2 validation per fold, 5 folds)."""
+    """Patient-level k-fold split of one site: fold ``fold`` is the validation set (FCL (Wu et al., MedIA 2022) section
+    5: 10 patients -> 8 train / 2 validation per fold, 5 folds)."""
     if not 0 <= fold < n_folds:
         raise ValueError(f"fold={fold}: must be in [0, {n_folds - 1}] for n_folds={n_folds}")
     ids = sorted(set(patient_ids))
@@ -54,7 +54,8 @@ def select_labelled(train_ids: Sequence[str], n: int, seed: int = 0) -> list[str
     return sorted(ids[i] for i in order[:n])
 
 
-def holdout_patients(patients: list[str], val_fraction: float, n_labelled: int, seed: int) -> tuple[list[str], list[str]]:
+def holdout_patients(patients: list[str], val_fraction: float, n_labelled: int,
+                     seed: int) -> tuple[list[str], list[str]]:
     """(training patients, validation patients): ``val_fraction`` of them (>= 1 with two or more patients) for
     validation, drawn by ``seed``; then at most ``n_labelled`` (0 = all) of the rest for training."""
     order = sorted(patients)

@@ -72,8 +72,8 @@ def _read(path: str) -> int:
         if not stat.S_ISREG(st.st_mode):
             raise PartySecretError(f"party secret {path} is not a regular file; {fix}")
         if st.st_mode & 0o077:
-            raise PartySecretError(f"party secret {path} has mode {stat.S_IMODE(st.st_mode):04o}, open to group/others; "
-                                   f"restrict it (chmod 600) if no one else has read it, else {fix}")
+            raise PartySecretError(f"party secret {path} has mode {stat.S_IMODE(st.st_mode):04o}, open to "
+                                   f"group/others; restrict it (chmod 600) if no one else has read it, else {fix}")
         data = os.read(fd, _SIZE + 1)
     finally:
         os.close(fd)

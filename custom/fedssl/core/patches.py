@@ -1,4 +1,5 @@
-"""Images <-> per-patch pixel vectors, shared by the MAE target (SSL-FL (Yan et al., IEEE TMI 2023) eq. 4) and the patch tokenizer.
+"""Images <-> per-patch pixel vectors, shared by the MAE target (SSL-FL (Yan et al., IEEE TMI 2023) eq. 4) and the patch
+tokenizer.
 
 The vector of one patch is ordered (row p, column q, channel c), as in MAE's ``patchify``
 (``nchpwq -> nhwpqc``), so a prediction ``[B, L, p*p*C]`` unpatchifies back into the image.

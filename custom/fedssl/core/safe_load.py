@@ -3,8 +3,8 @@
 - :func:`safe_load`: a torch file through ``torch.load(..., weights_only=True)`` (tensors, numbers, strings,
   containers, and numpy arrays, which FLARE model files hold; nothing else), or a ``.safetensors`` file.
 - :func:`load_export_program`: a ``torch.export`` program (``.pt2``, a Fed-BEiT tokenizer), after checking that
-  loading it can run nothing: ``torch.export.load`` itself unpickles without the weights-only restriction, resolves graph
-  targets by attribute lookup on ``torch`` (``torch.os.system`` is one) and parses symbolic shapes with
+  loading it can run nothing: ``torch.export.load`` itself unpickles without the weights-only restriction, resolves
+  graph targets by attribute lookup on ``torch`` (``torch.os.system`` is one) and parses symbolic shapes with
   ``sympy.sympify`` (``eval``), so an archive is refused unless it holds only tensor payloads, ``torch.ops`` /
   arithmetic operators and shape expressions over shape symbols.
 

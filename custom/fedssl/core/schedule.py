@@ -1,4 +1,5 @@
-"""Learning-rate schedule of SSL-FL pre-training (SSL-FL (Yan et al., IEEE TMI 2023) section IV-A.3): linear warm-up, then cosine decay.
+"""Learning-rate schedules: SSL-FL pre-training's (SSL-FL (Yan et al., IEEE TMI 2023) section IV-A.3) linear warm-up,
+then cosine decay (:func:`warmup_cosine`); FCL's, FCLOpt's and FedCLF's plain cosine decay (:func:`cosine_lr`).
 
 Federated training counts in communication rounds (one round = E local epochs), so ``progress`` is in
 rounds and fractional within a round: step ``s`` of ``S`` in round ``t`` has ``progress = t + s / S``
@@ -26,3 +27,9 @@ def warmup_cosine(progress: float, base_lr: float, warmup: float, total: float, 
         return min_lr
     t = (progress - warmup) / (total - warmup)
     return min_lr + (base_lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+def cosine_lr(base_lr: float, progress: float) -> float:
+    """Cosine decay without warm-up (FCL section 5 and FedCLF: over all rounds): ``lr * 0.5 * (1 + cos(pi *
+    progress))``, ``progress`` in [0, 1] (clipped)."""
+    return base_lr * 0.5 * (1.0 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))

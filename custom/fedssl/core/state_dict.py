@@ -11,7 +11,8 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from fedssl.core.untrusted import ContributionError, cast_array  # ContributionError re-exported: every aggregator raises it
+# ContributionError re-exported: every aggregator raises it
+from fedssl.core.untrusted import ContributionError, cast_array
 
 
 def to_numpy(v) -> np.ndarray:

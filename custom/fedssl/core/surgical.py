@@ -1,4 +1,5 @@
-"""Surgical aggregation (surgical aggregation (Kulkarni et al., ML4H 2024), Kulkarni et al., ML4H 2024): class-name-bound classifier heads.
+"""Surgical aggregation (surgical aggregation (Kulkarni et al., ML4H 2024), Kulkarni et al., ML4H 2024):
+class-name-bound classifier heads.
 
 Pure numpy/torch (no FLARE import); the FLARE aggregator and the per-site task-data filter call these.
 
@@ -18,7 +19,8 @@ Backbone update (eq. 1, the "strategy"), as in the public code (``Strategies`` i
 
 - ``"fedavg"``: every non-head tensor is averaged, batch-norm included.
 - ``"fedbn"`` (Li et al., 2021): batch-norm tensors (affine weight/bias and running statistics) are never
-  averaged; each site keeps its own, starting from the server's initial ones (round 0).  The server's global model keeps its previous (initial) BN tensors.
+  averaged; each site keeps its own, starting from the server's initial ones (round 0).  The server's global model keeps
+  its previous (initial) BN tensors.
 - ``"fedbn_plus"`` (FedBN+, Kulkarni et al., 2023): batch-norm layers are *frozen at the pre-trained
   (ImageNet) values* at every site: their affine weight/bias get no gradient and the layers run in
   inference mode (normalising with the pre-trained running mean/var, which are therefore never updated).
@@ -154,7 +156,8 @@ def class_index(global_classes: Sequence[str], site_classes: Sequence[str], site
 
 def _head_arrays(head: object, site: object) -> tuple[np.ndarray, np.ndarray]:
     if not isinstance(head, (tuple, list)) or len(head) != 2:
-        raise ValueError(f"site {_site(site)}: a head is a pair (weight [C_k, F], bias [C_k]), got {type(head).__name__}")
+        raise ValueError(f"site {_site(site)}: a head is a pair (weight [C_k, F], bias [C_k]), got "
+                         f"{type(head).__name__}")
     w, b = to_numpy(head[0]), to_numpy(head[1])
     if w.ndim != 2 or b.ndim != 1 or w.shape[0] != b.shape[0]:
         raise ValueError(f"site {_site(site)}: head weight {w.shape} / bias {b.shape} must be [C_k, F] / [C_k]")

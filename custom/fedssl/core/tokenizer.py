@@ -1,4 +1,5 @@
-"""Visual tokenizer for Fed-BEiT (SSL-FL (Yan et al., IEEE TMI 2023) section III-C.3): image -> one discrete token id per patch.
+"""Visual tokenizer for Fed-BEiT (SSL-FL (Yan et al., IEEE TMI 2023) section III-C.3): image -> one discrete token id
+per patch.
 
 SSL-FL uses the DALL-E dVAE tokenizer, which cannot be downloaded here.  Two replacements:
 

@@ -159,7 +159,8 @@ def load_checked(model: torch.nn.Module, state: Mapping[str, object], source: st
         undeclared = sorted(set(missing) - set(keep_local or ()))
         if undeclared:
             raise ValueError(f"{source} lacks {len(undeclared)} keys of this model (e.g. {undeclared[:3]}) that no "
-                             "exclusion filter held back; the site and the server must run the same model configuration")
+                             "exclusion filter held back; the site and the server must run the same model "
+                             "configuration")
     tensors = {}
     for k, v in state.items():
         t = as_tensor(v)

@@ -35,7 +35,8 @@ def as_finite_float(value: object, what: str, site: str, bound: float = 1e12) ->
     except (OverflowError, ValueError) as e:
         raise ContributionError(f"{site} sent {what}={_short(value)}; not representable as a float ({e})") from None
     if not math.isfinite(out) or abs(out) > bound:
-        raise ContributionError(f"{site} sent {what}={_short(value)}; a finite number of magnitude <= {bound:g} is required")
+        raise ContributionError(f"{site} sent {what}={_short(value)}; a finite number of magnitude <= {bound:g} is "
+                                "required")
     return out
 
 
@@ -94,7 +95,8 @@ def bounded_json(value: object, what: str, site: str, max_items: int = 4096, max
 
     Allowed: dicts with string keys, lists, strings of at most ``max_str`` characters, bools, None and real
     numbers (numpy scalars too; NaN becomes None, as JSON has no NaN; other non-finite values and magnitudes
-    above 1e12 are refused), nested at most ``max_depth`` deep (a surgical test reply is 5), ``max_items`` values in all.
+    above 1e12 are refused), nested at most ``max_depth`` deep (a surgical test reply is 5), ``max_items`` values in
+    all.
     """
     count = 0
 

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 STAGES = ("align", "full_model", "fedavg")
 
 
-def convirt_loss(z_img: torch.Tensor, z_txt: torch.Tensor, tau: float = 0.07, image_weight: float = 0.5) -> torch.Tensor:
+def convirt_loss(z_img: torch.Tensor, z_txt: torch.Tensor, tau: float = 0.07,
+                 image_weight: float = 0.5) -> torch.Tensor:
     """Symmetric InfoNCE over the batch: pair i is the positive of row / column i."""
     a, b = F.normalize(z_img, dim=-1), F.normalize(z_txt, dim=-1)
     logits = a @ b.t() / tau
@@ -34,7 +35,8 @@ def convirt_loss(z_img: torch.Tensor, z_txt: torch.Tensor, tau: float = 0.07, im
     return image_weight * F.cross_entropy(logits, target) + (1.0 - image_weight) * F.cross_entropy(logits.t(), target)
 
 
-def anchor_loss(z_img: torch.Tensor, z_txt: torch.Tensor, z_img_star: torch.Tensor, z_txt_star: torch.Tensor) -> torch.Tensor:
+def anchor_loss(z_img: torch.Tensor, z_txt: torch.Tensor, z_img_star: torch.Tensor,
+                z_txt_star: torch.Tensor) -> torch.Tensor:
     """mean over the batch of ||z_x - z_x*||^2 + ||z_y - z_y*||^2 (the anchors carry no gradient)."""
     return (((z_img - z_img_star.detach()) ** 2).sum(-1) + ((z_txt - z_txt_star.detach()) ** 2).sum(-1)).mean()
 
@@ -48,7 +50,8 @@ class FedDRAConfig:
     image_weight: float = 0.5
 
     def __post_init__(self) -> None:
-        for name, value, lo, fix in (("mu", self.mu, 0.0, "use the anchor weight >= 0 (paper: 5; 0 turns the anchor off)"),
+        for name, value, lo, fix in (("mu", self.mu, 0.0,
+                                      "use the anchor weight >= 0 (paper: 5; 0 turns the anchor off)"),
                                      ("tau", self.tau, None, "use a temperature > 0 (0.07)"),
                                      ("image_weight", self.image_weight, 0.0, "use a weight in [0, 1] (0.5)")):
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

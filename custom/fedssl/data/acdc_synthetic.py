@@ -160,7 +160,8 @@ def _radial(theta: np.ndarray, terms: Sequence[tuple[int, float, float]]) -> np.
     return out
 
 
-def _smooth_field(rng: np.random.Generator, shape: tuple[int, ...], n_waves: int, freq: tuple[float, float]) -> np.ndarray:
+def _smooth_field(rng: np.random.Generator, shape: tuple[int, ...], n_waves: int,
+                  freq: tuple[float, float]) -> np.ndarray:
     """Zero-mean smooth random field ``[Z, H, W]`` (unit-ish amplitude): a sum of random plane waves, slowly
     varying along the slice axis."""
     z, h, w = shape
@@ -184,7 +185,8 @@ def _grid(h: int, w: int, angle: float) -> tuple[np.ndarray, np.ndarray]:
     yy = np.arange(h, dtype=np.float32)[:, None] - np.float32((h - 1) / 2.0)
     xx = np.arange(w, dtype=np.float32)[None, :] - np.float32((w - 1) / 2.0)
     c, s = np.float32(np.cos(angle)), np.float32(np.sin(angle))
-    return (c * yy - s * xx + np.float32((h - 1) / 2.0)).astype(np.float32), (s * yy + c * xx + np.float32((w - 1) / 2.0)).astype(np.float32)
+    return ((c * yy - s * xx + np.float32((h - 1) / 2.0)).astype(np.float32),
+            (s * yy + c * xx + np.float32((w - 1) / 2.0)).astype(np.float32))
 
 
 def _thorax(rng: np.random.Generator, shape: tuple[int, int], u: np.ndarray, difficulty: float,
@@ -317,7 +319,8 @@ def _phantom(
     has_rv = r_rv > 0.5
 
     # surroundings (static over the cycle), then the heart painted over them
-    img = np.broadcast_to(_thorax(rng, (h, w), u_all.clip(0.0, 1.0), d, (yy, xx))[None], dist_rv.shape).astype(np.float32)
+    img = np.broadcast_to(_thorax(rng, (h, w), u_all.clip(0.0, 1.0), d, (yy, xx))[None],
+                          dist_rv.shape).astype(np.float32)
     # great vessels at the base (aortic root and pulmonary trunk, bright, unlabelled), anterior to the LV
     base = _soft(u, f32(0.12), width=0.12)
     for ang, rad in ((phi + 0.9, 0.055), (phi + 0.2, 0.05)):

@@ -1,4 +1,5 @@
-"""Chest X-ray loaders for Surgical aggregation (surgical aggregation (Kulkarni et al., ML4H 2024)): NIH ChestX-ray14, CheXpert, MIMIC-CXR-JPG.
+"""Chest X-ray loaders for Surgical aggregation (surgical aggregation (Kulkarni et al., ML4H 2024)): NIH ChestX-ray14,
+CheXpert, MIMIC-CXR-JPG.
 
 Real layouts read (the same loaders read the synthetic stand-ins of :mod:`fedssl.data.cxr_synthetic`):
 
@@ -169,7 +170,8 @@ def _open_text(path: Path, site: str):
             return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8-sig", newline="")
         return open(path, encoding="utf-8-sig", newline="")
     except OSError as exc:
-        raise _err(site, path, f"cannot open CSV ({exc.__class__.__name__}: {exc})", "check the file's permissions") from exc
+        raise _err(site, path, f"cannot open CSV ({exc.__class__.__name__}: {exc})",
+                   "check the file's permissions") from exc
 
 
 def _read_rows(path: Path, site: str) -> tuple[list[str], list[tuple[int, list[str]]]]:
@@ -425,11 +427,13 @@ def load_mimic_cxr(root: object, split: str = "test", site: str = "?", check_ima
     pos = _require_columns(header, ("dicom_id",) if by_dicom else ("subject_id", "study_id"), lab_path, site)
     cols = _label_columns(header)
     if not cols:
-        raise _err(site, lab_path, f"no label column recognised in {header}", f"label columns are named like {list(CHEXPERT_CLASSES)}")
+        raise _err(site, lab_path, f"no label column recognised in {header}",
+                   f"label columns are named like {list(CHEXPERT_CLASSES)}")
     labels: dict[tuple[str, ...], tuple[str, ...]] = {}
     for line, r in rows:
         if len(r) != len(header):
-            raise _err(site, lab_path, f"row has {len(r)} fields, the header {len(header)}", "restore the label file", line)
+            raise _err(site, lab_path, f"row has {len(r)} fields, the header {len(header)}", "restore the label file",
+                       line)
         key = (r[pos["dicom_id"]].strip(),) if by_dicom else (r[pos["subject_id"]].strip(), r[pos["study_id"]].strip())
         labels[key] = tuple(sorted(c for c, i in cols.items() if _binary(r[i], lab_path, line, header[i], site)))
     sp_path = _mimic_csv(rp, MIMIC_SPLIT, site)
@@ -446,7 +450,8 @@ def load_mimic_cxr(root: object, split: str = "test", site: str = "?", check_ima
     out = []
     for line, r in mrows:
         if len(r) != len(mh):
-            raise _err(site, md_path, f"row has {len(r)} fields, the header {len(mh)}", "restore the metadata file", line)
+            raise _err(site, md_path, f"row has {len(r)} fields, the header {len(mh)}", "restore the metadata file",
+                       line)
         dicom, subject, study = (r[mpos[c]].strip() for c in ("dicom_id", "subject_id", "study_id"))
         if r[mpos["ViewPosition"]].strip() not in ("PA", "AP"):
             continue
@@ -507,7 +512,8 @@ def patient_split(records: Sequence[CXRRecord], fractions: Sequence[float] = (0.
     """
     fr = [float(f) for f in fractions]
     if len(fr) != 3 or any(f < 0 for f in fr) or abs(sum(fr) - 1.0) > 1e-6:
-        raise ValueError(f"fractions={list(fractions)!r}: three non-negative numbers summing to 1, e.g. [0.7, 0.1, 0.2]")
+        raise ValueError(f"fractions={list(fractions)!r}: three non-negative numbers summing to 1, e.g. [0.7, 0.1, "
+                         "0.2]")
     abnormal: dict[str, bool] = {}
     for r in records:
         abnormal[r.patient] = abnormal.get(r.patient, False) or bool(r.labels)
@@ -526,7 +532,7 @@ def patient_split(records: Sequence[CXRRecord], fractions: Sequence[float] = (0.
     return out
 
 
-# ---------------------------------------------------------------------------------------------------- ablation partitioner
+# ------------------------------------------------------------------------------------------------- ablation partitioner
 def _abnormal_groups(records: Sequence[CXRRecord]) -> tuple[list[str], list[str]]:
     """(patients with any finding, patients without), each sorted."""
     abnormal: dict[str, bool] = {}

@@ -406,11 +406,13 @@ def write_synthetic_mimic_cxr(root: str | os.PathLike, n_patients: int = 40, see
     _check(n_patients, image_size, prevalence, 0.0)
     fr = np.asarray(split_fractions, dtype=float)
     if fr.shape != (3,) or np.any(fr < 0) or abs(fr.sum() - 1) > 1e-6:
-        raise ValueError(f"split_fractions={list(split_fractions)!r}: three fractions (train, validate, test) summing to 1")
+        raise ValueError(f"split_fractions={list(split_fractions)!r}: three fractions (train, validate, test) summing "
+                         "to 1")
     rp = Path(root)
     rp.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng([seed, 3])
-    labelled = list(CHEXPERT_CLASSES) + ([c for c in NIH_CLASSES if c not in CHEXPERT_CLASSES] if expanded_labels else [])
+    labelled = list(CHEXPERT_CLASSES) + ([c for c in NIH_CLASSES if c not in CHEXPERT_CLASSES] if expanded_labels
+                                         else [])
     label_cols = ["No Finding"] + labelled
     lab_rows, split_rows, meta_rows = [], [], []
     positives = {c: 0 for c in labelled}

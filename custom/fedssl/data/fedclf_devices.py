@@ -92,8 +92,9 @@ def read_class_tree(root: str, source: str) -> tuple[list[ImageRecord], dict[str
                              f"{source} class-per-folder image tree (<root>/<category>/<image>)")
     folders = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)) and not d.startswith("."))
     if not folders:
-        raise ImageDataError(f"[source {source}] no category folder in {root}. Fix: {source} must be a class-per-folder "
-                             f"tree <root>/<category>/<image>, with categories such as 'Basal Cell Carcinoma'")
+        raise ImageDataError(f"[source {source}] no category folder in {root}. Fix: {source} must be a "
+                             "class-per-folder tree <root>/<category>/<image>, with categories such as 'Basal Cell "
+                             "Carcinoma'")
     records, skipped, non_images = [], [], 0
     for folder in folders:
         cls = CATEGORY_ALIASES.get(normalise_category(folder))

@@ -78,9 +78,10 @@ def source_params(source: str, g: np.random.Generator, difficulty: float) -> dic
     """One image's acquisition parameters (the renderer's keys) for ``source``."""
     a = ACQUISITION[source]
     return {"tone": float(g.uniform(*a["tone"])), "hair": a["hair"], "vignette": a["vignette"],
-            "gains": np.array([g.uniform(*r) for r in a["gains"]], np.float32), "brightness": float(g.uniform(0.9, 1.1)),
-            "gamma": a["gamma"], "contrast": a["contrast"] / (1.0 + difficulty), "noise": a["noise"] * (1.0 + difficulty),
-            "blur": a["blur"] * (1.0 + 0.5 * difficulty)}
+            "gains": np.array([g.uniform(*r) for r in a["gains"]], np.float32),
+            "brightness": float(g.uniform(0.9, 1.1)),
+            "gamma": a["gamma"], "contrast": a["contrast"] / (1.0 + difficulty),
+            "noise": a["noise"] * (1.0 + difficulty), "blur": a["blur"] * (1.0 + 0.5 * difficulty)}
 
 
 def _zoom_out(img: np.ndarray, zoom: float, noise: float, g: np.random.Generator) -> np.ndarray:

@@ -83,7 +83,8 @@ def _folders(root: Path, site: str) -> tuple[Path, Path]:
 
 
 def _scan(folder: Path, site: str) -> dict[tuple[str, str, int, bool], Path]:
-    """Every HVSMR file of ``folder`` keyed by (split, variant, subject number, is label); unknown image files refused."""
+    """Every HVSMR file of ``folder`` keyed by (split, variant, subject number, is label); unknown image files
+    refused."""
     try:
         names = sorted(os.listdir(folder))
     except OSError as exc:

@@ -52,7 +52,8 @@ def _rotation(rng: np.random.Generator, max_deg: float) -> np.ndarray:
 
 
 def _ellipsoid(q: np.ndarray, centre: np.ndarray, frame: np.ndarray, radii: np.ndarray) -> np.ndarray:
-    """Mask of the points ``q [..., 3]`` inside the ellipsoid with the given centre, axes (rows of ``frame``) and radii."""
+    """Mask of the points ``q [..., 3]`` inside the ellipsoid with the given centre, axes (rows of ``frame``) and
+    radii."""
     local = (q - centre) @ frame.T
     return ((local / radii) ** 2).sum(-1) <= 1.0
 

@@ -338,7 +338,8 @@ def _fundus(cv: _Canvas, eye: str, p: dict, rng: np.random.Generator, h: int, nu
     for up in (-1.0, 1.0):
         for heading, bend, length in ((temporal + up * 0.9, -up * 0.16, 0.55 * R), (ang + up * 0.7, 0.0, 0.35 * R)):
             for vein in (False, True):
-                trees[vein] += _vessel_tree(rng, cy + dy, cx + dx, heading + rng.normal(0, 0.1) + (0.15 * up if vein else 0),
+                trees[vein] += _vessel_tree(rng, cy + dy, cx + dx,
+                                            heading + rng.normal(0, 0.1) + (0.15 * up if vein else 0),
                                             bend, length, (0.024 if vein else 0.017) * R * 2, 2)
     for vein, colour in ((False, (0.7, 0.32, 0.3)), (True, (0.45, 0.16, 0.2))):
         _paint(img, 0.85 * _vessels_alpha(cv, trees[vein]) * fundus, base * np.asarray(colour, np.float32))
@@ -688,7 +689,8 @@ def _write_covidfl(out: Path, n_images: int, params: list[dict], rng: np.random.
         for j, c in enumerate(site_labels):
             image, phase = f"{name}_{j:05d}.png", "test" if j in test else "train"
             g = np.random.default_rng([seed, i, 3])
-            save_image(render("covidfl", COVIDFL_CLASSES[c], params[s], g, image_size), str(out / phase / image), grey=True)
+            save_image(render("covidfl", COVIDFL_CLASSES[c], params[s], g, image_size), str(out / phase / image),
+                       grey=True)
             labels[image] = COVIDFL_CLASSES[c]
             phases[phase].append(image)
             images[f"{phase}/{image}"] = name

@@ -14,10 +14,11 @@ Layouts read (one folder per FLARE site, the same layout as the public data set)
       root/ISIC_2019_Training_Input/<image>.jpg
 
   Classes used: the eight diagnostic categories MEL, NV, BCC, AK, BKL, DF, VASC, SCC (label = column
-  index). FedMAE-KS (Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis", section IV-B) trains on "the full ISIC 2019 ... eight different diagnostic
-  categories" and SSL-FL's Skin-FL uses the same eight; UNK has no training image in ISIC 2019, so a row
-  whose 1 is in UNK is refused. SSL-FL's "Derm" task (melanoma vs benign) is :func:`melanoma_vs_benign`
-  applied to these records. A row with no 1 or several 1s is an error naming file, row and site.
+  index). FedMAE-KS (Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis", section IV-B)
+  trains on "the full ISIC 2019 ... eight different diagnostic categories" and SSL-FL's Skin-FL uses the same eight; UNK
+  has no training image in ISIC 2019, so a row whose 1 is in UNK is refused. SSL-FL's "Derm" task (melanoma vs benign)
+  is :func:`melanoma_vs_benign` applied to these records. A row with no 1 or several 1s is an error naming file, row and
+  site.
 * ``covidfl`` (COVID-FL) site folder: ``root/<class>/<image>.(png|jpg|jpeg)`` with class folders ``covid``,
   ``pneumonia``, ``normal`` (case-insensitive; ``covid-19``/``covid19`` accepted for covid). Sites may miss
   classes (SSL-FL: BIMCV holds only COVID-19 images). The full data set is SSL-FL's release

@@ -75,7 +75,8 @@ def base_transform(pixdim: Sequence[float], roi_size: Sequence[int], axcodes: st
 
     steps = [mt.LoadImaged(keys=["image", "label"], image_only=True), mt.EnsureChannelFirstd(keys=["image", "label"])]
     if axcodes:
-        steps.append(mt.Orientationd(keys=["image", "label"], axcodes=axcodes, labels=(("L", "R"), ("P", "A"), ("I", "S"))))
+        steps.append(mt.Orientationd(keys=["image", "label"], axcodes=axcodes,
+                                     labels=(("L", "R"), ("P", "A"), ("I", "S"))))
     steps += [
         mt.Spacingd(keys=["image", "label"], pixdim=tuple(float(p) for p in pixdim), mode=("bilinear", "nearest")),
         mt.ScaleIntensityRangePercentilesd(keys="image", lower=1, upper=99, b_min=0.0, b_max=1.0, clip=True),
@@ -91,7 +92,8 @@ def train_transform(roi_size: Sequence[int], num_samples: int = 2):
     from monai import transforms as mt
 
     return mt.Compose([
-        mt.RandCropByPosNegLabeld(keys=["image", "label"], label_key="label", spatial_size=tuple(int(r) for r in roi_size),
+        mt.RandCropByPosNegLabeld(keys=["image", "label"], label_key="label",
+                                  spatial_size=tuple(int(r) for r in roi_size),
                                   pos=1, neg=1, num_samples=int(num_samples)),
         mt.RandFlipd(keys=["image", "label"], prob=0.5, spatial_axis=0),
         mt.RandFlipd(keys=["image", "label"], prob=0.5, spatial_axis=1),
@@ -114,14 +116,15 @@ def load_volumes(items: Sequence[dict], dataset: str, pixdim: Sequence[float], r
             d = transform({"image": item["image"], "label": item["label"]})
         except Exception as e:  # noqa: BLE001 -- nibabel / MONAI raise many types; the message names the file
             cause = e.__cause__ or e
-            raise Seg3DDataError(f"site {site or '?'}: {item['image']} (label {item['label']}): cannot be loaded as a 3D "
-                                 f"volume ({type(cause).__name__}: {str(cause)[:200]}); restore the file pair") from None
+            raise Seg3DDataError(f"site {site or '?'}: {item['image']} (label {item['label']}): cannot be loaded as a "
+                                 f"3D volume ({type(cause).__name__}: {str(cause)[:200]}); restore the file "
+                                 "pair") from None
         if tuple(d["image"].shape) != tuple(d["label"].shape):
-            raise Seg3DDataError(f"site {site or '?'}: {item['label']}: label shape {tuple(d['label'].shape)} differs from "
-                                 f"the image's {tuple(d['image'].shape)}; the pair must share one grid")
+            raise Seg3DDataError(f"site {site or '?'}: {item['label']}: label shape {tuple(d['label'].shape)} differs "
+                                 f"from the image's {tuple(d['image'].shape)}; the pair must share one grid")
         values = set(np.unique(d["label"].numpy()).tolist())
         if not values <= allowed:
-            raise Seg3DDataError(f"site {site or '?'}: {item['label']}: label values {sorted(values - allowed)} are not "
-                                 f"{dataset} classes {sorted(allowed)}")
+            raise Seg3DDataError(f"site {site or '?'}: {item['label']}: label values {sorted(values - allowed)} are "
+                                 f"not {dataset} classes {sorted(allowed)}")
         out.append({"image": d["image"], "label": d["label"], "id": item["id"]})
     return out

@@ -1,4 +1,5 @@
-"""AUROC for multi-label chest X-ray classification (Surgical aggregation, surgical aggregation (Kulkarni et al., ML4H 2024), section 2.6).
+"""AUROC for multi-label chest X-ray classification (Surgical aggregation, surgical aggregation (Kulkarni et al., ML4H
+2024), section 2.6).
 
 - :func:`auroc`: rank-based (Mann-Whitney U / (n_pos n_neg)), ties counted one half; NaN when the labels
   hold one class only (the AUROC is undefined, not 0.5).
@@ -20,8 +21,8 @@ from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-__all__ = ["auroc", "bootstrap_ci", "BootstrapCI", "per_class_auroc", "shared_unique", "mean_auroc", "site_summary", "labelled_bce",
-           "labelled_mean_auroc"]
+__all__ = ["auroc", "bootstrap_ci", "BootstrapCI", "per_class_auroc", "shared_unique", "mean_auroc", "site_summary",
+           "labelled_bce", "labelled_mean_auroc"]
 
 
 def _as_1d(scores, labels) -> tuple[np.ndarray, np.ndarray]:

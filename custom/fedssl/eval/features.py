@@ -52,7 +52,8 @@ def volume_slices(volumes: Sequence[Volume]) -> torch.Tensor:
     """Every 2D slice of ``volumes`` as ``[S, 1, H, W]`` float32 (labels not needed)."""
     if not volumes:
         raise ValueError("no volumes: the feature spread needs at least one volume of the site")
-    return torch.cat([torch.as_tensor(np.ascontiguousarray(v.image), dtype=torch.float32) for v in volumes]).unsqueeze(1)
+    return torch.cat([torch.as_tensor(np.ascontiguousarray(v.image), dtype=torch.float32)
+                      for v in volumes]).unsqueeze(1)
 
 
 @torch.no_grad()
@@ -63,7 +64,8 @@ def _features(fn, model: nn.Module, x: torch.Tensor, batch_size: int, device: st
     was_training = model.training
     model.eval()
     try:
-        return torch.cat([fn(model, x[i:i + batch_size].to(device)).float().cpu() for i in range(0, len(x), batch_size)])
+        return torch.cat([fn(model, x[i:i + batch_size].to(device)).float().cpu()
+                          for i in range(0, len(x), batch_size)])
     finally:
         model.train(was_training)
 
@@ -76,7 +78,8 @@ def _unet_pooled(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def unet_features(model: nn.Module, volumes: Sequence[Volume], *, batch_size: int = 64,
                   device: str | torch.device = "cpu") -> torch.Tensor:
     """Features ``[S, D]`` of every slice of ``volumes``: the projection of a ``ContrastiveNet``
-    (``MoCoUNetEncoder.main`` / ``BYOLUNetEncoder.online``) or the bottleneck of a ``UNetEncoder`` pooled as the head pools it (``pool_bottleneck``)."""
+    (``MoCoUNetEncoder.main`` / ``BYOLUNetEncoder.online``) or the bottleneck of a ``UNetEncoder`` pooled as the head
+    pools it (``pool_bottleneck``)."""
     return _features(_unet_pooled, model, volume_slices(volumes), batch_size, device)
 
 
@@ -108,8 +111,8 @@ def unet_discrimination(net: nn.Module, volumes: Sequence[Volume], *, tau: float
 
 def slice_partitions(volumes: Sequence[Volume], n_partitions: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """For every slice of ``volumes`` (in :func:`volume_slices` order): its partition, as FCL's pre-training splits a
-    volume (``np.array_split`` of the slice indices into ``n_partitions``, :class:`fedssl.data.acdc.PartitionSampleDataset`),
-    and its patient's index."""
+    volume (``np.array_split`` of the slice indices into ``n_partitions``,
+    :class:`fedssl.data.acdc.PartitionSampleDataset`), and its patient's index."""
     if isinstance(n_partitions, bool) or not isinstance(n_partitions, int) or n_partitions < 2:
         raise ValueError(f"n_partitions={n_partitions!r}: must be an integer >= 2 (FCL: 4)")
     patients = sorted({v.patient_id for v in volumes})

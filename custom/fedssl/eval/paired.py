@@ -136,7 +136,8 @@ def _per_class(payload: Mapping, where: str) -> dict[str, float]:
     return out
 
 
-def class_pairs(payload_a: Mapping, payload_b: Mapping, where: str = "test") -> tuple[list[float], list[float], list[str]]:
+def class_pairs(payload_a: Mapping, payload_b: Mapping,
+                where: str = "test") -> tuple[list[float], list[float], list[str]]:
     """The class-level pairs of two runs (paper sec. 2.6, real-world experiments): one pair per (site, class)
     whose AUROC both runs define, on the sites' test sets (``where="test"``) or the external set
     (``"external"``); ``(a, b, labels)`` in sorted label order."""

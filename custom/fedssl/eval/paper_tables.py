@@ -156,7 +156,8 @@ def fedclf_paper_rows(table: str, metric: str = "recall", methods=None) -> list[
         return [{"table": "FedCLF Fig. 6", "method": m, "column": "L=10%", "mean": v, "std": None, "n": None}
                 for m, v in FEDCLF_FIG6.items() if methods is None or m in methods]
     if table not in FEDCLF_TABLES or metric not in ("recall", "precision"):
-        raise ValueError(f"FedCLF table {table!r} / metric {metric!r}: use 'I', 'II' or 'Fig6' and 'recall' or 'precision'")
+        raise ValueError(f"FedCLF table {table!r} / metric {metric!r}: use 'I', 'II' or 'Fig6' and 'recall' or "
+                         "'precision'")
     values = FEDCLF_TABLES[table]
     unknown = [m for m in methods or () if m not in values]
     if unknown:

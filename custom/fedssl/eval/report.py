@@ -173,7 +173,8 @@ def accuracy_verdict(method: str, accuracy: float, baseline: str, baseline_accur
     minus twice it, otherwise "within the spread".  Seed-to-seed variation is not in it (the tables runner's
     ``--seeds`` measures that)."""
     if isinstance(n_test, bool) or not isinstance(n_test, int) or n_test <= 0:
-        raise ValueError(f"n_test={n_test!r}: must be the positive number of test images both accuracies were measured on")
+        raise ValueError(f"n_test={n_test!r}: must be the positive number of test images both accuracies were measured "
+                         "on")
     for name, value in ((method, accuracy), (baseline, baseline_accuracy)):
         if not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
             raise ValueError(f"accuracy of {name}={value!r}: must be a number in [0, 1]")
@@ -228,9 +229,11 @@ def plot_dice_vs_n(summary: Sequence[Mapping[str, Any]], path: str, *, title: st
                 methods.append(str(s["method"]))
         ns_all: set[int] = set()
         for method in methods:
-            pts = sorted((int(s["n_labelled"]), s["dice_mean"], s["dice_std"]) for s in summary if s["mode"] == mode and s["method"] == method)
+            pts = sorted((int(s["n_labelled"]), s["dice_mean"], s["dice_std"]) for s in summary if s["mode"] == mode
+                         and s["method"] == method)
             ns_all.update(p[0] for p in pts)
-            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", capsize=3, label=method)
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", capsize=3,
+                        label=method)
         if ns_all:
             ax.set_xscale("log", base=2)
             ax.set_xticks(sorted(ns_all))

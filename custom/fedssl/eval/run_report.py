@@ -95,7 +95,8 @@ def loss_curves(rounds: list[dict]) -> dict[str, tuple[list, list]]:
     return curves
 
 
-def write_run_report(out_dir: str, *, title: str, rounds: list[dict], comm_records: list[dict], extra: dict | None = None) -> dict:
+def write_run_report(out_dir: str, *, title: str, rounds: list[dict], comm_records: list[dict],
+                     extra: dict | None = None) -> dict:
     """Write summary.json, loss.png and bytes_per_round.png into ``out_dir``; return the summary."""
     comm = communication_per_round(comm_records)
     summary = {
@@ -128,7 +129,8 @@ def write_run_report(out_dir: str, *, title: str, rounds: list[dict], comm_recor
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for direction in ("upload", "download"):
-        ax.plot([r["round"] for r in comm], [r[direction].get("total", 0) / 1e6 for r in comm], marker="o", label=direction)
+        ax.plot([r["round"] for r in comm], [r[direction].get("total", 0) / 1e6 for r in comm], marker="o",
+                label=direction)
     ax.set(xlabel="round", ylabel="MB per site", title="bytes per site per round")
     ax.legend()
     fig.tight_layout()

@@ -1,4 +1,5 @@
-"""Dice evaluation of the 2D U-Net (FCL, FCL (Wu et al., MedIA 2022) section 5; training: :mod:`fedssl.train.segmentation`).
+"""Dice evaluation of the 2D U-Net (FCL, FCL (Wu et al., MedIA 2022) section 5; training:
+:mod:`fedssl.train.segmentation`).
 
 "Evaluation": the Dice similarity coefficient, here the mean of the 3D Dice of LV, MYO and RV
 computed with MONAI ``DiceMetric`` per validation volume.
@@ -29,7 +30,8 @@ from fedssl.data.volume import Volume
 
 
 @torch.no_grad()
-def predict_volume(model: nn.Module, image: np.ndarray, *, device: str | torch.device = "cpu", batch_size: int = 16) -> torch.Tensor:
+def predict_volume(model: nn.Module, image: np.ndarray, *, device: str | torch.device = "cpu",
+                   batch_size: int = 16) -> torch.Tensor:
     """Slice-by-slice argmax prediction of one ``[Z, H, W]`` volume -> ``[Z, H, W]`` long tensor (CPU)."""
     if image.ndim != 3:
         raise ValueError(f"image has shape {tuple(image.shape)}; expected a [Z, H, W] volume")

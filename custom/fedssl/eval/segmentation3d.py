@@ -14,7 +14,8 @@ from torch import nn
 
 @torch.no_grad()
 def predict_volume3d(model: nn.Module, image: torch.Tensor, roi_size: Sequence[int], *, device: torch.device,
-                     sw_batch_size: int = 4, overlap: float = 0.25, amp_dtype: torch.dtype | None = None) -> torch.Tensor:
+                     sw_batch_size: int = 4, overlap: float = 0.25,
+                     amp_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Label map ``[X, Y, Z]`` (long) of ``image`` ``[1, X, Y, Z]`` by Gaussian-weighted sliding windows."""
     from monai.inferers import sliding_window_inference
 

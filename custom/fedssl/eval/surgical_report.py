@@ -1,4 +1,5 @@
-"""Per-class AUROC tables of surgical aggregation runs (surgical aggregation (Kulkarni et al., ML4H 2024) sec. 2.6 and tables 2-4).
+"""Per-class AUROC tables of surgical aggregation runs (surgical aggregation (Kulkarni et al., ML4H 2024) sec. 2.6 and
+tables 2-4).
 
 - :func:`auroc_table`: one site's predictions -> per-class AUROC with a bootstrap 95 % CI and their mean
   (a class with only positives or only negatives in the set has no AUROC and is listed as such);
@@ -75,7 +76,8 @@ def results_table(sites: Mapping[str, dict], site_classes: Mapping[str, Sequence
                    "n_classes": ext.get("n_classes"), "mean_auroc": ext.get("mean_auroc"),
                    "shared_auroc": _mean(ep.get(c, {}).get("auroc") for c in shared),
                    "unique_auroc": _mean(e.get("auroc") for c, e in ep.items() if c not in shared),
-                   "classes_of": {s: _mean(ep.get(c, {}).get("auroc") for c in cs) for s, cs in sorted(site_classes.items())}}
+                   "classes_of": {s: _mean(ep.get(c, {}).get("auroc") for c in cs)
+                                  for s, cs in sorted(site_classes.items())}}
             external.append(row)
     return {"shared_classes": shared, "unique_classes": [c for c in global_classes if c not in shared],
             "sites": rows, "external": external,
@@ -92,10 +94,11 @@ def markdown(table: dict, title: str, model_source: str) -> str:
              "## Site test sets (each site's classes)", "",
              "| site | model | test images | classes | mean AUROC | shared | unique |", "|---|---|---|---|---|---|---|"]
     for r in table["sites"]:
-        lines.append(f"| {r['site']} | {r['model']} | {_cell(r['n_test'])} | {r['n_classes']} | {_cell(r['mean_auroc'])} "
-                     f"| {_cell(r['shared_auroc'])} | {_cell(r['unique_auroc'])} |")
+        lines.append(f"| {r['site']} | {r['model']} | {_cell(r['n_test'])} | {r['n_classes']} | "
+                     f"{_cell(r['mean_auroc'])} | {_cell(r['shared_auroc'])} | {_cell(r['unique_auroc'])} |")
     m = table["mean"]
-    lines.append(f"| **mean** | | | | {_cell(m['mean_auroc'])} | {_cell(m['shared_auroc'])} | {_cell(m['unique_auroc'])} |")
+    lines.append(f"| **mean** | | | | {_cell(m['mean_auroc'])} | {_cell(m['shared_auroc'])} | "
+                 f"{_cell(m['unique_auroc'])} |")
     if table["external"]:
         owners = list(table["external"][0]["classes_of"])
         lines += ["", "## External test set (every class of the model)", "",

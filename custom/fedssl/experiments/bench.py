@@ -50,7 +50,8 @@ def _build(method: str, size: str, mask_ratio: float, device: torch.device, amp:
     if method == "beit":
         vocab = TINY_VOCAB if size == "tiny" else int(vocab_size)
         model = BEiTViT(**vit, vocab_size=vocab)
-        tok = PatchTokenizer(random_codebook(vocab, model.patch_size, torch.Generator().manual_seed(0)), model.patch_size)
+        tok = PatchTokenizer(random_codebook(vocab, model.patch_size, torch.Generator().manual_seed(0)),
+                             model.patch_size)
         trainer = MIMTrainer(model, "beit", lr=1.5e-3, mask_ratio=mask_ratio, tokenizer=tok, device=device, amp=amp,
                              warmup_rounds=1, total_rounds=10, clip_grad=3.0)
         return trainer, None
@@ -118,7 +119,8 @@ def measure(method: str = "mae", size: str = "vit_b16", batch_size: int = 64, st
         "method": method, "size": size, "batch_size": int(batch_size), "steps": int(steps), "warmup": int(warmup),
         "mask_ratio": None if method == "finetune" else float(mask_ratio), "amp_bf16": dtype == torch.bfloat16,
         "amp_dtype": str(dtype).replace("torch.", "") if dtype is not None else "float32",
-        "device": str(dev), "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or "cpu"),
+        "device": str(dev), "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda"
+        else (platform.processor() or "cpu"),
         "torch": torch.__version__, "parameters": int(n_params), "seconds": round(dt, 4),
         "step_ms": round(1000 * dt / int(steps), 2), "images_per_s": round(int(steps) * int(batch_size) / dt, 1),
         "last_loss": losses[-1],

@@ -67,9 +67,9 @@ def _number(v: object) -> bool:
 
 
 def pretraining_rounds(summary_path: str) -> list[dict]:
-    """One dict per round of a run's ``summary.json``: ``round``, ``loss`` (mean over the sites), ``loss_std_over_sites``,
-    every loss term and every numeric site-record mean (``bank_fill``, ``feature_std`` ...), each only where the run
-    recorded it.  A missing or malformed file is a ValueError naming it."""
+    """One dict per round of a run's ``summary.json``: ``round``, ``loss`` (mean over the sites),
+    ``loss_std_over_sites``, every loss term and every numeric site-record mean (``bank_fill``, ``feature_std`` ...),
+    each only where the run recorded it.  A missing or malformed file is a ValueError naming it."""
     if not os.path.isfile(summary_path):
         raise ValueError(f"run summary {summary_path} does not exist; pass the summary.json of a pre-training run "
                          "(the server's run folder)")
@@ -169,7 +169,8 @@ def diagnose_acdc(method: str, summary_path: str | None, encoder_state: object,
         if projection is not None:
             proj[site] = unet_spread(projection, site_volumes[site], device=device)
             disc[site] = {name: unet_discrimination(net, site_volumes[site], tau=DISCRIMINATION_TAU, seed=seed,
-                                                    device=device) for name, net in (("net", projection), ("start", start))}
+                                                    device=device) for name, net in (("net", projection),
+                                                                                     ("start", start))}
         rows.append(frozen_encoder_probe(site_volumes, init, site=site, method=method, **probe_kw))
         random_rows.append(frozen_encoder_probe(site_volumes, "random", site=site, method="random init", **probe_kw))
         if progress is not None:
@@ -357,7 +358,8 @@ def format_diagnostics(diags: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -
         lines.append(f"  {d['method']}:")
         rounds = d.get("rounds") or []
         probe = _probe_line(d["probe"]) if d.get("probe") else None
-        body = [_loss_line(rounds), _bank_line(rounds), _spread_line(d), _when(d, "discrimination", _discrimination_text),
+        body = [_loss_line(rounds), _bank_line(rounds), _spread_line(d),
+                _when(d, "discrimination", _discrimination_text),
                 _when(d, "position", _position_text), _when(d, "weight_scale", _scale_text), probe]
         lines += [f"    {x}" for x in body if x]
         lines.append(f"    verdict: {verdict(d)}")

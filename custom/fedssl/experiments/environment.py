@@ -32,7 +32,8 @@ DEFAULT_THREADS = 1
 def check_threads(threads: object, name: str = "threads") -> int:
     """``threads`` is an int >= 1 (a bool is not); returns it."""
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"{name}={threads!r} is invalid; use an int >= 1 (torch threads per process, e.g. --threads 1)")
+        raise ValueError(f"{name}={threads!r} is invalid; use an int >= 1 (torch threads per process, e.g. --threads "
+                         "1)")
     return threads
 
 

@@ -4,9 +4,9 @@ Runs on a CPU on the calibrated synthetic data (:mod:`fedssl.data.acdc_synthetic
 sampling, structural matching) is pre-trained across ``n_sites`` simulated sites with the bench profile's pre-training
 (full local epochs over every cine frame: 25 steps per round and site, 1,024-entry bank) for ``rounds`` rounds;
 then both the FCL encoder and a random init are fine-tuned locally on each site with N annotated patients and
-federatedly (a FLARE job), and evaluated with the paper's protocol (fold 0; pooled validation for local, per-site validation for federated).
-Everything lands in ``out``: data, simulator workspaces, ``run_config.json`` (the settings, the torch thread count
-of this process, ``threads``, and the environment: versions, CPU, BLAS), ``report/summary.json``,
+federatedly (a FLARE job), and evaluated with the paper's protocol (fold 0; pooled validation for local, per-site
+validation for federated). Everything lands in ``out``: data, simulator workspaces, ``run_config.json`` (the settings,
+the torch thread count of this process, ``threads``, and the environment: versions, CPU, BLAS), ``report/summary.json``,
 ``dice_table.txt`` and ``dice_vs_n.png``.  The demo runs one training seed: its comparison is not a finding
 (``fedssl fcl tables`` runs seeds 0-2), and its table says so.
 """
@@ -59,9 +59,10 @@ def run_demo(out: str, *, n_sites: int = 3, rounds: int = 10, ft_rounds: int = 1
         write_synthetic_acdc(data, n_patients=10 * n_sites, n_sites=n_sites, seed=0)
     data_root = os.path.join(data, "{site}")
 
-    _say(t0, f"FCL pre-training in the FLARE simulator ({n_sites} sites, {rounds} rounds of full local epochs, bench profile)")
-    pre = run_simulation(os.path.join(JOBS, "fcl_acdc"), os.path.join(out, "ws_fcl"), n_sites=n_sites, data_root=data_root,
-                         profile="bench", sets=[f"server.scatter_and_gather.num_rounds={rounds}"])
+    _say(t0, f"FCL pre-training in the FLARE simulator ({n_sites} sites, {rounds} rounds of full local epochs, bench "
+             "profile)")
+    pre = run_simulation(os.path.join(JOBS, "fcl_acdc"), os.path.join(out, "ws_fcl"), n_sites=n_sites,
+                         data_root=data_root, profile="bench", sets=[f"server.scatter_and_gather.num_rounds={rounds}"])
     _say(t0, f"pre-training done in {pre['simulator_wall_time_s']} s")
 
     settings = protocol_settings("quick", epochs)
@@ -70,7 +71,8 @@ def run_demo(out: str, *, n_sites: int = 3, rounds: int = 10, ft_rounds: int = 1
     _say(t0, f"local fine-tuning: N={list(n_labelled)}, fold {fold}, {settings['epochs']} epochs per site"
               + (f", at least {settings['min_steps']} optimiser steps" if settings["min_steps"] else ""))
     rows = run_protocols(sites, inits, modes=["local"], n_labelled=n_labelled, folds=[fold], settings=settings,
-                         progress=lambda r: _say(t0, f"  local {r['method']:<6} N={r['n_labelled']} {r['site']}: Dice {r['dice']:.3f}"))
+                         progress=lambda r: _say(t0, f"  local {r['method']:<6} N={r['n_labelled']} {r['site']}: Dice "
+                                                     f"{r['dice']:.3f}"))
 
     fed_runs = {}
     for method in inits:
@@ -78,12 +80,14 @@ def run_demo(out: str, *, n_sites: int = 3, rounds: int = 10, ft_rounds: int = 1
             sets = [f"server.scatter_and_gather.num_rounds={ft_rounds}", f"client.seg_trainer.n_labelled={n}",
                     f"client.seg_trainer.fold={fold}"]
             if method != "random":
-                init_path = export_unet_init(pre["global_model"], os.path.join(out, "unet_init_fcl.pt"), settings["features"])
+                init_path = export_unet_init(pre["global_model"], os.path.join(out, "unet_init_fcl.pt"),
+                                             settings["features"])
                 sets.append(f"server.persistor.source_ckpt_file_full_name={init_path}")
             _say(t0, f"federated fine-tuning in the FLARE simulator: {method}, N={n}, {ft_rounds} rounds")
             ft = run_simulation(os.path.join(JOBS, "fcl_acdc_finetune"), os.path.join(out, f"ws_ft_{method}_n{n}"),
                                 n_sites=n_sites, data_root=data_root, profile="quick", sets=sets, echo=False)
-            rows += evaluate_federated(ft["global_model"], sites, method=method, n_labelled=n, fold=fold, settings=settings)
+            rows += evaluate_federated(ft["global_model"], sites, method=method, n_labelled=n, fold=fold,
+                                       settings=settings)
             fed_runs[f"{method}_n{n}"] = {"wall_time_s": ft["simulator_wall_time_s"],
                                           "bytes_per_site_per_round": ft["bytes_per_site_per_round"]}
 
@@ -92,13 +96,15 @@ def run_demo(out: str, *, n_sites: int = 3, rounds: int = 10, ft_rounds: int = 1
         "pretraining": {"rounds": rounds, "wall_time_s": pre["simulator_wall_time_s"],
                         "bytes_per_site_per_round": pre["bytes_per_site_per_round"],
                         "final_mean_loss": pre["rounds"][-1]["mean_loss"] if pre["rounds"] else None,
-                        "site_record_means_last_round": pre["rounds"][-1].get("site_record_means") if pre["rounds"] else None},
+                        "site_record_means_last_round": pre["rounds"][-1].get("site_record_means") if pre["rounds"]
+                        else None},
         "federated_finetuning": fed_runs,
         "demo_wall_time_s": round(time.time() - t0, 1),
     }
     extra["verdict"] = pretraining_verdict(rows, "FCL")
     extra["seeds_note"] = SEEDS_NOTE
-    paths = write_report(rows, os.path.join(out, "report"), title="FCL on synthetic ACDC (bench pre-training, quick fine-tuning)", extra=extra)
+    paths = write_report(rows, os.path.join(out, "report"),
+                         title="FCL on synthetic ACDC (bench pre-training, quick fine-tuning)", extra=extra)
     with open(paths["dice_table"], "a") as f:
         f.write(f"\n\n{SEEDS_NOTE}\n")
     b = pre["bytes_per_site_per_round"]
@@ -106,7 +112,8 @@ def run_demo(out: str, *, n_sites: int = 3, rounds: int = 10, ft_rounds: int = 1
     print(format_table(summarise(rows)))
     print(extra["verdict"])
     print(SEEDS_NOTE)
-    print(f"\nFCL pre-training bytes per site per round: upload {b['upload'] / 1e6:.3f} MB, download {b['download'] / 1e6:.3f} MB")
+    print(f"\nFCL pre-training bytes per site per round: upload {b['upload'] / 1e6:.3f} MB, download "
+          f"{b['download'] / 1e6:.3f} MB")
     print(f"report: {json.dumps(paths)}")
     _say(t0, "demo finished")
     return extra

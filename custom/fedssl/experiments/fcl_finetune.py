@@ -106,7 +106,8 @@ def run_protocols(
     return rows
 
 
-def evaluate_federated(global_model: str, site_volumes, *, method: str, n_labelled: int, fold: int, settings: dict) -> list[dict]:
+def evaluate_federated(global_model: str, site_volumes, *, method: str, n_labelled: int, fold: int,
+                       settings: dict) -> list[dict]:
     unet = init_unet(load_global_state(global_model), features=settings["features"])
     return evaluate_per_site(unet, site_volumes, fold, method=method, n_labelled=n_labelled, device=settings["device"])
 
@@ -120,7 +121,8 @@ def run_finetune(data_root: str, init_paths: dict[str, str], out: str, *, modes:
     ``labelled_from`` of the centralised protocol, see :func:`fedssl.train.protocol.centralised_finetune`);
     writes the report to ``out`` and returns its rows."""
     if labelled_from not in LABELLED_FROM:  # refused before any file is read
-        raise ValueError(f"labelled_from={labelled_from!r}: use one of {list(LABELLED_FROM)} (paper, Table 3: 'pooled')")
+        raise ValueError(f"labelled_from={labelled_from!r}: use one of {list(LABELLED_FROM)} (paper, Table 3: "
+                         "'pooled')")
     from fedssl.eval.report import write_report
 
     settings = protocol_settings(profile, epochs)

@@ -3,7 +3,8 @@
 Tables 1 (local), 2 (federated) and 3 (centralised fine-tuning) of FCL section 5: Dice (mean of LV, MYO, RV) of a
 U-Net whose encoder comes from each pre-training method, fine-tuned with N = 1, 2, 4, 8 annotated patients
 (per site in Tables 1-2, in total in Table 3), 5-fold cross-validation; mean +- std over sites (each site's Dice
-averaged over folds first, Table 1 caption) for Tables 1-2, over folds for Table 3 (:func:`fedssl.eval.report.summarise`).
+averaged over folds first, Table 1 caption) for Tables 1-2, over folds for Table 3
+(:func:`fedssl.eval.report.summarise`).
 
 Cells (one :class:`~fedssl.experiments.table_runner.CellStore` at ``out/cells.jsonl``; an interrupted run
 resumes where it stopped):
@@ -21,8 +22,8 @@ Local CL has no shared model; for Tables 2 and 3 it starts from **site-1's own e
 as if one site had pre-trained alone and shared its encoder.  Averaging the sites' encoders would be one FedAvg
 round the baseline does not have, so it is not done; the choice is printed under each table.
 
-Seeds (``seeds``, default [0, 1, 2]): every cell is run once per training seed -- the pre-training (the initial model and
-the sites' sampling, augmentations and bank draws) and the fine-tuning (the decoder's initial weights, batch order
+Seeds (``seeds``, default [0, 1, 2]): every cell is run once per training seed -- the pre-training (the initial model
+and the sites' sampling, augmentations and bank draws) and the fine-tuning (the decoder's initial weights, batch order
 and augmentations) -- while the labelled patients of a (fold, N, site) stay the same for every seed.  A method's
 seed-s fine-tuning starts from its seed-s pre-training, and is paired with random init's seed-s run.  Tables
 average each site's (Table 3: each fold's) Dice over folds and seeds; the paired differences also give the mean per
@@ -149,7 +150,8 @@ def pretrain(method: str, workspace: str, *, data_root: str, n_sites: int, profi
             + seed_sets(TRAINER_IDS[job], seed))
     s = run_simulation(os.path.join(JOBS, job), workspace, n_sites=n_sites, data_root=os.path.join(data_root, "{site}"),
                        profile=profile, sets=sets, echo=False)
-    out = {"summary": os.path.join(server_run_dir(workspace), "summary.json"), "wall_time_s": s["simulator_wall_time_s"],
+    out = {"summary": os.path.join(server_run_dir(workspace), "summary.json"),
+           "wall_time_s": s["simulator_wall_time_s"],
            "rounds": len(s.get("rounds", [])), "bytes_per_site_per_round": s.get("bytes_per_site_per_round")}
     if method == "Local CL":  # the server's model stays the initial one: only the sites' own encoders count
         out["site_encoders"] = local_cl_encoders(workspace, n_sites)
@@ -347,7 +349,8 @@ def run_fcl_tables(out: str, *, tables: Sequence[int] = TABLES, methods: Sequenc
     seed (module docstring); a later command may add seeds to a folder (its tables show the seeds it names).
     ``threads``: torch threads of this process and of each worker (a setting of the folder, like the epochs).
     Returns ``{table: paths of its files}``."""
-    tables, methods, n_labelled, seeds = [int(t) for t in tables], list(methods), [int(n) for n in n_labelled], list(seeds)
+    tables, methods, n_labelled, seeds = [int(t) for t in tables], list(methods), [int(n)
+                                                                                   for n in n_labelled], list(seeds)
     _check_args(tables, methods, n_labelled, n_sites, workers, seeds)
     t0 = time.time()
     out = os.path.abspath(out)
@@ -478,7 +481,8 @@ def _write(out: str, table: int, rows: list[dict], methods, n_labelled, folds, s
     title = (f"FCL Table {table}: {mode} fine-tuning on ACDC, Dice mean +- std over {over}; folds {list(folds)}, "
              + (f"seeds {list(seeds)}, " if seeds != [0] else "") + f"profile {profile}")
     if table == 2:
-        notes = [f"fine-tuning: jobs/fcl_acdc_finetune in the FLARE simulator, rounds and local epochs of profile {profile}"]
+        notes = ["fine-tuning: jobs/fcl_acdc_finetune in the FLARE simulator, rounds and local epochs of profile "
+                 f"{profile}"]
     else:
         floor = settings["min_steps"]
         notes = [f"fine-tuning: {settings['epochs']} epochs"

@@ -57,7 +57,8 @@ def write_transfer_report(rows: Sequence[dict], out: str, *, extra: dict) -> dic
     with open(paths["summary_json"], "w") as f:
         json.dump({"title": "FCL Table 5: transfer ACDC -> HVSMR", "rows": list(rows), "summary": summary,
                    "extra": extra}, f, indent=2)
-    tables = [f"{key}\n{format_table([{**c, 'dice_mean': c[f'{key}_mean'], 'dice_std': c[f'{key}_std']} for c in summary])}"
+    tables = [f"{key}\n"
+              f"{format_table([{**c, 'dice_mean': c[f'{key}_mean'], 'dice_std': c[f'{key}_std']} for c in summary])}"
               for key in ("dice", "myocardium", "blood_pool")]
     with open(paths["dice_table"], "w") as f:
         f.write("FCL Table 5: transfer ACDC -> HVSMR (mean +- std over folds)\n\n" + "\n".join(tables))

@@ -164,7 +164,8 @@ def init_state(method: str, pretrained: Mapping | None, site: str) -> dict | Non
 def local_settings(s: dict) -> dict:
     """The ResNet of the fine-tuning job at the profile (width, crop) and Table I's protocol (profile-shortened)."""
     files = configured_job(os.path.join(REPO_ROOT, "jobs", FINETUNE_JOB), s["profile"], sets=_job_sets(s, "finetune"))
-    args = next(c for c in component_specs(files["app/config/config_fed_client.json"]) if c["id"] == "cls_trainer")["args"]
+    args = next(c for c in component_specs(files["app/config/config_fed_client.json"]) if c["id"]
+                == "cls_trainer")["args"]
     base = {"dataset": args["dataset"], "image_size": args["image_size"], "width": args["width"],
             "eval_batch_size": args["eval_batch_size"], "max_steps_per_epoch": args["max_steps_per_epoch"],
             "depth": args["depth"],
@@ -222,7 +223,8 @@ def summary_rows(values: Mapping, table: str, metric: str) -> list[dict]:
     for (method, fraction), sites in values.items():
         vals = [100.0 * v[metric] for v in sites.values() if v[metric] is not None]
         if vals:
-            rows.append({"table": table, "method": METHODS[method]["label"], "column": f"L={int(round(100 * fraction))}%",
+            rows.append({"table": table, "method": METHODS[method]["label"],
+                         "column": f"L={int(round(100 * fraction))}%",
                          "mean": float(np.mean(vals)), "std": float(np.std(vals)), "n": len(vals)})
     return rows
 
@@ -294,14 +296,15 @@ def write_tables(out: str, s: dict, results: Mapping, say: Callable[[str], None]
             written[name] = write_table(out, name, summary_rows(values, f"Table {roman}", metric),
                                         title=f"FedCLF Table {roman}: {stage} fine-tuning, mean {metric} (%)",
                                         paper=_paper(roman, metric, s["methods"]),
-                                        paper_source=FEDCLF_SOURCE.format(table=f"Table {roman}"), score=f"{metric} (%)",
-                                        notes=notes, digits=2, footer=[few] if few else [])
+                                        paper_source=FEDCLF_SOURCE.format(table=f"Table {roman}"),
+                                        score=f"{metric} (%)", notes=notes, digits=2, footer=[few] if few else [])
             with open(written[name]["txt"]) as f:
                 say(f.read().rstrip())
         fig = {k: v for k, v in values.items() if METHODS[k[0]].get("fig6") and k[1] == 0.1}
         if stage == "federated" and fig:
             rows = summary_rows(fig, "Fig. 6", "recall")
-            paper = [{**r, "method": next(METHODS[m]["label"] for m in METHODS if METHODS[m].get("fig6") == r["method"])}
+            paper = [{**r, "method": next(METHODS[m]["label"] for m in METHODS if METHODS[m].get("fig6")
+                                          == r["method"])}
                      for r in fedclf_paper_rows("Fig6")]
             few = seeds_note(s, dict.fromkeys(m for m, _ in fig))
             written["fig6"] = write_table(out, "fig6_recall", rows, title="FedCLF Fig. 6: ablation, federated L=10%",
@@ -342,7 +345,8 @@ def run_fedclf_tables(out: str, settings: dict, *, data_root: str | None = None,
         with open(os.path.join(out, "diagnostics.txt"), "w") as f:
             f.write(diagnostics_text(diag) + "\n")
         say(diagnostics_text(diag))
-        written["diagnostics"] = {"json": os.path.join(out, "diagnostics.json"), "txt": os.path.join(out, "diagnostics.txt")}
+        written["diagnostics"] = {"json": os.path.join(out, "diagnostics.json"),
+                                  "txt": os.path.join(out, "diagnostics.txt")}
     say(f"FedCLF tables done in {time.time() - t0:.0f} s; files under {out}")
     return written
 

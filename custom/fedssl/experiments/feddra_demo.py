@@ -47,7 +47,7 @@ from fedssl.experiments.table_runner import few_seeds_note, format_duration, run
 from fedssl.models.vlp import VisionLanguageModel
 from fedssl.ops.jobs import REPO_ROOT
 from fedssl.ops.simulate import global_model_path, run_simulation, server_run_dir
-from fedssl.train.feddra import FedDRALocalTrainer
+from fedssl.train.feddra import FedDRALocalTrainer, FedDRASettings
 from fedssl.train.vlp_probe import few_shot_probe
 
 JOB = os.path.join(REPO_ROOT, "jobs", "feddra_mimic")
@@ -123,7 +123,8 @@ class _Labelled(torch.utils.data.Dataset):
     def __init__(self, items: Sequence[tuple[str, int]], image_size: int, channels: int):
         recs = [VLPRecord(image=p, text="", labels=(int(y),), patient=str(i), study=str(i), split="train")
                 for i, (p, y) in enumerate(items)]
-        self.images, self.labels = VLPDataset(recs, image_size, channels=channels, cache=False), [int(y) for _, y in items]
+        self.images, self.labels = VLPDataset(recs, image_size, channels=channels,
+                                              cache=False), [int(y) for _, y in items]
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -139,7 +140,8 @@ def ood_sets(data: str) -> dict[str, tuple[list, list]]:
     rsna = load_rsna_pneumonia(os.path.join(ood, "rsna"))
     cut = int(0.8 * len(rsna))
     return {"rsna": (rsna[:cut], rsna[cut:]),
-            "covidx": (load_covidx(os.path.join(ood, "covidx"), "train"), load_covidx(os.path.join(ood, "covidx"), "test"))}
+            "covidx": (load_covidx(os.path.join(ood, "covidx"), "train"),
+                       load_covidx(os.path.join(ood, "covidx"), "test"))}
 
 
 def probe(model: VisionLanguageModel, data: str, fractions: Sequence[float], seed: int) -> dict[str, dict]:
@@ -172,7 +174,8 @@ def _site_turn_records(workspace: str) -> list[dict]:
             for line in f:
                 r = json.loads(line)
                 if "holdout_cos_matched" in r:
-                    per_turn.setdefault(int(r["round"]), []).append((r["holdout_cos_matched"], r["holdout_cos_unmatched"]))
+                    per_turn.setdefault(int(r["round"]),
+                                        []).append((r["holdout_cos_matched"], r["holdout_cos_unmatched"]))
     return [{"turn": t, "matched": float(np.mean([a for a, _ in v])), "unmatched": float(np.mean([b for _, b in v]))}
             for t, v in sorted(per_turn.items())]
 
@@ -220,15 +223,15 @@ def run_local(key: Mapping[str, Any], data: str, out: str, settings: Mapping[str
     variant, seed = key["variant"], key["seed"]
     sites = client_records(data)
     t0 = time.time()
-    common = dict(batch_size=settings["batch_size"], lr=settings["lr"], mu=0.0, align_steps=0, steps=settings["steps"],
-                  max_text_len=settings["max_text_len"], seed=seed)
-    margs = {"preset": settings["preset"], "vocab_size": settings["vocab_size"], "image_size": settings["image_px"],
-             "in_chans": 3, "seed": seed}
+    common = FedDRASettings(preset=settings["preset"], vocab_size=settings["vocab_size"],
+                            image_size=settings["image_px"], in_chans=3, batch_size=settings["batch_size"],
+                            lr=settings["lr"], mu=0.0, align_steps=0, steps=settings["steps"],
+                            max_text_len=settings["max_text_len"], seed=seed)
     clients, models = {}, {}
     if variant == "decentralised":
         for site, (train, test) in sites.items():
-            tr = FedDRALocalTrainer(train, test, tokenizer=_vocab_for([[r.text for r in train]], settings),
-                                    model_args=margs, site=site, **common)
+            tr = FedDRALocalTrainer(train, test, common, tokenizer=_vocab_for([[r.text for r in train]], settings),
+                                    site=site, model_seed=seed)
             for turn in range(settings["turns"]):
                 tr.train_round(turn)
             clients[site] = tr.evaluate("test")
@@ -236,11 +239,11 @@ def run_local(key: Mapping[str, Any], data: str, out: str, settings: Mapping[str
     else:
         union = [r for train, _ in sites.values() for r in train]
         tok = _vocab_for([[r.text for r in train] for train, _ in sites.values()], settings)
-        tr = FedDRALocalTrainer(union, [], tokenizer=tok, model_args=margs, site="central", **common)
+        tr = FedDRALocalTrainer(union, [], common, tokenizer=tok, site="central", model_seed=seed)
         for turn in range(settings["turns"]):
             tr.train_round(turn)
         for site, (_, test) in sites.items():
-            ev = FedDRALocalTrainer(sites[site][0], test, tokenizer=tok, model_args=margs, site=site, **common)
+            ev = FedDRALocalTrainer(sites[site][0], test, common, tokenizer=tok, site=site, model_seed=seed)
             ev.model.load_state_dict(tr.model.state_dict())
             clients[site] = ev.evaluate("test")
         models["central"] = tr.model
@@ -263,7 +266,8 @@ def cell_row(res: Mapping[str, Any]) -> dict:
             row[f"{ds}_{f}_auc"] = m.get("auroc")
     if res["lambda"]:
         last = np.array(list(res["lambda"][-1]["lambda"].values()))
-        row["lambda_min"], row["lambda_max"], row["lambda_chi2"] = float(last.min()), float(last.max()), chi2_divergence(last)
+        row["lambda_min"], row["lambda_max"], row["lambda_chi2"] = (float(last.min()), float(last.max()),
+                                                                    chi2_divergence(last))
     row["wall_time_s"] = res["wall_time_s"]
     return row
 
@@ -387,7 +391,8 @@ def run(out: str, variants: Sequence[str] = ("fedavg", "feddra"), seeds: Sequenc
         if v:
             verdict = ("one seed: no spread" if v["n"] < 2 else
                        "beyond the spread" if v["beyond_spread"] else "within the spread")
-            lines.append(f"{name}: {100 * v['diff']:+.1f} +- {100 * v['std']:.1f} points over {v['n']} seed(s), {verdict}")
+            lines.append(f"{name}: {100 * v['diff']:+.1f} +- {100 * v['std']:.1f} points over {v['n']} seed(s), "
+                         f"{verdict}")
     if note:
         lines.append(note)
     lines.append(f"\nwall time {format_duration(time.time() - t0)}")

@@ -77,10 +77,12 @@ SELECTORS = ("methods",)
 
 
 def table3_settings(profile: str = "bench", **overrides) -> dict:
-    """:data:`DEFAULTS` < the profile's ``"tables": {"fedmae_table3": {...}}`` < ``overrides`` (None ignored), checked."""
+    """:data:`DEFAULTS` < the profile's ``"tables": {"fedmae_table3": {...}}`` < ``overrides`` (None ignored),
+    checked."""
     from_profile = load_profile(profile).get("tables", {}).get("fedmae_table3", {}) if profile else {}
     unknown = sorted(set(from_profile) - set(DEFAULTS))
-    require(not unknown, f"profile {profile!r} tables.fedmae_table3", "keys", unknown, f"use keys of {sorted(DEFAULTS)}")
+    require(not unknown, f"profile {profile!r} tables.fedmae_table3", "keys", unknown,
+            f"use keys of {sorted(DEFAULTS)}")
     s = {**DEFAULTS, **from_profile, **{k: v for k, v in overrides.items() if v is not None}, "profile": profile}
     vals = list(s["methods"])
     require(bool(vals) and all(v in METHODS for v in vals) and len(set(vals)) == len(vals), "fedmae table3",
@@ -122,10 +124,12 @@ def _common_sets(s: dict, trainer: str) -> list[str]:
 
 
 def pretrain(key: dict, out: str, parts: str, s: dict, simulate=run_simulation) -> dict:
-    """One pre-training run in the simulator: a CNN method on ``jobs/fedclf_derm`` or FedMAE-KS on ``jobs/fedmae_derm``."""
+    """One pre-training run in the simulator: a CNN method on ``jobs/fedclf_derm`` or FedMAE-KS on
+    ``jobs/fedmae_derm``."""
     method = key["method"]
     if METHODS[method]["family"] == "CNN":
-        job, sets = CNN_JOB, [*_common_sets(s, "fedclf_trainer"), *CNN_DATA_SETS, *s["cnn_sets"], *METHODS[method]["sets"]]
+        job, sets = CNN_JOB, [*_common_sets(s, "fedclf_trainer"), *CNN_DATA_SETS, *s["cnn_sets"],
+                              *METHODS[method]["sets"]]
     else:
         job, sets = MAE_JOB, [*_common_sets(s, "mim_trainer"), *s["mae_sets"]]
     ws = os.path.join(out, "ws", f"pretrain_{method}")
@@ -172,7 +176,8 @@ def local_one(key: dict, parts: str, s: dict, pretrained: Mapping, kw: Mapping |
         row = finetune_site(site, os.path.join(parts, site), test_root, DATASET, kw,
                             pretrained_path=pre["global_model"] if pre else "")
         return plain_json({"site": site, "best_epoch": row["best_epoch"], "n_labelled": row["n_labelled"],
-                           "test": {k: v for k, v in row["test"].items() if k not in ("per_class", "confusion_matrix")}})
+                           "test": {k: v for k, v in row["test"].items()
+                                    if k not in ("per_class", "confusion_matrix")}})
     records = load_image_records(os.path.join(parts, site), DATASET, site=site)
     train, val = train_val_split(records, s["val_fraction"], seed=site_seed(s["seed"], site))
     init = None
@@ -234,8 +239,9 @@ def run_table3(out: str, settings: dict, *, data_root: str | None = None, worker
     families = {METHODS[m]["family"] for m in settings["methods"]}
     kw = {"CNN": cnn_local_settings(settings) if "CNN" in families else None,
           "ViT": vit_local_settings(settings) if "ViT" in families else None}
-    rows = run_cells(cells, functools.partial(_local_cell, parts=parts, s=settings, pretrained=pretrained, kw=kw), store,
-                     say=say, workers=workers, label="Table III cells (local fine-tuning, 80 % labels)", threads=threads)
+    rows = run_cells(cells, functools.partial(_local_cell, parts=parts, s=settings, pretrained=pretrained, kw=kw),
+                     store, say=say, workers=workers, label="Table III cells (local fine-tuning, 80 % labels)",
+                     threads=threads)
     results = {(k["method"], k["site"]): r for k, r in zip(cells, rows)}
     lines = verdicts(results)
     notes = [f"profile {settings['profile']}; local fine-tuning with {int(100 * LABEL_FRACTION)} % labels; mean +- std "
@@ -249,7 +255,8 @@ def run_table3(out: str, settings: dict, *, data_root: str | None = None, worker
                                      paper_source=FEDCLF_SOURCE.format(table="Table III"), score="metric (%)")}
     with open(written["table3"]["txt"]) as f:
         say(f.read().rstrip())
-    costs = {k["method"]: {"wall_time_s": r.get("wall_time_s"), "bytes_per_site_per_round": r.get("bytes_per_site_per_round")}
+    costs = {k["method"]: {"wall_time_s": r.get("wall_time_s"),
+                           "bytes_per_site_per_round": r.get("bytes_per_site_per_round")}
              for k, r in zip(pre, done)}
     with open(os.path.join(out, "pretraining.json"), "w") as f:
         json.dump(plain_json(costs), f, indent=2)

@@ -132,7 +132,8 @@ def component_times(trainer, site_extras_eval: bool, tmp: str) -> dict:
         buf = io.BytesIO()
         torch.save({"round": 0, "trainer": trainer.state_dict()}, buf)
 
-    return {"serialise": serialise, "aggregate": _timed(aggregate), "filters": serialise / 2,  # two meters, one encoding each
+    return {"serialise": serialise, "aggregate": _timed(aggregate),
+            "filters": serialise / 2,  # two meters, one encoding each
             "site_extras": _timed(extras), "message_mb": round(len(encoded) / 2**20, 3),
             "parameters": int(sum(np.asarray(v).size for v in state.values()))}
 
@@ -259,11 +260,11 @@ def format_overhead(r: dict) -> str:
     lines = [f"{r['job']} ({r['profile']} profile, {r['device']}, {r['parameters'] / 1e6:.2f} M parameters, "
              f"message {r['message_mb']} MB), median of rounds 2..{r['rounds']}:",
              f"  bare loop (train_round)        {r['bare_round_s']:8.3f} s/round",
-             f"  FLARE simulator                {r['flare_round_s']:8.3f} s/round  ({r['ratio_flare_to_bare']:.2f}x bare)",
-             "  the FLARE round, from the server log:"]
+             f"  FLARE simulator                {r['flare_round_s']:8.3f} s/round  ({r['ratio_flare_to_bare']:.2f}x "
+             "bare)", "  the FLARE round, from the server log:"]
     if r.get("training_throughput_vs_bare") is not None:
-        lines.insert(3, f"  training inside the executor   {100 * r['training_throughput_vs_bare']:7.1f} % of the bare loop's "
-                        "throughput (train_round time)")
+        lines.insert(3, f"  training inside the executor   {100 * r['training_throughput_vs_bare']:7.1f} % of the bare "
+                        "loop's throughput (train_round time)")
     labels = {"waiting_for_task_request": "site waits to ask for the task", "site_round_trip": "site round trip",
               "result_to_aggregation": "result -> aggregation", "aggregation_and_persist": "aggregation + persist",
               "round_transition": "round transition"}

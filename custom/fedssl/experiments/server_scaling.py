@@ -156,10 +156,12 @@ def measure_one(n_sites: int, mode: str = "running", seed: int = 0, model: str =
     peak = _max_rss_mb()
     return {"mode": mode, "sites": n_sites, "model": model, "parameters": n_params,
             "model_mb": round(sum(v.nbytes for v in global_model.values()) / 2**20, 1),
-            "first_round": rounds[0], **rounds[1], "peak_rss_mb": round(peak, 1), "extra_rss_mb": round(peak - base_rss, 1)}
+            "first_round": rounds[0], **rounds[1], "peak_rss_mb": round(peak, 1),
+            "extra_rss_mb": round(peak - base_rss, 1)}
 
 
-def run_scaling(out: str | None = None, sites=SITES, modes=("running",), seed: int = 0, model: str = "vit_b16") -> list[dict]:
+def run_scaling(out: str | None = None, sites=SITES, modes=("running",), seed: int = 0,
+                model: str = "vit_b16") -> list[dict]:
     """Every (mode, n) in its own process; prints a table and writes the rows (and the machine) to ``out``."""
     rows = []
     for mode in modes:
@@ -172,7 +174,8 @@ def run_scaling(out: str | None = None, sites=SITES, modes=("running",), seed: i
             rows.append(row)
             print(f"{mode:<8} {n:>3} sites: accept {row['accept_s']:.2f} s/site, aggregate {row['aggregate_s']:.2f} s, "
                   f"round {row['round_s']:.1f} s (first round {row['first_round']['round_s']:.1f} s), peak RSS "
-                  f"{row['peak_rss_mb']:.0f} MB (+{row['extra_rss_mb']:.0f} MB over model + one contribution)", flush=True)
+                  f"{row['peak_rss_mb']:.0f} MB (+{row['extra_rss_mb']:.0f} MB over model + one contribution)",
+                  flush=True)
     for mode in modes:
         mine = [r for r in rows if r["mode"] == mode]
         if len(mine) > 1:

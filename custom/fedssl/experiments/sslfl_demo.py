@@ -63,7 +63,8 @@ def balance_retina(root: str, seed: int = 0) -> dict:
     by_label = {0: [r for r in rows if int(r[1]) == 0], 1: [r for r in rows if int(r[1]) > 0]}
     n = min(len(v) for v in by_label.values())
     rng = np.random.default_rng(seed)
-    keep = sorted((r for v in by_label.values() for r in (v[i] for i in rng.permutation(len(v))[:n])), key=lambda r: r[0])
+    keep = sorted((r for v in by_label.values() for r in (v[i] for i in rng.permutation(len(v))[:n])),
+                  key=lambda r: r[0])
     with open(path, "w", newline="") as f:
         csv.writer(f).writerows([header, *keep])
     return {"no_dr": n, "dr": n, "dropped": len(rows) - 2 * n}
@@ -81,8 +82,8 @@ def format_table(rows: list[dict]) -> str:
     head = f"{'method':<16} {'test acc':>9} {'bal. acc':>9} {'AUC':>7} {'macro F1':>9} {'selected':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['method']:<16} {_fmt(r['accuracy']):>9} {_fmt(r['balanced_accuracy']):>9} {_fmt(r['auc']):>7} "
-                     f"{_fmt(r['macro_f1']):>9} {str(r['selected']):>9}")
+        lines.append(f"{r['method']:<16} {_fmt(r['accuracy']):>9} {_fmt(r['balanced_accuracy']):>9} "
+                     f"{_fmt(r['auc']):>7} {_fmt(r['macro_f1']):>9} {str(r['selected']):>9}")
     return "\n".join(lines)
 
 
@@ -116,19 +117,22 @@ def _test_row(method: str, run: dict) -> dict:
     sel = report.get("selection") or {}
     return {"method": method, "accuracy": mean.get("accuracy"), "balanced_accuracy": mean.get("balanced_accuracy"),
             "auc": mean.get("auc"), "macro_f1": mean.get("macro_f1"), "n_test": mean.get("n"),
-            "selected": f"round {sel['best_round']}" if report["model"] == "best" and "best_round" in sel else report["model"],
-            "model_source": report["model_source"], "test_metrics": path,
+            "selected": f"round {sel['best_round']}" if report["model"] == "best"
+            and "best_round" in sel else report["model"], "model_source": report["model_source"], "test_metrics": path,
             "wall_time_s": run["simulator_wall_time_s"], "bytes_per_site_per_round": run["bytes_per_site_per_round"]}
 
 
 #: pre-training methods of the demo: label, data set, pre-training job, fine-tuning job, extra fine-tuning overrides
 VARIANTS: dict[str, dict] = {
-    "fedmae": {"label": "Fed-MAE", "dataset": "retina", "pretrain": "sslfl_mae_retina", "finetune": "sslfl_retina_finetune",
-               "finetune_sets": [], "split": "dirichlet"},
-    "fedbeit": {"label": "Fed-BEiT", "dataset": "retina", "pretrain": "sslfl_beit_retina", "finetune": "sslfl_retina_finetune",
-                "finetune_sets": ["server.model.layer_scale=0.1", "client.cls_trainer.layer_scale=0.1"],  # BEiT's layer scale
+    "fedmae": {"label": "Fed-MAE", "dataset": "retina", "pretrain": "sslfl_mae_retina",
+               "finetune": "sslfl_retina_finetune", "finetune_sets": [], "split": "dirichlet"},
+    "fedbeit": {"label": "Fed-BEiT", "dataset": "retina", "pretrain": "sslfl_beit_retina",
+                "finetune": "sslfl_retina_finetune",
+                # BEiT's layer scale
+                "finetune_sets": ["server.model.layer_scale=0.1", "client.cls_trainer.layer_scale=0.1"],
                 "split": "dirichlet"},
-    "fedmae_ks": {"label": "FedMAE-KS", "dataset": "derm", "pretrain": "fedmae_derm", "finetune": "fedmae_derm_finetune",
+    "fedmae_ks": {"label": "FedMAE-KS", "dataset": "derm", "pretrain": "fedmae_derm",
+                  "finetune": "fedmae_derm_finetune",
                   "finetune_sets": [], "split": "iid"},  # FedMAE-KS sec. V-B: random IID partitions of ISIC 2019
 }
 
@@ -217,7 +221,8 @@ def run_sslfl_demo(out: str, *, methods=("fedmae",), n_images: int = 2800, image
     rows, pretraining = [], {}
     for method in methods:
         v = VARIANTS[method]
-        _say(t0, f"{v['label']} pre-training in the FLARE simulator ({n_sites} sites, {pre_rounds} rounds, quick profile)")
+        _say(t0, f"{v['label']} pre-training in the FLARE simulator ({n_sites} sites, {pre_rounds} rounds, quick "
+                 "profile)")
         pre = run_simulation(os.path.join(JOBS, v["pretrain"]), os.path.join(out, f"ws_{method}"), n_sites=n_sites,
                              data_root=data_root, profile="quick", echo=False,
                              sets=[f"server.scatter_and_gather.num_rounds={pre_rounds}",
@@ -235,8 +240,8 @@ def run_sslfl_demo(out: str, *, methods=("fedmae",), n_images: int = 2800, image
     summary = {
         "title": f"SSL-FL demo: {labels} on synthetic {dataset}, {split_text} (quick profile)",
         "settings": {"methods": list(methods), "dataset": dataset, "n_images": n_images, "image_px": image_px,
-                     "n_sites": n_sites, "split": split, "alpha": alpha, "seed": seed, "pre_rounds": pre_rounds, "ft_rounds": ft_rounds,
-                     "ft_epochs": ft_epochs, "ft_steps": ft_steps, "ft_lr": ft_lr,
+                     "n_sites": n_sites, "split": split, "alpha": alpha, "seed": seed, "pre_rounds": pre_rounds,
+                     "ft_rounds": ft_rounds, "ft_epochs": ft_epochs, "ft_steps": ft_steps, "ft_lr": ft_lr,
                      "pretrain_sets": PRETRAIN_SETS, "finetune_sets": FINETUNE_SETS, "profile": "quick"},
         "partition": {"sites": counts, "test": partition["test"]["class_counts"]},
         "pretraining": pretraining,

@@ -27,14 +27,15 @@ from fedssl.models.vit_classifier import FineTuneViT, init_name, load_into, read
 
 #: settings of local fine-tuning (paper: the federated fine-tuning recipe with epochs for rounds)
 PAPER_LOCAL = {"image_size": 224, "patch_size": 16, "embed_dim": 768, "depth": 12, "num_heads": 12,
-               "drop_path_rate": 0.1, "layer_scale": None, "lr": 3e-3, "batch_size": 256, "epochs": 100, "warmup": 5, "min_lr": 1e-6,
-               "weight_decay": 0.05, "layer_decay": 0.65, "label_fraction": 1.0, "val_fraction": 0.1, "eval_batch_size": 256,
-               "select_metric": "accuracy", "seed": 0, "device": "cpu"}
+               "drop_path_rate": 0.1, "layer_scale": None, "lr": 3e-3, "batch_size": 256, "epochs": 100, "warmup": 5,
+               "min_lr": 1e-6, "weight_decay": 0.05, "layer_decay": 0.65, "label_fraction": 1.0, "val_fraction": 0.1,
+               "eval_batch_size": 256, "select_metric": "accuracy", "seed": 0, "device": "cpu"}
 
 
 def local_settings(tiny: bool = False, **overrides) -> dict:
     """Settings over :data:`PAPER_LOCAL` from the command line: ``tiny`` = the tiny ViT (32 px, patch 4, width 48,
-    depth 2, batch 32) for CPU runs; ``overrides`` = settings (``epochs``, ``lr``, ``layer_scale`` ...), None = unset."""
+    depth 2, batch 32) for CPU runs; ``overrides`` = settings (``epochs``, ``lr``, ``layer_scale`` ...), None =
+    unset."""
     s = {}
     if tiny:
         s.update(image_size=TINY_VIT["image_size"], patch_size=TINY_VIT["patch_size"], embed_dim=TINY_VIT["embed_dim"],
@@ -71,11 +72,14 @@ def finetune_site(site: str, root: str, test_root: str, dataset: str, settings: 
     labelled = select_labelled(train, s["label_fraction"], seed=data_seed)
     train_set = ImageDataset(labelled, s["image_size"], "finetune", dataset, site=site, seed=data_seed)
     val_set = ImageDataset(val, s["image_size"], "eval", dataset, site=site)
-    test_set = ImageDataset(load_image_records(test_root, dataset, site="test"), s["image_size"], "eval", dataset, site="test")
+    test_set = ImageDataset(load_image_records(test_root, dataset, site="test"), s["image_size"], "eval", dataset,
+                            site="test")
     model = _model_for(s, len(classes), pretrained_path, imagenet_path)
     device = torch.device(s["device"])
-    trainer = ClassifierTrainer(model, lr=s["lr"], total_rounds=s["epochs"], warmup_rounds=min(s["warmup"], s["epochs"]),
-                                min_lr=s["min_lr"], weight_decay=s["weight_decay"], layer_decay=s["layer_decay"], device=device, seed=data_seed)
+    trainer = ClassifierTrainer(model, lr=s["lr"], total_rounds=s["epochs"],
+                                warmup_rounds=min(s["warmup"], s["epochs"]),
+                                min_lr=s["min_lr"], weight_decay=s["weight_decay"], layer_decay=s["layer_decay"],
+                                device=device, seed=data_seed)
     n_steps = math.ceil(len(train_set) / s["batch_size"])
     best, best_state, best_epoch = -math.inf, None, -1
     for epoch in range(s["epochs"]):
@@ -92,7 +96,8 @@ def finetune_site(site: str, root: str, test_root: str, dataset: str, settings: 
     require_trained_head(model, f"{site} local model")
     probs, labels = predict(model, batches(test_set, s["eval_batch_size"], seed=0, epoch=0), device)
     test = classification_metrics(probs, labels, classes)
-    return {"site": site, "mode": "local", "init": init_name(pretrained_path, imagenet_path), "n_labelled": len(labelled),
+    return {"site": site, "mode": "local", "init": init_name(pretrained_path, imagenet_path),
+            "n_labelled": len(labelled),
             "n_val": len(val), "best_epoch": best_epoch, f"val_{s['select_metric']}": best, "test": test}
 
 
@@ -131,7 +136,8 @@ def evaluate_checkpoint(checkpoint: str, test_root: str, dataset: str, settings:
     require_trained_head(state, checkpoint)
     model = _model_for(s, len(class_names(dataset)), "", "")
     load_into(model, state, source=checkpoint)
-    test_set = ImageDataset(load_image_records(test_root, dataset, site="test"), s["image_size"], "eval", dataset, site="test")
+    test_set = ImageDataset(load_image_records(test_root, dataset, site="test"), s["image_size"], "eval", dataset,
+                            site="test")
     device = torch.device(s["device"])
     model.to(device)
     probs, labels = predict(model, batches(test_set, s["eval_batch_size"], seed=0, epoch=0), device)

@@ -68,8 +68,8 @@ PAPER_LABELS = {"scratch": "scratch", "fedmae": "Fed-MAE", "fedbeit": "Fed-BEiT"
 PAPER_SOURCE = SSLFL_SOURCE.format(table="II") + " (ViT-B, 9,000 Kaggle DR images)"
 #: the table's settings when the profile's "tables": {"sslfl": {...}} leaves them out (the demo's data size);
 #: ``pretrain_rounds`` / ``finetune_rounds`` None = the profile's job settings
-DEFAULTS = {"n_images": 2800, "image_px": 40, "difficulty": None, "n_sites": 5, "test_fraction": 0.2, "min_per_site": 10,
-            "splits": [1, 2, 3], "methods": ["scratch", "fedmae", "fedbeit"], "seeds": [0, 1, 2],
+DEFAULTS = {"n_images": 2800, "image_px": 40, "difficulty": None, "n_sites": 5, "test_fraction": 0.2,
+            "min_per_site": 10, "splits": [1, 2, 3], "methods": ["scratch", "fedmae", "fedbeit"], "seeds": [0, 1, 2],
             "pretrain_rounds": None, "finetune_rounds": None}
 
 
@@ -87,7 +87,8 @@ def table_settings(profile: str = "bench", **overrides) -> dict:
         s[name] = vals
     seeds = list(s["seeds"])
     require(bool(seeds) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in seeds)
-            and len(set(seeds)) == len(seeds), "sslfl tables", "seeds", seeds, "use distinct integers >= 0, e.g. [0, 1]")
+            and len(set(seeds)) == len(seeds), "sslfl tables", "seeds", seeds,
+            "use distinct integers >= 0, e.g. [0, 1]")
     s["seeds"] = seeds
     for name in ("n_images", "image_px", "n_sites", "min_per_site"):
         require_int("sslfl tables", name, s[name], 0 if name == "min_per_site" else 1, "use a positive integer")
@@ -171,7 +172,8 @@ def run_cell(key: dict, out: str, settings: dict, parts: dict, store: CellStore,
     with open(path) as f:
         report = json.load(f)
     mean = report["mean"]
-    return {"accuracy": mean.get("accuracy"), "auc": mean.get("auc"), "balanced_accuracy": mean.get("balanced_accuracy"),
+    return {"accuracy": mean.get("accuracy"), "auc": mean.get("auc"),
+            "balanced_accuracy": mean.get("balanced_accuracy"),
             "n_test": mean.get("n"), "model": report.get("model"), "init": init or "random",
             "wall_time_s": run["simulator_wall_time_s"], "test_metrics": path}
 
@@ -301,8 +303,9 @@ def run_sslfl_table(out: str, settings: dict, say: Callable[[str], None] = print
     rows = summary_rows(settings, results)
     n_seeds = len(settings["seeds"])
     notes = [f"synthetic retina: {settings['n_images']} images written ({settings['image_px']} px), balanced subset, "
-             f"{settings['n_sites']} sites, Dirichlet alpha {', '.join(f'{SPLIT_ALPHA[s]:g}' for s in settings['splits'])}; "
-             f"profile {settings['profile']}; test accuracy (%) of the validation-selected global model, mean"
+             f"{settings['n_sites']} sites, Dirichlet alpha "
+             f"{', '.join(f'{SPLIT_ALPHA[s]:g}' for s in settings['splits'])}; profile {settings['profile']}; test "
+             "accuracy (%) of the validation-selected global model, mean"
              + (f" +- std over n={n_seeds} seeds" if n_seeds > 1 else " of n=1 seed (no std)"),
              "numbers are not comparable with the paper's in absolute terms (tiny ViT, synthetic data); the paper's "
              "block is its Table II", *table_verdicts(settings, results)]

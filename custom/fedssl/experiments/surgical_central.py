@@ -1,4 +1,5 @@
-"""Centralised baseline of surgical aggregation (surgical aggregation (Kulkarni et al., ML4H 2024), issue 6 "baselines in the same job by switches").
+"""Centralised baseline of surgical aggregation (surgical aggregation (Kulkarni et al., ML4H 2024), issue 6 "baselines
+in the same job by switches").
 
 The same training and evaluation code as the federated runs (``fedssl.train.multilabel.MultiLabelLocalTrainer``:
 warm-up, epochs, validation and test report), on the pooled training data of every site, with the settings of
@@ -91,7 +92,8 @@ def job_settings(job: str, out: str, profile: str | None, sets: Sequence[str]) -
         raise ValueError(f"{job}: no component {e} in its configs; centralised training reads the surgical_cxr "
                          "job's cxr_trainer, model, scatter_and_gather and final_evaluation") from None
     if selection not in MODEL_SELECTIONS:
-        raise ValueError(f"final_evaluation.model={selection!r}: centralised training supports {list(MODEL_SELECTIONS)}")
+        raise ValueError(f"final_evaluation.model={selection!r}: centralised training supports "
+                         f"{list(MODEL_SELECTIONS)}")
     return {"args": args, "imagenet_path": model_args.get("imagenet_path"), "rounds": rounds, "selection": selection}
 
 

@@ -50,10 +50,10 @@ def comparison_table(rows: list[dict]) -> str:
             f"{'ext unique':>10} {'min ext class':>13} {'rounds':>6} {'time s':>7} {'KB/site/round':>13}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['method']:<13} {_fmt(r['mean_auroc']):>9} {_fmt(r['shared_auroc']):>7} {_fmt(r['unique_auroc']):>7} "
-                     f"{_fmt(r['external_auroc']):>8} {_fmt(r['external_shared']):>10} {_fmt(r['external_unique']):>10} "
-                     f"{_fmt(r['external_min_class']):>13} {r['rounds']:>6} {r['wall_time_s']:>7.1f} "
-                     f"{r['kb_per_site_round']:>13.1f}")
+        lines.append(f"{r['method']:<13} {_fmt(r['mean_auroc']):>9} {_fmt(r['shared_auroc']):>7} "
+                     f"{_fmt(r['unique_auroc']):>7} {_fmt(r['external_auroc']):>8} {_fmt(r['external_shared']):>10} "
+                     f"{_fmt(r['external_unique']):>10} {_fmt(r['external_min_class']):>13} {r['rounds']:>6} "
+                     f"{r['wall_time_s']:>7.1f} {r['kb_per_site_round']:>13.1f}")
     return "\n".join(lines)
 
 
@@ -77,7 +77,8 @@ def result_row(method: str, res: dict, rounds: int, wall_time_s: float, bytes_pe
         for c, e in site_res.get("test", {}).get("per_class", {}).items():
             by_class.setdefault(c, []).append(e["auroc"])
     site_vals = {c: min((v for v in vals if v is not None), default=None) for c, vals in by_class.items()}
-    return row, {"external_per_class": ext_vals, "site_test_per_class": site_vals, "global_classes": res["global_classes"]}
+    return row, {"external_per_class": ext_vals, "site_test_per_class": site_vals,
+                 "global_classes": res["global_classes"]}
 
 
 def class_check(run: dict, threshold: float = 0.6) -> dict:
@@ -174,13 +175,14 @@ def run_surgical_demo(out: str, *, rounds: int = 10, n_patients: int = 500, meth
     if note:
         print(note)
     if check is not None:
-        print(f"\nsurgical global model, per class ({check['classes']} classes of the union; site test sets: lowest over "
-              "the sites labelling the class):")
+        print(f"\nsurgical global model, per class ({check['classes']} classes of the union; site test sets: lowest "
+              "over the sites labelling the class):")
         for name, title in (("site_test", "site test sets"), ("external", "external set")):
             per = runs["surgical"][f"{name}_per_class"]
-            print(f"  {title}: " + ", ".join(f"{c} {_fmt(per.get(c)).strip()}" for c in runs["surgical"]["global_classes"]))
+            print(f"  {title}: " + ", ".join(f"{c} {_fmt(per.get(c)).strip()}"
+                                             for c in runs["surgical"]["global_classes"]))
             print(f"    min AUROC {_fmt(check[name]['min']).strip()}: {_verdict(check[name], check['threshold'])}")
-    print(f"\nreport: {os.path.join(out, 'surgical_demo.md')}; per-run tables: ws_<method>/server/simulate_job/results.md"
-          + (", central/results.md" if central else ""))
+    print(f"\nreport: {os.path.join(out, 'surgical_demo.md')}; per-run tables: "
+          "ws_<method>/server/simulate_job/results.md" + (", central/results.md" if central else ""))
     _say(t0, "demo finished")
     return report

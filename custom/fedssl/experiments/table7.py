@@ -91,7 +91,8 @@ def run_table7(out: str, *, n_sites: int = 3, rounds: int = 11, n_labelled=(1, 2
         print(f"[{time.time() - t0:6.0f}s] {name}: pre-training, {rounds} rounds, {n_sites} sites", flush=True)
         s = run_simulation(os.path.join(JOBS, job), ws, n_sites=n_sites, data_root=os.path.join(data_root, "{site}"),
                            profile=profile, sets=sets, echo=False)
-        built = build_job(os.path.join(JOBS, job), os.path.join(out, "jobs", name), profile=profile, sets=sets, n_sites=n_sites)
+        built = build_job(os.path.join(JOBS, job), os.path.join(out, "jobs", name), profile=profile, sets=sets,
+                          n_sites=n_sites)
         ft = run_protocols(sites, {name: encoder_init(s["global_model"])}, modes=["local"], n_labelled=n_labelled,
                            folds=[fold], settings=settings)
         dice = {r["n_labelled"]: (r["dice_mean"], r["dice_std"]) for r in summarise(ft)}
@@ -117,10 +118,12 @@ def run_table7(out: str, *, n_sites: int = 3, rounds: int = 11, n_labelled=(1, 2
 
 
 def format_table7(rows: list[dict], n_labelled) -> str:
-    head = f"{'Method':<16} {'MB/round':>9} {'Comm.':>7} {'Expected':>9} {'Dev.':>6}  " + "  ".join(f"{'N=' + str(n):>7}" for n in n_labelled)
+    head = (f"{'Method':<16} {'MB/round':>9} {'Comm.':>7} {'Expected':>9} {'Dev.':>6}  "
+            + "  ".join(f"{'N=' + str(n):>7}" for n in n_labelled))
     lines = [head, "-" * len(head)]
     for r in rows:
         dev = 100 * (r["ratio"] / r["expected_ratio"] - 1) if r["expected_ratio"] else float("nan")
         cells = "  ".join(f"{r['dice'].get(n, (np.nan, 0))[0]:7.3f}" for n in n_labelled)
-        lines.append(f"{r['method']:<16} {r['bytes'] / 1e6:9.3f} {r['ratio']:7.3f} {r['expected_ratio']:9.3f} {dev:+5.1f}%  {cells}")
+        lines.append(f"{r['method']:<16} {r['bytes'] / 1e6:9.3f} {r['ratio']:7.3f} {r['expected_ratio']:9.3f} "
+                     f"{dev:+5.1f}%  {cells}")
     return "\n".join(lines)

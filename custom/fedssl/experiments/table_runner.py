@@ -579,7 +579,8 @@ def write_table(out_dir: str | os.PathLike, name: str, rows: Sequence[Mapping[st
     if not rows:
         raise ValueError(f"write_table {name}: no rows to write")
     if paper and not paper_source:
-        raise ValueError(f"write_table {name}: paper rows need paper_source (e.g. 'FCL, Wu et al., MedIA 2022, Table 1')")
+        raise ValueError(f"write_table {name}: paper rows need paper_source (e.g. 'FCL, Wu et al., MedIA 2022, Table "
+                         "1')")
     _check_rows(rows, "bundle")
     _check_rows(paper or (), "paper")
     out = os.fspath(out_dir)

@@ -76,7 +76,8 @@ def _fedmae_data(out: str) -> str:
 
 def run_cell(out: str, method: str, setting: str, seed: int, pre_rounds: int, ft_rounds: int) -> dict:
     """One pipeline (pre-training then federated fine-tuning) with ``setting`` on the wire."""
-    from fedssl.experiments.fcl_finetune import evaluate_federated, export_unet_init, load_labelled_sites, protocol_settings
+    from fedssl.experiments.fcl_finetune import (evaluate_federated, export_unet_init, load_labelled_sites,
+                                                 protocol_settings)
 
     wire = SETTINGS[setting]
     ws = os.path.join(out, "ws", f"{method}__{setting}__{seed}")
@@ -90,8 +91,8 @@ def run_cell(out: str, method: str, setting: str, seed: int, pre_rounds: int, ft
         init = export_unet_init(pre["global_model"], ws + "_unet_init.pt", settings["features"])
         ft = run_simulation(os.path.join(JOBS, "fcl_acdc_finetune"), ws + "_ft", n_sites=N_SITES,
                             data_root=os.path.join(data, "{site}"), profile="quick", echo=False,
-                            sets=[f"server.scatter_and_gather.num_rounds={ft_rounds}", "client.seg_trainer.n_labelled=2",
-                                  f"client.seg_trainer.seed={seed}",
+                            sets=[f"server.scatter_and_gather.num_rounds={ft_rounds}",
+                                  "client.seg_trainer.n_labelled=2", f"client.seg_trainer.seed={seed}",
                                   f"server.persistor.source_ckpt_file_full_name={init}", *wire])
         rows = evaluate_federated(ft["global_model"], load_labelled_sites(data, settings), method=setting, n_labelled=2,
                                   fold=0, settings=settings)
@@ -153,15 +154,17 @@ def format_table(rows: list[dict]) -> str:
         diff = ("" if r["paired_difference"] is None else
                 f"{r['paired_difference']:+.3f} +- {r['paired_difference_std']:.3f}")
         ratio = "" if r["bytes_ratio_vs_none"] is None else f"{r['bytes_ratio_vs_none']:.2f}"
+        finetuning = ("-" if r["finetuning_mb_per_site_round"] is None
+                      else format(r["finetuning_mb_per_site_round"], ".3f"))
         lines.append(f"{r['method']:<7} {r['setting']:<14} {r['runs']:>4} {r['score']:>7.3f} "
                      f"{r['pretraining_mb_per_site_round']:>13.3f} "
-                     f"{'-' if r['finetuning_mb_per_site_round'] is None else format(r['finetuning_mb_per_site_round'], '.3f'):>13} "
+                     f"{finetuning:>13} "
                      f"{ratio:>8} {diff:>18}  {within} {r['metric']}")
     return "\n".join(lines)
 
 
-def run_wire_cost(out: str, methods=METHODS, settings=("none", "float16", "adaquant", "float16+banks"), repeats: int = 2,
-                  pre_rounds: int = 4, ft_rounds: int = 4, paired: bool = False) -> list[dict]:
+def run_wire_cost(out: str, methods=METHODS, settings=("none", "float16", "adaquant", "float16+banks"),
+                  repeats: int = 2, pre_rounds: int = 4, ft_rounds: int = 4, paired: bool = False) -> list[dict]:
     """Every (method, setting) once, ``none`` ``repeats`` times (seeds 0..repeats-1); with ``paired`` every
     setting over the same seeds.  Resumable; prints the table and writes ``wire_cost.json``."""
     unknown = [s for s in settings if s not in SETTINGS] + [m for m in methods if m not in METHODS]
@@ -184,8 +187,8 @@ def run_wire_cost(out: str, methods=METHODS, settings=("none", "float16", "adaqu
             json.dump(cell, f, indent=1)
         os.replace(path + ".tmp", path)
         cells.append(cell)
-        _say(t0, f"  {cell['metric']} {cell['score']:.3f}, pre-training {sum(cell['pretraining_bytes'].values()) / 1e6:.2f} "
-                 f"MB per site per round, {cell['wall_time_s']} s")
+        _say(t0, f"  {cell['metric']} {cell['score']:.3f}, pre-training "
+                 f"{sum(cell['pretraining_bytes'].values()) / 1e6:.2f} MB per site per round, {cell['wall_time_s']} s")
     rows = summarise(cells)
     with open(os.path.join(out, "wire_cost.json"), "w") as f:
         json.dump({"settings": {"pre_rounds": pre_rounds, "ft_rounds": ft_rounds, "repeats": repeats, "sites": N_SITES,
@@ -233,8 +236,8 @@ def message_sizes(job: str, profile: str | None = "paper", settings=MESSAGE_SETT
         if setting != "none":
             dxo = Quantizer(setting).process_dxo(dxo, dxo.to_shareable(), FLContext())
         sizes[setting] = len(dxo.to_shareable().to_bytes())
-    return {"job": os.path.basename(job_dir), "profile": profile, "parameters": int(sum(v.size for v in state.values())),
-            "tensors": len(state), "bytes": sizes}
+    return {"job": os.path.basename(job_dir), "profile": profile,
+            "parameters": int(sum(v.size for v in state.values())), "tensors": len(state), "bytes": sizes}
 
 
 def format_message_sizes(rows: list[dict]) -> str:

@@ -1,4 +1,5 @@
-"""Batch-norm exclusion that follows the run's backbone strategy (surgical aggregation (Kulkarni et al., ML4H 2024): FedAvg / FedBN / FedBN+).
+"""Batch-norm exclusion that follows the run's backbone strategy (surgical aggregation (Kulkarni et al., ML4H 2024):
+FedAvg / FedBN / FedBN+).
 
 :class:`BackboneBNExclusion` is :class:`~fedssl.flare.partial_exclusion.PartialModelExclusion` over the
 batch-norm tensors, switched by the backbone strategy of the run instead of by the job's filter list, so
@@ -37,7 +38,8 @@ from fedssl.flare.constants import BACKBONE_HEADER, BACKBONES
 from fedssl.flare.partial_exclusion import PartialModelExclusion
 from fedssl.flare.surgical_registration import get_registry
 
-# the bundle's DenseNets: norm0, denseblock*.denselayer*.norm1/norm2, transition*.norm (fedssl.models.densenet.is_bn_key)
+# the bundle's DenseNets: norm0, denseblock*.denselayer*.norm1/norm2, transition*.norm
+# (fedssl.models.densenet.is_bn_key)
 BN_PATTERNS = ("*.norm*.weight", "*.norm*.bias", "*.norm*.running_mean", "*.norm*.running_var",
                "*.norm*.num_batches_tracked")
 

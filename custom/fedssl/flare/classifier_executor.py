@@ -1,4 +1,5 @@
-"""Client executor for federated fine-tuning of a ViT classifier (SSL-FL (Yan et al., IEEE TMI 2023) sec. III-D; FedMAE-KS, Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis").
+"""Client executor for federated fine-tuning of a ViT classifier (SSL-FL (Yan et al., IEEE TMI 2023) sec. III-D;
+FedMAE-KS, Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis").
 
 Task ``train`` (TrainerExecutor's round protocol, every round of ScatterAndGather):
 
@@ -26,13 +27,14 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 from nvflare.apis.signal import Signal
 
+from fedssl.core.checks import takes_settings
 from fedssl.core.classification import flat_metrics
 from fedssl.core.trainer import RoundStats
 from fedssl.data.images import load_image_records
 from fedssl.data.site_config import resolve_data_root
 from fedssl.flare.site_executor import pick_device
 from fedssl.flare.trainer_executor import TrainerExecutor
-from fedssl.train.classifier import ClassifierLocalTrainer, check_classifier_args
+from fedssl.train.classifier import ClassifierLocalTrainer, ClassifierSettings
 
 #: validation metrics in the train result meta are prefixed so IntimeModelSelector's key_metric reads "val_accuracy"
 VAL_PREFIX = "val_"
@@ -43,35 +45,20 @@ class ClassifierExecutor(TrainerExecutor):
     checkpoint_name = "cls_client_state.pt"
     metrics_name = "cls_metrics.jsonl"
 
-    def __init__(self, dataset: str = "retina", data_root: str = "", test_root: str = "", image_size: int = 224,
-                 patch_size: int = 16, embed_dim: int = 768, depth: int = 12, num_heads: int = 12,
-                 drop_path_rate: float = 0.1, layer_scale: float | None = None, lr: float = 3e-3,
-                 batch_size: int = 256, local_epochs: int = 1, warmup_rounds: int = 5, min_lr: float = 1e-6,
-                 weight_decay: float = 0.05, label_fraction: float = 1.0, val_fraction: float = 0.1,
-                 fedprox_mu: float = 0.0, label_smoothing: float = 0.0, layer_decay: float = 0.65,
-                 max_steps_per_epoch: int = 0, eval_batch_size: int = 256, seed: int = 0, device: str = "auto",
-                 amp: bool = False, workers: int = 0):
-        """Args (paper settings as defaults: SSL-FL fine-tuning, 100 rounds, lr 3e-3, batch 256, 64 for COVID-FL):
-        the settings of :class:`fedssl.train.classifier.ClassifierLocalTrainer` (documented there), plus
-            data_root: the site's data folder ("" = the site's fedssl_site.json or FEDSSL_DATA_ROOT); ``{site}``
-                is replaced by the site name.
-            test_root: the test data folder ("" = ``<data_root>/../test``, the partition's held-out test set).
-            device: "auto" (CUDA when available), "cpu", "cuda", "cuda:1" ...
-            amp: bfloat16 autocast of the forward pass on GPUs that support it; no effect on a CPU.
-        """
-        args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+    @takes_settings(ClassifierSettings)
+    def __init__(self, **args):
+        """The arguments are the fields of :class:`fedssl.train.classifier.ClassifierSettings` (paper settings as
+        defaults: SSL-FL fine-tuning, 100 rounds, lr 3e-3, batch 256, 64 for COVID-FL; documented there), each stored
+        verbatim and checked at once; an unknown name is refused."""
         super().__init__()
-        check_classifier_args(type(self).__name__, args)
-        self.__dict__.update(args)  # stored verbatim
-        self.settings = args
+        self.configure(ClassifierSettings, args)
         self.val_metrics: dict | None = None  # validation of the global model received this round
 
     def build_trainer(self, fl_ctx: FLContext, num_rounds: int) -> ClassifierLocalTrainer:
         site = self.site_name(fl_ctx)
         records = load_image_records(self.resolve_root(self.data_root, fl_ctx), self.dataset, site=site)
-        settings = {k: v for k, v in self.settings.items() if k not in ("data_root", "test_root")}
-        trainer = ClassifierLocalTrainer(records, num_rounds=num_rounds, site=site,
-                                         **{**settings, "device": pick_device(self.device)})
+        trainer = ClassifierLocalTrainer(records, self.settings, num_rounds=num_rounds, site=site,
+                                         device=pick_device(self.device))
         self.log_info(fl_ctx, f"{site}: {trainer.summary}")
         return trainer
 
@@ -102,7 +89,8 @@ class ClassifierExecutor(TrainerExecutor):
         root = os.path.join(os.path.dirname(self.resolve_root(self.data_root, fl_ctx)), "test")
         if not os.path.isdir(root):
             raise ValueError(f"{site}: no test data: test_root is empty and {root} (the partition's test folder beside "
-                             f"the site folder) does not exist; set test_root of the executor to the site's test folder")
+                             "the site folder) does not exist; set test_root of the executor to the site's test "
+                             "folder")
         return root
 
     def test(self, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:

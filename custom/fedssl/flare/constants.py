@@ -18,7 +18,7 @@ PROXY_KEY = "d_pc"
 #: the DP task that precedes ``train`` in a PTNU-DP round
 DISTANCE_TASK = "report_distance"
 
-# ---------------------------------------------------------------- federated k-means tokenizer (federated_kmeans, mim_executor)
+# --------------------------------------------------------- federated k-means tokenizer (federated_kmeans, mim_executor)
 KMEANS_INIT = "kmeans_init"
 KMEANS_STEP = "kmeans_step"
 SET_TOKENIZER = "set_tokenizer"
@@ -31,7 +31,7 @@ INIT_KEY = "init"
 #: task meta: the fewest patch vectors any statistic a site sends may cover; result meta: the site's sample size
 MIN_CLUSTER_KEY, VECTORS_KEY = "min_cluster_size", "n_vectors"
 
-# ---------------------------------------------------------------- surgical aggregation (surgical_registration, multilabel_executor)
+# ---------------------------------------------------- surgical aggregation (surgical_registration, multilabel_executor)
 METHODS = ("surgical", "vanilla", "partial_loss", "personalised", "individual")
 BACKBONES = ("fedavg", "fedbn", "fedbn_plus")
 DECLARE_TASK = "declare_classes"
@@ -41,7 +41,7 @@ CLASSES_KEY, GLOBAL_CLASSES_KEY = "classes", "global_classes"
 #: task / result header carrying the backbone strategy (backbone_exclusion, multilabel_executor)
 BACKBONE_HEADER = "fedssl_backbone_strategy"
 
-# ---------------------------------------------------------------- FCL feature banks (feature_bank_collector, feature_bank_shuttle, fcl_executor)
+# --------------------------------------- FCL feature banks (feature_bank_collector, feature_bank_shuttle, fcl_executor)
 REMOTE_FEATURES = "remote_bank_features"
 REMOTE_PARTITIONS = "remote_bank_partitions"
 #: result meta keys of an FCL site's own bank (fcl_executor -> feature_bank_collector)
@@ -71,7 +71,7 @@ REFUSAL_PROP = "fedssl.refusal"
 #: (path and digest empty for random init); RunSummary writes it to summary.json as ``init``
 INIT_PROP = "fedssl.init"
 
-# ---------------------------------------------------------------- FedDRA (feddra_controller, dro_weight_filter, feddra_executor)
+# ------------------------------------------------------- FedDRA (feddra_controller, dro_weight_filter, feddra_executor)
 #: the stage-1 task of a communication turn (alignment modules and projections only); stage 2 is "train"
 ALIGN_TASK = "train_alignment"
 #: task meta: the stage a task runs ("align", "full_model", "fedavg"), whether DRO weighting is on, and, set per site

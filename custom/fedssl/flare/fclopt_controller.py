@@ -121,7 +121,8 @@ class FCLOptController(ScatterAndGather):
             self.log_warning(fl_ctx, f"round {round_idx}: {site} reported d_pc={value!r} (missing or not finite); "
                                      "left out of the distance prediction")
         if not good:
-            raise PTNUError(f"round {round_idx}: no site reported a valid distance d_pc; cannot predict the target distance")
+            raise PTNUError(f"round {round_idx}: no site reported a valid distance d_pc; cannot predict the target "
+                            "distance")
         d_pcs = list(good.values())
         record = {"round": round_idx, "d_pc": good, "alpha_before": self.alpha}
         if self._fresh_target:
@@ -132,7 +133,8 @@ class FCLOptController(ScatterAndGather):
         record.update(alpha=self.alpha, d_predicted=d_pred)
         self.dp_log.append(record)
         self.log_info(fl_ctx, f"round {round_idx}: DP d~ = {self.alpha:.4f} x mean d_pc {sum(d_pcs) / len(d_pcs):.5g} "
-                              f"= {d_pred:.5g} from {len(d_pcs)} sites" + (" (alpha recalibrated)" if self._fresh_target else ""))
+                              f"= {d_pred:.5g} from {len(d_pcs)} sites"
+                              + (" (alpha recalibrated)" if self._fresh_target else ""))
         return d_pred
 
     @staticmethod

@@ -4,8 +4,8 @@ The aggregator calls it through its generic ``collectors`` hook (``FedAvgAggrega
 for every contribution that passed the aggregator's own checks: the site's ``bank_features`` / ``bank_partitions``
 result meta is validated (``fedssl.core.memory_bank.check_bank``: cast to float32 / int64, width D = ``proj_dim``,
 at most ``bank_size`` rows, finite, unit-norm rows, partition ids in range) and handed back; a bad bank rejects
-the site's contribution for the round (logged, never forwarded, the round goes on for the others); the aggregator passes the
-banks on, per site, under ``collected`` in the aggregate's meta, where the :class:`FeatureBankShuttle` task-data
+the site's contribution for the round (logged, never forwarded, the round goes on for the others); the aggregator passes
+the banks on, per site, under ``collected`` in the aggregate's meta, where the :class:`FeatureBankShuttle` task-data
 filter turns them into each site's shuffled remote bank (the other sites' features, no site names).
 
 A site that sends no bank while the bank is collected is rejected for the round, naming both switches:

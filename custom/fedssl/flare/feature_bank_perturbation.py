@@ -13,8 +13,8 @@ same sequence; a result without a round is refused, never sent.  The secret is t
 configuration, never sent; whoever knew it (or a seed in its place) could subtract the noise.  What sigma
 means (the README's "Threat model" has the measurement): each shared feature f (unit vector, D = 128) becomes
 normalise(f + N(0, sigma^2 I)); the noise has norm about sigma * sqrt(D), so (measured, 2000 random unit
-features) sigma = 0.05 keeps a mean cosine of 0.87 with f, sigma = 0.1 0.66, sigma = 0.3 0.28.  It hides a feature's exact
-value (and so blunts matching a shared feature to a known image), not the statistics of a whole bank.
+features) sigma = 0.05 keeps a mean cosine of 0.87 with f, sigma = 0.1 0.66, sigma = 0.3 0.28.  It hides a feature's
+exact value (and so blunts matching a shared feature to a known image), not the statistics of a whole bank.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ class FeatureBankPerturbation(Filter):
         """sigma: per-coordinate standard deviation of the Gaussian noise, in [0.01, 1] (default 0.05)."""
         super().__init__()
         lo, hi = SIGMA_RANGE
-        require(isinstance(sigma, (int, float)) and not isinstance(sigma, bool) and math.isfinite(sigma) and lo <= sigma <= hi,
+        require(isinstance(sigma, (int, float)) and not isinstance(sigma, bool) and math.isfinite(sigma)
+                and lo <= sigma <= hi,
                 type(self).__name__, "sigma", sigma, f"use a noise standard deviation in [{lo}, {hi}] (e.g. 0.05); "
                 "remove the filter from the site's privacy scope to share unperturbed features")
         self.sigma = sigma

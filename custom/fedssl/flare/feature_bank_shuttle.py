@@ -1,4 +1,5 @@
-"""Server task-data filter for FCL feature exchange (FCL (Wu et al., MedIA 2022) eq. (1)): each site gets the other sites' banks.
+"""Server task-data filter for FCL feature exchange (FCL (Wu et al., MedIA 2022) eq. (1)): each site gets the other
+sites' banks.
 
 Runs once per site as it pulls the train task.  The banks that the aggregator collected (meta
 ``collected``, keyed by site) are replaced, in a DXO built new for this site, by one shuffled remote

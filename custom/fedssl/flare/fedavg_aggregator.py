@@ -46,8 +46,10 @@ DEFAULT_MAX_UPDATE_RATIO = 10.0
 
 
 def check_bounds(component: str, max_weight: object, max_update_ratio: object) -> None:
-    require(isinstance(max_weight, (int, float)) and not isinstance(max_weight, bool) and 1 <= max_weight < float("inf"),
-            component, "max_weight", max_weight, "use a finite number >= 1: the largest weight (samples or steps) one site may claim")
+    require(isinstance(max_weight, (int, float)) and not isinstance(max_weight, bool)
+            and 1 <= max_weight < float("inf"),
+            component, "max_weight", max_weight, "use a finite number >= 1: the largest weight (samples or steps) one "
+                                                 "site may claim")
     require(isinstance(max_update_ratio, (int, float)) and not isinstance(max_update_ratio, bool)
             and 0 < max_update_ratio < float("inf"), component, "max_update_ratio", max_update_ratio,
             "use a finite number > 0 (default 10): the largest ||update|| / ||global model|| accepted from a site")
@@ -185,7 +187,8 @@ class RoundAggregator(Aggregator):
 
     def publish_round_stats(self, fl_ctx: FLContext, sites: list[str]) -> None:
         """Per-site losses for AFTER_AGGREGATION listeners (RunSummary), in memory only: never in the aggregate."""
-        fl_ctx.set_prop(ROUND_STATS_PROP, {"sites": list(sites), "losses": {s: self._losses[s] for s in sites if s in self._losses}},
+        fl_ctx.set_prop(ROUND_STATS_PROP, {"sites": list(sites),
+                                           "losses": {s: self._losses[s] for s in sites if s in self._losses}},
                         private=True, sticky=False)
 
 
@@ -212,10 +215,12 @@ class FedAvgAggregator(RoundAggregator):
         """
         name = type(self).__name__
         require_choice(name, "weighting", weighting, WEIGHTINGS)
-        require(isinstance(optional_prefixes, (list, tuple)) and all(isinstance(p, str) and p for p in optional_prefixes),
+        require(isinstance(optional_prefixes, (list, tuple))
+                and all(isinstance(p, str) and p for p in optional_prefixes),
                 name, "optional_prefixes", optional_prefixes, 'use a list of parameter-name prefixes, e.g. ["target."]')
         require(isinstance(exclude_patterns, (list, tuple)) and all(isinstance(p, str) and p for p in exclude_patterns),
-                name, "exclude_patterns", exclude_patterns, 'use a list of parameter-name patterns, e.g. ["encoder.cls_token"]')
+                name, "exclude_patterns", exclude_patterns,
+                'use a list of parameter-name patterns, e.g. ["encoder.cls_token"]')
         require(isinstance(average_excluded_at_end, bool), name, "average_excluded_at_end", average_excluded_at_end,
                 "use true (knowledge split: averaged once, in the last round) or false (kept local for good)")
         require(isinstance(collectors, (list, tuple)) and all(isinstance(c, str) and c for c in collectors),
@@ -282,7 +287,8 @@ class FedAvgAggregator(RoundAggregator):
             dxo = self.checked_dxo(shareable, site)
             global_model = fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)
             if not global_model:
-                raise ContributionError("no global model in the FL context; the aggregator runs inside ScatterAndGather")
+                raise ContributionError("no global model in the FL context; the aggregator runs inside "
+                                        "ScatterAndGather")
             reference = global_model[ModelLearnableKey.WEIGHTS]
             data = check_contribution(reference, dxo.data or {}, site, keys=self.round_keys(reference, fl_ctx),
                                       max_update_ratio=self.max_update_ratio)

@@ -101,7 +101,8 @@ class FedDRAController(ScatterAndGather):
             agg = self._engine.get_component(self.align_aggregator_id)
             if not isinstance(agg, Aggregator):
                 self.system_panic(f"{type(self).__name__}: align_aggregator_id {self.align_aggregator_id!r} is "
-                                  f"{type(agg).__name__}, not an Aggregator; add a FedAvgAggregator with that id", fl_ctx)
+                                  f"{type(agg).__name__}, not an Aggregator; add a FedAvgAggregator with that id",
+                                  fl_ctx)
                 return
             self.align_aggregator = agg
         self.weights = uniform_weights(c.name for c in self._engine.get_clients())
@@ -136,7 +137,8 @@ class FedDRAController(ScatterAndGather):
                 self.log_warning(fl_ctx, f"turn {round_idx}: {site} reported no finite loss v_i; it keeps its weight")
         self.losses = {}
         self.trajectory.append({"turn": round_idx, "lambda": dict(self.weights)})
-        self.log_info(fl_ctx, f"turn {round_idx}: DRO weights " + ", ".join(f"{s} {w:.4f}" for s, w in self.weights.items()))
+        self.log_info(fl_ctx, f"turn {round_idx}: DRO weights " + ", ".join(f"{s} {w:.4f}"
+                                                                            for s, w in self.weights.items()))
         run_dir = self._engine.get_workspace().get_run_dir(fl_ctx.get_job_id())
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, TRAJECTORY_FILE), "w") as f:
@@ -161,7 +163,8 @@ class FedDRAController(ScatterAndGather):
         except (ValueError, TypeError):
             aligned = {}
         if not aligned:
-            self.log_warning(fl_ctx, f"turn {round_idx}: no site contributed to stage 1; the alignment part is unchanged")
+            self.log_warning(fl_ctx, f"turn {round_idx}: no site contributed to stage 1; the alignment part is "
+                                     "unchanged")
         return aligned
 
     def _accept_alignment(self, client_task: ClientTask, fl_ctx: FLContext) -> None:

@@ -27,23 +27,17 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 from nvflare.apis.signal import Signal
 
-from fedssl.core.checks import require, require_choice, require_amp, require_int, require_workers
+from fedssl.core.checks import takes_settings
 from fedssl.core.trainer import RoundStats
-from fedssl.core.vlp import STAGES, FedDRAConfig
-from fedssl.data.vlp import COLOURS, load_manifest
-from fedssl.data.vocab import load_vocab, make_tokenizer, save_vocab, site_word_counts
+from fedssl.core.vlp import STAGES
+from fedssl.data.vocab import make_tokenizer, save_vocab, site_word_counts
 from fedssl.flare.constants import (ALIGN_TASK, DRO_LOSS_KEY, DRO_ON_KEY, DRO_SITES_KEY, DRO_WEIGHT_KEY, MIN_COUNT_KEY,
                                     SET_VOCAB_TASK, STAGE_KEY, VOCAB_KEY, WORD_COUNTS_KEY, WORD_COUNTS_TASK)
 from fedssl.flare.site_executor import pick_device
 from fedssl.flare.trainer_executor import TrainerExecutor, round_headers
-from fedssl.models.vlp import check_model_args
-from fedssl.train.feddra import FedDRALocalTrainer
+from fedssl.train.feddra import FedDRALocalTrainer, FedDRASettings, site_records, site_tokenizer
 
 VOCAB_FILE = "feddra_vocab.txt"
-#: the executor arguments that build the site's VisionLanguageModel (the server's ``model`` takes the same)
-MODEL_KEYS = ("preset", "vocab_size", "proj_dim", "image_size", "in_chans", "text_weights", "image_weights")
-TRAINER_ARGS = ("batch_size", "lr", "weight_decay", "mu", "tau", "align_steps", "steps", "holdout_fraction", "dro_batch",
-                "max_text_len", "seed", "colour", "amp", "workers")
 
 
 class FedDRAExecutor(TrainerExecutor):
@@ -52,76 +46,24 @@ class FedDRAExecutor(TrainerExecutor):
     task_handlers = {"train": "train", ALIGN_TASK: "train", WORD_COUNTS_TASK: "word_counts",
                      SET_VOCAB_TASK: "set_vocab", "test": "test"}
 
-    def __init__(self, data_root: str = "", source_root: str = "", preset: str = "base", vocab_size: int = 30522,
-                 proj_dim: int = 128, image_size: int = 0, in_chans: int = 0, text_weights: str = "",
-                 image_weights: str = "", tokenizer_path: str = "",
-                 colour: str = "grey", batch_size: int = 32, lr: float = 2e-5, weight_decay: float = 0.05,
-                 mu: float = 5.0, tau: float = 0.07, align_steps: int = 20, steps: int = 50,
-                 holdout_fraction: float = 0.1, dro_batch: int = 16, max_text_len: int = 128, min_word_count: int = 5,
-                 seed: int = 0,
-                 device: str = "auto", amp: bool = False, workers: int = 0):
-        """
-        Args (paper settings as defaults: MIMIC-CXR, sec. 5.1 and appendix):
-            data_root: the site folder holding ``manifest.csv``; "" = site config / FEDSSL_DATA_ROOT ("{site}" ok).
-            source_root: the folder the manifest's relative paths start from ("" = data_root).
-            preset, vocab_size, proj_dim, image_size, in_chans, text_weights, image_weights: the VisionLanguageModel
-                arguments, the same as the server's ``model`` component (``shape.*`` in a profile sets both).
-            tokenizer_path: a local Hugging Face tokenizer folder; "" = the vocabulary built by the federation.
-            colour: "grey" (chest X-rays) or "rgb" (fundus photographs).
-            mu: anchor weight (paper: 5; 0 = no anchor); tau: InfoNCE temperature (the authors' code: 0.07).
-            align_steps / steps: batches of stage 1 (the authors' code: 20) and stage 2 (paper: 50) per turn.
-            holdout_fraction: training pairs held out for v_i (DRO's client loss), at least ``dro_batch`` of them.
-            dro_batch: the batch of v_i, the same on every site (InfoNCE depends on it).
-            min_word_count: the fewest occurrences on this site for a word to be counted in the vocabulary exchange.
-            amp: bfloat16 autocast on GPUs that support it (float16 + gradient scaler on older ones).
-            workers: DataLoader worker processes that decode and augment the next batches (0 = in the training
-                process; the same batches either way), pinned on a CUDA device.
-        """
+    @takes_settings(FedDRASettings)
+    def __init__(self, **args):
+        """The arguments are the fields of :class:`fedssl.train.feddra.FedDRASettings` (paper settings as defaults,
+        MIMIC-CXR, sec. 5.1 and appendix; documented there), each stored verbatim and checked at once; an unknown
+        name is refused."""
         super().__init__()
-        name = type(self).__name__
-        model = dict(preset=preset, vocab_size=vocab_size, proj_dim=proj_dim, image_size=image_size, in_chans=in_chans,
-                     text_weights=text_weights, image_weights=image_weights)
-        check_model_args(**model)
-        require(isinstance(data_root, str) and isinstance(source_root, str), name, "data_root", data_root,
-                'use path strings or ""')
-        require(isinstance(tokenizer_path, str), name, "tokenizer_path", tokenizer_path, 'use a folder path or ""')
-        require_choice(name, "colour", colour, COLOURS)
-        require_int(name, "min_word_count", min_word_count, 2, "use 2 or more (5: a word seen fewer times never leaves the site)")
-        FedDRAConfig(mu=mu, tau=tau)
-        self.data_root, self.source_root, self.tokenizer_path = data_root, source_root, tokenizer_path
-        self.preset, self.vocab_size, self.proj_dim, self.image_size = preset, vocab_size, proj_dim, image_size
-        self.in_chans, self.text_weights, self.image_weights = in_chans, text_weights, image_weights
-        self.colour, self.batch_size, self.lr, self.weight_decay, self.mu, self.tau = colour, batch_size, lr, weight_decay, mu, tau
-        self.align_steps, self.steps, self.holdout_fraction = align_steps, steps, holdout_fraction
-        self.dro_batch = dro_batch
-        require_amp(name, amp)
-        require_workers(name, workers)
-        self.workers = workers
-        self.max_text_len, self.min_word_count, self.seed, self.device = max_text_len, min_word_count, seed, device
-        self.amp = amp
+        self.configure(FedDRASettings, args)
         self._records = None
 
     # ------------------------------------------------------------------ data and vocabulary
     def records(self, fl_ctx: FLContext) -> tuple[list, list]:
         if self._records is None:
-            site = self.site_name(fl_ctx)
-            root = self.resolve_root(self.data_root, fl_ctx)
-            source = self.source_root.replace("{site}", site) if self.source_root else root
-            recs = load_manifest(os.path.join(root, "manifest.csv"), source, site=site)
-            self._records = ([r for r in recs if r.split == "train"], [r for r in recs if r.split == "test"])
+            root, site = self.resolve_root(self.data_root, fl_ctx), self.site_name(fl_ctx)
+            self._records = site_records(root, self.source_root, site)
         return self._records
 
     def vocab_path(self, fl_ctx: FLContext) -> str:
         return os.path.join(self.run_dir(fl_ctx), VOCAB_FILE)
-
-    def tokenizer(self, fl_ctx: FLContext):
-        if self.tokenizer_path:
-            return make_tokenizer(path=self.tokenizer_path)
-        path = self.vocab_path(fl_ctx)
-        if not os.path.isfile(path):
-            raise ValueError(f"{self.site_name(fl_ctx)}: no vocabulary at {path}; the job needs the FederatedVocabulary "
-                             "workflow before training, or set tokenizer_path to a local Hugging Face tokenizer folder")
-        return make_tokenizer(vocab=load_vocab(path))
 
     def word_counts(self, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
         train, _ = self.records(fl_ctx)
@@ -145,20 +87,20 @@ class FedDRAExecutor(TrainerExecutor):
     def build_trainer(self, fl_ctx: FLContext, num_rounds: int) -> FedDRALocalTrainer:
         site = self.site_name(fl_ctx)
         train, test = self.records(fl_ctx)
-        model_args = {k: getattr(self, k) for k in MODEL_KEYS}
-        trainer = FedDRALocalTrainer(train, test, tokenizer=self.tokenizer(fl_ctx), model_args=model_args,
-                                     site=site, device=pick_device(self.device),
-                                     **{k: getattr(self, k) for k in TRAINER_ARGS})
-        self.log_info(fl_ctx, f"{site}: {len(trainer.fit)} training pairs ({0 if trainer.held is None else len(trainer.held)} "
-                              f"held out for v_i), {len(test)} test pairs, device {trainer.device}")
+        trainer = FedDRALocalTrainer(train, test, self.settings, site=site,
+                                     tokenizer=site_tokenizer(site, self.tokenizer_path, self.vocab_path(fl_ctx)),
+                                     device=pick_device(self.device))
+        self.log_info(fl_ctx, f"{site}: {len(trainer.fit)} training pairs "
+                              f"({0 if trainer.held is None else len(trainer.held)} held out for v_i), {len(test)} "
+                              f"test pairs, device {trainer.device}")
         return trainer
 
     def receive(self, dxo: DXO, fl_ctx: FLContext, round_idx: int) -> dict:
         site = self.site_name(fl_ctx)
         stage = dxo.get_meta_prop(STAGE_KEY)
         if stage not in STAGES:
-            raise ValueError(f"{site}: the task names no FedDRA stage (meta {STAGE_KEY}={stage!r}); the server must run "
-                             "the FedDRAController")
+            raise ValueError(f"{site}: the task names no FedDRA stage (meta {STAGE_KEY}={stage!r}); the server must "
+                             "run the FedDRAController")
         scale = 1.0
         if dxo.get_meta_prop(DRO_ON_KEY):
             weight, n = dxo.get_meta_prop(DRO_WEIGHT_KEY), dxo.get_meta_prop(DRO_SITES_KEY)
@@ -166,8 +108,8 @@ class FedDRAExecutor(TrainerExecutor):
                   and isinstance(n, int) and not isinstance(n, bool) and n >= 1)
             if not ok:
                 raise ValueError(f"{site}: DRO is on but the task carries no valid weight for this site "
-                                 f"({DRO_WEIGHT_KEY}={weight!r}, {DRO_SITES_KEY}={n!r}); add the DROWeightFilter to the "
-                                 "server's task_data_filters for the train and train_alignment tasks")
+                                 f"({DRO_WEIGHT_KEY}={weight!r}, {DRO_SITES_KEY}={n!r}); add the DROWeightFilter to "
+                                 "the server's task_data_filters for the train and train_alignment tasks")
             scale = n * weight
         if stage == "full_model" and self.trainer.aligned_round != round_idx:
             raise ValueError(f"{site}: stage 2 of turn {round_idx} needs this site's stage 1 of that turn (last: "

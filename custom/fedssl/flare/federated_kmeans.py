@@ -1,8 +1,8 @@
 """Server workflow that learns Fed-BEiT's visual tokenizer by federated k-means, before pre-training starts.
 
-SSL-FL (SSL-FL (Yan et al., IEEE TMI 2023), sec. III-C) predicts the DALL-E dVAE token of every masked patch; that tokenizer cannot
-be downloaded here, so the bundle can learn a patch codebook inside the federation instead: K = vocab_size
-centroids of the sites' patch vectors (``fedssl.core.tokenizer.patch_vectors``: each p x p x 3 patch
+SSL-FL (SSL-FL (Yan et al., IEEE TMI 2023), sec. III-C) predicts the DALL-E dVAE token of every masked patch; that
+tokenizer cannot be downloaded here, so the bundle can learn a patch codebook inside the federation instead: K =
+vocab_size centroids of the sites' patch vectors (``fedssl.core.tokenizer.patch_vectors``: each p x p x 3 patch
 normalised by its own mean and variance).  Raw images and patches never leave a site:
 
 1. ``kmeans_init``, with ``init="local_kmeans"``: every site runs k-means++ and ``local_iters`` (>= 1) Lloyd

@@ -71,7 +71,8 @@ class FederatedVocabulary(Controller):
             result = ct.result
             rc = result.get_return_code() if result is not None else "no reply"
             if result is None or (rc and rc != ReturnCode.OK):
-                self.log_warning(fl_ctx, f"{ct.client.name} returned {rc} for {WORD_COUNTS_TASK}; left out of the vocabulary")
+                self.log_warning(fl_ctx, f"{ct.client.name} returned {rc} for {WORD_COUNTS_TASK}; left out of the "
+                                         "vocabulary")
                 continue
             try:
                 got = from_shareable(result).data.get(WORD_COUNTS_KEY)

@@ -136,7 +136,8 @@ class FinalEvaluation(Controller):
             self._selection = None
         elif event_type == AppEventType.GLOBAL_BEST_MODEL_AVAILABLE:
             info = fl_ctx.get_prop(AppConstants.METRICS_SELECTION_INFO)
-            self._selection = dict(info) if isinstance(info, dict) else {"best_round": fl_ctx.get_prop(AppConstants.CURRENT_ROUND)}
+            self._selection = (dict(info) if isinstance(info, dict)
+                               else {"best_round": fl_ctx.get_prop(AppConstants.CURRENT_ROUND)})
 
     def start_controller(self, fl_ctx: FLContext) -> None:
         persistor = self._engine.get_component(self.persistor_id)
@@ -165,7 +166,8 @@ class FinalEvaluation(Controller):
                     sel = self._selection or {}
                     key = (sel.get("key_metric") or {}).get("name")
                     value = (sel.get("best_metrics") or {}).get(key) if key else None
-                    detail = f"round {sel.get('best_round')}, mean site {key} {value:.4f}" if key and numeric(value) else "saved by the model selector"
+                    detail = (f"round {sel.get('best_round')}, mean site {key} {value:.4f}" if key
+                              and numeric(value) else "saved by the model selector")
                     return learnable[ModelLearnableKey.WEIGHTS], "best", f"best global model on validation ({detail})"
             self.log_warning(fl_ctx, "no validation-selected best model was saved (no round reported validation "
                                      "metrics); testing the last global model instead")
@@ -229,7 +231,8 @@ class FinalEvaluation(Controller):
         }
         run_dir = self._engine.get_workspace().get_run_dir(fl_ctx.get_job_id())
         self.write_report(report, run_dir, fl_ctx)
-        record_in_summary(self, fl_ctx, {"test_evaluation": {k: report[k] for k in ("model", "model_source", "selection",
+        record_in_summary(self, fl_ctx, {"test_evaluation": {k: report[k]
+                                                             for k in ("model", "model_source", "selection",
                                                                                     "mean", "failed_sites")}})
         cols = self._columns(report)
         means = ", ".join(f"{c} {report['mean'][c]:.4f}" for c in cols if c in report["mean"] and c != "n")

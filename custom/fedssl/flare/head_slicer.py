@@ -1,16 +1,17 @@
 """Server task-data filter: each site receives the global model with the head cut to its own classes.
 
-Surgical aggregation (surgical aggregation (Kulkarni et al., ML4H 2024), sec. 2.1.2, last paragraph): the aggregated global head covers every class
-of the network, but site ``k`` receives only the rows of its classes ``C_k``, in its own declared order
-(``fedssl.core.surgical.slice_head``).  FLARE runs this filter once per site as the site pulls its task
+Surgical aggregation (surgical aggregation (Kulkarni et al., ML4H 2024), sec. 2.1.2, last paragraph): the aggregated
+global head covers every class of the network, but site ``k`` receives only the rows of its classes ``C_k``, in its own
+declared order (``fedssl.core.surgical.slice_head``).  FLARE runs this filter once per site as the site pulls its task
 (site name from the peer context); all sites of a round share one DXO underneath, so the filter builds a
 new DXO (new data dict, new meta, fresh head arrays) for every site and never edits the shared one.
 
-By method (``ClassRegistry.method``): surgical -> head sliced (``full_head``: whole head, for the final test); vanilla / partial_loss -> the whole head
-over C, with the network's class order in meta ``global_classes``; personalised -> no head (it stays on
-the site); individual -> the initial model in round 0 (a common start), no weights afterwards.  Every site also receives the switches (meta ``method``,
-``backbone``) and its registered classes (meta ``classes``), so it can check that its configuration has
-not changed.  Put CommunicationMeter after this filter to count what each site really downloads.
+By method (``ClassRegistry.method``): surgical -> head sliced (``full_head``: whole head, for the final test); vanilla /
+partial_loss -> the whole head over C, with the network's class order in meta ``global_classes``; personalised -> no
+head (it stays on the site); individual -> the initial model in round 0 (a common start), no weights afterwards.  Every
+site also receives the switches (meta ``method``, ``backbone``) and its registered classes (meta ``classes``), so it can
+check that its configuration has not changed.  Put CommunicationMeter after this filter to count what each site really
+downloads.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ class HeadSlicer(Filter):
         peer = fl_ctx.get_peer_context()
         site = peer.get_identity_name() if peer else None
         if not site:
-            raise ValueError(f"{type(self).__name__}: no peer site in the FL context; use it as a server task-data filter")
+            raise ValueError(f"{type(self).__name__}: no peer site in the FL context; use it as a server task-data "
+                             "filter")
         reg = get_registry(fl_ctx, type(self).__name__)
         data, meta = self.tailor(dxo.data or {}, dxo.get_meta_props(), site, reg,
                                  shareable.get_header(AppConstants.CURRENT_ROUND))

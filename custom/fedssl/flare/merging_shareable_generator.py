@@ -34,10 +34,12 @@ class MergingShareableGenerator(ShareableGenerator):
         self._collected: dict | None = None  # per-site items of the last aggregate, for the next broadcast only
 
     def learnable_to_shareable(self, model_learnable: ModelLearnable, fl_ctx: FLContext) -> Shareable:
-        meta = {k: v for k, v in (model_learnable.get(ModelLearnableKey.META) or {}).items() if k not in SERVER_ONLY_META}
+        meta = {k: v for k, v in (model_learnable.get(ModelLearnableKey.META) or {}).items()
+                if k not in SERVER_ONLY_META}
         if self._collected:  # one broadcast only: the next round's, tailored per site by the task-data filter
             meta[COLLECTED], self._collected = self._collected, None
-        return self._to_shareable.learnable_to_shareable(make_model_learnable(model_learnable[ModelLearnableKey.WEIGHTS], meta), fl_ctx)
+        return self._to_shareable.learnable_to_shareable(
+            make_model_learnable(model_learnable[ModelLearnableKey.WEIGHTS], meta), fl_ctx)
 
     def shareable_to_learnable(self, shareable: Shareable, fl_ctx: FLContext) -> ModelLearnable:
         dxo = from_shareable(shareable)

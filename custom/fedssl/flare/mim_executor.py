@@ -1,4 +1,5 @@
-"""Client executor for masked-image-modelling pre-training: Fed-MAE / Fed-BEiT (SSL-FL, Yan et al., IEEE TMI 2023), FedMAE-KS (Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis").
+"""Client executor for masked-image-modelling pre-training: Fed-MAE / Fed-BEiT (SSL-FL, Yan et al., IEEE TMI 2023),
+FedMAE-KS (Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis").
 
 Task ``train`` (TrainerExecutor's round protocol): load the global auto-encoder (keys a PartialModelExclusion held
 back and listed in the meta ``excluded_keys`` keep this site's values) -> :class:`fedssl.train.mim.MIMLocalTrainer`
@@ -27,6 +28,7 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 from nvflare.apis.signal import Signal
 
+from fedssl.core.checks import takes_settings
 from fedssl.core.tokenizer import save_codebook
 from fedssl.core.trainer import RoundStats
 from fedssl.data.images import load_image_records
@@ -35,7 +37,8 @@ from fedssl.flare.constants import (DESCRIPTION_KEY, IMAGES_KEY, INIT_KEY, ITER_
                                     SITE_RECORD_META, VECTORS_KEY)
 from fedssl.flare.site_executor import pick_device
 from fedssl.flare.trainer_executor import TrainerExecutor
-from fedssl.train.mim import KMeansPatches, MIMLocalTrainer, check_mim_args, peak_lr, site_tokenizer
+from fedssl.train.mim import (KMeansPatches, MIMLocalTrainer, MIMSettings, check_kmeans_task, cluster_floor,
+                              received_codebook, site_tokenizer)
 
 
 class MIMExecutor(TrainerExecutor):
@@ -46,33 +49,19 @@ class MIMExecutor(TrainerExecutor):
     #: the federated codebook, in the site's run folder
     codebook_name = "tokenizer_codebook.pt"
 
-    def __init__(self, method: str = "mae", dataset: str = "retina", data_root: str = "", image_size: int = 224,
-                 patch_size: int = 16, embed_dim: int = 768, depth: int = 12, num_heads: int = 12,
-                 decoder_embed_dim: int = 512, decoder_depth: int = 8, decoder_num_heads: int = 16,
-                 norm_pix_loss: bool = True, vocab_size: int = 8192, mask_ratio: float = 0.6, lr: float = 1e-3,
-                 lr_per_256: bool = False, min_lr: float = 0.0, weight_decay: float = 0.05, batch_size: int = 128, local_epochs: int = 1,
-                 warmup_rounds: int = 5, max_steps_per_round: int = 0, clip_grad: float = 0.0, amp: bool = False,
-                 tokenizer_path: str = "", min_cluster_size: int = 5, seed: int = 0, device: str = "auto",
-                 workers: int = 0):
-        """Args (defaults: Fed-MAE on Retina, SSL-FL sec. IV-A.3 and Table I): the settings of
-        :class:`fedssl.train.mim.MIMLocalTrainer` (documented there), plus
-            data_root: the site's folder; "" = site config / FEDSSL_DATA_ROOT; ``{site}`` is replaced;
-            min_cluster_size: Fed-BEiT federated k-means: the fewest patch vectors a mean or sum this site sends
-                may cover (>= 2; the server's FederatedKMeans min_cluster_size applies when larger), see
-                :class:`fedssl.train.mim.KMeansPatches`;
-            device: "auto" (CUDA when available), "cpu", "cuda", "cuda:1" ...
-        """
-        args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+    @takes_settings(MIMSettings)
+    def __init__(self, **args):
+        """The arguments are the fields of :class:`fedssl.train.mim.MIMSettings` (defaults: Fed-MAE on Retina, SSL-FL
+        sec. IV-A.3 and Table I; documented there), each stored verbatim and checked at once; an unknown name is
+        refused."""
         super().__init__()
-        check_mim_args(type(self).__name__, args)
-        self.__dict__.update(args)  # stored verbatim
-        self.settings = args
+        self.configure(MIMSettings, args)
         self.records = None
         self.patches: KMeansPatches | None = None  # the k-means sample of this site's patches
 
     @property
     def peak_lr(self) -> float:
-        return peak_lr(self.lr, self.batch_size, self.lr_per_256)
+        return self.settings.peak_lr
 
     def site_records(self, fl_ctx: FLContext):
         if self.records is None:
@@ -85,9 +74,8 @@ class MIMExecutor(TrainerExecutor):
 
     def build_trainer(self, fl_ctx: FLContext, num_rounds: int) -> MIMLocalTrainer:
         site, records = self.site_name(fl_ctx), self.site_records(fl_ctx)
-        settings = {k: v for k, v in self.settings.items() if k not in ("data_root", "min_cluster_size")}
-        trainer = MIMLocalTrainer(records, num_rounds=num_rounds, site=site, codebook_path=self.codebook_path(fl_ctx),
-                                  **{**settings, "device": pick_device(self.device)})
+        trainer = MIMLocalTrainer(records, self.settings, num_rounds=num_rounds, site=site,
+                                  codebook_path=self.codebook_path(fl_ctx), device=pick_device(self.device))
         self.log_info(fl_ctx, f"{site}: {len(records)} unlabelled images, {self.method.upper()} on {trainer.device}"
                       + (f", tokenizer {trainer.tokenizer_description}" if self.method == "beit" else ""))
         return trainer
@@ -108,26 +96,13 @@ class MIMExecutor(TrainerExecutor):
 
     # ------------------------------------------------------------------ tasks: federated k-means tokenizer
     def kmeans_task(self, shareable: Shareable, fl_ctx: FLContext) -> DXO:
-        site = self.site_name(fl_ctx)
-        if self.method != "beit" or self.tokenizer_path:
-            raise ValueError(f"{site}: received a federated k-means task but this site is configured with method="
-                             f"{self.method!r}, tokenizer_path={self.tokenizer_path!r}; remove the FederatedKMeans "
-                             'workflow or configure the sites for Fed-BEiT with tokenizer_path ""')
         dxo = from_shareable(shareable)
-        if dxo.get_meta_prop(K_KEY) != self.vocab_size:
-            raise ValueError(f"{site}: the server learns a codebook of K={dxo.get_meta_prop(K_KEY)} tokens but this "
-                             f"site's vocab_size={self.vocab_size}; set FederatedKMeans vocab_size and the sites' "
-                             "vocab_size alike")
+        check_kmeans_task(self.site_name(fl_ctx), self.settings, dxo.get_meta_prop(K_KEY))
         return dxo
 
     def min_cluster_size_for(self, dxo: DXO, site: str) -> int:
         """The larger of this site's min_cluster_size and the server's (a server value below 2 is refused)."""
-        requested = dxo.get_meta_prop(MIN_CLUSTER_KEY)
-        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 2:
-            raise ValueError(f"{site}: the server asks for k-means statistics with {MIN_CLUSTER_KEY}={requested!r}; "
-                             "this site sends only means of >= 2 patch vectors: set FederatedKMeans "
-                             f"{MIN_CLUSTER_KEY} to an integer >= 2")
-        return max(requested, self.min_cluster_size)
+        return cluster_floor(site, dxo.get_meta_prop(MIN_CLUSTER_KEY), self.min_cluster_size, MIN_CLUSTER_KEY)
 
     def kmeans_patches(self, fl_ctx: FLContext) -> KMeansPatches:
         if self.patches is None:
@@ -166,13 +141,8 @@ class MIMExecutor(TrainerExecutor):
 
     def set_tokenizer(self, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
         dxo = self.kmeans_task(shareable, fl_ctx)
-        codebook = torch.as_tensor(np.asarray(dxo.data["codebook"]), dtype=torch.float32)
-        patch_size, site = int(dxo.get_meta_prop("patch_size")), self.site_name(fl_ctx)
-        if codebook.shape != (self.vocab_size, 3 * self.patch_size ** 2) or patch_size != self.patch_size:
-            raise ValueError(f"{site}: received a codebook of shape {tuple(codebook.shape)} for patch size "
-                             f"{patch_size}; this site expects ({self.vocab_size}, {3 * self.patch_size ** 2})")
-        if not torch.isfinite(codebook).all():
-            raise ValueError(f"{site}: received a codebook with NaN/Inf values; not stored (see the server's log)")
+        site, patch_size = self.site_name(fl_ctx), int(dxo.get_meta_prop("patch_size"))
+        codebook = received_codebook(site, dxo.data["codebook"], patch_size, self.patch_size, self.vocab_size)
         path = save_codebook(self.codebook_path(fl_ctx), codebook, patch_size, str(dxo.get_meta_prop(DESCRIPTION_KEY)))
         self.patches = None  # the sample is not needed any more
         self.log_info(fl_ctx, f"{site}: stored the federated codebook ({self.vocab_size} tokens) in {path}")

@@ -3,8 +3,7 @@
 Maths: :class:`fedssl.train.multilabel.MultiLabelLocalTrainer`; round protocol: ``TrainerExecutor``.  Tasks:
 ``declare_classes`` (the site's class list ``C_k``, from ``classes`` or the site config, and its training-set size);
 ``train`` (from round 1 the received model's validation BCE / AUROC goes back as ``initial_metrics``, paper sec. 2.5;
-the reply carries the class list and the backbone header for the BackboneBNExclusion filter); ``test`` (per-class
-AUROC with bootstrap CIs on the site's test patients, and on the external set).
+the reply carries the class list and the backbone header); ``test`` (per-class AUROC, bootstrap CIs, own + external).
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 from nvflare.apis.signal import Signal
 
-from fedssl.core.checks import require, require_amp
+from fedssl.core.checks import takes_settings
 from fedssl.core.surgical import HEAD_WEIGHT, check_class_list, classes_from_meta, classes_to_meta
 from fedssl.core.trainer import RoundStats
 from fedssl.data.site_config import resolve_site_setting
@@ -27,7 +26,7 @@ from fedssl.flare.constants import (BACKBONE_HEADER, BACKBONE_KEY, BACKBONES, CL
 from fedssl.flare.site_executor import pick_device
 from fedssl.flare.trainer_executor import TrainerExecutor
 from fedssl.train.multilabel import (FULL_HEAD_METHODS, GLOBAL_HEAD_METHODS, MultiLabelLocalTrainer, MultiLabelSettings,
-                                     check_multilabel_args, check_run_switches, load_splits)
+                                     check_run_switches, load_splits)
 
 
 class MultiLabelExecutor(TrainerExecutor):
@@ -35,37 +34,22 @@ class MultiLabelExecutor(TrainerExecutor):
     checkpoint_name = "multilabel_client_state.pt"
     metrics_name = "multilabel_metrics.jsonl"
 
-    def __init__(self, data_root: str = "", dataset="", classes=(), external_test_root: str = "",
-                 growth_rate: int = 32, block_config: list = (6, 12, 24, 16), num_init_features: int = 64,
-                 hidden_features: int = 256, dropout: float = 0.3, image_size: int = 224, batch_size: int = 64,
-                 warmup_epochs: int = 15, warmup_lr: float = 5e-3, lr: float = 5e-5, local_epochs: int = 1,
-                 max_steps_per_epoch: int = 0, rotation: float = 0.2, zoom: float = 0.5, contrast: float = 0.75,
-                 flip: bool = True, split: list = (0.7, 0.1, 0.2), n_bootstrap: int = 1000, seed: int = 0,
-                 device: str = "auto", imagenet_path: str = "", amp: bool = False, workers: int = 0):
-        """data_root: the site's dataset folder ("" = site config / FEDSSL_DATA_ROOT; ``{site}`` = site name);
-        dataset: "nih" / "chexpert" or an object keyed by site name ("" = site config); classes: ``C_k`` (a list or
-        an object keyed by site name; [] = site config); external_test_root: a MIMIC-CXR-JPG (or NIH-layout
-        held-out) folder for the test task ("" = none); imagenet_path: the same local torchvision densenet121
-        state dict as the server's ``model`` component ("" = random init; the round-0 broadcast carries the
-        server's initial model, batch-norm included, in any case); seed: the job seed (data side per site:
-        ``site_seed(seed, site)``); the others: :class:`fedssl.train.multilabel.MultiLabelSettings` (paper
-        defaults)."""
+    @takes_settings(MultiLabelSettings)
+    def __init__(self, **args):
+        """The arguments are the fields of :class:`fedssl.train.multilabel.MultiLabelSettings` (paper defaults,
+        documented there), each stored verbatim and checked at once; an unknown name is refused.  ``seed`` is the job
+        seed (data side per site: ``site_seed(seed, site)``)."""
         super().__init__()
-        args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
-        check_multilabel_args(type(self).__name__, args)
-        require_amp(type(self).__name__, amp)
-        require(isinstance(imagenet_path, str), type(self).__name__, "imagenet_path", imagenet_path,
-                'use the server model\'s path to a torchvision densenet121 state dict, or "" for random init')
-        vars(self).update(args)  # every argument stored verbatim
-        self.classes = classes if isinstance(classes, dict) else list(classes)
-        self.settings = MultiLabelSettings.of(args)
+        self.configure(MultiLabelSettings, args)
+        self.classes = self.classes if isinstance(self.classes, dict) else list(self.classes)
         # C_k (configuration), the data splits, the switches (method, backbone), the head's classes, and the
         # received model's validation metrics this round
         self.own_classes = self.splits = self.switches = self.head = self.val = None
 
     # ------------------------------------------------------------------ configuration and data
     def site_setting(self, value, key: str, fl_ctx: FLContext):
-        return resolve_site_setting(value, key, self.site_name(fl_ctx), fl_ctx.get_engine().get_workspace().get_site_config_dir())
+        return resolve_site_setting(value, key, self.site_name(fl_ctx),
+                                    fl_ctx.get_engine().get_workspace().get_site_config_dir())
 
     def site_classes(self, fl_ctx: FLContext) -> list[str]:
         value, source = self.site_setting(self.classes, "classes", fl_ctx)
@@ -93,7 +77,8 @@ class MultiLabelExecutor(TrainerExecutor):
         self.check_task(meta, site)
         if self.trainer is None:
             full = self.switches["method"] in FULL_HEAD_METHODS
-            self.head = self.network_classes(meta, f"{site}: method {self.switches['method']}") if full else list(self.own_classes)
+            self.head = (self.network_classes(meta, f"{site}: method {self.switches['method']}") if full
+                         else list(self.own_classes))
         return super().ensure_trainer(shareable, fl_ctx)
 
     def network_classes(self, meta: dict, who: str, fix: str = "") -> list[str]:
@@ -107,9 +92,10 @@ class MultiLabelExecutor(TrainerExecutor):
                                          settings=self.settings, imagenet_path=self.imagenet_path or None,
                                          device=pick_device(self.device), amp=self.amp)
         init = f"ImageNet from {self.imagenet_path}" if self.imagenet_path else "random"
-        self.log_info(fl_ctx, f"{site}: {s['dataset']} layout, {s['n_train']}/{s['n_val']}/{s['n_test']} train/val/test "
-                              f"images; {self.switches}, head over {len(self.head)} classes ({len(self.own_classes)} own); "
-                              f"initial weights {init} (replaced by the server's round-0 model)")
+        self.log_info(fl_ctx, f"{site}: {s['dataset']} layout, {s['n_train']}/{s['n_val']}/{s['n_test']} "
+                              f"train/val/test images; {self.switches}, head over {len(self.head)} classes "
+                              f"({len(self.own_classes)} own); initial weights {init} (replaced by the server's "
+                              "round-0 model)")
         return trainer
 
     def receive(self, dxo: DXO, fl_ctx: FLContext, round_idx: int) -> dict:
@@ -122,7 +108,8 @@ class MultiLabelExecutor(TrainerExecutor):
         return extra
 
     def result_meta(self, stats: RoundStats, dxo: DXO, fl_ctx: FLContext) -> dict:
-        return {CLASSES_KEY: classes_to_meta(self.own_classes), **({MetaKey.INITIAL_METRICS: self.val} if self.val else {})}
+        return {CLASSES_KEY: classes_to_meta(self.own_classes),
+                **({MetaKey.INITIAL_METRICS: self.val} if self.val else {})}
 
     def result_headers(self, stats: RoundStats, dxo: DXO, fl_ctx: FLContext) -> dict:
         return {BACKBONE_HEADER: self.switches["backbone"]}  # read by the BackboneBNExclusion upload filter
@@ -139,7 +126,8 @@ class MultiLabelExecutor(TrainerExecutor):
         self.check_task(meta, site)
         self.log_info(fl_ctx, f"{site}: declaring {len(self.own_classes)} classes ({self.switches})")
         return DXO(data_kind=DataKind.METRICS, data={"num_classes": len(self.own_classes)},
-                   meta={CLASSES_KEY: classes_to_meta(self.own_classes), "num_samples": self.load_data(fl_ctx)["n_train"]}
+                   meta={CLASSES_KEY: classes_to_meta(self.own_classes),
+                         "num_samples": self.load_data(fl_ctx)["n_train"]}
                    ).to_shareable()
 
     def test(self, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
@@ -150,11 +138,13 @@ class MultiLabelExecutor(TrainerExecutor):
             model = trainer.global_model(data, self.network_classes(meta, f"{site}: the test task", fix))
         else:
             trainer.load_global(data)  # personalised / individual: the site's own model
-        t0, external = time.time(), self.resolve_root(self.external_test_root, fl_ctx) if self.external_test_root else ""
+        t0, external = (time.time(), self.resolve_root(self.external_test_root, fl_ctx) if self.external_test_root
+                        else "")
         result = trainer.evaluate("test", model=model, source="global model" if model is not None else "",
                                   external_root=external)
-        means = {"test_mean_auroc": result["mean_auroc"], **{k: result[k] for k in ("external_mean_auroc",) if k in result}}
+        means = {"test_mean_auroc": result["mean_auroc"],
+                 **{k: result[k] for k in ("external_mean_auroc",) if k in result}}
         means = {k: None if v is None or math.isnan(v) else v for k, v in means.items()}  # NaN: JSON null
         self.append_metrics(fl_ctx, {"task": "test", "time_s": round(time.time() - t0, 2), **means})
         self.log_info(fl_ctx, f"test ({result['model']}): {means}")
-        return DXO(data_kind=DataKind.METRICS, data=result, meta={CLASSES_KEY: classes_to_meta(self.own_classes)}).to_shareable()
+        return DXO(DataKind.METRICS, result, {CLASSES_KEY: classes_to_meta(self.own_classes)}).to_shareable()

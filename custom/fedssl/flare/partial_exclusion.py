@@ -1,8 +1,8 @@
 """Partial model exclusion: parameters matching name patterns never leave the site / never reach it.
 
-FedMAE's knowledge split (Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis", sec. IV) keeps the encoder class token local during training and
-averages it once, at the end of the last round; FedBN keeps every batch-norm tensor local for good.
-Both are this one filter, configured by fnmatch patterns, used on both sides:
+FedMAE's knowledge split (Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis", sec. IV)
+keeps the encoder class token local during training and averages it once, at the end of the last round; FedBN keeps
+every batch-norm tensor local for good. Both are this one filter, configured by fnmatch patterns, used on both sides:
 
 - ``direction="upload"``: a client task-result filter.  Matching tensors are removed from the result
   before it leaves the site.  With ``average_at_end`` they are kept on the last round
@@ -61,7 +61,8 @@ class PartialModelExclusion(Filter):
         if dxo.data_kind != DataKind.WEIGHTS or not dxo.data:
             return shareable  # metrics, tokenizer statistics ...: no model tensors to hold back
         if self.direction == "upload" and self.average_at_end and is_last_round(shareable):
-            self.log_info(fl_ctx, f"last round: sending the locally kept tensors ({self.patterns}) for the final average")
+            self.log_info(fl_ctx, f"last round: sending the locally kept tensors ({self.patterns}) for the final "
+                                  "average")
             return shareable
         excluded = match_keys(dxo.data, self.patterns)
         if not excluded:

@@ -128,7 +128,8 @@ class Dequantizer(ModelDequantizer):
                 raise ValueError(f"quantised payload names tensor {str(key)[:64]!r} of source type "
                                  f"{str(source)[:16]!r}; expected a tensor of the payload from {list(FLOAT_SOURCES)}")
             entry = state.get(key, {})
-            if not isinstance(entry, dict) or not all(isinstance(v, (np.ndarray, torch.Tensor, int, float, str, list, tuple))
+            if not isinstance(entry, dict) or not all(isinstance(v, (np.ndarray, torch.Tensor, int, float, str, list,
+                                                                     tuple))
                                                      for v in entry.values()):
                 raise ValueError(f"quantised payload has a malformed quantisation state for {str(key)[:64]!r}")
 

@@ -2,8 +2,8 @@
 
 Listens to FLARE events: after each aggregation it records the round's mean training loss over the
 aggregated sites and its spread (standard deviation over sites), from the aggregator's in-memory round
-statistics (``ROUND_STATS_PROP``); no per-site value or site name is written; at the end of the run it reads the communication records of
-``CommunicationMeter`` and writes ``summary.json``, ``loss.png`` and ``bytes_per_round.png``.
+statistics (``ROUND_STATS_PROP``); no per-site value or site name is written; at the end of the run it reads the
+communication records of ``CommunicationMeter`` and writes ``summary.json``, ``loss.png`` and ``bytes_per_round.png``.
 
 Other components can add records to the summary (e.g. which tokenizer a BEiT run used):
 
@@ -195,7 +195,8 @@ class RunSummary(FLComponent):
 
     def _take_site_record(self, fl_ctx: FLContext) -> None:
         refusal = fl_ctx.get_prop(REFUSAL_PROP)
-        if not fl_ctx.get_prop(AppConstants.AGGREGATION_ACCEPTED) and isinstance(refusal, dict) and len(self._refused) < 100:
+        if not fl_ctx.get_prop(AppConstants.AGGREGATION_ACCEPTED) and isinstance(refusal,
+                                                                                 dict) and len(self._refused) < 100:
             self._refused.append({"site": str(refusal.get("site"))[:64], "reason": str(refusal.get("reason"))[:300]})
         result = fl_ctx.get_prop(AppConstants.TRAINING_RESULT)
         try:

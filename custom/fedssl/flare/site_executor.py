@@ -16,8 +16,10 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Any
 
 import torch
+from nvflare.apis.dxo import DXO, DataKind, from_shareable
 from nvflare.apis.executor import Executor
 from nvflare.apis.fl_constant import ReturnCode
 from nvflare.apis.fl_context import FLContext
@@ -42,6 +44,10 @@ class CheckpointError(ValueError):
         self.site, self.path, self.problem = site, path, problem
         super().__init__(f"{site}: checkpoint {path} {problem}; delete it to start {site} from the global model, or "
                          "restore it from a backup (it was left as it is)")
+
+
+#: checkpoint key: the class name of the trainer that wrote it (a file of another method is named as such)
+TRAINER_CLASS_KEY = "trainer_class"
 
 
 def _is_round(value: object) -> bool:
@@ -95,6 +101,28 @@ class SiteExecutor(Executor):
                                   f"{{'round': int >= 0, 'trainer': {{...}}}}, found {found})")
         return state
 
+    def resume(self, trainer: Any, state: dict, fl_ctx: FLContext) -> None:
+        """Load a checkpoint into a freshly built trainer; anything that does not fit (keys, shapes, another
+        trainer's state) is a CheckpointError naming the file."""
+        path, writer = self.checkpoint_path(fl_ctx), state.get(TRAINER_CLASS_KEY, type(trainer).__name__)
+        try:
+            if writer != type(trainer).__name__:
+                raise ValueError(f"it was written by a {writer}")
+            trainer.load_state_dict(state["trainer"])
+        except Exception as e:  # noqa: BLE001 - KeyError, RuntimeError, ValueError ...: all mean "foreign"
+            reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+            raise CheckpointError(self.site_name(fl_ctx), path, f"does not fit this site's {type(trainer).__name__} "
+                                  f"({reason}); it was written by another method or model configuration") from None
+        self.last_round = int(state["round"])
+        self.log_info(fl_ctx, f"resumed client state from round {self.last_round} ({path})")
+
+    def received_weights(self, shareable: Shareable, fl_ctx: FLContext, task: str = "train") -> DXO:
+        dxo = from_shareable(shareable)
+        if dxo.data_kind != DataKind.WEIGHTS:
+            raise ValueError(f"{self.site_name(fl_ctx)}: the {task} task carries {dxo.data_kind}, expected "
+                             f"{DataKind.WEIGHTS}")
+        return dxo
+
     def append_metrics(self, fl_ctx: FLContext, record: dict) -> None:
         record = {"time": time.time(), "site": self.site_name(fl_ctx), **record}
         with open(os.path.join(self.run_dir(fl_ctx), self.metrics_name), "a") as f:
@@ -103,7 +131,7 @@ class SiteExecutor(Executor):
     def execute(self, task_name: str, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
         handler = self.task_handlers.get(task_name)
         if handler is None:
-            self.log_error(fl_ctx, f"{type(self).__name__} cannot run task {task_name!r}; it handles {sorted(self.task_handlers)}")
+            self.log_error(fl_ctx, f"{type(self).__name__}: no task {task_name!r}; runs {sorted(self.task_handlers)}")
             return make_reply(ReturnCode.TASK_UNKNOWN)
         try:
             reply = getattr(self, handler)(shareable, fl_ctx, abort_signal)

@@ -1,4 +1,5 @@
-"""Server aggregator of surgical aggregation (surgical aggregation (Kulkarni et al., ML4H 2024), sec. 2.1.2, eqs. 1-3) and its baselines.
+"""Server aggregator of surgical aggregation (surgical aggregation (Kulkarni et al., ML4H 2024), sec. 2.1.2, eqs. 1-3)
+and its baselines.
 
 Backbone (eq. 1): FedAvg of every non-head tensor (``weighting`` "uniform", as the paper's public code,
 or "num_samples"); under "fedbn" / "fedbn_plus" the batch-norm tensors stay on the sites (the job's
@@ -83,9 +84,9 @@ class SurgicalAggregator(RoundAggregator):
         bn_sent = [k for k in data if is_bn_key(k) and not is_head_key(k, self.head)]
         if reg.backbone != "fedavg" and bn_sent:
             raise ContributionError(
-                f"{site} sent {len(bn_sent)} batch-norm tensors (e.g. {bn_sent[0]!r}) but backbone {reg.backbone} keeps "
-                "batch-norm on the sites; put fedssl.flare.backbone_exclusion.BackboneBNExclusion (direction upload) in the "
-                "client's task-result filters")
+                f"{site} sent {len(bn_sent)} batch-norm tensors (e.g. {bn_sent[0]!r}) but backbone {reg.backbone} "
+                "keeps batch-norm on the sites; put fedssl.flare.backbone_exclusion.BackboneBNExclusion (direction "
+                "upload) in the client's task-result filters")
         if reg.backbone == "fedavg" and data and not bn_sent and any(is_bn_key(k) for k in backbone):
             raise ContributionError(
                 f"{site} sent no batch-norm tensors but backbone fedavg averages them; the client's batch-norm filter "
@@ -114,7 +115,8 @@ class SurgicalAggregator(RoundAggregator):
             reg = get_registry(fl_ctx, type(self).__name__)
             global_model = fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)
             if not global_model:
-                raise ContributionError("no global model in the FL context; the aggregator runs inside ScatterAndGather")
+                raise ContributionError("no global model in the FL context; the aggregator runs inside "
+                                        "ScatterAndGather")
             dxo = self.checked_dxo(shareable, site)
             data, weight = self._check(dxo, site, reg, global_model[ModelLearnableKey.WEIGHTS])
             heads = (f"{self.head}.weight", f"{self.head}.bias") if reg.method == "surgical" and data else ()

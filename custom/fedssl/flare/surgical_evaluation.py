@@ -27,7 +27,8 @@ class SurgicalEvaluation(FinalEvaluation):
         m = payload["table"]["mean"]
         fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
         ext = payload["table"]["external"]
-        self.log_info(fl_ctx, f"results ({reg.method}): mean AUROC {fmt(m['mean_auroc'])}, shared {fmt(m['shared_auroc'])}, "
-                              f"unique {fmt(m['unique_auroc'])}"
-                              + (f"; external {fmt(ext[0]['mean_auroc'])} over {ext[0]['n_classes']} classes" if ext else "")
+        self.log_info(fl_ctx, f"results ({reg.method}): mean AUROC {fmt(m['mean_auroc'])}, shared "
+                              f"{fmt(m['shared_auroc'])}, unique {fmt(m['unique_auroc'])}"
+                              + (f"; external {fmt(ext[0]['mean_auroc'])} over {ext[0]['n_classes']} classes" if ext
+                                 else "")
                               + f" -> {run_dir}/results.md")

@@ -33,7 +33,8 @@ from fedssl.flare.surgical_registration import get_registry
 from fedssl.flare.weights_only_persistor import describe_init, init_record
 
 
-def rehead(weight: np.ndarray, bias: np.ndarray, model_classes, global_classes, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def rehead(weight: np.ndarray, bias: np.ndarray, model_classes, global_classes,
+           seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Head rows over ``global_classes``: rows of known classes copied by name, new classes freshly initialised."""
     n_feat = weight.shape[1]
     gen = torch.Generator().manual_seed(int(seed))
@@ -90,7 +91,8 @@ class SurgicalModelPersistor(PTFileModelPersistor):
         model_classes = list(getattr(self.model, "classes", None) or [])
         if model_classes == list(reg.global_classes):
             return learnable
-        w, b = rehead(np.asarray(weights[wk]), np.asarray(weights[bk]), model_classes, list(reg.global_classes), self.seed)
+        w, b = rehead(np.asarray(weights[wk]), np.asarray(weights[bk]), model_classes, list(reg.global_classes),
+                      self.seed)
         weights[wk], weights[bk] = w, b
         self.persistence_manager.var_dict[wk] = torch.as_tensor(w)
         self.persistence_manager.var_dict[bk] = torch.as_tensor(b)

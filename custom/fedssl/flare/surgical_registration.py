@@ -1,4 +1,5 @@
-"""Server workflow run before ScatterAndGather: every site declares its ordered class list (surgical aggregation (Kulkarni et al., ML4H 2024) sec. 2.1.1).
+"""Server workflow run before ScatterAndGather: every site declares its ordered class list (surgical aggregation
+(Kulkarni et al., ML4H 2024) sec. 2.1.1).
 
 Task ``declare_classes`` goes to every site with the run's switches (``method``, ``backbone``); each site
 answers with its class list ``C_k`` (from its own site configuration) and its training-set size.  The
@@ -95,7 +96,8 @@ def build_registry(method: str, backbone: str, declared: dict, allowed_classes=(
             classes = check_class_list(declared[site], site, allowed=list(allowed_classes) or None)
         except ValueError as e:
             raise ValueError(f"{e} (declared by {site} from its local/fedssl_site.json or the executor "
-                             "argument classes; the server's vocabulary is ClassRegistration.allowed_classes)") from None
+                             "argument classes; the server's vocabulary is "
+                             "ClassRegistration.allowed_classes)") from None
         site_classes[site] = tuple(classes)
     if not site_classes:
         raise ValueError("no site declared its classes")
@@ -119,7 +121,8 @@ class ClassRegistration(Controller):
         name = type(self).__name__
         require_choice(name, "method", method, METHODS)
         require_choice(name, "backbone", backbone, BACKBONES)
-        require(isinstance(allowed_classes, (list, tuple)) and all(isinstance(c, str) and c.strip() for c in allowed_classes)
+        require(isinstance(allowed_classes, (list, tuple))
+                and all(isinstance(c, str) and c.strip() for c in allowed_classes)
                 and len(set(allowed_classes)) == len(allowed_classes), name, "allowed_classes", allowed_classes,
                 'use a list of distinct class names, e.g. ["Atelectasis", "Cardiomegaly"], or [] for any')
         require_int(name, "min_clients", min_clients, 1, "use the number of sites of the run")

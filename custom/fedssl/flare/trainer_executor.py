@@ -11,14 +11,13 @@ Task ``train`` (every method):
    ``load_global``, keeping local exactly the keys a server-side exclusion filter declared in the meta);
 4. ``trainer.train_round(round_idx, should_stop)`` with ``should_stop`` = FLARE's abort signal, checked
    between optimiser steps (an abort returns TASK_ABORTED within one step);
-5. checkpoint atomically, append the round's record to the site's metrics file and stream its scalars
-   (loss and its terms, lr, throughput, validation metrics) through FLARE's analytics path
-   (client ``TBWriter`` -> ``ConvertToFedEvent`` -> server ``TBAnalyticsReceiver``), so one TensorBoard
-   on the server's run folder shows every site;
+5. checkpoint atomically, append the round's record to the site's metrics file and stream its scalars through
+   FLARE's analytics path (:class:`fedssl.flare.analytics_stream.AnalyticsStream`);
 6. pack the result: ``global_state()`` (minus what the method keeps local) with ``num_samples``,
    ``NUM_STEPS_CURRENT_ROUND`` and ``loss`` in the meta, plus the method's extra meta.
 
-A method executor = argument checks + ``build_trainer`` + hooks for its extra tasks.
+A method executor = its settings (one dataclass, :meth:`TrainerExecutor.configure`) + ``build_trainer`` + hooks
+for its extra tasks.
 """
 
 from __future__ import annotations
@@ -26,21 +25,20 @@ from __future__ import annotations
 import math
 import time
 from abc import abstractmethod
+from collections.abc import Mapping
 from typing import Any
 
-from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
+from nvflare.apis.dxo import DXO, DataKind, MetaKey
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 from nvflare.apis.signal import Signal
 from nvflare.app_common.app_constant import AppConstants
 
+from fedssl.core.checks import settings_from, settings_values
 from fedssl.core.trainer import LocalTrainer, RoundStats
+from fedssl.flare.analytics_stream import AnalyticsStream
 from fedssl.flare.constants import EXCLUDED_META
-from fedssl.flare.site_executor import CheckpointError, SiteExecutor
-
-
-#: checkpoint key: the class name of the trainer that wrote it (a file of another method is named as such)
-TRAINER_CLASS_KEY = "trainer_class"
+from fedssl.flare.site_executor import TRAINER_CLASS_KEY, SiteExecutor
 
 
 def round_headers(shareable: Shareable) -> tuple[int, int]:
@@ -49,16 +47,18 @@ def round_headers(shareable: Shareable) -> tuple[int, int]:
             int(shareable.get_header(AppConstants.NUM_ROUNDS, 1)))
 
 
-class TrainerExecutor(SiteExecutor):
-    #: the component id of the client's analytics writer (``nvflare.app_opt.tracking.tb.tb_writer.TBWriter``)
-    analytics_writer_id = "log_writer"
-
+class TrainerExecutor(AnalyticsStream, SiteExecutor):
     def __init__(self):
         super().__init__()
         self.trainer: LocalTrainer | None = None
         self.last_round = -1  # the last round trained (restored from the checkpoint)
-        self._writer_checked = False
-        self._writer = None
+        self.settings: Any = None
+
+    def configure(self, settings_class: type, args: Mapping[str, Any]) -> None:
+        """The method's settings (one dataclass, :func:`fedssl.core.checks.settings_from`) from the executor's
+        keyword arguments, checked at once; every argument is also stored verbatim as an attribute."""
+        self.settings = settings_from(type(self).__name__, settings_class, args)
+        vars(self).update(settings_values(self.settings))
 
     # ------------------------------------------------------------------ what a method provides
     @abstractmethod
@@ -104,28 +104,6 @@ class TrainerExecutor(SiteExecutor):
             self.trainer = trainer
         return self.trainer
 
-    def resume(self, trainer: LocalTrainer, state: dict, fl_ctx: FLContext) -> None:
-        """Load a checkpoint into a freshly built trainer; anything that does not fit (keys, shapes, another
-        trainer's state) is a CheckpointError naming the file."""
-        path, writer = self.checkpoint_path(fl_ctx), state.get(TRAINER_CLASS_KEY, type(trainer).__name__)
-        try:
-            if writer != type(trainer).__name__:
-                raise ValueError(f"it was written by a {writer}")
-            trainer.load_state_dict(state["trainer"])
-        except Exception as e:  # noqa: BLE001 - KeyError, RuntimeError, ValueError ...: all mean "foreign"
-            reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
-            raise CheckpointError(self.site_name(fl_ctx), path, f"does not fit this site's {type(trainer).__name__} "
-                                  f"({reason}); it was written by another method or model configuration") from None
-        self.last_round = int(state["round"])
-        self.log_info(fl_ctx, f"resumed client state from round {self.last_round} ({path})")
-
-    def received_weights(self, shareable: Shareable, fl_ctx: FLContext, task: str = "train") -> DXO:
-        dxo = from_shareable(shareable)
-        if dxo.data_kind != DataKind.WEIGHTS:
-            raise ValueError(f"{self.site_name(fl_ctx)}: the {task} task carries {dxo.data_kind}, expected "
-                             f"{DataKind.WEIGHTS}")
-        return dxo
-
     def train(self, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
         site = self.site_name(fl_ctx)
         round_idx, num_rounds = round_headers(shareable)
@@ -155,35 +133,3 @@ class TrainerExecutor(SiteExecutor):
         for key, value in self.result_headers(stats, dxo, fl_ctx).items():
             reply.set_header(key, value)
         return reply
-
-    # ------------------------------------------------------------------ analytics
-    def analytics_writer(self, fl_ctx: FLContext):
-        if not self._writer_checked:
-            self._writer_checked = True
-            self._writer = fl_ctx.get_engine().get_component(self.analytics_writer_id)
-            if self._writer is None:
-                self.log_info(fl_ctx, f"no '{self.analytics_writer_id}' component in the client config: training "
-                                      "curves go to the metrics file only, not to TensorBoard")
-        return self._writer
-
-    def stream(self, fl_ctx: FLContext, stats: RoundStats, round_idx: int) -> None:
-        """Per-round scalars (step = round) and per-step curves (step = global step) to FLARE's analytics."""
-        writer = self.analytics_writer(fl_ctx)
-        if writer is None:
-            return
-        for tag, value in stats.scalars().items():
-            writer.add_scalar(tag, value, global_step=round_idx)
-        base = round_idx * max(len(stats.curve), 1)
-        for i, point in enumerate(stats.curve):
-            for tag, value in point.items():
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    writer.add_scalar(f"step/{tag}", float(value), global_step=base + i)
-
-    def stream_scalars(self, fl_ctx: FLContext, values: dict[str, Any], step: int) -> None:
-        """Scalars of another task (e.g. test metrics) to FLARE's analytics."""
-        writer = self.analytics_writer(fl_ctx)
-        if writer is None:
-            return
-        for tag, value in values.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                writer.add_scalar(tag, float(value), global_step=step)

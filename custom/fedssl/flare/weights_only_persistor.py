@@ -69,7 +69,8 @@ class WeightsOnlyPersistor(PTFileModelPersistor):
         if "load_weights_only" in kwargs:
             raise ValueError(f"{type(self).__name__}: argument load_weights_only={kwargs['load_weights_only']!r} is "
                              "not accepted; checkpoints are always loaded with weights_only=True (tensors only). "
-                             "Remove the argument; convert a checkpoint that needs pickled objects to a plain state dict")
+                             "Remove the argument; convert a checkpoint that needs pickled objects to a plain state "
+                             "dict")
         super().__init__(**kwargs, load_weights_only=True)
 
     def source_checkpoint(self, fl_ctx: FLContext) -> str | None:

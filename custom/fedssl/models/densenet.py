@@ -1,4 +1,5 @@
-"""Multi-label DenseNet-121 for chest X-ray (Surgical aggregation, surgical aggregation (Kulkarni et al., ML4H 2024)), and its tiny twin.
+"""Multi-label DenseNet-121 for chest X-ray (Surgical aggregation, surgical aggregation (Kulkarni et al., ML4H 2024)),
+and its tiny twin.
 
 The network is ``torchvision.models.DenseNet`` (``densenet121``: growth 32, blocks (6, 12, 24, 16), 64
 initial features), so every backbone key is torchvision's (``features.conv0.weight``,
@@ -13,9 +14,10 @@ the server and every site).  The same path goes in the server's ``model`` compon
 the server's copy.  An empty path (``""`` or null) means random initialisation, which the run states in its
 first log line; a path that does not exist, is not a state dict, or does not fit the backbone (a shape differs,
 a backbone tensor is missing) raises an error naming the file.  :func:`load_imagenet_weights` reports the
-file's SHA-256 so the run summary records exactly which weights the run started from.  The classification head is ``classifier`` (``nn.Linear``) with
-one output (logit, BCE-with-logits) per class of ``classes``: row ``i`` of ``classifier.weight`` belongs to
-``classes[i]``, so the label-name -> column mapping is explicit and travels with the model arguments.
+file's SHA-256 so the run summary records exactly which weights the run started from.  The classification head is
+``classifier`` (``nn.Linear``) with one output (logit, BCE-with-logits) per class of ``classes``: row ``i`` of
+``classifier.weight`` belongs to ``classes[i]``, so the label-name -> column mapping is explicit and travels with the
+model arguments.
 
 As in the public code (``create_model`` in ``src/utils.py``), global average pooling is followed by a
 fully connected layer (256 units, ReLU, dropout 0.3) before the class layer; that layer
@@ -65,7 +67,8 @@ TINY = (8, (2, 2, 2, 2), 16)
 _BN_TENSORS = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
 _BN_KEY = re.compile(r"(^|\.)(norm\d*|bn\d*|batchnorm\d*)\.(" + "|".join(_BN_TENSORS) + r")$")
 # Old torchvision checkpoints name dense-layer modules 'norm.1', 'conv.2' ... (as torchvision's own loader fixes).
-_OLD_DENSE_KEY = re.compile(r"^(.*denselayer\d+\.(?:norm|relu|conv))\.((?:[12])\.(?:weight|bias|running_mean|running_var))$")
+_OLD_DENSE_KEY = re.compile(r"^(.*denselayer\d+\.(?:norm|relu|conv))\."
+                            r"((?:[12])\.(?:weight|bias|running_mean|running_var))$")
 
 
 def is_bn_key(name: str) -> bool:
@@ -79,7 +82,8 @@ def bn_keys(model: nn.Module) -> list[str]:
     out = []
     for mname, mod in model.named_modules():
         if isinstance(mod, nn.modules.batchnorm._BatchNorm):
-            out += [f"{mname}.{t}" for t, _ in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False))]
+            out += [f"{mname}.{t}" for t, _ in list(mod.named_parameters(recurse=False))
+                    + list(mod.named_buffers(recurse=False))]
     return out
 
 
@@ -235,7 +239,8 @@ def load_imagenet_weights(model: MultiLabelDenseNet, path: str) -> dict:
             skipped.append(k)
             continue
         if tuple(v.shape) != tuple(own[k].shape):
-            raise ValueError(f"imagenet_path={path!r}: {k} has shape {tuple(v.shape)}, the model {tuple(own[k].shape)}; "
+            raise ValueError(f"imagenet_path={path!r}: {k} has shape {tuple(v.shape)}, the model "
+                             f"{tuple(own[k].shape)}; "
                              "the checkpoint is not a densenet121")
         load[k] = v
     if not load:

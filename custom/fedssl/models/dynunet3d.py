@@ -44,11 +44,14 @@ def plan_dynunet(pixdim: Sequence[float], roi_size: Sequence[int], levels: int) 
 
 
 def check_dynunet_args(component: str, filters: object, pixdim: object, roi_size: object, num_classes: object) -> None:
-    require(isinstance(filters, (list, tuple)) and len(filters) >= 2 and all(isinstance(f, int) and f >= 1 for f in filters),
+    require(isinstance(filters, (list, tuple)) and len(filters) >= 2
+            and all(isinstance(f, int) and f >= 1 for f in filters),
             component, "filters", filters, "use a list of >= 2 channel counts, one per level, e.g. [8, 16, 32, 64]")
-    require(isinstance(pixdim, (list, tuple)) and len(pixdim) == 3 and all(isinstance(p, (int, float)) and p > 0 for p in pixdim),
+    require(isinstance(pixdim, (list, tuple)) and len(pixdim) == 3
+            and all(isinstance(p, (int, float)) and p > 0 for p in pixdim),
             component, "pixdim", pixdim, "use three voxel sizes in mm, e.g. [1.25, 1.25, 10.0]")
-    require(isinstance(roi_size, (list, tuple)) and len(roi_size) == 3 and all(isinstance(r, int) and r >= 4 for r in roi_size),
+    require(isinstance(roi_size, (list, tuple)) and len(roi_size) == 3
+            and all(isinstance(r, int) and r >= 4 for r in roi_size),
             component, "roi_size", roi_size, "use three patch sizes in voxels (>= 4), e.g. [160, 160, 16]")
     require(isinstance(num_classes, int) and num_classes >= 1, component, "num_classes", num_classes,
             "use the number of foreground classes (ACDC 3, HVSMR 2)")
@@ -83,7 +86,8 @@ class DynUNet3D(DynUNet):
         for k, v in full.items():
             if not k.startswith("skip_layers."):
                 canonical.setdefault(id(v), k)
-        self._aliases = {k: canonical[id(v)] for k, v in full.items() if k.startswith("skip_layers.") and id(v) in canonical}
+        self._aliases = {k: canonical[id(v)] for k, v in full.items() if k.startswith("skip_layers.")
+                         and id(v) in canonical}
         self._register_state_dict_hook(_drop_aliases)
         self.filters, self.pixdim, self.roi_size = list(filters), list(pixdim), list(roi_size)
         self.num_classes, self.encoder_path, self.seed = num_classes, encoder_path, seed

@@ -1,6 +1,6 @@
-"""ResNet-18 (and ResNet-50) backbones for FedCLF ("Federated Self-Supervised Learning for Dermatological Disease Diagnosis",
-FedCLF / FedMAE-KS, section V-A: "ResNet-18 as the backbone model, and ... a 2-layer MLP projection head to project
-the representations to 128-dimensional features").
+"""ResNet-18 (and ResNet-50) backbones for FedCLF ("Federated Self-Supervised Learning for Dermatological Disease
+Diagnosis", FedCLF / FedMAE-KS, section V-A: "ResNet-18 as the backbone model, and ... a 2-layer MLP projection head to
+project the representations to 128-dimensional features").
 
 * :class:`ResNetEncoder`: torchvision's ResNet-18 without its classifier: images ``[B, 3, H, W]`` -> pooled
   representations ``[B, 512]`` (``width`` scales every stage for CPU profiles: 64 = the paper's ResNet-18);
@@ -48,7 +48,8 @@ PAPER_PROJ_DIM = 128
 ENCODER_PREFIXES = ("main.encoder.", "encoder.")
 
 
-def require_resnet_args(component: str, width: object, proj_dim: object | None = None, depth: object = PAPER_DEPTH) -> None:
+def require_resnet_args(component: str, width: object, proj_dim: object | None = None,
+                        depth: object = PAPER_DEPTH) -> None:
     """ValueError naming ``component``, the argument and the fix for a bad width / projection width / depth."""
     require_int(component, "width", width, 4, f"use a positive stage width (paper: ResNet-18 = {PAPER_WIDTH})")
     require(isinstance(depth, int) and not isinstance(depth, bool) and depth in DEPTHS, component, "depth", depth,
@@ -178,7 +179,8 @@ class ResNetClassifier(nn.Module):
         require_int(name, "num_classes", num_classes, 2, "use the number of classes (FedCLF: 5)")
         require_resnet_args(name, width, depth=depth)
         require(isinstance(pretrained_path, str) and (not pretrained_path or os.path.isfile(pretrained_path)), name,
-                "pretrained_path", pretrained_path, 'give an existing pre-training global model file, or "" (random init)')
+                "pretrained_path", pretrained_path,
+                'give an existing pre-training global model file, or "" (random init)')
         self.num_classes, self.width, self.pretrained_path, self.seed = num_classes, width, pretrained_path, seed
         self.depth = depth
         with seeded(seed):
@@ -188,14 +190,16 @@ class ResNetClassifier(nn.Module):
         self.initial_weights: dict = {"init": "random", "path": "", "sha256": ""}
         if pretrained_path:
             self.load_encoder(read_checkpoint(pretrained_path), pretrained_path)
-            self.initial_weights = {"init": "checkpoint", "path": pretrained_path, "sha256": file_sha256(pretrained_path)}
+            self.initial_weights = {"init": "checkpoint", "path": pretrained_path,
+                                    "sha256": file_sha256(pretrained_path)}
 
     def load_encoder(self, state: Mapping[str, object], source: str) -> None:
         """The encoder of a pre-training / classifier state (:func:`encoder_state_from`), shapes checked."""
         try:
             self.encoder.load_state_dict(encoder_state_from(state))
         except (RuntimeError, ValueError) as e:
-            raise ValueError(f"{source}: its encoder does not fit this ResNet (width {self.width}, depth {self.depth}): {e}") from None
+            raise ValueError(f"{source}: its encoder does not fit this ResNet (width {self.width}, depth "
+                             f"{self.depth}): {e}") from None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(self.encoder(x))

@@ -154,8 +154,8 @@ class MoCoUNetEncoder(nn.Module):
 
 
 class BYOLUNetEncoder(nn.Module):
-    """The FCLOpt / FedBYOL global model (FCL (Wu et al., MedIA 2022) section 4.3): online network (U-Net encoder + projector),
-    predictor, and target network (encoder + projector, EMA of the online one).  Keys ``online.*``,
+    """The FCLOpt / FedBYOL global model (FCL (Wu et al., MedIA 2022) section 4.3): online network (U-Net encoder +
+    projector), predictor, and target network (encoder + projector, EMA of the online one).  Keys ``online.*``,
     ``predictor.*`` and ``target.*``; ``target.X`` pairs with ``online.X`` (PTNU / DP distances)."""
 
     def __init__(self, features: Sequence[int] = PAPER_FEATURES, proj_dim: int = 128, pred_hidden: int = 512,

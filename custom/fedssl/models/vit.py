@@ -1,4 +1,5 @@
-"""ViT models of SSL-FL (Yan et al., IEEE TMI 2023) and FedMAE (Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis" section IV), built from timm's VisionTransformer blocks.
+"""ViT models of SSL-FL (Yan et al., IEEE TMI 2023) and FedMAE (Wu et al., "Federated Self-Supervised Learning for
+Dermatological Disease Diagnosis" section IV), built from timm's VisionTransformer blocks.
 
 * :class:`MAEViT` - MAE (He et al. 2022): random masking of patch tokens, the ViT encoder sees only the
   visible tokens (+ class token), a lightweight ViT decoder gets the encoded tokens, a learnable mask token
@@ -16,8 +17,8 @@
 * :class:`ViTClassifier` - the fine-tuning network: the same encoder, average-pooled patch tokens ->
   ``fc_norm`` -> linear ``head`` (SSL-FL (Yan et al., IEEE TMI 2023) section III-D).
 
-Parameter names are a contract with the FLARE glue (FedMAE knowledge split and Table V of Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis" select
-tensors by pattern):
+Parameter names are a contract with the FLARE glue (FedMAE knowledge split and Table V of Wu et al., "Federated
+Self-Supervised Learning for Dermatological Disease Diagnosis" select tensors by pattern):
 
 * ``encoder.cls_token`` - the class embedding (the "local knowledge" of FedMAE-KS),
 * ``encoder.pos_embed``, ``encoder.patch_embed.proj.{weight,bias}`` ("patch projection", the linear
@@ -159,8 +160,8 @@ class MAEDecoder(nn.Module):
         """``latent [B, 1 + V, D]`` (class token first, visible patches in shuffled order), ``ids_restore
         [B, L]`` -> pixel predictions ``[B, L, p*p*3]`` in patch order."""
         x = self.embed(latent)  # [B, 1+V, Dd]
-        b, l = ids_restore.shape
-        mask_tokens = self.mask_token.expand(b, l + 1 - x.shape[1], -1)
+        b, n = ids_restore.shape
+        mask_tokens = self.mask_token.expand(b, n + 1 - x.shape[1], -1)
         x_ = torch.cat([x[:, 1:], mask_tokens], dim=1)  # [B, L, Dd] shuffled order
         x_ = torch.gather(x_, 1, ids_restore.unsqueeze(-1).expand(-1, -1, x.shape[2]))  # patch order
         x = torch.cat([x[:, :1], x_], dim=1) + self.pos_embed
@@ -228,9 +229,9 @@ class MAEViT(nn.Module):
         """-> latent ``[B, 1 + V, D]`` (class token + visible patches), mask ``[B, L]``, ids_restore ``[B, L]``."""
         enc = self.encoder
         x = enc.patch_embed(imgs)  # [B, L, D]
-        b, l, d = x.shape
+        b, n, d = x.shape
         x = x + enc.pos_embed[:, 1:]
-        ids_keep, mask, ids_restore = random_masking(b, l, mask_ratio, generator)
+        ids_keep, mask, ids_restore = random_masking(b, n, mask_ratio, generator)
         ids_keep, mask, ids_restore = ids_keep.to(x.device), mask.to(x.device), ids_restore.to(x.device)
         x = torch.gather(x, 1, ids_keep.unsqueeze(-1).expand(-1, -1, d))  # [B, V, D]
         cls = (enc.cls_token + enc.pos_embed[:, :1]).expand(b, -1, -1)
@@ -289,11 +290,11 @@ class BEiTViT(nn.Module):
         """Encoded patch tokens ``[B, L, D]`` with masked patches replaced by the mask embedding."""
         enc = self.encoder
         x = enc.patch_embed(imgs)  # [B, L, D]
-        b, l, _ = x.shape
-        if tuple(bool_masked_pos.shape) != (b, l):
-            raise ValueError(f"bool_masked_pos has shape {tuple(bool_masked_pos.shape)}, expected ({b}, {l})")
+        b, n, _ = x.shape
+        if tuple(bool_masked_pos.shape) != (b, n):
+            raise ValueError(f"bool_masked_pos has shape {tuple(bool_masked_pos.shape)}, expected ({b}, {n})")
         w = bool_masked_pos.to(device=x.device, dtype=x.dtype).unsqueeze(-1)
-        x = x * (1.0 - w) + self.mask_token.expand(b, l, -1) * w
+        x = x * (1.0 - w) + self.mask_token.expand(b, n, -1) * w
         x = torch.cat([enc.cls_token.expand(b, -1, -1), x], dim=1) + enc.pos_embed
         x = enc.norm(enc.blocks(enc.pos_drop(x)))
         return x[:, 1:]

@@ -112,9 +112,9 @@ class FineTuneViT(ViTClassifier):
             kind = "imagenet" if self.init_report["init"] == "imagenet" else "checkpoint"
             self.initial_weights = {"init": kind, "path": self.init_report["path"],
                                     "sha256": file_sha256(self.init_report["path"])}
-            logger.info(f"FineTuneViT: encoder initialised from {self.init_report['init']} weights {self.init_report['path']}: "
-                        f"{self.init_report['loaded']} encoder tensors loaded, {len(self.init_report['ignored'])} ignored "
-                        f"(decoder / MIM head), head freshly initialised")
+            logger.info(f"FineTuneViT: encoder initialised from {self.init_report['init']} weights "
+                        f"{self.init_report['path']}: {self.init_report['loaded']} encoder tensors loaded, "
+                        f"{len(self.init_report['ignored'])} ignored (decoder / MIM head), head freshly initialised")
 
     @property
     def init_fix(self) -> str:
@@ -167,7 +167,8 @@ def export_encoder(pretrained_path: str, out: str) -> dict:
     state = read_checkpoint(pretrained_path)
     enc = encoder_state(state)
     if not enc:
-        raise ValueError(f"{pretrained_path} has no encoder.* tensors; pass the FL_global_model.pt of a pre-training run")
+        raise ValueError(f"{pretrained_path} has no encoder.* tensors; pass the FL_global_model.pt of a pre-training "
+                         "run")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     torch.save({k: v.clone() for k, v in enc.items()}, out)
     n = sum(int(v.numel()) for v in enc.values())

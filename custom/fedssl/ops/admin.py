@@ -38,8 +38,8 @@ def run_job_in_session(sess, job_dir: str, *, timeout_s: float = 0, download_to:
         if download_to:
             os.makedirs(download_to, exist_ok=True)
         result_dir = sess.download_job_result(job_id, download_to)
-    return {"job_id": job_id, "status": meta.get("status") if rc == MonitorReturnCode.JOB_FINISHED else f"MONITOR_{rc.name}",
-            "result_dir": result_dir, "job_s": round(time.time() - t0, 1)}
+    return {"job_id": job_id, "status": meta.get("status") if rc == MonitorReturnCode.JOB_FINISHED
+            else f"MONITOR_{rc.name}", "result_dir": result_dir, "job_s": round(time.time() - t0, 1)}
 
 
 def submit_and_download(startup_kit: str, username: str, job_dir: str, *, profile: str | None = None,

@@ -144,10 +144,12 @@ class LoopbackDeployment:
         self.port = self.port or free_port()
         project_yml = os.path.join(self.workspace, "project.yml")
         project = write_project(project_yml, self.n_sites, self.port)
-        out = subprocess.run(["nvflare", "provision", "-p", project_yml, "-w", os.path.join(self.workspace, "provision")],
+        out = subprocess.run(["nvflare", "provision", "-p", project_yml, "-w",
+                              os.path.join(self.workspace, "provision")],
                              capture_output=True, text=True, timeout=300)
         if out.returncode != 0:
-            raise DeploymentError(f"nvflare provision failed ({out.returncode}): {out.stderr[-2000:] or out.stdout[-2000:]}")
+            raise DeploymentError(f"nvflare provision failed ({out.returncode}): "
+                                  f"{out.stderr[-2000:] or out.stdout[-2000:]}")
         prod = os.path.join(self.workspace, "provision", project["name"], "prod_00")
         for p in project["participants"]:
             self.kits[p["name"]] = os.path.join(prod, p["name"])
@@ -171,7 +173,8 @@ class LoopbackDeployment:
         """Start the server, then each site, exactly as the kits' sub_start.sh do (without their restart loop)."""
         self._launch(SERVER, "nvflare.private.fed.app.server.server_train", ["fed_server.json"])
         for i in range(1, self.n_sites + 1):
-            self._launch(f"site-{i}", "nvflare.private.fed.app.client.client_train", ["fed_client.json", f"uid=site-{i}"])
+            self._launch(f"site-{i}", "nvflare.private.fed.app.client.client_train",
+                         ["fed_client.json", f"uid=site-{i}"])
 
     def session(self, timeout: float = 30.0):
         from nvflare.fuel.flare_api.flare_api import new_secure_session
@@ -202,7 +205,8 @@ class LoopbackDeployment:
         if dead:
             raise DeploymentError(f"processes exited early: {dead}; see console.log in their kits")
 
-    def run_job(self, job_dir: str, timeout_s: float = 600.0, download_to: str | None = None, echo: bool = False) -> dict:
+    def run_job(self, job_dir: str, timeout_s: float = 600.0, download_to: str | None = None,
+                echo: bool = False) -> dict:
         """Submit, monitor, download through the FLARE API: {"job_id", "status", "result_dir", "job_s"}, and for
         a job that did not complete "refused": the components a participant refused to build (see refusals)."""
         from fedssl.ops.admin import run_job_in_session
@@ -321,7 +325,8 @@ def deploy_and_run(workspace: str, jobs: list[str], *, n_sites: int, data_root: 
             job = build_job(job_dir, os.path.join(d.workspace, "jobs", os.path.basename(os.path.abspath(job_dir))),
                             profile=profile, sets=sets, n_sites=n_sites)
             r = d.run_job(job, timeout_s=timeout_s)
-            say(f"{os.path.basename(job)}: job {r['job_id']} {r['status']} in {r['job_s']} s; result in {r['result_dir']}")
+            say(f"{os.path.basename(job)}: job {r['job_id']} {r['status']} in {r['job_s']} s; result in "
+                f"{r['result_dir']}")
             if r["status"] != "FINISHED:COMPLETED":
                 cause = "".join(f"; {line}" for line in r.get("refused", []))
                 raise RuntimeError(f"job {r['job_id']} ended {r['status']}{cause}; see {r['result_dir']}")

@@ -279,7 +279,8 @@ def load_profile(profile: str, _seen: tuple[str, ...] = ()) -> dict:
     profile is quick with more pre-training).  A cycle of ``extends`` is an error naming the chain."""
     path = profile if os.path.isfile(profile) else os.path.join(PROFILES_DIR, f"{profile}.json")
     if not os.path.isfile(path):
-        names = sorted(p[:-5] for p in os.listdir(PROFILES_DIR) if p.endswith(".json")) if os.path.isdir(PROFILES_DIR) else []
+        names = (sorted(p[:-5] for p in os.listdir(PROFILES_DIR) if p.endswith(".json")) if os.path.isdir(PROFILES_DIR)
+                 else [])
         raise ValueError(f"profile {profile!r} not found: no such file, nor {path}; available: {names}")
     content = _read_object(path)
     base = content.pop("extends", None)
@@ -400,7 +401,8 @@ def apply_wire(configs: dict[str, dict], wire: dict, where: str) -> None:
             uploads.append(list(entry.get("tasks", [])))
     if not downloads or not uploads:
         raise ValueError(f"{where}: the wire switch finds the exchanged tasks by the server's communication meters "
-                         f"({METER_PATH}) of both directions; this app has {'none' if not downloads + uploads else 'one'}")
+                         f"({METER_PATH}) of both directions; this app has "
+                         f"{'none' if not downloads + uploads else 'one'}")
     for tasks in downloads:  # what the site receives: the dequantiser first
         _client_entry(client.setdefault("task_data_filters", []), tasks)[0:0] = receiving()
     for tasks in uploads:  # what the site sends: banks, then the quantiser, last
@@ -583,7 +585,8 @@ def configured_job(job_dir: str, profile: str | None = None, sets: list[str] = (
     return files
 
 
-def build_job(job_dir: str, out_dir: str, profile: str | None = None, sets: list[str] = (), n_sites: int | None = None) -> str:
+def build_job(job_dir: str, out_dir: str, profile: str | None = None, sets: list[str] = (),
+              n_sites: int | None = None) -> str:
     """Copy ``job_dir`` to ``out_dir`` with the profile and ``--set`` overrides applied (:func:`configured_job`);
     returns ``out_dir``.  Everything is checked before anything is written; ``out_dir`` is replaced only by a
     complete folder, and only if it is new, empty or a job folder (a previous build)."""

@@ -21,7 +21,8 @@ from fedssl.ops.jobs import build_job
 from fedssl.ops.policy import REFUSED, refusals, write_allow_list
 
 RUN_NAME = "simulate_job"
-PROGRESS = re.compile(r"(round \d+/\d+: .*|aggregated \d+/\d+ sites.*|REJECTED.*|task \w+ failed: .*|summary written.*)")
+PROGRESS = re.compile(r"(round \d+/\d+: .*|aggregated \d+/\d+ sites.*|REJECTED.*|task \w+ failed: .*|summary "
+                      r"written.*)")
 DUPLICATE = re.compile(r"(\S+) already contributed to round (\d+); duplicate discarded")
 REJECTED = re.compile(r"Contribution from (\S+) REJECTED by the aggregator at round (\d+)")
 #: FLARE's ComponentPathAuthorizer refusing a component, and the config file it was in (<site>/<run>/app_*/config/)
@@ -135,7 +136,8 @@ def run_simulation(
             shutil.rmtree(path)
     # the simulator deletes every party's workspace (site config dir included) before each run, so the parties'
     # secrets (fedssl.flare.party_folder) live beside it: a rerun into this workspace repeats them, another draws anew
-    env = dict(os.environ, FEDSSL_DATA_ROOT=data_root, PYTHONUNBUFFERED="1", **{SECRETS_DIR_ENV: secrets_dir(workspace)})
+    env = dict(os.environ, FEDSSL_DATA_ROOT=data_root, PYTHONUNBUFFERED="1",
+               **{SECRETS_DIR_ENV: secrets_dir(workspace)})
     # all sites share this machine's cores: one process per site, so split the cores between them
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n_sites)))
     threads = threads or n_sites  # -t = -n: no client restarts between tasks

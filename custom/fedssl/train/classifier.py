@@ -1,4 +1,5 @@
-"""Federated fine-tuning of the ViT classifier on one site (SSL-FL (Yan et al., IEEE TMI 2023) sec. III-D; FedMAE-KS, Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis") as a
+"""Federated fine-tuning of the ViT classifier on one site (SSL-FL (Yan et al., IEEE TMI 2023) sec. III-D; FedMAE-KS, Wu
+et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis") as a
 :class:`fedssl.core.trainer.LocalTrainer`.
 
 The site's images are split (stratified) into a training pool and a VALIDATION split (``train_val_split``,
@@ -19,6 +20,7 @@ global generators: each epoch runs in the owned global RNG of (site seed, step c
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -39,111 +41,147 @@ from fedssl.data.images import (
     select_labelled,
     train_val_split,
 )
-from fedssl.data.loading import check_workers, loader_options
+from fedssl.data.loading import loader_options
 from fedssl.models.vit_classifier import FineTuneViT, check_vit_args
 
 
-def check_classifier_args(name: str, a: Mapping[str, Any]) -> None:
-    """The arguments of a fine-tuning component (``ClassifierExecutor``), every one checked; the message names
-    argument, value and fix."""
-    require_choice(name, "dataset", a["dataset"], DATASETS)
-    for arg in ("data_root", "test_root"):
-        require(isinstance(a[arg], str), name, arg, a[arg], "use a path string ({site} allowed) or \"\"")
-    check_vit_args(name, a["image_size"], a["patch_size"], a["embed_dim"], a["depth"], a["num_heads"],
-                   a["drop_path_rate"], a["layer_scale"])
-    lr, min_lr = a["lr"], a["min_lr"]
-    require(isinstance(lr, (int, float)) and lr > 0, name, "lr", lr, "use a positive learning rate (paper: 3e-3)")
-    require(isinstance(min_lr, (int, float)) and 0 <= min_lr < lr, name, "min_lr", min_lr, "use 0 <= min_lr < lr")
-    require_int(name, "batch_size", a["batch_size"], 1, "use a positive batch size (paper: 256; COVID-FL 64)")
-    require_int(name, "local_epochs", a["local_epochs"], 1, "use a positive number of epochs per round (paper: 1)")
-    warmup = a["warmup_rounds"]
-    require(isinstance(warmup, (int, float)) and not isinstance(warmup, bool) and warmup >= 0,
-            name, "warmup_rounds", warmup, "use a number of rounds >= 0 (paper: 5)")
-    wd = a["weight_decay"]
-    require(isinstance(wd, (int, float)) and wd >= 0, name, "weight_decay", wd, "paper: 0.05")
-    frac = a["label_fraction"]
-    require(isinstance(frac, (int, float)) and 0 < frac <= 1, name, "label_fraction", frac,
-            "use a fraction in (0, 1]; paper: 0.1, 0.3, 0.7 or 1.0")
-    val = a["val_fraction"]
-    require(isinstance(val, (int, float)) and 0 < val < 1, name, "val_fraction", val,
-            "use a fraction in (0, 1): model selection needs validation images, e.g. 0.1")
-    mu = a["fedprox_mu"]
-    require(isinstance(mu, (int, float)) and mu >= 0, name, "fedprox_mu", mu,
-            "use 0 (FedAvg) or a positive mu (paper's FedProx: 0.001)")
-    ls = a["label_smoothing"]
-    require(isinstance(ls, (int, float)) and 0 <= ls < 1, name, "label_smoothing", ls, "use a value in [0, 1)")
-    decay = a["layer_decay"]
-    require(isinstance(decay, (int, float)) and not isinstance(decay, bool) and 0 < decay <= 1, name,
-            "layer_decay", decay, "use a factor in (0, 1] (paper: 0.65; 1.0 = no decay)")
-    require_int(name, "max_steps_per_epoch", a["max_steps_per_epoch"], 0,
-                "use 0 (full epoch) or a positive step count per local epoch")
-    require_int(name, "eval_batch_size", a["eval_batch_size"], 1, "use a positive batch size")
-    if "amp" in a:
-        require_amp(name, a["amp"])
-    require_workers(name, a.get("workers", 0))
-    require_int(name, "seed", a["seed"], 0, "use a non-negative integer")
-    device = a["device"]
-    require(isinstance(device, str) and device.split(":")[0] in ("auto", "cpu", "cuda"), name, "device", device,
-            'use "auto", "cpu" or "cuda[:N]"')
+@dataclass(frozen=True)
+class ClassifierSettings:
+    """Every setting of a site's ViT fine-tuning, declared once: the job arguments of ``ClassifierExecutor`` and what
+    :class:`ClassifierLocalTrainer` reads (paper settings as defaults: SSL-FL fine-tuning, 100 rounds, lr 3e-3,
+    batch 256, 64 for COVID-FL).
+
+    dataset: "retina", "derm" or "covidfl" (the class list).
+    data_root: the site's data folder ("" = the site's fedssl_site.json or FEDSSL_DATA_ROOT); ``{site}`` is replaced
+        by the site name.  test_root: the test data folder ("" = ``<data_root>/../test``, the partition's held-out
+        test set).
+    image_size, patch_size, embed_dim, depth, num_heads, drop_path_rate, layer_scale: the ViT (must match the
+        server's model component; layer_scale null for Fed-MAE / scratch, 0.1 for a Fed-BEiT encoder).
+    lr, min_lr, warmup_rounds, weight_decay: AdamW with warm-up then cosine, indexed by round.
+    batch_size, local_epochs: local training per round (SSL-FL: 1 epoch).
+    label_fraction: labelled fraction of the training pool, per class (SSL-FL: 0.1, 0.3, 0.7, 1.0).
+    val_fraction: fraction of the site's pool held out (stratified) for validation / model selection.
+    fedprox_mu: 0 = FedAvg; SSL-FL's FedProx baseline uses 0.001.
+    label_smoothing: cross-entropy label smoothing (0 = none).
+    layer_decay: layer-wise lr decay (SSL-FL's fine-tuning scripts: 0.65; 1.0 = one lr for all layers).
+    max_steps_per_epoch: cap on optimiser steps per local epoch (0 = full epoch).
+    eval_batch_size: batch size of validation and test passes.
+    seed: the job seed: initial weights; the site's data seed ``site_seed(seed, site)`` draws the data split,
+        labelled subset, batches and augmentation.
+    device: "auto" (CUDA when available), "cpu", "cuda", "cuda:1" ...
+    amp: bfloat16 autocast of the forward pass on GPUs that support it (float16 + gradient scaler on older ones);
+        no effect on a CPU.
+    workers: DataLoader worker processes that decode and augment the next batches (0 = in this process; the batches
+        are the same either way); batches are pinned on a CUDA device.
+    """
+
+    dataset: str = "retina"
+    data_root: str = ""
+    test_root: str = ""
+    image_size: int = 224
+    patch_size: int = 16
+    embed_dim: int = 768
+    depth: int = 12
+    num_heads: int = 12
+    drop_path_rate: float = 0.1
+    layer_scale: float | None = None
+    lr: float = 3e-3
+    batch_size: int = 256
+    local_epochs: int = 1
+    warmup_rounds: int = 5
+    min_lr: float = 1e-6
+    weight_decay: float = 0.05
+    label_fraction: float = 1.0
+    val_fraction: float = 0.1
+    fedprox_mu: float = 0.0
+    label_smoothing: float = 0.0
+    layer_decay: float = 0.65
+    max_steps_per_epoch: int = 0
+    eval_batch_size: int = 256
+    seed: int = 0
+    device: str = "auto"
+    amp: bool = False
+    workers: int = 0
+
+    def check(self, name: str) -> None:
+        """Every argument checked; the message names component ``name``, the argument, its value and the fix."""
+        require_choice(name, "dataset", self.dataset, DATASETS)
+        for arg in ("data_root", "test_root"):
+            require(isinstance(getattr(self, arg), str), name, arg, getattr(self, arg),
+                    "use a path string ({site} allowed) or \"\"")
+        check_vit_args(name, self.image_size, self.patch_size, self.embed_dim, self.depth, self.num_heads,
+                       self.drop_path_rate, self.layer_scale)
+        lr, min_lr = self.lr, self.min_lr
+        require(isinstance(lr, (int, float)) and lr > 0, name, "lr", lr, "use a positive learning rate (paper: 3e-3)")
+        require(isinstance(min_lr, (int, float)) and 0 <= min_lr < lr, name, "min_lr", min_lr, "use 0 <= min_lr < lr")
+        require_int(name, "batch_size", self.batch_size, 1, "use a positive batch size (paper: 256; COVID-FL 64)")
+        require_int(name, "local_epochs", self.local_epochs, 1, "use a positive number of epochs per round (paper: 1)")
+        warmup = self.warmup_rounds
+        require(isinstance(warmup, (int, float)) and not isinstance(warmup, bool) and warmup >= 0,
+                name, "warmup_rounds", warmup, "use a number of rounds >= 0 (paper: 5)")
+        wd = self.weight_decay
+        require(isinstance(wd, (int, float)) and wd >= 0, name, "weight_decay", wd, "paper: 0.05")
+        frac = self.label_fraction
+        require(isinstance(frac, (int, float)) and 0 < frac <= 1, name, "label_fraction", frac,
+                "use a fraction in (0, 1]; paper: 0.1, 0.3, 0.7 or 1.0")
+        val = self.val_fraction
+        require(isinstance(val, (int, float)) and 0 < val < 1, name, "val_fraction", val,
+                "use a fraction in (0, 1): model selection needs validation images, e.g. 0.1")
+        mu = self.fedprox_mu
+        require(isinstance(mu, (int, float)) and mu >= 0, name, "fedprox_mu", mu,
+                "use 0 (FedAvg) or a positive mu (paper's FedProx: 0.001)")
+        ls = self.label_smoothing
+        require(isinstance(ls, (int, float)) and 0 <= ls < 1, name, "label_smoothing", ls, "use a value in [0, 1)")
+        decay = self.layer_decay
+        require(isinstance(decay, (int, float)) and not isinstance(decay, bool) and 0 < decay <= 1, name,
+                "layer_decay", decay, "use a factor in (0, 1] (paper: 0.65; 1.0 = no decay)")
+        require_int(name, "max_steps_per_epoch", self.max_steps_per_epoch, 0,
+                    "use 0 (full epoch) or a positive step count per local epoch")
+        require_int(name, "eval_batch_size", self.eval_batch_size, 1, "use a positive batch size")
+        require_amp(name, self.amp)
+        require_workers(name, self.workers)
+        require_int(name, "seed", self.seed, 0, "use a non-negative integer")
+        device = self.device
+        require(isinstance(device, str) and device.split(":")[0] in ("auto", "cpu", "cuda"), name, "device", device,
+                'use "auto", "cpu" or "cuda[:N]"')
 
 
 class ClassifierLocalTrainer:
-    """One site's federated fine-tuning of :class:`~fedssl.models.vit_classifier.FineTuneViT` (a ``LocalTrainer``).
+    """One site's federated fine-tuning of :class:`~fedssl.models.vit_classifier.FineTuneViT` (a ``LocalTrainer``)
+    with the settings of a :class:`ClassifierSettings`.
 
-    Args (paper settings as defaults: SSL-FL fine-tuning, lr 3e-3, batch 256, 64 for COVID-FL):
-        records: the site's labelled images; site: its name in messages; num_rounds: the schedule's length.
-        dataset: "retina", "derm" or "covidfl" (the class list).
-        image_size, patch_size, embed_dim, depth, num_heads, drop_path_rate, layer_scale: the ViT (must match
-            the server's model component; layer_scale null for Fed-MAE / scratch, 0.1 for a Fed-BEiT encoder).
-        lr, min_lr, warmup_rounds, weight_decay: AdamW with warm-up then cosine, indexed by round.
-        batch_size, local_epochs: local training per round (SSL-FL: 1 epoch).
-        label_fraction: labelled fraction of the training pool, per class (SSL-FL: 0.1, 0.3, 0.7, 1.0).
-        val_fraction: fraction of the site's pool held out (stratified) for validation / model selection.
-        fedprox_mu: 0 = FedAvg; SSL-FL's FedProx baseline uses 0.001.
-        label_smoothing: cross-entropy label smoothing (0 = none).
-        layer_decay: layer-wise lr decay (SSL-FL's fine-tuning scripts: 0.65; 1.0 = one lr for all layers).
-        max_steps_per_epoch: cap on optimiser steps per local epoch (0 = full epoch).
-        eval_batch_size: batch size of validation and test passes.
-        seed: the job seed: initial weights; the site's data seed ``site_seed(seed, site)`` draws the data split,
-            labelled subset, batches and augmentation.
-        device: a torch device.
-        amp: bfloat16 autocast on GPUs that support it (float16 + gradient scaler on older ones).
-        workers: DataLoader worker processes that decode and augment the next batches (0 = in this process;
-            the batches are the same either way); batches are pinned on a CUDA device.
+    records: the site's labelled images; site: its name in messages; num_rounds: the schedule's length; device: a
+    torch device (the executor resolves the settings' "auto").
     """
 
-    def __init__(self, records: Sequence[ImageRecord], *, num_rounds: int, site: str = "?", dataset: str = "retina",
-                 image_size: int = 224, patch_size: int = 16, embed_dim: int = 768, depth: int = 12,
-                 num_heads: int = 12, drop_path_rate: float = 0.1, layer_scale: float | None = None, lr: float = 3e-3,
-                 batch_size: int = 256, local_epochs: int = 1, warmup_rounds: float = 5, min_lr: float = 1e-6,
-                 weight_decay: float = 0.05, label_fraction: float = 1.0, val_fraction: float = 0.1,
-                 fedprox_mu: float = 0.0, label_smoothing: float = 0.0, layer_decay: float = 0.65,
-                 max_steps_per_epoch: int = 0, eval_batch_size: int = 256, seed: int = 0,
-                 device: str | torch.device = "cpu", amp: bool = False, workers: int = 0):
-        self.workers = check_workers(workers, type(self).__name__)
-        self.site, self.dataset, self.image_size, self.seed = site, dataset, image_size, seed
-        self.data_seed = data_seed = site_seed(seed, site)
-        self.batch_size, self.local_epochs, self.eval_batch_size = batch_size, local_epochs, eval_batch_size
-        self.max_steps_per_epoch = max_steps_per_epoch
-        self.classes = class_names(dataset)
-        train, val = train_val_split(records, val_fraction, seed=data_seed)
+    def __init__(self, records: Sequence[ImageRecord], settings: ClassifierSettings, *, num_rounds: int,
+                 site: str = "?", device: str | torch.device = "cpu"):
+        s = settings
+        s.check(type(self).__name__)
+        self.settings, self.workers = s, int(s.workers)
+        self.site, self.dataset, self.image_size, self.seed = site, s.dataset, s.image_size, s.seed
+        self.data_seed = data_seed = site_seed(s.seed, site)
+        self.batch_size, self.local_epochs, self.eval_batch_size = s.batch_size, s.local_epochs, s.eval_batch_size
+        self.max_steps_per_epoch = s.max_steps_per_epoch
+        self.classes = class_names(s.dataset)
+        train, val = train_val_split(records, s.val_fraction, seed=data_seed)
         if not val:
-            raise ValueError(f"{site}: val_fraction={val_fraction} of {len(records)} images leaves no validation "
+            raise ValueError(f"{site}: val_fraction={s.val_fraction} of {len(records)} images leaves no validation "
                              "image; raise val_fraction or add images")
-        labelled = select_labelled(train, label_fraction, seed=data_seed)
-        self.train_set = ImageDataset(labelled, image_size, "finetune", dataset, site=site, seed=data_seed)
-        self.val_set = ImageDataset(val, image_size, "eval", dataset, site=site)
+        labelled = select_labelled(train, s.label_fraction, seed=data_seed)
+        self.train_set = ImageDataset(labelled, s.image_size, "finetune", s.dataset, site=site, seed=data_seed)
+        self.val_set = ImageDataset(val, s.image_size, "eval", s.dataset, site=site)
         self.test_set: ImageDataset | None = None
-        model = FineTuneViT(num_classes=len(self.classes), image_size=image_size, patch_size=patch_size,
-                            embed_dim=embed_dim, depth=depth, num_heads=num_heads, drop_path_rate=drop_path_rate,
-                            layer_scale=layer_scale, seed=seed).to(device)
+        model = FineTuneViT(num_classes=len(self.classes), image_size=s.image_size, patch_size=s.patch_size,
+                            embed_dim=s.embed_dim, depth=s.depth, num_heads=s.num_heads,
+                            drop_path_rate=s.drop_path_rate, layer_scale=s.layer_scale, seed=s.seed).to(device)
         self.trainer = ClassifierTrainer(
-            model, lr=lr, total_rounds=num_rounds, warmup_rounds=min(warmup_rounds, num_rounds), min_lr=min_lr,
-            weight_decay=weight_decay, fedprox_mu=fedprox_mu, label_smoothing=label_smoothing,
-            layer_decay=layer_decay, device=device, seed=data_seed, amp=amp)
+            model, lr=s.lr, total_rounds=num_rounds, warmup_rounds=min(s.warmup_rounds, num_rounds), min_lr=s.min_lr,
+            weight_decay=s.weight_decay, fedprox_mu=s.fedprox_mu, label_smoothing=s.label_smoothing,
+            layer_decay=s.layer_decay, device=device, seed=data_seed, amp=s.amp)
         #: one line for the site's log
         self.summary = (f"{len(records)} images -> {len(train)} training pool, {len(val)} validation; "
-                        f"{len(labelled)} labelled ({label_fraction:g}) per class "
+                        f"{len(labelled)} labelled ({s.label_fraction:g}) per class "
                         f"{class_histogram(labelled, len(self.classes))}; device {self.trainer.device}")
 
     @property
@@ -173,7 +211,8 @@ class ClassifierLocalTrainer:
 
         for epoch in range(self.local_epochs):
             progress = round_idx + epoch / self.local_epochs
-            data = batches(self.train_set, self.batch_size, seed=self.data_seed, epoch=round_idx * self.local_epochs + epoch,
+            data = batches(self.train_set, self.batch_size, seed=self.data_seed,
+                           epoch=round_idx * self.local_epochs + epoch,
                            fold_single=True, **loader_options(self.workers, self.trainer.device))
             losses.append(trainer.train_round(data, progress, n_steps=n_steps * self.local_epochs,
                                               max_steps=self.max_steps_per_epoch or None, abort=stop))

@@ -32,22 +32,24 @@ they were.  The task count is in the restart state, and two tasks of one turn (s
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from fedssl.core.checks import require, require_choice, require_int
+from fedssl.core.checks import require, require_amp, require_choice, require_int, require_workers
 from fedssl.core.rng import owned_global_rng
 from fedssl.core.seeds import derived_seed, site_seed
 from fedssl.core.trainer import MixedPrecision, RoundStats, detached, load_checked, stoppable
 from fedssl.core.vlp import STAGES, FedDRAConfig, trainable_names
-from fedssl.data.loading import check_workers, load_batches, loader_options
-from fedssl.data.vlp import VLPDataset, VLPRecord
-from fedssl.data.vocab import tokenize
+from fedssl.data.loading import load_batches, loader_options
+from fedssl.data.vlp import COLOURS, VLPDataset, VLPRecord, load_manifest
+from fedssl.data.vocab import load_vocab, make_tokenizer, tokenize
 from fedssl.eval.retrieval import matched_cosine, text_to_image_recall
-from fedssl.models.vlp import ALIGNMENT_PREFIXES, VisionLanguageModel
+from fedssl.models.vlp import ALIGNMENT_PREFIXES, VisionLanguageModel, check_model_args
 
 #: the retrieval batch of the paper's protocol ("for each text in a batch of image-text pairs")
 RETRIEVAL_BATCH = 100
@@ -74,41 +76,149 @@ def split_holdout(records: Sequence[VLPRecord], fraction: float, seed: int, min_
     return [r for r in records if r.study not in held], [r for r in records if r.study in held]
 
 
+def site_records(root: str, source_root: str, site: str) -> tuple[list[VLPRecord], list[VLPRecord]]:
+    """(train, test) pairs of the site's ``<root>/manifest.csv`` (``fedssl feddra split`` writes one per site); its
+    relative paths start from ``source_root`` (``{site}`` replaced; "" = ``root``)."""
+    source = source_root.replace("{site}", site) if source_root else root
+    recs = load_manifest(os.path.join(root, "manifest.csv"), source, site=site)
+    return [r for r in recs if r.split == "train"], [r for r in recs if r.split == "test"]
+
+
+def site_tokenizer(site: str, tokenizer_path: str, vocab_path: str):
+    """The site's tokenizer: the local Hugging Face one at ``tokenizer_path``, or (when that is "") the vocabulary the
+    federation built, saved at ``vocab_path`` by the set_vocab task."""
+    if tokenizer_path:
+        return make_tokenizer(path=tokenizer_path)
+    if not os.path.isfile(vocab_path):
+        raise ValueError(f"{site}: no vocabulary at {vocab_path}; the job needs the FederatedVocabulary workflow "
+                         "before training, or set tokenizer_path to a local Hugging Face tokenizer folder")
+    return make_tokenizer(vocab=load_vocab(vocab_path))
+
+
+#: the settings that build the site's VisionLanguageModel (the server's ``model`` component takes the same)
+MODEL_KEYS = ("preset", "vocab_size", "proj_dim", "image_size", "in_chans", "text_weights", "image_weights")
+
+
+@dataclass(frozen=True)
+class FedDRASettings:
+    """Paper settings as defaults (MIMIC-CXR, sec. 5.1 and appendix); every job argument of ``FedDRAExecutor``.
+
+    data_root: the site folder holding ``manifest.csv``; "" = site config / FEDSSL_DATA_ROOT ("{site}" ok).
+    source_root: the folder the manifest's relative paths start from ("" = data_root).
+    preset, vocab_size, proj_dim, image_size, in_chans, text_weights, image_weights: the VisionLanguageModel
+        arguments (:data:`MODEL_KEYS`), the same as the server's ``model`` component (``shape.*`` in a profile
+        sets both).
+    tokenizer_path: a local Hugging Face tokenizer folder; "" = the vocabulary built by the federation.
+    colour: "grey" (chest X-rays) or "rgb" (fundus photographs).
+    batch_size: pairs per batch; lr: AdamW's (x the DRO factor of the task); weight_decay: AdamW's.
+    mu: anchor weight (paper: 5; 0 = no anchor); tau: InfoNCE temperature (the authors' code: 0.07).
+    align_steps / steps: batches of stage 1 (the authors' code: 20) and stage 2 (paper: 50) per turn.
+    holdout_fraction: training pairs held out for v_i (DRO's client loss), at least ``dro_batch`` of them.
+    dro_batch: the batch of v_i, the same on every site (InfoNCE depends on it).
+    max_text_len: the reports' token budget (paper: 128).
+    min_word_count: the fewest occurrences on this site for a word to be counted in the vocabulary exchange.
+    seed: the job seed (the data side of a site draws from ``site_seed(seed, site)``).
+    device: "auto" (CUDA when available), "cpu", "cuda", "cuda:1" ...
+    amp: bfloat16 autocast on GPUs that support it (float16 + gradient scaler on older ones).
+    workers: DataLoader worker processes that decode and augment the next batches (0 = in the training process; the
+        same batches either way), pinned on a CUDA device.
+    """
+
+    data_root: str = ""
+    source_root: str = ""
+    preset: str = "base"
+    vocab_size: int = 30522
+    proj_dim: int = 128
+    image_size: int = 0
+    in_chans: int = 0
+    text_weights: str = ""
+    image_weights: str = ""
+    tokenizer_path: str = ""
+    colour: str = "grey"
+    batch_size: int = 32
+    lr: float = 2e-5
+    weight_decay: float = 0.05
+    mu: float = 5.0
+    tau: float = 0.07
+    align_steps: int = 20
+    steps: int = 50
+    holdout_fraction: float = 0.1
+    dro_batch: int = 16
+    max_text_len: int = 128
+    min_word_count: int = 5
+    seed: int = 0
+    device: str = "auto"
+    amp: bool = False
+    workers: int = 0
+
+    def check(self, name: str) -> None:
+        """Every argument checked; a ValueError names the component, the argument, its value and the fix."""
+        check_model_args(**self.model_args)
+        require(isinstance(self.data_root, str) and isinstance(self.source_root, str), name, "data_root",
+                self.data_root, 'use path strings or ""')
+        require(isinstance(self.tokenizer_path, str), name, "tokenizer_path", self.tokenizer_path,
+                'use a folder path or ""')
+        require_choice(name, "colour", self.colour, COLOURS)
+        require_int(name, "min_word_count", self.min_word_count, 2,
+                    "use 2 or more (5: a word seen fewer times never leaves the site)")
+        self.loss_config()
+        require_amp(name, self.amp)
+        require_workers(name, self.workers)
+        require_int(name, "batch_size", self.batch_size, 2, "use a batch of at least 2 pairs (paper: 288-388)")
+        require_int(name, "align_steps", self.align_steps, 0, "use the stage-1 steps per turn (the authors' code: 20)")
+        require_int(name, "steps", self.steps, 1, "use the stage-2 / FedAvg steps per turn (paper: 50)")
+        require_int(name, "dro_batch", self.dro_batch, 2,
+                    "use the batch of the held-out loss v_i, the same on every site (16)")
+        require_int(name, "max_text_len", self.max_text_len, 8, "use a token budget of at least 8 (paper: 128)")
+        require(isinstance(self.lr, (int, float)) and self.lr > 0, name, "lr", self.lr,
+                "use a learning rate > 0 (paper: 2e-5)")
+        require(isinstance(self.holdout_fraction, (int, float)) and 0 <= self.holdout_fraction < 1, name,
+                "holdout_fraction", self.holdout_fraction,
+                "use a fraction in [0, 1) of the training pairs for the DRO loss (0.1)")
+
+    @property
+    def model_args(self) -> dict[str, Any]:
+        """The VisionLanguageModel arguments among the settings (:data:`MODEL_KEYS`)."""
+        return {k: getattr(self, k) for k in MODEL_KEYS}
+
+    def loss_config(self) -> FedDRAConfig:
+        """The local objective (:class:`fedssl.core.vlp.FedDRAConfig`: mu, tau), checked."""
+        return FedDRAConfig(mu=self.mu, tau=self.tau)
+
+
 class FedDRALocalTrainer:
-    def __init__(self, train_records: Sequence[VLPRecord], test_records: Sequence[VLPRecord], *, tokenizer,
-                 model_args: Mapping[str, Any], site: str = "site", batch_size: int = 32, lr: float = 2e-5,
-                 weight_decay: float = 0.05, mu: float = 5.0, tau: float = 0.07, align_steps: int = 20,
-                 steps: int = 50, holdout_fraction: float = 0.1, dro_batch: int = 16, max_text_len: int = 128,
-                 seed: int = 0,
-                 retrieval_batch: int = RETRIEVAL_BATCH, augment: bool = True, colour: str = "grey",
-                 device: torch.device | str = "cpu", amp: bool = False, workers: int = 0):
-        name = type(self).__name__
-        self.workers = check_workers(workers, name)
+    """One site's FedDRA training (a ``LocalTrainer``) with the settings of a :class:`FedDRASettings`.
+
+    ``tokenizer``: the site's (the federation's vocabulary or a local one); ``device``: the torch device (the
+    executor resolves the settings' "auto"); ``model_seed``: the seed of the model's initial weights (0, as the
+    server's model component; a local run may tie it to its own seed); ``retrieval_batch``: the batch of the
+    retrieval protocol (paper: 100); ``augment``: training augmentation (off for tests by hand).
+    """
+
+    def __init__(self, train_records: Sequence[VLPRecord], test_records: Sequence[VLPRecord], settings: FedDRASettings,
+                 *, tokenizer, site: str = "site", device: torch.device | str = "cpu", model_seed: int | None = 0,
+                 retrieval_batch: int = RETRIEVAL_BATCH, augment: bool = True):
+        name, s = type(self).__name__, settings
+        s.check(name)
+        self.settings, self.workers = s, int(s.workers)
         require(len(train_records) >= 2, name, "train_records", len(train_records),
                 f"{site} needs at least 2 image-report pairs to train")
-        require_int(name, "batch_size", batch_size, 2, "use a batch of at least 2 pairs (paper: 288-388)")
-        require_int(name, "align_steps", align_steps, 0, "use the stage-1 steps per turn (the authors' code: 20)")
-        require_int(name, "steps", steps, 1, "use the stage-2 / FedAvg steps per turn (paper: 50)")
-        require_int(name, "dro_batch", dro_batch, 2, "use the batch of the held-out loss v_i, the same on every site (16)")
-        require_int(name, "max_text_len", max_text_len, 8, "use a token budget of at least 8 (paper: 128)")
         require_int(name, "retrieval_batch", retrieval_batch, 2, "use the retrieval batch (paper protocol: 100)")
-        require(isinstance(lr, (int, float)) and lr > 0, name, "lr", lr, "use a learning rate > 0 (paper: 2e-5)")
-        require(isinstance(holdout_fraction, (int, float)) and 0 <= holdout_fraction < 1, name, "holdout_fraction",
-                holdout_fraction, "use a fraction in [0, 1) of the training pairs for the DRO loss (0.1)")
-        self.cfg = FedDRAConfig(mu=mu, tau=tau)
-        self.site, self.seed, self.batch_size, self.lr, self.weight_decay = site, seed, batch_size, lr, weight_decay
-        self.align_steps, self.steps, self.max_text_len, self.retrieval_batch = align_steps, steps, max_text_len, retrieval_batch
+        self.cfg = s.loss_config()
+        self.site, self.seed, self.batch_size, self.lr = site, s.seed, s.batch_size, s.lr
+        self.weight_decay, self.align_steps, self.steps = s.weight_decay, s.align_steps, s.steps
+        self.max_text_len, self.retrieval_batch = s.max_text_len, retrieval_batch
         self.device = torch.device(device)
         self.tokenizer = tokenizer
-        self.model = VisionLanguageModel(**dict(model_args)).to(self.device)
-        self.precision = MixedPrecision(self.device, amp)  # bfloat16 autocast on GPUs that support it
+        self.model = VisionLanguageModel(**s.model_args, seed=model_seed).to(self.device)
+        self.precision = MixedPrecision(self.device, s.amp)  # bfloat16 autocast on GPUs that support it
         size, chans = self.model.image_size, self.model.in_chans
-        own = self.data_seed = site_seed(seed, site)
-        self.dro_batch = dro_batch
-        fit, held = split_holdout(train_records, holdout_fraction, own, min_pairs=dro_batch)
+        own = self.data_seed = site_seed(s.seed, site)
+        self.dro_batch = s.dro_batch
+        fit, held = split_holdout(train_records, s.holdout_fraction, own, min_pairs=s.dro_batch)
         if len(fit) < 2:
             fit, held = list(train_records), []
-        data = dict(channels=chans, seed=own, colour=colour, site=site)
+        data = dict(channels=chans, seed=own, colour=s.colour, site=site)
         self.fit = VLPDataset(fit, size, augment=augment, **data)
         self.held = VLPDataset(held, size, augment=False, **data) if held else None
         self.test = VLPDataset(list(test_records), size, augment=False, **data) if test_records else None
@@ -228,9 +338,9 @@ class FedDRALocalTrainer:
 
     @torch.no_grad()
     def holdout_metrics(self) -> dict[str, float]:
-        """v_i (``dro_loss``): the contrastive loss on the held-out pairs, in consecutive batches of ``dro_batch`` pairs,
-        the same on every site (InfoNCE grows with the batch: ln B at chance), the remainder left out (a smaller batch
-        only when the site holds fewer pairs), and the cosine of matched / unmatched held-out
+        """v_i (``dro_loss``): the contrastive loss on the held-out pairs, in consecutive batches of ``dro_batch``
+        pairs, the same on every site (InfoNCE grows with the batch: ln B at chance), the remainder left out (a smaller
+        batch only when the site holds fewer pairs), and the cosine of matched / unmatched held-out
         pairs (the paper's Fig. 4d-f, per turn); {} when nothing is held out."""
         if self.held is None:
             return {}

@@ -1,13 +1,14 @@
-"""Masked-image-modelling pre-training of one site (Fed-MAE / Fed-BEiT, SSL-FL (Yan et al., IEEE TMI 2023); FedMAE-KS, Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis")
-as a :class:`fedssl.core.trainer.LocalTrainer`, and the site's side of the federated k-means tokenizer.
+"""Masked-image-modelling pre-training of one site (Fed-MAE / Fed-BEiT, SSL-FL (Yan et al., IEEE TMI 2023); FedMAE-KS,
+Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis") as a
+:class:`fedssl.core.trainer.LocalTrainer`, and the site's side of the federated k-means tokenizer.
 
 - :class:`MIMLocalTrainer`: the site's unlabelled images (:class:`fedssl.data.images.ImageDataset`, mode
   ``pretrain``) -> :class:`fedssl.core.mim.MIMTrainer` for ``local_epochs`` epochs per round (learning rate:
   warm-up then cosine to ``min_lr``, indexed by round); ``samples`` = |D_k|, every image of the site (SSL-FL
   weights the average by local data size).  Data-side randomness (augmentation, batch order, masks, the k-means
   image sample) uses the site's seed ``fedssl.core.seeds.site_seed(seed, site)``; the model's initial weights
-  use the job seed, so every site builds the same initial model.  Knowledge split (FedMAE-KS): keys the server declared excluded keep this
-  site's values; any other missing or unexpected key is an error.
+  use the job seed, so every site builds the same initial model.  Knowledge split (FedMAE-KS): keys the server declared
+  excluded keep this site's values; any other missing or unexpected key is an error.
 - :class:`KMeansPatches`: seeded samples of the site's patch vectors and its k-means answers (local
   centroids, E-step statistics), each a mean or sum of at least ``min_cluster_size`` patch vectors; no image
   or patch leaves the site.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -39,7 +41,7 @@ from fedssl.core.tokenizer import (
 )
 from fedssl.core.trainer import RoundStats, check_stop, detached, load_checked
 from fedssl.data.images import DATASETS, ImageDataset, ImageRecord, batches
-from fedssl.data.loading import check_workers, loader_options
+from fedssl.data.loading import loader_options
 from fedssl.models.vit import BEiTViT, MAEViT
 from fedssl.models.vit_classifier import check_vit_args
 
@@ -48,55 +50,129 @@ def _positive_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
-def check_mim_args(name: str, a: Mapping[str, Any]) -> None:
-    """The arguments of a MIM component (``MIMExecutor``), every one checked; the message names argument, value and fix."""
-    require_choice(name, "method", a["method"], METHODS)
-    require_choice(name, "dataset", a["dataset"], DATASETS)
-    require(isinstance(a["data_root"], str), name, "data_root", a["data_root"], 'use a path string or ""')
-    # the encoder's shape: the same checks as every ViT component (no drop path in pre-training)
-    check_vit_args(name, a["image_size"], a["patch_size"], a["embed_dim"], a["depth"], a["num_heads"], 0.0)
-    decoder_num_heads = a["decoder_num_heads"]
-    require_int(name, "decoder_num_heads", decoder_num_heads, 1, "use a positive number of heads (MAE: 16)")
-    dec_dim = a["decoder_embed_dim"]
-    require(isinstance(dec_dim, int) and not isinstance(dec_dim, bool) and dec_dim > 0
-            and dec_dim % decoder_num_heads == 0, name, "decoder_embed_dim", dec_dim,
-            f"use a positive multiple of decoder_num_heads={decoder_num_heads} (MAE: 512)")
-    require_int(name, "decoder_depth", a["decoder_depth"], 1, "use a positive number of decoder blocks (MAE: 8)")
-    require(isinstance(a["norm_pix_loss"], bool), name, "norm_pix_loss", a["norm_pix_loss"], "use true or false")
-    require_int(name, "vocab_size", a["vocab_size"], 2, "use the number of visual tokens (DALL-E: 8192)")
-    mask_ratio = a["mask_ratio"]
-    require(isinstance(mask_ratio, (int, float)) and not isinstance(mask_ratio, bool) and 0 < mask_ratio < 1,
-            name, "mask_ratio", mask_ratio, "use a fraction in (0, 1): MAE 0.6 (SSL-FL) / 0.75 (FedMAE), BEiT 0.4")
-    require(_positive_number(a["lr"]), name, "lr", a["lr"], "use a positive learning rate (Table I, e.g. 1e-3)")
-    require(isinstance(a["lr_per_256"], bool), name, "lr_per_256", a["lr_per_256"],
-            "use false (lr is the absolute rate, SSL-FL Table I) or true (lr is MAE's base rate per 256 images)")
-    wd = a["weight_decay"]
-    require(isinstance(wd, (int, float)) and not isinstance(wd, bool) and wd >= 0,
-            name, "weight_decay", wd, "use a non-negative weight decay (paper: 0.05)")
-    require_int(name, "batch_size", a["batch_size"], 1, "use a positive batch size (Table I, e.g. 128)")
-    min_lr, peak = a["min_lr"], peak_lr(a["lr"], a["batch_size"], a["lr_per_256"])
-    require(isinstance(min_lr, (int, float)) and not isinstance(min_lr, bool) and 0 <= min_lr <= peak, name,
-            "min_lr", min_lr, f"use 0 <= min_lr <= the peak lr {peak:g} (SSL-FL's scripts: Fed-BEiT 1e-5, Fed-MAE 0)")
-    require_int(name, "local_epochs", a["local_epochs"], 1, "use at least one local epoch per round")
-    require_int(name, "warmup_rounds", a["warmup_rounds"], 0, "use 0 or more warm-up rounds (MAE 5, BEiT 10)")
-    require_int(name, "max_steps_per_round", a["max_steps_per_round"], 0,
-                "use 0 (full epochs) or a positive step count")
-    clip = a["clip_grad"]
-    require(isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip >= 0, name,
-            "clip_grad", clip, "use 0 (no clipping) or a positive gradient norm (SSL-FL BEiT: 3.0)")
-    require_amp(name, a["amp"])
-    require_workers(name, a.get("workers", 0))
-    tok = a["tokenizer_path"]
-    require(isinstance(tok, str), name, "tokenizer_path", tok,
-            'use a path to a local tokenizer, or "" for the federated k-means codebook')
-    require(a["method"] == "beit" or tok == "", name, "tokenizer_path", tok,
-            'only Fed-BEiT uses a tokenizer; leave it "" for method "mae"')
-    require_int(name, "min_cluster_size", a["min_cluster_size"], 2,
-                "use an integer >= 2: a k-means statistic of one patch vector is that patch (default 5)")
-    require_int(name, "seed", a["seed"], 0, "use a non-negative integer")
-    device = a["device"]
-    require(isinstance(device, str) and (device in ("auto", "cpu") or device.startswith("cuda")), name, "device",
-            device, 'use "auto", "cpu" or "cuda[:N]"')
+@dataclass(frozen=True)
+class MIMSettings:
+    """Every setting of Fed-MAE / Fed-BEiT pre-training, declared once: the job arguments of ``MIMExecutor`` and what
+    :class:`MIMLocalTrainer` reads.  Defaults: Fed-MAE on Retina, SSL-FL sec. IV-A.3 and Table I.
+
+    method: "mae" (random masking, pixel MSE on masked patches) or "beit" (block-wise masking, cross-entropy on the
+        visual tokens of masked patches).
+    dataset: "retina", "derm" or "covidfl" (the layout of the site folder, see fedssl.data.images).
+    data_root: the site's folder; "" = site config / FEDSSL_DATA_ROOT; ``{site}`` is replaced.
+    image_size, patch_size, embed_dim, depth, num_heads: the ViT encoder (ViT-B/16 at 224).
+    decoder_embed_dim, decoder_depth, decoder_num_heads: MAE's lightweight decoder (512 / 8 / 16).
+    norm_pix_loss: MAE target = per-patch normalised pixels (as SSL-FL's and MAE's public scripts).
+    vocab_size: BEiT's number of visual tokens (= codebook size K; DALL-E 8192).
+    mask_ratio: MAE: fraction of patches masked (SSL-FL 0.6, FedMAE 0.75); BEiT: the maximum fraction of the
+        block-wise mask (0.4).
+    lr: the peak learning rate, absolute: SSL-FL Table I's eta (Retina Fed-MAE 1e-3 at batch 128, Fed-BEiT 1.5e-3 at
+        256; Derm 7.5e-4 / 3e-3 at 128; COVID-FL 3.75e-4 / 1.5e-3 at 64).
+    lr_per_256: false (default): ``lr`` is the absolute peak rate; true: ``lr`` is MAE's base rate per 256 images and
+        the peak is lr x batch_size / 256 (for papers that quote MAE's blr).
+    min_lr: the rate the cosine decays to at the last round (SSL-FL's scripts: Fed-BEiT 1e-5, Fed-MAE 0).
+    weight_decay: AdamW (betas 0.9, 0.999) weight decay, 0.05.
+    batch_size: images per mini-batch (Table I).
+    local_epochs: E, epochs over the site's images per round (SSL-FL 1; FedMAE 10).
+    warmup_rounds: linear warm-up, in rounds (MAE 5, BEiT 10); then cosine decay to ``min_lr`` at the last round.
+    max_steps_per_round: 0 = full epochs; > 0 caps the optimiser steps per round (quick CPU profile).
+    clip_grad: gradient-norm clipping (0 = off; SSL-FL's BEiT code clips at 3.0).
+    amp: bfloat16 autocast (GPU throughput; the paper trains in mixed precision).
+    tokenizer_path: BEiT only: a local tokenizer (codebook .pt or TorchScript dVAE encoder); "" = the federated
+        k-means codebook the site stored.
+    min_cluster_size: Fed-BEiT federated k-means: the fewest patch vectors a mean or sum this site sends may cover
+        (>= 2; the server's FederatedKMeans min_cluster_size applies when larger), see :class:`KMeansPatches`.
+    seed: the job seed: model initialisation (all sites alike: they start from the same weights); the site's data
+        seed ``site_seed(seed, site)`` draws augmentations, batches and masks, and seeds each round's owned global
+        RNG (drop path; :meth:`fedssl.core.mim.MIMTrainer.train_round`).
+    device: "auto" (CUDA when available), "cpu", "cuda", "cuda:1" ...
+    workers: DataLoader worker processes that decode and augment the next batches (0 = in this process; the
+        batches are the same either way); batches are pinned on a CUDA device.
+    """
+
+    method: str = "mae"
+    dataset: str = "retina"
+    data_root: str = ""
+    image_size: int = 224
+    patch_size: int = 16
+    embed_dim: int = 768
+    depth: int = 12
+    num_heads: int = 12
+    decoder_embed_dim: int = 512
+    decoder_depth: int = 8
+    decoder_num_heads: int = 16
+    norm_pix_loss: bool = True
+    vocab_size: int = 8192
+    mask_ratio: float = 0.6
+    lr: float = 1e-3
+    lr_per_256: bool = False
+    min_lr: float = 0.0
+    weight_decay: float = 0.05
+    batch_size: int = 128
+    local_epochs: int = 1
+    warmup_rounds: int = 5
+    max_steps_per_round: int = 0
+    clip_grad: float = 0.0
+    amp: bool = False
+    tokenizer_path: str = ""
+    min_cluster_size: int = 5
+    seed: int = 0
+    device: str = "auto"
+    workers: int = 0
+
+    def check(self, name: str) -> None:
+        """Every argument checked; the message names component ``name``, the argument, its value and the fix."""
+        require_choice(name, "method", self.method, METHODS)
+        require_choice(name, "dataset", self.dataset, DATASETS)
+        require(isinstance(self.data_root, str), name, "data_root", self.data_root, 'use a path string or ""')
+        # the encoder's shape: the same checks as every ViT component (no drop path in pre-training)
+        check_vit_args(name, self.image_size, self.patch_size, self.embed_dim, self.depth, self.num_heads, 0.0)
+        decoder_num_heads = self.decoder_num_heads
+        require_int(name, "decoder_num_heads", decoder_num_heads, 1, "use a positive number of heads (MAE: 16)")
+        dec_dim = self.decoder_embed_dim
+        require(isinstance(dec_dim, int) and not isinstance(dec_dim, bool) and dec_dim > 0
+                and dec_dim % decoder_num_heads == 0, name, "decoder_embed_dim", dec_dim,
+                f"use a positive multiple of decoder_num_heads={decoder_num_heads} (MAE: 512)")
+        require_int(name, "decoder_depth", self.decoder_depth, 1, "use a positive number of decoder blocks (MAE: 8)")
+        require(isinstance(self.norm_pix_loss, bool), name, "norm_pix_loss", self.norm_pix_loss, "use true or false")
+        require_int(name, "vocab_size", self.vocab_size, 2, "use the number of visual tokens (DALL-E: 8192)")
+        mask_ratio = self.mask_ratio
+        require(isinstance(mask_ratio, (int, float)) and not isinstance(mask_ratio, bool) and 0 < mask_ratio < 1,
+                name, "mask_ratio", mask_ratio, "use a fraction in (0, 1): MAE 0.6 (SSL-FL) / 0.75 (FedMAE), BEiT 0.4")
+        require(_positive_number(self.lr), name, "lr", self.lr, "use a positive learning rate (Table I, e.g. 1e-3)")
+        require(isinstance(self.lr_per_256, bool), name, "lr_per_256", self.lr_per_256,
+                "use false (lr is the absolute rate, SSL-FL Table I) or true (lr is MAE's base rate per 256 images)")
+        wd = self.weight_decay
+        require(isinstance(wd, (int, float)) and not isinstance(wd, bool) and wd >= 0,
+                name, "weight_decay", wd, "use a non-negative weight decay (paper: 0.05)")
+        require_int(name, "batch_size", self.batch_size, 1, "use a positive batch size (Table I, e.g. 128)")
+        min_lr, peak = self.min_lr, peak_lr(self.lr, self.batch_size, self.lr_per_256)
+        require(isinstance(min_lr, (int, float)) and not isinstance(min_lr, bool) and 0 <= min_lr <= peak, name,
+                "min_lr", min_lr,
+                f"use 0 <= min_lr <= the peak lr {peak:g} (SSL-FL's scripts: Fed-BEiT 1e-5, Fed-MAE 0)")
+        require_int(name, "local_epochs", self.local_epochs, 1, "use at least one local epoch per round")
+        require_int(name, "warmup_rounds", self.warmup_rounds, 0, "use 0 or more warm-up rounds (MAE 5, BEiT 10)")
+        require_int(name, "max_steps_per_round", self.max_steps_per_round, 0,
+                    "use 0 (full epochs) or a positive step count")
+        clip = self.clip_grad
+        require(isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip >= 0, name,
+                "clip_grad", clip, "use 0 (no clipping) or a positive gradient norm (SSL-FL BEiT: 3.0)")
+        require_amp(name, self.amp)
+        require_workers(name, self.workers)
+        tok = self.tokenizer_path
+        require(isinstance(tok, str), name, "tokenizer_path", tok,
+                'use a path to a local tokenizer, or "" for the federated k-means codebook')
+        require(self.method == "beit" or tok == "", name, "tokenizer_path", tok,
+                'only Fed-BEiT uses a tokenizer; leave it "" for method "mae"')
+        require_int(name, "min_cluster_size", self.min_cluster_size, 2,
+                    "use an integer >= 2: a k-means statistic of one patch vector is that patch (default 5)")
+        require_int(name, "seed", self.seed, 0, "use a non-negative integer")
+        device = self.device
+        require(isinstance(device, str) and (device in ("auto", "cpu") or device.startswith("cuda")), name, "device",
+                device, 'use "auto", "cpu" or "cuda[:N]"')
+
+    @property
+    def peak_lr(self) -> float:
+        return peak_lr(self.lr, self.batch_size, self.lr_per_256)
 
 
 def peak_lr(lr: float, batch_size: int, lr_per_256: bool) -> float:
@@ -142,63 +218,33 @@ def build_mim_model(method: str, image_size: int, patch_size: int, embed_dim: in
 
 
 class MIMLocalTrainer:
-    """One site's Fed-MAE / Fed-BEiT pre-training (a ``LocalTrainer``).
+    """One site's Fed-MAE / Fed-BEiT pre-training (a ``LocalTrainer``) with the settings of a :class:`MIMSettings`.
 
-    Args (defaults: Fed-MAE on Retina, SSL-FL sec. IV-A.3 and Table I):
-        records: the site's images (labels unused); site: its name in messages; num_rounds: the schedule's length.
-        method: "mae" (random masking, pixel MSE on masked patches) or "beit" (block-wise masking,
-            cross-entropy on the visual tokens of masked patches).
-        dataset: "retina", "derm" or "covidfl" (the layout of the site folder, see fedssl.data.images).
-        image_size, patch_size, embed_dim, depth, num_heads: the ViT encoder (ViT-B/16 at 224).
-        decoder_embed_dim, decoder_depth, decoder_num_heads: MAE's lightweight decoder (512 / 8 / 16).
-        norm_pix_loss: MAE target = per-patch normalised pixels (as SSL-FL's and MAE's public scripts).
-        vocab_size: BEiT's number of visual tokens (= codebook size K; DALL-E 8192).
-        mask_ratio: MAE: fraction of patches masked (SSL-FL 0.6, FedMAE 0.75); BEiT: the maximum
-            fraction of the block-wise mask (0.4).
-        lr: the peak learning rate, absolute: SSL-FL Table I's eta (Retina Fed-MAE 1e-3 at batch 128, Fed-BEiT
-            1.5e-3 at 256; Derm 7.5e-4 / 3e-3 at 128; COVID-FL 3.75e-4 / 1.5e-3 at 64).
-        lr_per_256: false (default): ``lr`` is the absolute peak rate; true: ``lr`` is MAE's base rate per 256
-            images and the peak is lr x batch_size / 256 (for papers that quote MAE's blr).
-        min_lr: the rate the cosine decays to at the last round (SSL-FL's scripts: Fed-BEiT 1e-5, Fed-MAE 0).
-        weight_decay: AdamW (betas 0.9, 0.999) weight decay, 0.05.
-        batch_size: images per mini-batch (Table I).
-        local_epochs: E, epochs over the site's images per round (SSL-FL 1; FedMAE 10).
-        warmup_rounds: linear warm-up, in rounds (MAE 5, BEiT 10); then cosine decay to ``min_lr`` at the last round.
-        max_steps_per_round: 0 = full epochs; > 0 caps the optimiser steps per round (quick CPU profile).
-        clip_grad: gradient-norm clipping (0 = off; SSL-FL's BEiT code clips at 3.0).
-        amp: bfloat16 autocast (GPU throughput; the paper trains in mixed precision).
-        workers: DataLoader worker processes that decode and augment the next batches (0 = in this process;
-            the batches are the same either way); batches are pinned on a CUDA device.
-        tokenizer_path: BEiT only: a local tokenizer (codebook .pt or TorchScript dVAE encoder);
-            "" = the federated k-means codebook stored at ``codebook_path``.
-        seed: the job seed: model initialisation (all sites alike: they start from the same weights); the
-            site's data seed ``site_seed(seed, site)`` draws augmentations, batches and masks, and seeds each round's
-            owned global RNG (drop path; :meth:`fedssl.core.mim.MIMTrainer.train_round`).
-        device: a torch device.
+    records: the site's images (labels unused); site: its name in messages; num_rounds: the schedule's length;
+    codebook_path: where the site stored the federated codebook (Fed-BEiT with ``tokenizer_path`` ""); device: a
+    torch device (the executor resolves the settings' "auto").
     """
 
-    def __init__(self, records: Sequence[ImageRecord], *, num_rounds: int, site: str = "?", codebook_path: str = "",
-                 method: str = "mae", dataset: str = "retina", image_size: int = 224, patch_size: int = 16,
-                 embed_dim: int = 768, depth: int = 12, num_heads: int = 12, decoder_embed_dim: int = 512,
-                 decoder_depth: int = 8, decoder_num_heads: int = 16, norm_pix_loss: bool = True,
-                 vocab_size: int = 8192, mask_ratio: float = 0.6, lr: float = 1e-3, lr_per_256: bool = False,
-                 min_lr: float = 0.0, weight_decay: float = 0.05, batch_size: int = 128, local_epochs: int = 1, warmup_rounds: int = 5,
-                 max_steps_per_round: int = 0, clip_grad: float = 0.0, amp: bool = False, tokenizer_path: str = "",
-                 seed: int = 0, device: str | torch.device = "cpu", workers: int = 0):
-        self.workers = check_workers(workers, type(self).__name__)
-        self.site, self.method, self.seed, self.data_seed = site, method, seed, site_seed(seed, site)
-        self.batch_size, self.local_epochs, self.max_steps_per_round = batch_size, local_epochs, max_steps_per_round
-        self.peak_lr = peak_lr(lr, batch_size, lr_per_256)
-        self.dataset = ImageDataset(records, image_size, "pretrain", dataset, site=site, seed=self.data_seed)
+    def __init__(self, records: Sequence[ImageRecord], settings: MIMSettings, *, num_rounds: int, site: str = "?",
+                 codebook_path: str = "", device: str | torch.device = "cpu"):
+        s = settings
+        s.check(type(self).__name__)
+        self.settings, self.workers = s, int(s.workers)
+        self.site, self.method, self.seed, self.data_seed = site, s.method, s.seed, site_seed(s.seed, site)
+        self.batch_size, self.local_epochs = s.batch_size, s.local_epochs
+        self.max_steps_per_round = s.max_steps_per_round
+        self.peak_lr = s.peak_lr
+        self.dataset = ImageDataset(records, s.image_size, "pretrain", s.dataset, site=site, seed=self.data_seed)
         tokenizer, self.tokenizer_description = None, ""
-        if method == "beit":
-            tokenizer, self.tokenizer_description = site_tokenizer(site, tokenizer_path, codebook_path, vocab_size)
-        model = build_mim_model(method, image_size, patch_size, embed_dim, depth, num_heads, decoder_embed_dim,
-                                decoder_depth, decoder_num_heads, norm_pix_loss, vocab_size, seed)
-        self.trainer = MIMTrainer(model, method, lr=self.peak_lr, weight_decay=weight_decay,
-                                  warmup_rounds=warmup_rounds, total_rounds=num_rounds, mask_ratio=mask_ratio,
-                                  tokenizer=tokenizer, device=device, seed=self.data_seed, min_lr=min_lr,
-                                  clip_grad=clip_grad or None, amp=amp)
+        if s.method == "beit":
+            tokenizer, self.tokenizer_description = site_tokenizer(site, s.tokenizer_path, codebook_path, s.vocab_size)
+        model = build_mim_model(s.method, s.image_size, s.patch_size, s.embed_dim, s.depth, s.num_heads,
+                                s.decoder_embed_dim, s.decoder_depth, s.decoder_num_heads, s.norm_pix_loss,
+                                s.vocab_size, s.seed)
+        self.trainer = MIMTrainer(model, s.method, lr=self.peak_lr, weight_decay=s.weight_decay,
+                                  warmup_rounds=s.warmup_rounds, total_rounds=num_rounds, mask_ratio=s.mask_ratio,
+                                  tokenizer=tokenizer, device=device, seed=self.data_seed, min_lr=s.min_lr,
+                                  clip_grad=s.clip_grad or None, amp=s.amp)
         self.kept_local: list[str] = []  # the keys the last broadcast held back (FedMAE-KS)
 
     @property
@@ -255,6 +301,40 @@ class MIMLocalTrainer:
         return self.kept_local
 
 
+def check_kmeans_task(site: str, settings: MIMSettings, k: object) -> None:
+    """A federated k-means task (FederatedKMeans) reaches a Fed-BEiT site without a local tokenizer, for a codebook
+    of the site's vocab_size tokens; anything else is a ValueError naming the site and the fix."""
+    if settings.method != "beit" or settings.tokenizer_path:
+        raise ValueError(f"{site}: received a federated k-means task but this site is configured with method="
+                         f"{settings.method!r}, tokenizer_path={settings.tokenizer_path!r}; remove the FederatedKMeans "
+                         'workflow or configure the sites for Fed-BEiT with tokenizer_path ""')
+    if k != settings.vocab_size:
+        raise ValueError(f"{site}: the server learns a codebook of K={k} tokens but this site's vocab_size="
+                         f"{settings.vocab_size}; set FederatedKMeans vocab_size and the sites' vocab_size alike")
+
+
+def cluster_floor(site: str, requested: object, own: int, key: str = "min_cluster_size") -> int:
+    """The fewest patch vectors a k-means statistic of this site covers: the larger of the site's ``own``
+    min_cluster_size and the one the server ``requested`` (meta ``key``); a request below 2 (or not an integer)
+    is refused."""
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 2:
+        raise ValueError(f"{site}: the server asks for k-means statistics with {key}={requested!r}; this site sends "
+                         f"only means of >= 2 patch vectors: set FederatedKMeans {key} to an integer >= 2")
+    return max(requested, own)
+
+
+def received_codebook(site: str, values: object, patch_size: int, own_patch_size: int, vocab_size: int) -> torch.Tensor:
+    """The federated codebook the server sent (set_tokenizer), float32 ``[vocab_size, 3 p^2]``, checked: this site's
+    patch size and vocabulary size, finite values."""
+    codebook = torch.as_tensor(np.asarray(values), dtype=torch.float32)
+    if codebook.shape != (vocab_size, 3 * own_patch_size ** 2) or patch_size != own_patch_size:
+        raise ValueError(f"{site}: received a codebook of shape {tuple(codebook.shape)} for patch size "
+                         f"{patch_size}; this site expects ({vocab_size}, {3 * own_patch_size ** 2})")
+    if not torch.isfinite(codebook).all():
+        raise ValueError(f"{site}: received a codebook with NaN/Inf values; not stored (see the server's log)")
+    return codebook
+
+
 class KMeansPatches:
     """The site's side of the federated k-means tokenizer (FederatedKMeans): patch vectors ``[N, 3 p^2]`` of a
     seeded sample of the site's images (resize + centre crop, normalised), kept for the k-means rounds, and
@@ -292,9 +372,9 @@ class KMeansPatches:
 
     def local_centroids(self, k: int, n_images: int, seed: int, iters: int, min_cluster_size: int,
                         should_stop: Callable[[], bool] | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The site's local k-means: k-means++ start (generator ``site_seed(seed, site) + 1``), then ``iters`` >= 1 Lloyd steps on
-        the sample -> (centroids [K, D], counts [K], number of vectors).  The centroids are the last Lloyd
-        step's cluster means (the k-means++ seeds, single patches, never leave); clusters of fewer than
+        """The site's local k-means: k-means++ start (generator ``site_seed(seed, site) + 1``), then ``iters`` >= 1
+        Lloyd steps on the sample -> (centroids [K, D], counts [K], number of vectors).  The centroids are the last
+        Lloyd step's cluster means (the k-means++ seeds, single patches, never leave); clusters of fewer than
         ``min_cluster_size`` vectors are suppressed (zero centroid, zero count)."""
         self._check_min_cluster_size(min_cluster_size)
         if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:

@@ -1,4 +1,5 @@
-"""Class-heterogeneous multi-label chest X-ray classification on one site (surgical aggregation (Kulkarni et al., ML4H 2024)) and its LocalTrainer.
+"""Class-heterogeneous multi-label chest X-ray classification on one site (surgical aggregation (Kulkarni et al., ML4H
+2024)) and its LocalTrainer.
 
 :class:`MultiLabelLocalTrainer` trains a :class:`fedssl.models.densenet.MultiLabelDenseNet` on one site's data
 (or, for the centralised baseline, on the pooled data of every site) the way the paper does (sec. 2.5):
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedssl.core.checks import require, require_int, require_workers
+from fedssl.core.checks import require, require_amp, require_int, require_workers
 from fedssl.core.rng import owned_global_rng
 from fedssl.core.seeds import derived_seed, site_seed
 from fedssl.core.multilabel import column_index, expand_targets, labelled, masked_bce
@@ -50,7 +51,8 @@ FULL_HEAD_METHODS = ("vanilla", "partial_loss")
 
 
 def check_run_switches(switches: Mapping[str, Any], previous: Mapping[str, Any] | None, methods: Sequence[str],
-                       backbones: Sequence[str], own: Sequence[str], registered: Sequence[str] | None, site: str) -> dict:
+                       backbones: Sequence[str], own: Sequence[str], registered: Sequence[str] | None,
+                       site: str) -> dict:
     """The task's switches (method, backbone): known, fixed for a run; the classes the server registered for this
     site must be the ones it declares.  Returns the switches; raises ValueError naming the site."""
     switches = {"method": switches.get("method"), "backbone": switches.get("backbone")}
@@ -71,7 +73,16 @@ def _positive(x) -> bool:
 
 @dataclass(frozen=True)
 class MultiLabelSettings:
-    """The training settings (paper settings as defaults, surgical aggregation (Kulkarni et al., ML4H 2024) sec. 2.5).
+    """Every setting of a site (paper settings as defaults, surgical aggregation (Kulkarni et al., ML4H 2024) sec. 2.5),
+    declared once: the job arguments of ``MultiLabelExecutor`` and what :class:`MultiLabelLocalTrainer` reads.
+
+    data_root: the site's dataset folder ("" = site config / FEDSSL_DATA_ROOT; ``{site}`` = site name); dataset:
+    "nih" / "chexpert" or an object keyed by site name ("" = site config); classes: ``C_k`` (a list or an object
+    keyed by site name; [] = site config); external_test_root: a MIMIC-CXR-JPG (or NIH-layout held-out) folder for
+    the test task ("" = none).  device: "auto" (CUDA when available), "cpu", "cuda:1" ...; imagenet_path: the same
+    local torchvision densenet121 state dict as the server's ``model`` component ("" = random init; the round-0
+    broadcast carries the server's initial model, batch-norm included, in any case); amp: bfloat16 autocast on GPUs
+    that support it.
 
     growth_rate, block_config, num_init_features, hidden_features, dropout: DenseNet-121 = 32, [6, 12, 24, 16],
     64, 256 with dropout 0.3 (the public code's 256-unit layer before the class layer); must match the server's
@@ -88,6 +99,10 @@ class MultiLabelSettings:
     batches are pinned on a CUDA device.
     """
 
+    data_root: str = ""
+    dataset: Any = ""
+    classes: Any = ()
+    external_test_root: str = ""
     growth_rate: int = 32
     block_config: Sequence[int] = (6, 12, 24, 16)
     num_init_features: int = 64
@@ -108,6 +123,9 @@ class MultiLabelSettings:
     n_bootstrap: int = 1000
     seed: int = 0
     workers: int = 0
+    device: str = "auto"
+    imagenet_path: str = ""
+    amp: bool = False
 
     @classmethod
     def of(cls, args: Mapping[str, Any]) -> MultiLabelSettings:
@@ -115,49 +133,59 @@ class MultiLabelSettings:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in args.items() if k in names})
 
+    def check(self, name: str) -> None:
+        """Every setting checked; a ValueError names component ``name``, the argument, its value and the fix."""
+        data_root, dataset, classes = self.data_root, self.dataset, self.classes
+        require(isinstance(data_root, str), name, "data_root", data_root, 'use a path string or ""')
+        require(dataset in ("",) + DATASETS
+                or (isinstance(dataset, dict) and all(v in DATASETS for v in dataset.values())), name, "dataset",
+                dataset, f'use one of {list(DATASETS)}, an object {{"site-1": "nih", ...}}, or "" (site config)')
+        if isinstance(classes, dict):
+            for site, cl in classes.items():
+                check_class_list(cl, site)
+        elif classes:
+            check_class_list(list(classes), "<executor argument classes>")
+        ext = self.external_test_root
+        require(isinstance(ext, str), name, "external_test_root", ext, 'use a path or ""')
+        for arg in ("growth_rate", "num_init_features"):
+            require_int(name, arg, getattr(self, arg), 1, "DenseNet-121: growth_rate 32, num_init_features 64")
+        bc = self.block_config
+        require(isinstance(bc, (list, tuple)) and len(bc) == 4 and all(isinstance(b, int) and b >= 1 for b in bc),
+                name, "block_config", bc, "use 4 positive layer counts, DenseNet-121: [6, 12, 24, 16]")
+        require_int(name, "hidden_features", self.hidden_features, 0, "use 0 or a positive width (public code: 256)")
+        dropout = self.dropout
+        require(isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and 0 <= dropout < 1, name,
+                "dropout", dropout, "use a probability in [0, 1) (public code: 0.3)")
+        require_int(name, "image_size", self.image_size, 16, "use at least 16 pixels (paper: 224)")
+        require_int(name, "batch_size", self.batch_size, 2, "paper: 64")
+        require_int(name, "warmup_epochs", self.warmup_epochs, 0, "paper: 15 (0 = no warm-up)")
+        require(_positive(self.warmup_lr), name, "warmup_lr", self.warmup_lr, "paper: 5e-3")
+        require(_positive(self.lr), name, "lr", self.lr, "paper: 5e-5")
+        require_int(name, "local_epochs", self.local_epochs, 1, "paper: 1")
+        require_int(name, "max_steps_per_epoch", self.max_steps_per_epoch, 0,
+                    "use 0 (full epoch) or a positive step count")
+        for arg, hi in (("rotation", 0.5), ("zoom", 0.9), ("contrast", 1.0)):
+            value = getattr(self, arg)
+            require(isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= hi, name, arg,
+                    value, f"use a value in [0, {hi}] (public code: rotation 0.2, zoom 0.5, contrast 0.75)")
+        require(isinstance(self.flip, bool), name, "flip", self.flip, "use true or false")
+        split = self.split
+        require(isinstance(split, (list, tuple)) and len(split) == 3 and all(_positive(f) for f in split)
+                and abs(sum(split) - 1.0) < 1e-6, name, "split", split,
+                "use three positive fractions summing to 1, paper: [0.7, 0.1, 0.2]")
+        require_int(name, "n_bootstrap", self.n_bootstrap, 0, "paper-style CIs: 1000 (0 = no CI)")
+        require(isinstance(self.seed, int) and not isinstance(self.seed, bool), name, "seed", self.seed,
+                "use an integer")
+        require_workers(name, self.workers)
+        require_amp(name, self.amp)
+        require(isinstance(self.imagenet_path, str), name, "imagenet_path", self.imagenet_path,
+                'use the server model\'s path to a torchvision densenet121 state dict, or "" for random init')
+
 
 def check_multilabel_args(name: str, args: Mapping[str, Any]) -> None:
-    """Check the site arguments (``data_root``, ``dataset``, ``classes``, ``external_test_root``) and the
-    :class:`MultiLabelSettings` among ``args``; a ValueError names component ``name``, argument, value and fix."""
-    s = {**{f.name: f.default for f in fields(MultiLabelSettings)}, **args}
-    data_root, dataset, classes = s.get("data_root", ""), s.get("dataset", ""), s.get("classes", ())
-    require(isinstance(data_root, str), name, "data_root", data_root, 'use a path string or ""')
-    require(dataset in ("",) + DATASETS or (isinstance(dataset, dict) and all(v in DATASETS for v in dataset.values())),
-            name, "dataset", dataset, f'use one of {list(DATASETS)}, an object {{"site-1": "nih", ...}}, or "" (site config)')
-    if isinstance(classes, dict):
-        for site, cl in classes.items():
-            check_class_list(cl, site)
-    elif classes:
-        check_class_list(list(classes), "<executor argument classes>")
-    ext = s.get("external_test_root", "")
-    require(isinstance(ext, str), name, "external_test_root", ext, 'use a path or ""')
-    for arg in ("growth_rate", "num_init_features"):
-        require_int(name, arg, s[arg], 1, "DenseNet-121: growth_rate 32, num_init_features 64")
-    bc = s["block_config"]
-    require(isinstance(bc, (list, tuple)) and len(bc) == 4 and all(isinstance(b, int) and b >= 1 for b in bc),
-            name, "block_config", bc, "use 4 positive layer counts, DenseNet-121: [6, 12, 24, 16]")
-    require_int(name, "hidden_features", s["hidden_features"], 0, "use 0 or a positive width (public code: 256)")
-    dropout = s["dropout"]
-    require(isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and 0 <= dropout < 1, name,
-            "dropout", dropout, "use a probability in [0, 1) (public code: 0.3)")
-    require_int(name, "image_size", s["image_size"], 16, "use at least 16 pixels (paper: 224)")
-    require_int(name, "batch_size", s["batch_size"], 2, "paper: 64")
-    require_int(name, "warmup_epochs", s["warmup_epochs"], 0, "paper: 15 (0 = no warm-up)")
-    require(_positive(s["warmup_lr"]), name, "warmup_lr", s["warmup_lr"], "paper: 5e-3")
-    require(_positive(s["lr"]), name, "lr", s["lr"], "paper: 5e-5")
-    require_int(name, "local_epochs", s["local_epochs"], 1, "paper: 1")
-    require_int(name, "max_steps_per_epoch", s["max_steps_per_epoch"], 0, "use 0 (full epoch) or a positive step count")
-    for arg, hi in (("rotation", 0.5), ("zoom", 0.9), ("contrast", 1.0)):
-        value = s[arg]
-        require(isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= hi, name, arg,
-                value, f"use a value in [0, {hi}] (public code: rotation 0.2, zoom 0.5, contrast 0.75)")
-    require(isinstance(s["flip"], bool), name, "flip", s["flip"], "use true or false")
-    split = s["split"]
-    require(isinstance(split, (list, tuple)) and len(split) == 3 and all(_positive(f) for f in split)
-            and abs(sum(split) - 1.0) < 1e-6, name, "split", split, "use three positive fractions summing to 1, paper: [0.7, 0.1, 0.2]")
-    require_int(name, "n_bootstrap", s["n_bootstrap"], 0, "paper-style CIs: 1000 (0 = no CI)")
-    require(isinstance(s["seed"], int) and not isinstance(s["seed"], bool), name, "seed", s["seed"], "use an integer")
-    require_workers(name, s["workers"])
+    """Check the :class:`MultiLabelSettings` among ``args`` (other keys are ignored); a ValueError names component
+    ``name``, argument, value and fix."""
+    MultiLabelSettings.of(args).check(name)
 
 
 def load_splits(root: str, dataset: str, site: str, classes: Sequence[str], settings: MultiLabelSettings) -> dict:
@@ -177,7 +205,8 @@ def load_splits(root: str, dataset: str, site: str, classes: Sequence[str], sett
             "test": CXRDataset(test, classes, s.image_size, train=False, site=site)}
 
 
-def build_model(classes: Sequence[str], settings: MultiLabelSettings, imagenet_path: str | None = None) -> MultiLabelDenseNet:
+def build_model(classes: Sequence[str], settings: MultiLabelSettings,
+                imagenet_path: str | None = None) -> MultiLabelDenseNet:
     """The DenseNet with a head over ``classes`` (seeded: building it leaves the global RNG untouched)."""
     s = settings
     return MultiLabelDenseNet(list(classes), s.growth_rate, tuple(s.block_config), s.num_init_features,
@@ -206,7 +235,8 @@ def auroc_report(model: MultiLabelDenseNet, dataset, classes: Sequence[str], sit
     probs, targets = scores(model, dataset, settings)
     cols = column_index(classes, head, site)
     result = {"model": source, "n_test": int(len(targets)),
-              "test": auroc_table(probs[:, cols], targets, classes, n_bootstrap=settings.n_bootstrap, seed=settings.seed)}
+              "test": auroc_table(probs[:, cols], targets, classes, n_bootstrap=settings.n_bootstrap,
+                                  seed=settings.seed)}
     result["mean_auroc"] = result["test"]["mean_auroc"]
     if external_root:
         result["external"] = external_report(model, site, external_root, settings)
@@ -335,8 +365,8 @@ class MultiLabelLocalTrainer:
             losses.append(loss)
             steps += n
         metrics = {"lr": s.lr} if warm is None else {"warmup_loss": warm, "lr": s.lr}
-        return RoundStats(loss=sum(losses) / len(losses), steps=steps, samples=len(self.splits["train"]), metrics=metrics,
-                          curve=[{"loss": x} for x in self.step_losses])
+        return RoundStats(loss=sum(losses) / len(losses), steps=steps, samples=len(self.splits["train"]),
+                          metrics=metrics, curve=[{"loss": x} for x in self.step_losses])
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, split: str = "val", model: MultiLabelDenseNet | None = None, source: str = "",
@@ -356,7 +386,8 @@ class MultiLabelLocalTrainer:
                     "val_auroc": labelled_mean_auroc(probs[:, cols], targets)}
         if split == "test":
             source = source or ("personalised model" if self.method == "personalised" else "local model")
-            return auroc_report(model, self.splits["test"], self.classes, self.site, source, self.settings, external_root)
+            return auroc_report(model, self.splits["test"], self.classes, self.site, source, self.settings,
+                                external_root)
         raise ValueError(f"split={split!r}: use 'val' or 'test'")
 
     def global_model(self, state: Mapping[str, Any], head: Sequence[str]) -> MultiLabelDenseNet:
@@ -377,7 +408,8 @@ class MultiLabelLocalTrainer:
             local = set(keys)
         return local
 
-    def _load_checked(self, model: MultiLabelDenseNet, state: Mapping[str, Any], keep_local: Sequence[str]) -> list[str]:
+    def _load_checked(self, model: MultiLabelDenseNet, state: Mapping[str, Any],
+                      keep_local: Sequence[str]) -> list[str]:
         if not state:  # nothing received (individual training after round 0): the model stays as it is
             return []
         own = list(model.state_dict())

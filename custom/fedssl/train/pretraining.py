@@ -1,7 +1,8 @@
-"""What every unlabelled pre-training LocalTrainer that wraps a core trainer shares (FCL, FedCLF).
+"""What every unlabelled pre-training LocalTrainer shares (FCL, FedCLF): no evaluation split, the global state is
+the whole model.
 
-A subclass holds its core trainer as ``self.trainer`` (with ``model``, ``state_dict`` and ``load_state_dict``) and
-names itself in ``method_name`` and where its encoder is evaluated in ``finetune_hint``.
+A subclass holds its network as ``self.model`` and names itself in ``method_name`` and where its encoder is
+evaluated in ``finetune_hint``.
 """
 
 from __future__ import annotations
@@ -14,27 +15,17 @@ import torch
 from fedssl.core.trainer import detached, load_checked
 
 
-class WrappedPretrainer:
+class Pretrainer:
     method_name = "pre-training"
     #: where the pre-trained encoder is evaluated (pre-training reads no label)
     finetune_hint = "fine-tune it"
     #: how a received global model is named in load errors
     global_name = "the global model"
-    trainer: Any
-
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.trainer.model
+    model: torch.nn.Module
 
     def evaluate(self, split: str = "val") -> dict[str, Any]:
         raise ValueError(f"split={split!r}: {self.method_name} pre-training reads unlabelled images only; evaluate the "
                          f"encoder by fine-tuning it ({self.finetune_hint})")
-
-    def state_dict(self) -> dict:
-        return self.trainer.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.trainer.load_state_dict(dict(state))
 
     def global_state(self) -> dict[str, torch.Tensor]:
         return detached(self.model.state_dict())

@@ -57,7 +57,8 @@ def _site_patients(site_volumes: Mapping[str, Sequence[Volume]]) -> dict[str, di
             raise ValueError(f"site {site!r} has no volumes")
         for pid in groups:
             if pid in owner:
-                raise ValueError(f"patient {pid!r} appears in sites {owner[pid]!r} and {site!r}; sites must be disjoint")
+                raise ValueError(f"patient {pid!r} appears in sites {owner[pid]!r} and {site!r}; sites must be "
+                                 "disjoint")
             owner[pid] = site
         out[site] = groups
     return out
@@ -85,7 +86,8 @@ def _fold_split(
     patients: Mapping[str, Mapping[str, list[Volume]]], fold: int, n_folds: int, split_seed: int
 ) -> dict[str, tuple[list[str], list[str]]]:
     """site -> (train patient ids, validation patient ids) for one fold."""
-    return {site: site_fold(list(p), site, fold, n_folds=n_folds, split_seed=split_seed) for site, p in patients.items()}
+    return {site: site_fold(list(p), site, fold, n_folds=n_folds, split_seed=split_seed)
+            for site, p in patients.items()}
 
 
 def _volumes_of(patients: Mapping[str, list[Volume]], ids: Sequence[str]) -> list[Volume]:
@@ -210,8 +212,9 @@ def local_finetune(
          "train_patients", "n_train_volumes", "val_patients", "n_val_volumes", "final_loss", "epochs"}
 
     ``epochs`` epochs each, or more up to ``min_steps`` optimiser steps (0 = the paper's protocol; the row's
-    ``epochs`` is the number run).  ``progress(row)`` is called after every run.  ``sites``: only these sites fine-tune (default all); the
-    validation still pools every site's validation patients, so one site's run is the same as in a full run.
+    ``epochs`` is the number run).  ``progress(row)`` is called after every run.  ``sites``: only these sites fine-tune
+    (default all); the validation still pools every site's validation patients, so one site's run is the same as in a
+    full run.
     """
     _check_common(n_labelled, folds, inits)
     patients = _site_patients(site_volumes)
@@ -252,7 +255,8 @@ def centralised_finetune(
     min_steps: int = 0,
     labelled_from: Literal["pooled", "per_site"] = "pooled",
 ) -> list[dict]:
-    """Centralised fine-tuning (FCL (Wu et al., MedIA 2022) Table 3): all data combined, one model per method, N and fold.
+    """Centralised fine-tuning (FCL (Wu et al., MedIA 2022) Table 3): all data combined, one model per method, N and
+    fold.
 
     ``labelled_from="pooled"`` (default): N patients IN TOTAL are drawn (``select_labelled`` seeded by
     ``fold_seed(split_seed, "", fold)``) from the union of all sites' training patients of the fold. Section 5: "In
@@ -265,7 +269,8 @@ def centralised_finetune(
     ``site="all"``.
     """
     if labelled_from not in LABELLED_FROM:
-        raise ValueError(f"labelled_from={labelled_from!r}: use one of {list(LABELLED_FROM)} (paper, Table 3: 'pooled')")
+        raise ValueError(f"labelled_from={labelled_from!r}: use one of {list(LABELLED_FROM)} (paper, Table 3: "
+                         "'pooled')")
     _check_common(n_labelled, folds, inits)
     patients = _site_patients(site_volumes)
     all_patients = {pid: vols for site in patients.values() for pid, vols in site.items()}
@@ -337,7 +342,8 @@ def evaluate_per_site(
     for site in sorted(patients):
         val_ids = split[site][1]
         val_vols = _volumes_of(patients[site], val_ids)
-        row: dict[str, Any] = {"method": method, "mode": mode, "n_labelled": int(n_labelled), "fold": int(fold), "site": site}
+        row: dict[str, Any] = {"method": method, "mode": mode, "n_labelled": int(n_labelled), "fold": int(fold),
+                               "site": site}
         row.update(_dice_fields(unet, val_vols, device))
         row.update(val_patients=list(val_ids), n_val_volumes=len(val_vols))
         rows.append(row)

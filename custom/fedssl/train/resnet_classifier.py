@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from fedssl.core.checks import require, require_amp, require_choice, require_int, require_workers
 from fedssl.core.classification import ClassifierTrainer
 from fedssl.core.seeds import site_seed
-from fedssl.data.images import ImageDataset, ImageRecord, class_histogram, class_names, select_labelled
-from fedssl.data.loading import check_workers
-from fedssl.models.resnet import PAPER_DEPTH, PAPER_WIDTH, ResNetClassifier
+from fedssl.data.images import DATASETS, ImageDataset, ImageRecord, class_histogram, class_names, select_labelled
+from fedssl.models.resnet import PAPER_DEPTH, PAPER_WIDTH, ResNetClassifier, require_resnet_args
 from fedssl.train.classifier import ClassifierLocalTrainer
 
 #: FedCLF sec. V-A: local fine-tuning decays the lr by 0.2 at epochs 12 and 16 of 20
@@ -33,38 +34,91 @@ LOCAL_MILESTONES = (12, 16)
 LOCAL_GAMMA = 0.2
 
 
-class ResNetClassifierLocalTrainer(ClassifierLocalTrainer):
-    """One device's fine-tuning of :class:`~fedssl.models.resnet.ResNetClassifier` (paper settings as defaults:
+@dataclass(frozen=True)
+class ResNetClassifierSettings:
+    """Every setting of a device's ResNet fine-tuning, declared once: the job arguments of
+    ``ResNetClassifierExecutor`` and what :class:`ResNetClassifierLocalTrainer` reads (paper settings as defaults:
     federated fine-tuning, Adam lr 1e-4, batch 128, one local epoch per round).
 
-    ``milestones``: epochs / rounds at which the lr is multiplied by ``gamma`` (empty: constant lr);
-    ``weight_decay`` 0 = Adam (the paper's optimiser; AdamW with decay 0 is Adam)."""
+    dataset: the device folder's layout and classes; data_root: the device folder with ``train``, ``val``, ``test``
+    ("" = site config / FEDSSL_DATA_ROOT); image_size: the crop (images are 72 px high); width, depth: the ResNet
+    (18: FedCLF's ResNet-18; 50: FedMAE-KS's CNN baselines); lr, batch_size, local_epochs; weight_decay: 0 = Adam (the
+    paper's optimiser; AdamW with decay 0 is Adam); label_fraction: L, the labelled fraction of the device's
+    training images (paper: 0.1, 0.2, 0.4, 0.8); max_steps_per_epoch: 0 = full epoch; eval_batch_size; seed: the
+    job seed (the device's draws: ``site_seed(seed, device)``); device: "auto", "cpu", "cuda[:N]"; amp: bfloat16
+    autocast on GPUs that support it; workers: DataLoader worker processes (the same batches either way).
+    """
 
-    def __init__(self, train: Sequence[ImageRecord], val: Sequence[ImageRecord], *, num_rounds: int, site: str = "?",
-                 dataset: str = "derm5", image_size: int = 64, width: int = PAPER_WIDTH, lr: float = 1e-4,
-                 batch_size: int = 128, local_epochs: int = 1, milestones: Sequence[float] = (), gamma: float = LOCAL_GAMMA,
-                 weight_decay: float = 0.0, label_fraction: float = 1.0, max_steps_per_epoch: int = 0,
-                 eval_batch_size: int = 256, seed: int = 0, device: str | torch.device = "cpu", depth: int = PAPER_DEPTH,
-                 amp: bool = False, workers: int = 0):
-        self.workers = check_workers(workers, type(self).__name__)
+    dataset: str = "derm5"
+    data_root: str = ""
+    image_size: int = 64
+    width: int = PAPER_WIDTH
+    lr: float = 1e-4
+    batch_size: int = 128
+    local_epochs: int = 1
+    weight_decay: float = 0.0
+    label_fraction: float = 0.1
+    max_steps_per_epoch: int = 0
+    eval_batch_size: int = 256
+    seed: int = 0
+    device: str = "auto"
+    depth: int = PAPER_DEPTH
+    amp: bool = False
+    workers: int = 0
+
+    def check(self, name: str) -> None:
+        """Every argument checked; the message names component ``name``, the argument, its value and the fix."""
+        require_choice(name, "dataset", self.dataset, DATASETS)
+        require(isinstance(self.data_root, str), name, "data_root", self.data_root,
+                'use a path string ({site} allowed) or ""')
+        require_int(name, "image_size", self.image_size, 8, "use the crop size in pixels (images are 72 px high)")
+        require_resnet_args(name, self.width, depth=self.depth)
+        require(isinstance(self.lr, (int, float)) and self.lr > 0, name, "lr", self.lr,
+                "use a positive learning rate (paper: 1e-4)")
+        require_int(name, "batch_size", self.batch_size, 1, "use a positive batch size (paper: 128)")
+        require_int(name, "local_epochs", self.local_epochs, 1, "use a positive number of epochs per round (paper: 1)")
+        require(isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0, name, "weight_decay",
+                self.weight_decay, "use 0 (Adam, the paper's) or a positive decay")
+        require(isinstance(self.label_fraction, (int, float)) and 0 < self.label_fraction <= 1, name, "label_fraction",
+                self.label_fraction, "use a fraction in (0, 1]; paper: 0.1, 0.2, 0.4 or 0.8")
+        require_int(name, "max_steps_per_epoch", self.max_steps_per_epoch, 0, "use 0 (full epoch) or a positive count")
+        require_int(name, "eval_batch_size", self.eval_batch_size, 1, "use a positive batch size")
+        require_int(name, "seed", self.seed, 0, "use a non-negative integer")
+        require_amp(name, self.amp)
+        require_workers(name, self.workers)
+
+
+class ResNetClassifierLocalTrainer(ClassifierLocalTrainer):
+    """One device's fine-tuning of :class:`~fedssl.models.resnet.ResNetClassifier` with the settings of a
+    :class:`ResNetClassifierSettings`.
+
+    ``milestones``: epochs / rounds at which the lr is multiplied by ``gamma`` (empty: constant lr; local fine-tuning
+    only, no job argument); ``device``: a torch device (the executor resolves the settings' "auto")."""
+
+    def __init__(self, train: Sequence[ImageRecord], val: Sequence[ImageRecord], settings: ResNetClassifierSettings, *,
+                 num_rounds: int, site: str = "?", device: str | torch.device = "cpu",
+                 milestones: Sequence[float] = (), gamma: float = LOCAL_GAMMA):
+        s = settings
+        s.check(type(self).__name__)
+        self.settings, self.workers = s, int(s.workers)
         if not val:
             raise ValueError(f"{site}: no validation image; the device's val split selects the model")
-        self.site, self.dataset, self.image_size, self.seed = site, dataset, image_size, seed
-        self.data_seed = data_seed = site_seed(seed, site)
-        self.batch_size, self.local_epochs, self.eval_batch_size = batch_size, local_epochs, eval_batch_size
-        self.max_steps_per_epoch = max_steps_per_epoch
-        self.classes = class_names(dataset)
-        labelled = select_labelled(list(train), label_fraction, seed=data_seed)
-        self.train_set = ImageDataset(labelled, image_size, "finetune", dataset, site=site, seed=data_seed)
-        self.val_set = ImageDataset(list(val), image_size, "eval", dataset, site=site)
+        self.site, self.dataset, self.image_size, self.seed = site, s.dataset, s.image_size, s.seed
+        self.data_seed = data_seed = site_seed(s.seed, site)
+        self.batch_size, self.local_epochs, self.eval_batch_size = s.batch_size, s.local_epochs, s.eval_batch_size
+        self.max_steps_per_epoch = s.max_steps_per_epoch
+        self.classes = class_names(s.dataset)
+        labelled = select_labelled(list(train), s.label_fraction, seed=data_seed)
+        self.train_set = ImageDataset(labelled, s.image_size, "finetune", s.dataset, site=site, seed=data_seed)
+        self.val_set = ImageDataset(list(val), s.image_size, "eval", s.dataset, site=site)
         self.test_set: ImageDataset | None = None
-        model = ResNetClassifier(len(self.classes), width, seed=seed, depth=depth).to(device)
-        self.trainer = ClassifierTrainer(model, lr=lr, total_rounds=num_rounds, warmup_rounds=0, min_lr=0.0,
-                                         weight_decay=weight_decay, layer_decay=1.0, head_prefix="fc.",
+        model = ResNetClassifier(len(self.classes), s.width, seed=s.seed, depth=s.depth).to(device)
+        self.trainer = ClassifierTrainer(model, lr=s.lr, total_rounds=num_rounds, warmup_rounds=0, min_lr=0.0,
+                                         weight_decay=s.weight_decay, layer_decay=1.0, head_prefix="fc.",
                                          milestones=list(milestones) or [num_rounds], gamma=gamma, device=device,
-                                         seed=data_seed, amp=amp)
+                                         seed=data_seed, amp=s.amp)
         self.summary = (f"{len(train)} training images, {len(val)} validation; {len(labelled)} labelled "
-                        f"({label_fraction:g}) per class {class_histogram(labelled, len(self.classes))}; "
+                        f"({s.label_fraction:g}) per class {class_histogram(labelled, len(self.classes))}; "
                         f"device {self.trainer.device}")
 
     @property
@@ -81,8 +135,10 @@ def local_finetune_device(train: Sequence[ImageRecord], val: Sequence[ImageRecor
     its encoder is loaded; None = random init), keep the epoch with the best validation ``select_on``, and return
     its test metrics ``{"site", "label_fraction", "best_epoch", "val": ..., "test": ...}`` (``test`` holds
     ``balanced_accuracy`` = mean recall and ``macro_precision`` = mean precision)."""
-    t = ResNetClassifierLocalTrainer(train, val, num_rounds=epochs, site=site, label_fraction=label_fraction,
-                                     milestones=milestones, gamma=gamma, batch_size=batch_size, lr=lr, **settings)
+    device = settings.pop("device", "cpu")
+    s = ResNetClassifierSettings(label_fraction=label_fraction, batch_size=batch_size, lr=lr, **settings)
+    t = ResNetClassifierLocalTrainer(train, val, s, num_rounds=epochs, site=site, device=device, milestones=milestones,
+                                     gamma=gamma)
     if init is not None:
         t.model.load_encoder(init, f"the pre-trained model for {site}")
     best, best_state, best_epoch = None, None, -1

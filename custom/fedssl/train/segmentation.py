@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,13 +19,14 @@ from monai.losses import DiceCELoss
 from monai.networks.nets import BasicUNet
 from torch import nn
 
+from fedssl.core.checks import require, require_amp, require_int
 from fedssl.core.rng import owned_global_rng
-from fedssl.core.seeds import derived_seed
+from fedssl.core.seeds import derived_seed, site_seed
 from fedssl.core.trainer import MixedPrecision, RoundStats, check_optimizer_state, check_stop, detached, load_checked
 from fedssl.data.transforms import augment_segmentation
 from fedssl.data.volume import Volume
 from fedssl.eval.segmentation import ACDC_CLASSES, dice_per_volume, mean_dice
-from fedssl.models.unet import build_unet, load_encoder_into_unet
+from fedssl.models.unet import PAPER_FEATURES, build_unet, load_encoder_into_unet, require_unet_args
 
 #: Key prefixes that only a full U-Net state dict has (decoder / output layer), not an encoder one.
 _DECODER_PREFIXES: tuple[str, ...] = ("upcat_", "final_conv.")
@@ -35,7 +37,8 @@ _DECODER_PREFIXES: tuple[str, ...] = ("upcat_", "final_conv.")
 # ---------------------------------------------------------------------------------------------------
 
 
-def init_unet(init: str | Mapping[str, Any], *, features: Sequence[int], seed: int = 0, out_channels: int = 4) -> BasicUNet:
+def init_unet(init: str | Mapping[str, Any], *, features: Sequence[int], seed: int = 0,
+              out_channels: int = 4) -> BasicUNet:
     """Build the fine-tuning U-Net and initialise it (FCL (Wu et al., MedIA 2022) section 5: "the pre-trained encoder
     ... is used as the initialization for fine-tuning the U-Net").
 
@@ -280,28 +283,85 @@ def train_segmentation(
     return losses
 
 
+@dataclass(frozen=True)
+class SegmentationSettings:
+    """Every setting of a site's federated U-Net fine-tuning, declared once: the job arguments of
+    ``SegmentationExecutor`` and what :class:`SegmentationLocalTrainer` reads (paper settings as defaults, FCL (Wu et
+    al., MedIA 2022) section 5).
+
+    data_root: the site's folder of ``patientNNN`` folders; "" = site config / FEDSSL_DATA_ROOT.  image_size,
+    target_spacing: the slices' size in pixels and in-plane spacing in mm; features: the U-Net's channels.
+    n_labelled: N annotated patients of the site (1, 2, 4, 8); fold of the ``n_folds``-fold split (8 train / 2
+    validation patients per site); lr: Adam 5e-4, cosine over all rounds; batch_size: 10 slices; local_epochs per
+    round (paper: 1); max_steps_per_epoch caps each local epoch (0 = no cap); seed: the job seed (initial U-Net; the
+    site's batches and augmentations use site_seed(seed, site)); split_seed: the seed of the patient split (per
+    site site_seed(split_seed, site); the annotated patients fold_seed(split_seed, site, fold)), the same as the
+    local protocol's (``fedssl fcl finetune``) so both fine-tune on the same patients; device: "auto", "cpu",
+    "cuda[:N]"; amp: bfloat16 autocast on GPUs that support it.
+    """
+
+    data_root: str = ""
+    image_size: int = 192
+    target_spacing: float = 1.25
+    features: Sequence[int] = PAPER_FEATURES
+    n_labelled: int = 1
+    fold: int = 0
+    n_folds: int = 5
+    lr: float = 5e-4
+    batch_size: int = 10
+    local_epochs: int = 1
+    max_steps_per_epoch: int = 0
+    seed: int = 0
+    split_seed: int = 0
+    device: str = "auto"
+    amp: bool = False
+
+    def check(self, name: str) -> None:
+        """Every argument checked; the message names component ``name``, the argument, its value and the fix."""
+        require(isinstance(self.data_root, str), name, "data_root", self.data_root, 'use a path string or ""')
+        require(isinstance(self.n_labelled, int) and self.n_labelled >= 1, name, "n_labelled", self.n_labelled,
+                "paper: 1, 2, 4 or 8")
+        require(isinstance(self.n_folds, int) and self.n_folds >= 2, name, "n_folds", self.n_folds, "paper: 5")
+        require(isinstance(self.fold, int) and 0 <= self.fold < self.n_folds, name, "fold", self.fold,
+                f"use 0..{self.n_folds - 1}")
+        require(self.lr > 0, name, "lr", self.lr, "paper: 5e-4")
+        require(isinstance(self.batch_size, int) and self.batch_size >= 1, name, "batch_size", self.batch_size,
+                "paper: 10")
+        require(isinstance(self.local_epochs, int) and self.local_epochs >= 1, name, "local_epochs", self.local_epochs,
+                "paper: 1")
+        require_int(name, "max_steps_per_epoch", self.max_steps_per_epoch, 0,
+                    "use 0 (full epoch) or a positive step count")
+        require_int(name, "seed", self.seed, 0, "use the job's non-negative integer seed")
+        require_int(name, "split_seed", self.split_seed, 0, "use a non-negative integer (the local protocol's: 0)")
+        require_unet_args(name, self.features, self.image_size)
+        require_amp(name, self.amp)
+
+
 class SegmentationLocalTrainer:
-    """Federated fine-tuning of the U-Net on a site's N annotated patients (a ``LocalTrainer``).
+    """Federated fine-tuning of the U-Net on a site's N annotated patients (a ``LocalTrainer``) with the settings of a
+    :class:`SegmentationSettings`.
 
     Each round: ``local_epochs`` epochs over every slice of ``train_volumes`` (each capped at
     ``max_steps_per_epoch`` batches; 0 = no cap) with one Adam optimiser and one cosine schedule over all
     ``num_rounds`` rounds; ``samples`` = labelled slices (the FedAvg weight).  ``evaluate("val")`` = Dice of
     the current model on ``val_volumes``.  The restart state is the optimiser / schedule / generator (the
-    weights come from the server every round).  ``seed`` drives the batch order, the augmentations and the owned
-    global RNG of every epoch and evaluation (the U-Net arrives initialised): a site passes
-    ``fedssl.core.seeds.site_seed(job seed, site)``.
+    weights come from the server every round).  The site's seed ``fedssl.core.seeds.site_seed(seed, site)`` drives
+    the batch order, the augmentations and the owned global RNG of every epoch and evaluation (the U-Net arrives
+    initialised).  ``device``: a torch device (the executor resolves the settings' "auto").
     """
 
-    def __init__(self, unet: nn.Module, train_volumes: Sequence[Volume], val_volumes: Sequence[Volume], *,
-                 num_rounds: int, lr: float = 5e-4, batch_size: int = 10, local_epochs: int = 1,
-                 max_steps_per_epoch: int = 0, seed: int = 0, device: str | torch.device = "cpu",
-                 amp: bool = False):
+    def __init__(self, unet: nn.Module, train_volumes: Sequence[Volume], val_volumes: Sequence[Volume],
+                 settings: SegmentationSettings, *, num_rounds: int, site: str = "",
+                 device: str | torch.device = "cpu"):
+        s = settings
+        s.check(type(self).__name__)
+        self.settings = s
         self.train_volumes, self.val_volumes = list(train_volumes), list(val_volumes)
-        self.local_epochs, self.max_steps = int(local_epochs), (int(max_steps_per_epoch) or None)
-        steps = steps_per_epoch(self.train_volumes, batch_size, self.max_steps)
-        self.trainer = SegmentationTrainer(unet, lr=lr, batch_size=batch_size,
-                                           total_steps=steps * self.local_epochs * int(num_rounds), seed=seed,
-                                           device=device, amp=amp)
+        self.local_epochs, self.max_steps = int(s.local_epochs), (int(s.max_steps_per_epoch) or None)
+        steps = steps_per_epoch(self.train_volumes, s.batch_size, self.max_steps)
+        self.trainer = SegmentationTrainer(unet, lr=s.lr, batch_size=s.batch_size,
+                                           total_steps=steps * self.local_epochs * int(num_rounds),
+                                           seed=site_seed(s.seed, site), device=device, amp=s.amp)
         self.n_slices = sum(v.n_slices for v in self.train_volumes)
 
     @property
@@ -315,7 +375,8 @@ class SegmentationLocalTrainer:
     def train_round(self, round_idx: int, should_stop: Callable[[], bool] | None = None) -> RoundStats:
         step0, losses, curve = self.trainer.step, [], []
         for _ in range(self.local_epochs):
-            losses.append(self.trainer.train_epoch(self.train_volumes, max_steps=self.max_steps, should_stop=should_stop))
+            losses.append(self.trainer.train_epoch(self.train_volumes, max_steps=self.max_steps,
+                                                   should_stop=should_stop))
             curve += [{"loss": x} for x in self.trainer.last_losses]
         return RoundStats(loss=sum(losses) / len(losses), steps=self.trainer.step - step0, samples=self.n_slices,
                           metrics={"lr": self.trainer.current_lr}, curve=curve)

@@ -80,7 +80,8 @@ def test_binary_metrics_use_p_class1_for_auc():
     m = classification_metrics(probs, [0, 0, 1, 1], ["no_dr", "dr"])
     assert m["auc"] == pytest.approx(0.75)
     assert m["accuracy"] == pytest.approx(0.75)  # predictions 0, 0, 0, 1
-    assert m["per_class"]["dr"]["recall"] == pytest.approx(0.5) and m["per_class"]["dr"]["specificity"] == pytest.approx(1.0)
+    assert (m["per_class"]["dr"]["recall"] == pytest.approx(0.5)
+            and m["per_class"]["dr"]["specificity"] == pytest.approx(1.0))
     assert m["per_class"]["no_dr"]["auc"] is None
     assert classification_metrics(probs[:2], [0, 0], ["no_dr", "dr"])["auc"] is None  # one class only: undefined
 
@@ -161,7 +162,8 @@ def test_trainer_reduces_loss_on_separable_data_and_counts_head_steps():
     model = TinyClassifier()
     x, y = separable()
     trainer = make_trainer(model)
-    with pytest.raises(UntrainedHeadError, match="checkpoint fresh.pt has no trained classification head; fine-tune it first"):
+    with pytest.raises(UntrainedHeadError, match="checkpoint fresh.pt has no trained classification head; fine-tune it "
+                                                 "first"):
         evaluate(model, batches(x, y), ["neg", "pos"], source="fresh.pt")
     losses = [trainer.train_round(batches(x, y), r, n_steps=4) for r in range(10)]
     assert losses[-1] < 0.5 * losses[0]

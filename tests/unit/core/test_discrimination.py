@@ -87,7 +87,8 @@ def test_knn_vote_ties_go_to_the_smaller_label():
 @pytest.mark.parametrize("args, match", [
     ((torch.eye(3), torch.tensor([0, 1]), torch.arange(3)), r"one label and one group per row"),
     ((torch.eye(3), torch.arange(3), torch.arange(3), 0), r"k=0: must be a positive integer"),
-    ((torch.eye(3), torch.arange(3), torch.tensor([0, 0, 1]), 2), r"k=2 neighbours from other groups are not available"),
+    ((torch.eye(3), torch.arange(3), torch.tensor([0, 0, 1]), 2),
+     r"k=2 neighbours from other groups are not available"),
     ((torch.eye(3), torch.tensor([0, -1, 1]), torch.arange(3), 1), r"non-negative class indices"),
 ])
 def test_knn_bad_input_is_named(args, match):

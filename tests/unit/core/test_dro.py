@@ -27,7 +27,8 @@ def grid_projection(y, rho, step=0.004):
 
 
 def test_divergence_by_hand():
-    # N = 4, lambda = (0.4, 0.2, 0.2, 0.2): N lambda = (1.6, .8, .8, .8); f = (t-1)^2/2 -> (.18, .02, .02, .02); mean .06
+    # N = 4, lambda = (0.4, 0.2, 0.2, 0.2): N lambda = (1.6, .8, .8, .8);
+    # f = (t-1)^2/2 -> (.18, .02, .02, .02); mean .06
     assert chi2_divergence(np.array([0.4, 0.2, 0.2, 0.2])) == pytest.approx(0.06)
     assert chi2_divergence(np.full(5, 0.2)) == 0.0
 

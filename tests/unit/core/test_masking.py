@@ -1,8 +1,6 @@
 import pytest
 import torch
 
-torch.set_num_threads(1)
-
 from fedssl.core.masking import (
     block_mask_target,
     block_masking,
@@ -11,6 +9,8 @@ from fedssl.core.masking import (
     num_masked,
     random_masking,
 )
+
+torch.set_num_threads(1)
 
 
 @pytest.mark.parametrize("ratio,expected", [(0.6, 118), (0.75, 147), (0.3, 59), (0.5, 98)])

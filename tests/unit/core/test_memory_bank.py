@@ -29,11 +29,13 @@ def test_sample_negatives_draws_k_without_replacement_from_union():
     g = torch.Generator().manual_seed(0)
     local = torch.arange(4, dtype=torch.float32).view(4, 1)
     remote = torch.arange(4, 12, dtype=torch.float32).view(8, 1)
-    feats, parts = sample_negatives(local, torch.zeros(4, dtype=torch.long), remote, torch.ones(8, dtype=torch.long), 4, g)
+    feats, parts = sample_negatives(local, torch.zeros(4, dtype=torch.long), remote, torch.ones(8, dtype=torch.long), 4,
+                                    g)
     vals = feats[:, 0].tolist()
     assert len(vals) == 4 and len(set(vals)) == 4 and set(vals) <= set(range(12))
     # NS off: all of Q (eq. 1); FE off: only the local bank
-    all_feats, _ = sample_negatives(local, torch.zeros(4, dtype=torch.long), remote, torch.ones(8, dtype=torch.long), 4, g, sample=False)
+    all_feats, _ = sample_negatives(local, torch.zeros(4, dtype=torch.long), remote, torch.ones(8, dtype=torch.long), 4,
+                                    g, sample=False)
     assert all_feats.shape[0] == 12
     only_local, _ = sample_negatives(local, torch.zeros(4, dtype=torch.long), None, None, 4, g)
     assert sorted(only_local[:, 0].tolist()) == [0, 1, 2, 3]
@@ -44,7 +46,8 @@ def test_sampling_is_uniform_over_local_and_remote():
     local = torch.zeros(10, 1)
     remote = torch.ones(30, 1)
     frac_remote = np.mean([sample_negatives(local, torch.zeros(10, dtype=torch.long), remote,
-                                            torch.zeros(30, dtype=torch.long), 10, g)[0].mean().item() for _ in range(300)])
+                                            torch.zeros(30, dtype=torch.long), 10, g)[0].mean().item()
+                                            for _ in range(300)])
     assert abs(frac_remote - 0.75) < 0.03
 
 

@@ -1,6 +1,7 @@
-"""MixedPrecision (the trainers' ``amp`` switch) and the bfloat16 path of every core trainer, run on a CPU with the
-autocast dtype forced: the networks' convolutions and linear layers compute in bfloat16, the loss, the weights and
-the banks stay float32, and a round ends with a finite loss."""
+"""MixedPrecision (the trainers' ``amp`` switch) and the bfloat16 path of the core classifier trainer, run on a CPU
+with the autocast dtype forced (FCL's, BYOL's and FedCLF's: in their tests under tests/unit/train): the networks'
+convolutions and linear layers compute in bfloat16, the loss, the weights and the banks stay float32, and a round
+ends with a finite loss."""
 
 import math
 
@@ -8,15 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from fedssl.core.byol import BYOLConfig, BYOLTrainer
 from fedssl.core.checks import require_amp
-from fedssl.core.fedclf import FedCLFConfig, FedCLFTrainer
 from fedssl.core.trainer import MixedPrecision
-from fedssl.models.unet import TINY_FEATURES, BYOLUNetEncoder
 
 from tests.unit.core.test_classification import TinyClassifier, make_trainer
-from tests.unit.core.test_fcl_trainer import batches as fcl_batches, make as make_fcl
-from tests.unit.core.test_fedclf import TinyMoCo, _batches as fedclf_batches
 
 torch.set_num_threads(1)
 BF16 = torch.bfloat16
@@ -75,30 +71,6 @@ def test_forced_bfloat16_autocasts_linear_layers_on_a_cpu():
 def test_the_switch_is_true_or_false(bad):
     with pytest.raises(ValueError, match=f"amp={bad!r}.*use true or false"):
         require_amp("X", bad)
-
-
-def test_fcl_encoders_run_in_bfloat16_loss_and_bank_stay_float32():
-    tr = forced(make_fcl())
-    seen = layer_dtypes(tr.model.main)
-    out = tr.train_round(fcl_batches(2), 2, 0)
-    assert seen and set(seen) == {BF16}
-    assert math.isfinite(out["loss"]) and tr.bank.features.dtype == torch.float32 and float32(tr.model)
-
-
-def test_byol_networks_run_in_bfloat16_and_the_target_stays_float32():
-    model = BYOLUNetEncoder(TINY_FEATURES, proj_dim=8, pred_hidden=16, seed=0)
-    tr = forced(BYOLTrainer(model, BYOLConfig(lr=0.05, num_rounds=2), lambda x, g: x, seed=0))
-    seen = layer_dtypes(model.online)
-    out = tr.train_round([torch.rand(4, 1, 32, 32, generator=torch.Generator().manual_seed(0))], 1, 0)
-    assert seen and set(seen) == {BF16} and math.isfinite(out["loss"]) and float32(model)
-
-
-def test_fedclf_moco_runs_in_bfloat16_and_its_bank_stays_float32():
-    tr = forced(FedCLFTrainer(TinyMoCo(), FedCLFConfig(queue="fe_neg", bank_size=8, num_rounds=2), seed=0))
-    seen = layer_dtypes(tr.model.main)
-    out = tr.train_round(fedclf_batches(2), 2, 0)
-    assert seen and set(seen) == {BF16}
-    assert math.isfinite(out["loss"]) and tr.bank.features.dtype == torch.float32 and float32(tr.model)
 
 
 def test_classifier_forward_runs_in_bfloat16_with_a_float32_loss():

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from fedssl.core.schedule import warmup_cosine
+from fedssl.core.schedule import cosine_lr, warmup_cosine
 
 
 def test_linear_warmup_then_cosine_to_min_lr():
@@ -35,3 +35,10 @@ def test_no_warmup_and_warmup_equal_total():
 def test_bad_arguments_raise(args):
     with pytest.raises(ValueError, match="warmup_cosine"):
         warmup_cosine(*args)
+
+
+def test_cosine_lr():
+    assert cosine_lr(0.05, 0.0) == pytest.approx(0.05)
+    assert cosine_lr(0.05, 0.5) == pytest.approx(0.025)
+    assert cosine_lr(0.05, 1.0) == pytest.approx(0.0)
+    assert cosine_lr(0.05, -1.0) == cosine_lr(0.05, 0.0) and cosine_lr(0.05, 2.0) == cosine_lr(0.05, 1.0)  # clipped

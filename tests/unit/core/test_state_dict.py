@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedssl.core.state_dict import (ContributionError, RunningAverage, check_contribution, ema_update, match_keys, merge_into,
-                                    weighted_average)
+from fedssl.core.state_dict import (ContributionError, RunningAverage, check_contribution, ema_update, match_keys,
+                                    merge_into, weighted_average)
 
 
 def test_weighted_average_by_hand():
@@ -100,8 +100,10 @@ def test_ema_update_by_hand():
 
 
 def test_match_keys_by_pattern():
-    keys = ["encoder.cls_token", "encoder.pos_embed", "decoder.embed.weight", "decoder.pred.bias", "features.norm0.running_mean"]
+    keys = ["encoder.cls_token", "encoder.pos_embed", "decoder.embed.weight", "decoder.pred.bias",
+            "features.norm0.running_mean"]
     assert match_keys(keys, ["encoder.cls_token"]) == ["encoder.cls_token"]
     assert match_keys(keys, ["decoder.*"]) == ["decoder.embed.weight", "decoder.pred.bias"]
-    assert match_keys(keys, ["*.running_mean", "encoder.cls_token"]) == ["encoder.cls_token", "features.norm0.running_mean"]
+    assert match_keys(keys, ["*.running_mean", "encoder.cls_token"]) == ["encoder.cls_token",
+                                                                         "features.norm0.running_mean"]
     assert match_keys(keys, ["encoder.cls"]) == []  # whole names only, no prefix matching

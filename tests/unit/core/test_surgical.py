@@ -1,4 +1,5 @@
-"""Surgical head merge (surgical aggregation (Kulkarni et al., ML4H 2024), eq. 2-3): hand-computed columns, FedAvg equivalence, slicing, BN key selection."""
+"""Surgical head merge (surgical aggregation (Kulkarni et al., ML4H 2024), eq. 2-3): hand-computed columns, FedAvg
+equivalence, slicing, BN key selection."""
 
 import numpy as np
 import pytest
@@ -83,7 +84,8 @@ def test_merge_class_held_by_no_site_keeps_previous_global_row():
 def test_merge_identical_lists_equals_fedavg_exactly():
     rng = np.random.default_rng(0)
     cl = ["x", "y", "z", "w"]
-    heads = {s: (rng.normal(size=(4, 6)).astype(np.float32), rng.normal(size=4).astype(np.float32)) for s in ("s1", "s2", "s3")}
+    heads = {s: (rng.normal(size=(4, 6)).astype(np.float32), rng.normal(size=4).astype(np.float32))
+             for s in ("s1", "s2", "s3")}
     for weights in (None, {"s1": 10, "s2": 3, "s3": 7}):
         w, b = merge_heads(heads, {s: cl for s in heads}, cl, weights=weights)
         ws = [1, 1, 1] if weights is None else [weights[s] for s in sorted(heads)]

@@ -54,7 +54,8 @@ def test_kmeans_update_rejects_mismatched_statistics():
 
 def test_init_codebook_kmeanspp_and_random():
     centres = torch.tensor([[0.0, 0.0], [50.0, 0.0], [0.0, 50.0]])
-    pts = torch.cat([c + 0.1 * torch.randn(20, 2, generator=torch.Generator().manual_seed(i)) for i, c in enumerate(centres)])
+    pts = torch.cat([c + 0.1 * torch.randn(20, 2, generator=torch.Generator().manual_seed(i))
+                     for i, c in enumerate(centres)])
     cb = init_codebook(pts, 3, torch.Generator().manual_seed(1))
     nearest = torch.cdist(cb, centres).argmin(dim=1)
     assert sorted(nearest.tolist()) == [0, 1, 2]  # D^2 sampling picks one seed per well-separated cluster
@@ -71,7 +72,8 @@ def test_patchify_roundtrip_and_normalisation():
     assert x.shape == (2, 6, 48) and torch.equal(unpatchify(x, 4, 2, 3), imgs)
     assert torch.equal(x[0, 1].reshape(4, 4, 3).permute(2, 0, 1), imgs[0, :, 0:4, 4:8])  # (row, col, channel) order
     n = normalize_patches(x)
-    assert torch.allclose(n.mean(-1), torch.zeros(2, 6), atol=1e-5) and torch.allclose(n.std(-1), torch.ones(2, 6), atol=1e-3)
+    assert (torch.allclose(n.mean(-1), torch.zeros(2, 6), atol=1e-5)
+            and torch.allclose(n.std(-1), torch.ones(2, 6), atol=1e-3))
 
 
 def _patterned(ids: list[int], patterns: torch.Tensor) -> torch.Tensor:

@@ -599,7 +599,8 @@ def test_cavity_volumes_hand_computed(tmp_path: Path) -> None:
     assert a["LV_ED_ml"] == pytest.approx(3.75) and a["MYO_ED_ml"] == pytest.approx(3.75)
     assert a["RV_ED_ml"] == pytest.approx(1.2) and a["RV_ES_ml"] == pytest.approx(1.2)
     assert a["LV_ES_ml"] == pytest.approx(1.875)
-    assert a["RV_LV_ED"] == pytest.approx(0.32) and a["LV_EF"] == pytest.approx(0.5) and a["RV_EF"] == pytest.approx(0.0)
+    assert (a["RV_LV_ED"] == pytest.approx(0.32) and a["LV_EF"] == pytest.approx(0.5)
+            and a["RV_EF"] == pytest.approx(0.0))
     assert b["LV_ED_ml"] == pytest.approx(3.0) and b["RV_ED_ml"] == pytest.approx(0.96)
     groups = summarise_cavity_volumes(rows + [dict(a, patient="patient009", LV_EF=float("nan"), RV_LV_ED=0.5)])
     assert [(g["group"], g["n"]) for g in groups] == [("NOR", 2), ("HCM", 1)]  # ACDC's group order

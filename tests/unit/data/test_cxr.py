@@ -77,7 +77,8 @@ def test_nih_awkward_headers_and_labels(tmp_path, header, trail):
 
 def test_nih_header_normalisation_all_forms_agree():
     plain = next(csv.reader([NIH_2017_HEADER]))
-    quoted = next(csv.reader(['Image Index,Finding Labels,"OriginalImage[Width,Height]","OriginalImagePixelSpacing[x,y]"']))
+    quoted = next(csv.reader(['Image Index,Finding '
+                              'Labels,"OriginalImage[Width,Height]","OriginalImagePixelSpacing[x,y]"']))
     assert _normalise_nih_header(plain)[-4:] == ["OriginalImage_Width", "OriginalImage_Height",
                                                   "OriginalImagePixelSpacing_x", "OriginalImagePixelSpacing_y"]
     assert _normalise_nih_header(quoted)[-4:] == _normalise_nih_header(plain)[-4:]
@@ -267,7 +268,8 @@ def test_patient_split_disjoint_seeded_and_stratified():
     abnormal = {r.patient for r in recs if r.labels}  # a patient with a finding in any image
     groups = [len(abnormal), len({r.patient for r in recs} - abnormal)]
     cuts = [(round(0.7 * n), round(0.8 * n), n) for n in groups]
-    assert [len(p) for p in pats] == [sum(c[0] for c in cuts), sum(c[1] - c[0] for c in cuts), sum(c[2] - c[1] for c in cuts)]
+    assert [len(p) for p in pats] == [sum(c[0] for c in cuts), sum(c[1] - c[0] for c in cuts),
+                                      sum(c[2] - c[1] for c in cuts)]
     for s in (tr, va, te):  # abnormal and normal patients in every split
         assert any(r.labels for r in s) and any(not r.labels for r in s)
     assert patient_split(recs, seed=0) == (tr, va, te)
@@ -324,7 +326,7 @@ def test_batches_cover_epoch_reproducibly(tmp_path):
     assert len(list(batches(ds, 3, drop_last=True))) == len(ds) // 3
 
 
-# ---------------------------------------------------------------------------------------------- ablation partitioner (issue 13 item 15)
+# ------------------------------------------------------------------------------ ablation partitioner (issue 13 item 15)
 def _patients(n_abnormal, n_normal, images_per_patient=2):
     from fedssl.data.cxr import CXRRecord
 

@@ -9,7 +9,8 @@ from PIL import Image
 
 from fedssl.data import cxr_synthetic
 from fedssl.data.cxr import ALL_CLASSES, CHEXPERT_CLASSES, NIH_CLASSES, dataset_classes, load_cxr_site
-from fedssl.data.cxr_synthetic import render_cxr, write_synthetic_mimic_cxr, write_synthetic_nih, write_synthetic_surgical
+from fedssl.data.cxr_synthetic import (render_cxr, write_synthetic_mimic_cxr, write_synthetic_nih,
+                                       write_synthetic_surgical)
 from fedssl.eval.auroc import auroc
 
 
@@ -91,8 +92,10 @@ def test_surgical_layout_and_unlabelled_findings(tmp_path):
     assert {c for r in chex for c in r.labels} <= set(CHEXPERT_CLASSES)
     assert dataset_classes("mimic", tmp_path / "mimic") == list(ALL_CLASSES)
     # a source shows findings it does not label: same seed, only the unlabelled prevalence differs
-    a = write_synthetic_nih(tmp_path / "a", n_patients=3, seed=1, image_size=32, prevalence=0.0, unlabelled_prevalence=0.0)
-    b = write_synthetic_nih(tmp_path / "b", n_patients=3, seed=1, image_size=32, prevalence=0.0, unlabelled_prevalence=1.0)
+    a = write_synthetic_nih(tmp_path / "a", n_patients=3, seed=1, image_size=32, prevalence=0.0,
+                            unlabelled_prevalence=0.0)
+    b = write_synthetic_nih(tmp_path / "b", n_patients=3, seed=1, image_size=32, prevalence=0.0,
+                            unlabelled_prevalence=1.0)
     assert a["positives"] == b["positives"] == {c: 0 for c in NIH_CLASSES}
     assert (tmp_path / "a" / "Data_Entry_2017_v2020.csv").read_text().count("No Finding") == a["n_images"]
     assert (tmp_path / "b" / "Data_Entry_2017_v2020.csv").read_text().count("No Finding") == b["n_images"]

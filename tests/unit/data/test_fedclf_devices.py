@@ -149,7 +149,8 @@ def _border_luminance(path: str) -> float:
 def test_sources_differ_in_skin_tone_and_acquisition(sources):
     out, _ = sources
     isic = load_image_records(os.path.join(out, "isic2019"), "derm")
-    lum = {s: np.mean([_border_luminance(p) for p in _tree_paths(out, s)]) for s in ("atlasderm", "dermnet", "darkderm")}
+    lum = {s: np.mean([_border_luminance(p) for p in _tree_paths(out, s)])
+           for s in ("atlasderm", "dermnet", "darkderm")}
     isic_lum = np.mean([_border_luminance(r.path) for r in isic[:30]])
     assert isic_lum > lum["atlasderm"] > lum["darkderm"] and isic_lum > lum["dermnet"] > lum["darkderm"]
     # the dermoscope ring: black corners in ISIC images only (in those whose ring is small enough to show)
@@ -161,7 +162,8 @@ def test_sources_differ_in_skin_tone_and_acquisition(sources):
 
 def _tree_paths(out, source):
     root = os.path.join(out, source)
-    return [os.path.join(root, d, f) for d in sorted(os.listdir(root)) for f in sorted(os.listdir(os.path.join(root, d)))]
+    return [os.path.join(root, d, f) for d in sorted(os.listdir(root))
+            for f in sorted(os.listdir(os.path.join(root, d)))]
 
 
 def test_difficulty_lowers_the_lesion_contrast(tmp_path):

@@ -62,7 +62,8 @@ def test_archive_folders_numeric_order_and_other_files_of_the_layout(tmp_path: P
     assert list_subjects(tmp_path) == ["pat2", "pat10"]
     assert list_subjects(tmp_path, variant="sa_crop") == ["pat2"]
     files = subject_files(tmp_path)
-    assert files["pat10"] == (images / "training_axial_crop_pat10.nii.gz", labels / "training_axial_crop_pat10-label.nii.gz")
+    assert files["pat10"] == (images / "training_axial_crop_pat10.nii.gz",
+                              labels / "training_axial_crop_pat10-label.nii.gz")
     assert load_subject(tmp_path, "pat10", image_size=16).label.sum() == 2 * 3 * 4 * 1 + 1 * 2 * 4 * 2
 
 
@@ -78,7 +79,8 @@ def test_a_file_outside_the_layout_is_refused_by_name(tmp_path: Path, name: str)
 def test_missing_partner_files_are_named(tmp_path: Path) -> None:
     _subject(tmp_path, 0)
     _save(tmp_path / "training_axial_crop_pat1.nii.gz", _pair()[0])
-    with pytest.raises(HVSMRDataError, match=r"image of subject pat1 has no label: .*training_axial_crop_pat1\.nii\.gz"):
+    with pytest.raises(HVSMRDataError,
+                       match=r"image of subject pat1 has no label: .*training_axial_crop_pat1\.nii\.gz"):
         load_hvsmr(tmp_path)
     (tmp_path / "training_axial_crop_pat1.nii.gz").unlink()
     _save(tmp_path / "training_axial_crop_pat3-label.nii.gz", _pair()[1])
@@ -103,7 +105,8 @@ def test_layout_level_refusals(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda lab: lab.astype(np.float32) * 0.5, r"6 non-integer value\(s\), e\.g\. 0\.5"),  # the 2 x 3 myocardium block: 0.5
+    # the 2 x 3 myocardium block: 0.5
+    (lambda lab: lab.astype(np.float32) * 0.5, r"6 non-integer value\(s\), e\.g\. 0\.5"),
     (lambda lab: np.where(lab == 2, 3, lab).astype(np.uint8), r"label values 3 are not HVSMR 2016 classes"),
     (lambda lab: lab[:, :5], r"label shape \(4, 5, 2\) does not match image shape \(4, 6, 2\)"),
 ])

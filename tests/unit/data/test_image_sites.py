@@ -133,8 +133,8 @@ def test_impossible_min_per_site(src, tmp_path):
 def test_cli_synth_and_partition(tmp_path, capsys):
     assert main(["sslfl", "synth", "derm", str(tmp_path / "d"), "--images", "40", "--size", "16", "--seed", "3"]) == 0
     assert "wrote 40 synthetic derm images" in capsys.readouterr().out
-    assert main(["sslfl", "partition", "derm", str(tmp_path / "d"), str(tmp_path / "p"), "--sites", "3", "--alpha", "1.0",
-                 "--min-per-site", "3"]) == 0
+    assert main(["sslfl", "partition", "derm", str(tmp_path / "d"), str(tmp_path / "p"), "--sites", "3", "--alpha",
+                 "1.0", "--min-per-site", "3"]) == 0
     out = capsys.readouterr().out
     part = json.loads((tmp_path / "p" / "partition.json").read_text())
     assert format_partition_table(part) in out

@@ -99,13 +99,16 @@ def _lesion_contrast(level: int, difficulty: float, n: int = 6, size: int = 40) 
     """Mean |image of ``level`` - image of level 0| over a fixed set of eyes: the lesions' contrast (anatomy and
     camera come from their own streams, so only the lesions differ)."""
     src = _source_params("retina", 0, 4)
-    return float(np.mean([np.abs(render("retina", level, src[i % 4], np.random.default_rng(i), size, difficulty=difficulty)
-                                 - render("retina", 0, src[i % 4], np.random.default_rng(i), size, difficulty=difficulty)).mean()
+    return float(np.mean([np.abs(render("retina", level, src[i % 4], np.random.default_rng(i), size,
+                                        difficulty=difficulty)
+                                 - render("retina", 0, src[i % 4], np.random.default_rng(i), size,
+                                          difficulty=difficulty)).mean()
                           for i in range(n)]))
 
 
 def test_difficulty_lowers_lesion_contrast_monotonically():
-    assert retina_lesion_opacity(0.0) == 1.0 and retina_lesion_opacity(1.0) == 0.5 and retina_lesion_opacity(3.0) == 0.25
+    assert (retina_lesion_opacity(0.0) == 1.0 and retina_lesion_opacity(1.0) == 0.5
+            and retina_lesion_opacity(3.0) == 0.25)
     contrast = [_lesion_contrast(2, d) for d in (0.0, 0.5, 1.0, 2.0, 3.0)]
     assert all(a > b for a, b in zip(contrast, contrast[1:])), contrast
     assert contrast[-1] < 0.25 * contrast[0]  # opacity / 4 at d = 3, plus camera blur

@@ -268,11 +268,11 @@ def test_finetune_crop_scales_covidfl_zooms_out(data):
     frac = np.array([ch * cw / 1600 for _, _, ch, cw in areas])
     assert frac.min() >= 0.8 - 1e-9 and frac.max() <= 1.2 + 1e-9
     assert (frac > 1.0).mean() > 0.3  # zoom-out boxes, larger than the image
-    big = [(t, l) for (t, l, ch, cw), f in zip(areas, frac) if f > 1.0 and cw > 40]
-    assert big and all(l <= 0 for _, l in big)  # the image lies inside a zoomed-out box
+    big = [(t, left) for (t, left, ch, cw), f in zip(areas, frac) if f > 1.0 and cw > 40]
+    assert big and all(left <= 0 for _, left in big)  # the image lies inside a zoomed-out box
     ret = ImageDataset(recs, 16, "finetune", "retina")
     boxes = [ret._crop_box(40, 50, (0.6, 1.0), g) for _ in range(400)]
-    assert all(0 <= t and 0 <= l and t + ch <= 40 + 1e-6 and l + cw <= 50 + 1e-6 for t, l, ch, cw in boxes)
+    assert all(0 <= t and 0 <= left and t + ch <= 40 + 1e-6 and left + cw <= 50 + 1e-6 for t, left, ch, cw in boxes)
     assert min(ch * cw for _, _, ch, cw in boxes) >= 0.6 * 2000 - 1e-6
 
 

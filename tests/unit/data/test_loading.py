@@ -170,7 +170,8 @@ def test_image_datasets_share_the_cache_base_and_warm_decodes_each_item_once(tmp
 
     write_synthetic_nih(tmp_path / "n", n_patients=3, seed=0, image_size=32)
     cxr_ds = CXRDataset(load_nih(tmp_path / "n"), ALL_CLASSES, image_size=16, train=True, seed=0)
-    vlp_ds = VLPDataset([VLPRecord(image=r.path, text="no finding", labels=(0,), patient=f"p{i}", study=f"s{i}", split="train")
+    vlp_ds = VLPDataset([VLPRecord(image=r.path, text="no finding", labels=(0,), patient=f"p{i}", study=f"s{i}",
+                                   split="train")
                          for i, r in enumerate(derm)], 16, channels=3, colour="rgb")
     for ds, name in ((ImageDataset(derm, 16, "pretrain", "derm", site="site-1"), "raw"), (cxr_ds, "gray"),
                      (vlp_ds, "raw")):

@@ -28,7 +28,8 @@ def test_volumes_are_resampled_to_pixdim_and_padded_to_the_patch(acdc):
     item = list_items("acdc", acdc, "site-1")[0]
     img = nib.load(item["image"])
     zooms, shape = img.header.get_zooms(), img.shape
-    fine, coarse = (load_volumes([item], "acdc", pixdim, (8, 8, 4), "site-1")[0] for pixdim in ((1.0, 1.0, 10.0), (2.0, 2.0, 10.0)))
+    fine, coarse = (load_volumes([item], "acdc", pixdim, (8, 8, 4), "site-1")[0]
+                    for pixdim in ((1.0, 1.0, 10.0), (2.0, 2.0, 10.0)))
     # in-plane: extent / spacing, halved when the voxel doubles; z at the native slice count (10 mm ~ native)
     expected = round(shape[0] * float(zooms[0]) / 1.0)
     assert abs(fine["image"].shape[1] - expected) <= 1 and abs(coarse["image"].shape[1] - expected / 2) <= 1

@@ -140,7 +140,7 @@ def test_lda_clients_get_heterogeneous_language_and_writer_is_fast(tmp_path):
 def test_mimic_writer_deterministic(tmp_path):
     a = write_synthetic_mimic(tmp_path / "a", n_patients=12, image_px=16, seed=5)
     b = write_synthetic_mimic(tmp_path / "b", n_patients=12, image_px=16, seed=5)
-    c = write_synthetic_mimic(tmp_path / "c", n_patients=12, image_px=16, seed=6)
+    write_synthetic_mimic(tmp_path / "c", n_patients=12, image_px=16, seed=6)
     assert {k: v for k, v in a.items() if k != "root"} == {k: v for k, v in b.items() if k != "root"}
     da, db, dc = (tree_digests(tmp_path / x) for x in "abc")
     assert da == db and len(da) > 12

@@ -1,5 +1,6 @@
 """Feature spread (fedssl.eval.features, fedssl.core.spread): hand-computed batches, then the encoder helpers
-(U-Net projection / pooled bottleneck over a site's slices, ViT mean-pooled patch tokens) against a direct computation."""
+(U-Net projection / pooled bottleneck over a site's slices, ViT mean-pooled patch tokens) against a direct
+computation."""
 
 import math
 
@@ -12,8 +13,8 @@ from fedssl.data.volume import Volume
 from fedssl.core.discrimination import instance_discrimination, knn_accuracy
 from fedssl.data.acdc import PartitionSampleDataset
 from fedssl.data.transforms import augment_views
-from fedssl.eval.features import (feature_spread, slice_partitions, unet_discrimination, unet_features, unet_position_knn,
-                                  unet_spread, vit_spread)
+from fedssl.eval.features import (feature_spread, slice_partitions, unet_discrimination, unet_features,
+                                  unet_position_knn, unet_spread, vit_spread)
 from fedssl.models.unet import TINY_FEATURES, ContrastiveNet, UNetEncoder
 from fedssl.models.vit import TINY_VIT, ViTClassifier
 

@@ -62,11 +62,11 @@ def test_format_table_cells():
     table = format_table(summarise(ROWS))
     lines = table.splitlines()
     assert "N=1" in lines[0] and "N=2" in lines[0]
-    fcl_local = next(l for l in lines if l.startswith("local") and "FCL" in l)
+    fcl_local = next(line for line in lines if line.startswith("local") and "FCL" in line)
     assert "0.700 +- 0.100" in fcl_local and "0.700 +- 0.200" in fcl_local
-    rand = next(l for l in lines if "Random init" in l)
+    rand = next(line for line in lines if "Random init" in line)
     assert "0.300 +- 0.050" in rand and rand.rstrip().endswith("-")
-    cen = next(l for l in lines if l.startswith("centralised"))
+    cen = next(line for line in lines if line.startswith("centralised"))
     assert "0.500 +- 0.100" in cen
 
 
@@ -104,9 +104,12 @@ def test_pretraining_verdict_pairs_sites_at_the_smallest_common_n():
     line = pretraining_verdict(rows, "FCL")
     assert line == "FCL vs random, local fine-tuning at N=1: +0.167 +- 0.047 Dice over 3 sites -> pre-training helped"
     # a mean gain smaller than the spread: +0.05 with diffs +0.3 and -0.2 (std 0.25)
-    rows = [_vrow("FCL", 1, "a", 0.6), _vrow("random", 1, "a", 0.3), _vrow("FCL", 1, "b", 0.2), _vrow("random", 1, "b", 0.4)]
-    assert pretraining_verdict(rows, "FCL").endswith("+0.050 +- 0.250 Dice over 2 sites -> pre-training within the spread (no clear effect)")
-    rows = [_vrow("FCL", 1, "a", 0.1), _vrow("random", 1, "a", 0.3), _vrow("FCL", 1, "b", 0.2), _vrow("random", 1, "b", 0.4)]
+    rows = [_vrow("FCL", 1, "a", 0.6), _vrow("random", 1, "a", 0.3), _vrow("FCL", 1, "b", 0.2),
+            _vrow("random", 1, "b", 0.4)]
+    assert pretraining_verdict(rows, "FCL").endswith("+0.050 +- 0.250 Dice over 2 sites -> pre-training within the "
+                                                     "spread (no clear effect)")
+    rows = [_vrow("FCL", 1, "a", 0.1), _vrow("random", 1, "a", 0.3), _vrow("FCL", 1, "b", 0.2),
+            _vrow("random", 1, "b", 0.4)]
     assert pretraining_verdict(rows, "FCL").endswith("-0.200 +- 0.000 Dice over 2 sites -> pre-training hurt")
     assert "no local fine-tuning at a common N" in pretraining_verdict([_vrow("FCL", 1, "a", 0.1)], "FCL")
     # seeds: each seed's difference is its mean over the sites; the spread is the std over seeds.  Seed 0: sites
@@ -117,7 +120,8 @@ def test_pretraining_verdict_pairs_sites_at_the_smallest_common_n():
             dict(_vrow("random", 1, "a", 0.4), seed=1), dict(_vrow("FCL", 1, "b", 0.3), seed=1),
             dict(_vrow("random", 1, "b", 0.4), seed=1)]
     assert pretraining_verdict(rows, "FCL").endswith(
-        "+0.025 +- 0.125 Dice over 2 seeds (each the mean over its sites) -> pre-training within the spread (no clear effect)")
+        "+0.025 +- 0.125 Dice over 2 seeds (each the mean over its sites) -> pre-training within the spread (no clear "
+        "effect)")
     assert "no local fine-tuning of a common seed at N=1" in pretraining_verdict(
         [_vrow("FCL", 1, "a", 0.1), dict(_vrow("random", 1, "a", 0.4), seed=1)], "FCL")
 

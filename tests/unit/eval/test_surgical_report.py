@@ -11,7 +11,8 @@ def reply(per_class, ext=None):
     r = {"model": "global model", "n_test": 10,
          "test": {"per_class": {c: {"auroc": v, "ci95": None, "n_pos": 1, "n": 10} for c, v in per_class.items()}}}
     if ext:
-        r["external"] = {"per_class": {c: {"auroc": v, "ci95": [v - 0.1, v + 0.1], "n_pos": 1, "n": 10} for c, v in ext.items()},
+        r["external"] = {"per_class": {c: {"auroc": v, "ci95": [v - 0.1, v + 0.1], "n_pos": 1, "n": 10}
+                                       for c, v in ext.items()},
                          "mean_auroc": float(np.mean(list(ext.values()))), "n_classes": len(ext), "n_images": 10}
     return r
 

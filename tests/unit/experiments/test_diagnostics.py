@@ -121,7 +121,8 @@ def test_diagnose_acdc_of_a_global_moco_model(tmp_path):
     assert d["spread"]["value"] != d["spread"]["random"]  # a different encoder from the random one
     assert d["projection_spread"]["reference"] == pytest.approx(1 / np.sqrt(8))
     probe = d["probe"]
-    assert probe["n_sites"] == 2 and [r["method"] for r in probe["rows"]] == ["FCL", "FCL", "random init", "random init"]
+    assert (probe["n_sites"] == 2 and [r["method"] for r in probe["rows"]]
+            == ["FCL", "FCL", "random init", "random init"])
     assert probe["rows"][0]["train_patients"] == probe["rows"][2]["train_patients"]  # the same split for both
     json.dumps(d)  # JSON-able, for the table's JSON beside the text
     assert "verdict" in format_diagnostics([d])
@@ -168,7 +169,8 @@ def test_instance_discrimination_of_the_projection_against_its_start(cls):
     assert x["loss"] == pytest.approx(x["start_loss"], abs=1e-6) and x["top1"] == pytest.approx(x["start_top1"])
     other = diagnose_acdc("m", None, cls(TINY_FEATURES, proj_dim=8, seed=1).state_dict(), site_volumes(), settings)
     y = other["discrimination"]
-    assert y["start_loss"] == pytest.approx(x["start_loss"], abs=1e-6) and y["loss"] != pytest.approx(x["loss"], abs=1e-4)
+    assert (y["start_loss"] == pytest.approx(x["start_loss"], abs=1e-6)
+            and y["loss"] != pytest.approx(x["loss"], abs=1e-4))
     assert np.mean(list(y["per_site"].values())) == pytest.approx(y["loss"])
     line = next(s for s in format_diagnostics([other]).splitlines() if "instance discrimination, the" in s)
     assert f"InfoNCE {y['loss']:.3f} vs the start's {y['start_loss']:.3f} (chance {np.log(17):.3f})" in line
@@ -200,7 +202,8 @@ def test_slice_position_of_the_encoder_against_the_random_encoder():
                       vols, settings)
     pa, pb = a["position"], b["position"]
     assert (pa["n_partitions"], pa["k"]) == (4, 5) and set(pa["per_site"]) == {"site-1", "site-2"}
-    assert pa["random"] == pytest.approx(pb["random"]) and pb["encoder"] == pytest.approx(pb["random"])  # b is the start
+    # b is the start
+    assert pa["random"] == pytest.approx(pb["random"]) and pb["encoder"] == pytest.approx(pb["random"])
     assert np.mean(list(pa["per_site"].values())) == pytest.approx(pa["encoder"])
     from fedssl.eval.features import unet_position_knn
     from fedssl.experiments.diagnostics import _unet_encoder

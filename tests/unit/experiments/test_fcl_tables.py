@@ -39,7 +39,8 @@ class Fakes:
 
     def diagnose_one(self, method, pretrained, *, data_root, settings, seed=0):
         self.diagnosed.append((method, pretrained["summary"]))
-        return {"method": method + (f" seed {seed}" if seed else ""), "rounds": [{"round": 0, "loss": 2.0, "bank_fill": 0.5}],
+        return {"method": method + (f" seed {seed}" if seed else ""),
+                "rounds": [{"round": 0, "loss": 2.0, "bank_fill": 0.5}],
                 "probe": {"metric": "dice", "setting": "N=1, fold 0", "n_sites": 2, "pretrained": 0.30,
                           "pretrained_std": 0.01, "random": 0.25, "random_std": 0.02}}
 
@@ -144,7 +145,8 @@ def test_methods_added_one_command_at_a_time_end_up_in_one_table(monkeypatch, tm
     assert {r["column"] for r in data["rows"]} == {"N=1"}
     # FCL is +0.1 on every (site, fold) pair (the fakes' Dice), FedMoCo level
     paired = {p["method"]: p for p in data["extra"]["paired_against_random"]}
-    assert paired["FCL"]["diff_mean"] == pytest.approx(0.1) and (paired["FCL"]["ahead"], paired["FCL"]["pairs"]) == (4, 4)
+    assert (paired["FCL"]["diff_mean"] == pytest.approx(0.1)
+            and (paired["FCL"]["ahead"], paired["FCL"]["pairs"]) == (4, 4))
     assert paired["FedMoCo"]["diff_mean"] == pytest.approx(0.0) and paired["FedMoCo"]["ahead"] == 0
     text = open(paths[1]["txt"]).read()
     assert "FCL minus random: N=1 +0.100 (SE 0.000) ahead in 4/4" in text.split("paper (")[-1]  # under the tables
@@ -178,7 +180,8 @@ def test_seeds_repeat_every_cell_pair_runs_of_one_seed_and_give_the_spread_over_
     assert [d[1] for d in fakes.diagnosed] == [f"{out}/ws/pretrain_FCL/summary.json",
                                                f"{out}/ws/pretrain_FCL_seed1/summary.json"]
     # seed 0's keys carry no seed (folders from before seeds resume as seed 0); a seed-s cell starts from seed s
-    keys = [(k["stage"], k["method"], k.get("site"), k.get("seed"), init) for k, init in fakes.finetuned + fakes.federated]
+    keys = [(k["stage"], k["method"], k.get("site"), k.get("seed"), init) for k, init in fakes.finetuned
+            + fakes.federated]
     assert ("local", "FCL", "site-2", None, "FCL.pt") in keys and ("local", "FCL", "site-2", 1, "FCL_s1.pt") in keys
     assert ("federated", "FCL", None, 1, "FCL_s1.pt") in keys and ("centralised", "random", None, 1, "random") in keys
     assert len(fakes.finetuned) == 2 * (2 * 2 + 2) and len(fakes.federated) == 2 * 2
@@ -255,7 +258,8 @@ def test_seed_overrides_reach_the_jobs(monkeypatch, tmp_path):
     assert result["rows"] == [{"dice": 0.5, "seed": 2}]
     assert "server.model.seed=2" in seen[2][1] and "client.seg_trainer.seed=2" in seen[2][1]
     for job, sets in seen:  # each override names an argument the component's constructor takes
-        build_job(os.path.join(fcl_tables.JOBS, job), str(tmp_path / "built" / job), profile="quick", sets=sets, n_sites=2)
+        build_job(os.path.join(fcl_tables.JOBS, job), str(tmp_path / "built" / job), profile="quick", sets=sets,
+                  n_sites=2)
 
 
 def test_exported_unet_keeps_the_encoder_and_draws_the_decoder_from_the_seed(tmp_path):
@@ -278,7 +282,8 @@ def test_diagnostics_of_a_seed_compare_with_that_seeds_start(monkeypatch):
     monkeypatch.setattr(fcl_tables, "load_sites", lambda data_root, settings: {})
     monkeypatch.setattr(fcl_tables, "diagnose_acdc", lambda label, summary, state, sites, settings, *, seed:
                         seen.update(label=label, state=state, seed=seed) or {"method": label})
-    fcl_tables.diagnose_one("FCL", {"summary": "s.json", "global_model": "FCL_s2.pt"}, data_root="d", settings={}, seed=2)
+    fcl_tables.diagnose_one("FCL", {"summary": "s.json", "global_model": "FCL_s2.pt"}, data_root="d", settings={},
+                            seed=2)
     assert seen == {"label": "FCL seed 2", "state": {"path": "FCL_s2.pt"}, "seed": 2}
 
 
@@ -477,7 +482,8 @@ def test_end_to_end_tiny(tmp_path):
     for table in (1, 3):
         data = json.loads(open(paths[table]["json"]).read())
         assert {r["method"] for r in data["rows"]} == {"random", "FCL"}
-        for row in data["rows"]:  # the table's cell = the mean of its cells' Dice (one fold: no averaging within a site)
+        # the table's cell = the mean of its cells' Dice (one fold: no averaging within a site)
+        for row in data["rows"]:
             cells = [c["dice"] for c in data["extra"]["cell_rows"] if c["method"] == row["method"]]
             assert len(cells) == (2 if table == 1 else 1)  # two sites locally, one centralised model
             assert row["mean"] == pytest.approx(sum(cells) / len(cells)) and row["n"] == len(cells)

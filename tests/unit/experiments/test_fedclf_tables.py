@@ -32,7 +32,8 @@ class FakeSimulator:
         if job_dir.endswith(ft.PRETRAIN_JOB):
             torch.save({"model": PretrainingResNet("moco", 4, 8, seed=len(self.calls)).state_dict()}, model)
             rounds = [{"round": r, "mean_loss": 5.0 - 0.5 * r,
-                       "site_record_means": {"feature_std": 0.1 / 2 ** r, "queue_remote_fraction": 1.0}} for r in range(3)]
+                       "site_record_means": {"feature_std": 0.1 / 2 ** r, "queue_remote_fraction": 1.0}}
+                       for r in range(3)]
             with open(os.path.join(run_dir, "summary.json"), "w") as f:
                 json.dump({"rounds": rounds}, f)
             for k in range(1, n_sites + 1):
@@ -56,7 +57,8 @@ def fake_local(monkeypatch):
     def local(train, val, test, *, init, site, label_fraction, **kw):
         k = int(site.split("-")[1])
         kind = "random" if init is None else "own" if torch.equal(
-            init["main.head.0.weight"], PretrainingResNet("moco", 4, 8, seed=100 + k).state_dict()["main.head.0.weight"]) \
+            init["main.head.0.weight"], PretrainingResNet("moco", 4, 8,
+                                                          seed=100 + k).state_dict()["main.head.0.weight"]) \
             else "global"
         seen.append((site, kind, label_fraction, kw["epochs"]))
         base = {"random": 0.40, "own": 0.42, "global": 0.45}[kind]

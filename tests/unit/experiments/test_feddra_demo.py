@@ -33,8 +33,8 @@ def test_each_variant_sets_the_table3_switches_on_the_job(variant, tmp_path):
 
 def test_rows_and_the_paired_verdict_by_hand():
     cell = {"variant": "feddra", "seed": 0, "clients": {"a": {"R@1": 0.2, "R@5": 0.6}, "b": {"R@1": 0.1, "R@5": 0.5}},
-            "probe": {"rsna": {"1%": {"accuracy": 0.7, "auroc": 0.8}}}, "lambda": [{"turn": 0, "lambda": {"a": 0.6, "b": 0.4}}],
-            "wall_time_s": 1.0}
+            "probe": {"rsna": {"1%": {"accuracy": 0.7, "auroc": 0.8}}},
+            "lambda": [{"turn": 0, "lambda": {"a": 0.6, "b": 0.4}}], "wall_time_s": 1.0}
     row = fd.cell_row(cell)
     assert row["avg_R@1"] == pytest.approx(0.15) and row["worst_R@1"] == 0.1 and row["worst_R@5"] == 0.5
     assert row["rsna_1%_acc"] == 0.7 and row["lambda_max"] == 0.6

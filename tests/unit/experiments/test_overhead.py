@@ -34,12 +34,14 @@ def test_round_phases_from_the_server_log_by_hand(tmp_path):
 
 def test_the_printed_table_names_every_phase():
     r = {"job": "j", "profile": "quick", "device": "cpu", "parameters": 490000, "message_mb": 1.9, "rounds": 5,
-         "bare_round_s": 3.9, "flare_round_s": 6.5, "ratio_flare_to_bare": 1.67, "training_throughput_vs_bare": 0.987, "site_train_round_s_in_flare": 3.95,
+         "bare_round_s": 3.9, "flare_round_s": 6.5, "ratio_flare_to_bare": 1.67, "training_throughput_vs_bare": 0.987,
+         "site_train_round_s_in_flare": 3.95,
          "site_other_s": 0.4, "phases_s": dict.fromkeys(PHASES, 0.5), "startup_and_shutdown_s": 20.0,
          "in_process_s": {"serialise_both_directions": 0.02, "meters": 0.01, "aggregate_one_site": 0.003,
                           "site_validation_and_checkpoint": 0.12}}
     text = format_overhead(r)
-    assert "1.67x bare" in text and "98.7 % of the bare loop" in text and "site waits to ask for the task" in text and "of which train_round" in text
+    assert ("1.67x bare" in text and "98.7 % of the bare loop" in text and "site waits to ask for the task" in text
+            and "of which train_round" in text)
 
 
 @pytest.mark.parametrize("job, why", [("surgical_cxr", "registration round"), ("feddra_mimic", "federated vocabulary")])

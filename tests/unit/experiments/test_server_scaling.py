@@ -1,6 +1,5 @@
 import json
 
-import numpy as np
 import pytest
 
 from fedssl.cli import main
@@ -10,7 +9,8 @@ from fedssl.experiments.server_scaling import measure_one, vit_state
 def test_one_measurement_aggregates_correctly_and_reports_two_rounds():
     row = measure_one(3, "running", model="tiny")  # raises if the aggregate is not the weighted mean
     assert row["sites"] == 3 and row["parameters"] == sum(v.size for v in vit_state("tiny").values())
-    assert row["accept_s"] > 0 and row["aggregate_s"] > 0 and set(row["first_round"]) == {"accept_s", "aggregate_s", "round_s"}
+    assert (row["accept_s"] > 0 and row["aggregate_s"] > 0
+            and set(row["first_round"]) == {"accept_s", "aggregate_s", "round_s"})
     held = measure_one(2, "held", model="tiny")
     assert held["mode"] == "held"
 

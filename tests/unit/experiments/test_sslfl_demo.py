@@ -70,7 +70,8 @@ def test_fedmae_ks_demo_splits_derm_into_iid_shards_as_the_paper(tmp_path):
 
 
 def test_verdicts_compare_each_pretrained_row_with_scratch():
-    rows = [{"method": "Fed-MAE", "accuracy": 0.70, "n_test": 400.0}, {"method": "Fed-BEiT", "accuracy": None, "n_test": 400},
+    rows = [{"method": "Fed-MAE", "accuracy": 0.70, "n_test": 400.0},
+            {"method": "Fed-BEiT", "accuracy": None, "n_test": 400},
             {"method": "ViT scratch", "accuracy": 0.60, "n_test": 400}]
     assert verdicts(rows) == ["Fed-MAE vs ViT scratch: test accuracy +0.100 (2 x binomial SE 0.067, 400 test images, "
                               "one seed) -> pre-training helped"]

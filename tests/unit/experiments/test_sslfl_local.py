@@ -33,7 +33,8 @@ def parts(tmp_path_factory):
 
 
 def test_evaluate_checkpoint_refuses_an_untrained_head(pretrained, parts):
-    with pytest.raises(UntrainedHeadError, match=f"checkpoint {pretrained} has no trained classification head; fine-tune it first"):
+    with pytest.raises(UntrainedHeadError, match=f"checkpoint {pretrained} has no trained classification head; "
+                                                 "fine-tune it first"):
         evaluate_checkpoint(pretrained, os.path.join(parts, "test"), "retina", SETTINGS)
 
 
@@ -42,7 +43,8 @@ def test_local_finetuning_selects_on_validation_and_tests(pretrained, parts, tmp
     assert [(r["method"], r["site"]) for r in rows] == [("Fed-MAE", "site-1"), ("Fed-MAE", "site-2"),
                                                         ("scratch", "site-1"), ("scratch", "site-2")]
     for r in rows:
-        assert r["best_epoch"] in (0, 1) and r["test"]["n"] == 24 and r["test"]["accuracy"] * 24 == pytest.approx(round(r["test"]["accuracy"] * 24))
+        assert (r["best_epoch"] in (0, 1) and r["test"]["n"] == 24
+                and r["test"]["accuracy"] * 24 == pytest.approx(round(r["test"]["accuracy"] * 24)))
     # a fine-tuned checkpoint evaluates
     m = FineTuneViT(num_classes=2, **TINY)
     m.head_steps.fill_(3)

@@ -64,7 +64,8 @@ def test_cells_one_pretraining_per_split_and_method_then_every_finetuning():
     assert len(pre) == 2 * 3 * 2 and len(fine) == 2 * 3 * 3  # seeds x splits x (pre-trained | all) methods
     assert pre[0] == {"stage": "pretrain", "method": "fedmae", "split": 1, "seed": 0}
     assert {c["method"] for c in pre} == {"fedmae", "fedbeit"}  # ViT scratch has nothing to pre-train
-    assert fine[:3] == [{"stage": "finetune", "method": m, "split": 1, "seed": 0} for m in ("scratch", "fedmae", "fedbeit")]
+    assert fine[:3] == [{"stage": "finetune", "method": m, "split": 1, "seed": 0}
+                        for m in ("scratch", "fedmae", "fedbeit")]
     assert st.pretrain_cells(st.table_settings("bench", methods=["scratch"])) == []
     assert st.diagnostics_cells(s) == [{**k, "stage": "diagnostics"} for k in pre]
     # SSL-FL sec. IV-B1: Split-1 / 2 / 3 = Dirichlet alpha 100 / 1.0 / 0.5
@@ -155,8 +156,10 @@ def test_table_files_carry_the_paper_numbers_beside_and_std_over_seeds(tmp_path)
 
 def test_verdicts_per_split_against_scratch_by_hand():
     s = st.table_settings("bench", splits=[1, 3])
-    results = {("scratch", 1, 0): {"accuracy": 0.625, "n_test": 1000}, ("fedmae", 1, 0): {"accuracy": 0.75, "n_test": 1000},
-               ("fedbeit", 1, 0): {"accuracy": 0.5, "n_test": 1000}, ("fedmae", 3, 0): {"accuracy": 0.9, "n_test": 1000}}
+    results = {("scratch", 1, 0): {"accuracy": 0.625, "n_test": 1000},
+               ("fedmae", 1, 0): {"accuracy": 0.75, "n_test": 1000},
+               ("fedbeit", 1, 0): {"accuracy": 0.5, "n_test": 1000},
+               ("fedmae", 3, 0): {"accuracy": 0.9, "n_test": 1000}}
     lines = st.table_verdicts(s, results)
     # 2 x sqrt(.75 * .25 / 1000 + .625 * .375 / 1000) = 0.041; Fed-BEiT: 2 x sqrt((.25 + .234375) / 1000) = 0.044
     assert lines == [
@@ -167,7 +170,8 @@ def test_verdicts_per_split_against_scratch_by_hand():
 
 
 def test_diagnostics_vit_is_the_finetuning_jobs_at_the_profile():
-    scratch, beit = st.vit_settings(st.table_settings("bench"), "scratch"), st.vit_settings(st.table_settings("bench"), "fedbeit")
+    scratch, beit = st.vit_settings(st.table_settings("bench"),
+                                    "scratch"), st.vit_settings(st.table_settings("bench"), "fedbeit")
     assert (scratch["image_size"], scratch["patch_size"], scratch["embed_dim"], scratch["depth"]) == (32, 4, 48, 2)
     assert scratch["layer_scale"] is None and beit["layer_scale"] == 0.1  # BEiT's layer scale in its fine-tuning
     assert scratch["dataset"] == "retina" and scratch["label_fraction"] == 1.0

@@ -45,7 +45,8 @@ def test_several_runs_each_are_compared_run_by_run(tmp_path):
     a = [results(tmp_path / f"a{i}.json", {"A": 0.9}, m) for i, m in enumerate((0.75, 0.875, 0.5))]
     b = [results(tmp_path / f"b{i}.json", {"A": 0.9}, m) for i, m in enumerate((0.5, 0.625, 0.25))]
     res = compare_runs(a, b)
-    assert res["unit"] == "run" and [(p["a"], p["b"]) for p in res["pairs"]] == [(0.75, 0.5), (0.875, 0.625), (0.5, 0.25)]
+    assert (res["unit"] == "run" and [(p["a"], p["b"]) for p in res["pairs"]]
+            == [(0.75, 0.5), (0.875, 0.625), (0.5, 0.25)])
     assert res["t_test"]["p"] == 0.0 and res["wilcoxon"]["p"] == 0.25  # three identical +0.25 differences
     with pytest.raises(ValueError, match="not a readable results.json"):
         compare_runs([str(tmp_path / "none.json")], [b[0]])

@@ -79,7 +79,8 @@ def test_tiny_centralised_run_is_evaluated_like_the_federated_runs(tiny_data, tm
             "client.cxr_trainer.image_size=32", "client.cxr_trainer.n_bootstrap=10",
             "client.cxr_trainer.max_steps_per_epoch=1", "client.cxr_trainer.local_epochs=1",
             "server.final_evaluation.model=best", f"client.cxr_trainer.external_test_root={tiny_data / 'mimic'}"]
-    res = run_centralised(str(tiny_data / "{site}"), str(tmp_path / "central"), profile="quick", sets=sets, say=lambda m: None)
+    res = run_centralised(str(tiny_data / "{site}"), str(tmp_path / "central"), profile="quick", sets=sets,
+                          say=lambda m: None)
     with open(tmp_path / "central" / "results.json") as f:
         saved = json.load(f)
     assert saved["method"] == "centralised" and saved["site_classes"] == {"site-1": list(NIH_CLASSES),
@@ -88,7 +89,8 @@ def test_tiny_centralised_run_is_evaluated_like_the_federated_runs(tiny_data, tm
     for site, classes in saved["site_classes"].items():
         assert list(saved["sites"][site]["test"]["per_class"]) == classes  # each site's test split, its classes
         assert len(saved["sites"][site]["external"]["per_class"]) == 20  # external set: every class
-    assert [h["round"] for h in saved["history"]] == [0, 1] and all(math.isfinite(h["val_loss"]) for h in saved["history"])
+    assert ([h["round"] for h in saved["history"]] == [0, 1]
+            and all(math.isfinite(h["val_loss"]) for h in saved["history"]))
     assert "round" in saved["model_source"] and res["wall_time_s"] > 0 and saved["missing_classes"] == "negative"
     assert os.path.isfile(tmp_path / "central" / "results.md") and os.path.isfile(tmp_path / "central" / "auroc.png")
 

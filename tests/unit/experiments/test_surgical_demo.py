@@ -26,7 +26,8 @@ def test_demo_rejects_an_unknown_backbone_before_doing_anything(tmp_path):
 
 def test_comparison_table_prints_every_method():
     row = {"mean_auroc": 0.7, "shared_auroc": 0.6, "unique_auroc": None, "external_auroc": 0.65, "external_shared": 0.6,
-           "external_unique": 0.7, "external_min_class": 0.55, "rounds": 3, "wall_time_s": 10.0, "kb_per_site_round": 1.5}
+           "external_unique": 0.7, "external_min_class": 0.55, "rounds": 3, "wall_time_s": 10.0,
+           "kb_per_site_round": 1.5}
     text = comparison_table([{"method": "surgical", **row}, {"method": "vanilla", **row}])
     assert "surgical" in text and "vanilla" in text and "n/a" in text and "0.700" in text
 
@@ -57,7 +58,8 @@ def test_demo_records_its_threads_and_says_its_one_seed_comparison_is_not_a_find
     from fedssl.experiments import surgical_demo as sd
 
     row = {"mean_auroc": 0.7, "shared_auroc": 0.6, "unique_auroc": 0.8, "external_auroc": 0.65, "external_shared": 0.6,
-           "external_unique": 0.7, "external_min_class": 0.55, "rounds": 1, "wall_time_s": 1.0, "kb_per_site_round": 1.5}
+           "external_unique": 0.7, "external_min_class": 0.55, "rounds": 1, "wall_time_s": 1.0,
+           "kb_per_site_round": 1.5}
 
     def simulate(job, workspace, **kw):
         os.makedirs(os.path.join(workspace, "server", "simulate_job"))

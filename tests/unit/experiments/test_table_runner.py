@@ -286,7 +286,8 @@ def test_environment_names_versions_cpu_blas_and_the_thread_variables(monkeypatc
     assert env_mod.cpu_model(str(cpuinfo)) == "Test CPU @ 2.0GHz"
     assert env_mod.cpu_model(str(tmp_path / "none")) == (platform.processor() or platform.machine() or "unknown")
     config = ("  - Intel(R) oneAPI Math Kernel Library Version 2024.2-Product Build 20240605\n"
-              "  - CPU capability usage: AVX2\n  - Build settings: BLAS_INFO=mkl, BUILD_TYPE=Release, LAPACK_INFO=mkl, ")
+              "  - CPU capability usage: AVX2\n  - Build settings: BLAS_INFO=mkl, BUILD_TYPE=Release, "
+              "LAPACK_INFO=mkl, ")
     assert env_mod.blas(config) == ("BLAS mkl, LAPACK mkl (Intel(R) oneAPI Math Kernel Library Version "
                                     "2024.2-Product Build 20240605), CPU capability AVX2")
     assert env_mod.blas("nothing said") == "unknown"

@@ -75,7 +75,7 @@ def test_bad_direction_is_rejected():
         BackboneBNExclusion(direction="sideways")
 
 
-# ---------------------------------------------------------------------------------------------- round 0 (issue 13 item 1)
+# -------------------------------------------------------------------------------------------- round 0 (issue 13 item 1)
 def stand_in_state():
     """A non-default stand-in for the ImageNet checkpoint: every BN running mean 0.5, running var 4 (torch's
     defaults are 0 / 1, so a site that never received them is told apart)."""

@@ -85,7 +85,8 @@ def test_ptnu_dp_reports_a_distance_then_trains_on_the_kept_online_network(data,
     records = open(tmp_path / "byol_metrics.jsonl").read()
     assert '"mode": "ptnu_dp"' in records and '"ptnu_iterations": 0' in records
     run(ex, tmp_path, task("ptnu_dp", 1, weights=online), name=DISTANCE_TASK)
-    out = from_shareable(run(ex, tmp_path, task("ptnu_dp", 1, weights={}, **{DISTANCE_KEY: 0.01, UPLOAD_TARGET_KEY: False})))
+    out = from_shareable(run(ex, tmp_path, task("ptnu_dp", 1, weights={},
+                                                **{DISTANCE_KEY: 0.01, UPLOAD_TARGET_KEY: False})))
     assert not has_target(out)
 
 
@@ -104,8 +105,8 @@ def test_abort_during_a_round_stops_within_one_step(data, tmp_path):
     c = context(site="site-1", engine=FakeEngine(tmp_path))
     ex.ensure_trainer(task("fclopt"), c)
     steps = []
-    step = ex.trainer.trainer.optimizer.step
-    ex.trainer.trainer.optimizer.step = lambda *a, **k: (steps.append(1), step(*a, **k))[1]
+    step = ex.trainer.optimizer.step
+    ex.trainer.optimizer.step = lambda *a, **k: (steps.append(1), step(*a, **k))[1]
     signal = CountingSignal(after=2)  # read before the round (no), then after the first step (yes)
     reply = ex.execute("train", task("fclopt"), c, signal)
     assert reply.get_return_code() == ReturnCode.TASK_ABORTED
@@ -117,7 +118,7 @@ def test_site_seed_and_loss_switch_reach_the_trainer(data, tmp_path):
     """The FLARE client name picks the data seed (issue 13 item 9); ``symmetric`` reaches the loss (item 8)."""
     ex = BYOLExecutor(data_root=data, symmetric=True, seed=5, **ARGS)
     ex.ensure_trainer(task("fclopt"), context(site="site-1", engine=FakeEngine(tmp_path)))
-    assert ex.trainer.data_seed == site_seed(5, "site-1") and ex.trainer.trainer.cfg.symmetric is True
+    assert ex.trainer.data_seed == site_seed(5, "site-1") and ex.trainer.settings.symmetric is True
     assert BYOLExecutor().symmetric is False  # FCL eq. 6
 
 

@@ -102,7 +102,8 @@ def test_validation_metrics_of_the_received_model_go_to_initial_metrics(data, tm
     assert first.get_meta_prop(MetaKey.INITIAL_METRICS) is None  # round 0: the head was never trained
     second = from_shareable(run(ex, tmp_path, task(first.data, 1)))
     val = second.get_meta_prop(MetaKey.INITIAL_METRICS)
-    n_val = sum(min(n - 1, round_half_up(0.2 * n)) for n in Counter(r.label for r in load_image_records(site, "retina")).values())
+    n_val = sum(min(n - 1, round_half_up(0.2 * n))
+                for n in Counter(r.label for r in load_image_records(site, "retina")).values())
     correct = val["val_accuracy"] * n_val  # accuracy of n_val images: a whole number of them right
     assert correct == pytest.approx(round(correct)) and n_val == 12
     assert {"val_auc", "val_macro_f1", "val_recall_dr", "val_specificity_no_dr"} <= set(val)
@@ -128,7 +129,8 @@ def test_test_task_returns_metrics_on_the_partition_test_folder(data, tmp_path):
 
 
 def test_evaluation_refuses_an_untrained_head(data, tmp_path, caplog):
-    s = DXO(DataKind.WEIGHTS, data=initial_weights(), meta={"model_source": "/runs/x/FL_global_model.pt"}).to_shareable()
+    s = DXO(DataKind.WEIGHTS, data=initial_weights(),
+            meta={"model_source": "/runs/x/FL_global_model.pt"}).to_shareable()
     ex = ClassifierExecutor(data_root=os.path.join(data, "site-1"), **ARGS)
     with caplog.at_level(logging.ERROR):
         reply = run(ex, tmp_path, s, "test")

@@ -53,3 +53,54 @@ def test_feddra_executor_takes_loader_workers():
     assert FedDRAExecutor(workers=2).workers == 2
     with pytest.raises(ValueError, match=r"FedDRAExecutor: argument workers=-1 is invalid"):
         FedDRAExecutor(workers=-1)
+
+
+# issue 43 item 7: every method's settings are declared once, in its settings dataclass; the executor's arguments (what
+# FLARE builds it with from the job's JSON) are exactly its fields, stored verbatim, and a misspelt name is refused
+SETTINGS = [
+    ("fedssl.flare.fcl_executor", "FCLExecutor", "fedssl.train.fcl", "FCLSettings"),
+    ("fedssl.flare.byol_executor", "BYOLExecutor", "fedssl.train.byol", "BYOLSettings"),
+    ("fedssl.flare.fedclf_executor", "FedCLFExecutor", "fedssl.train.fedclf", "FedCLFSettings"),
+    ("fedssl.flare.mim_executor", "MIMExecutor", "fedssl.train.mim", "MIMSettings"),
+    ("fedssl.flare.classifier_executor", "ClassifierExecutor", "fedssl.train.classifier", "ClassifierSettings"),
+    ("fedssl.flare.resnet_classifier_executor", "ResNetClassifierExecutor", "fedssl.train.resnet_classifier",
+     "ResNetClassifierSettings"),
+    ("fedssl.flare.multilabel_executor", "MultiLabelExecutor", "fedssl.train.multilabel", "MultiLabelSettings"),
+    ("fedssl.flare.feddra_executor", "FedDRAExecutor", "fedssl.train.feddra", "FedDRASettings"),
+    ("fedssl.flare.segmentation_executor", "SegmentationExecutor", "fedssl.train.segmentation", "SegmentationSettings"),
+    ("fedssl.flare.seg3d_executor", "Seg3DExecutor", "fedssl.train.seg3d", "Seg3DSettings"),
+]
+
+
+def test_every_trainer_executor_has_its_settings():
+    import pkgutil
+
+    import fedssl.flare
+    from fedssl.flare.trainer_executor import TrainerExecutor
+
+    for info in pkgutil.iter_modules(fedssl.flare.__path__):
+        __import__(f"fedssl.flare.{info.name}")
+    methods = {cls.__name__ for cls in _subclasses(TrainerExecutor) if cls.__module__.startswith("fedssl.flare.")}
+    assert methods == {cls for _, cls, _, _ in SETTINGS}
+
+
+def _subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
+@pytest.mark.parametrize("module, cls, settings_module, settings", SETTINGS)
+def test_the_arguments_are_the_settings_fields_and_a_typo_is_refused(module, cls, settings_module, settings):
+    import dataclasses
+    import importlib
+    import inspect
+
+    executor = getattr(importlib.import_module(module), cls)
+    settings_class = getattr(importlib.import_module(settings_module), settings)
+    fields = {f.name: f.default for f in dataclasses.fields(settings_class)}
+    assert {k: p.default for k, p in inspect.signature(executor).parameters.items()} == fields
+    ex = executor()
+    assert ex.settings == settings_class() and all(getattr(ex, k) == v for k, v in fields.items() if k != "classes")
+    with pytest.raises(TypeError, match=rf"^{cls}: unknown argument seeed; it accepts .*\bseed\b"):
+        executor(seeed=1)

@@ -1,7 +1,5 @@
 """FCLExecutor on tiny synthetic ACDC: one real train task, checkpoint resume, and bad data per site."""
 
-import fedssl.core.fcl as core_fcl
-
 import json
 import os
 
@@ -12,12 +10,14 @@ from nvflare.apis.dxo import DXO, DataKind, from_shareable
 from nvflare.apis.fl_constant import ReturnCode
 from nvflare.apis.signal import Signal
 
+import fedssl.train.fcl as train_fcl
 from fedssl.core.trainer import RoundStats
 from fedssl.data.acdc_synthetic import write_synthetic_acdc
 from fedssl.flare.constants import REMOTE_FEATURES, REMOTE_PARTITIONS, SITE_RECORD_META
 from fedssl.experiments.fcl_finetune import export_unet_init
 from fedssl.flare.fcl_executor import FCLExecutor
 from fedssl.models.unet import TINY_FEATURES, MoCoUNetEncoder
+from fedssl.train.fcl import FCLSettings
 from tests.unit.flare.fakes import CountingSignal, FakeEngine, context
 
 torch.set_num_threads(1)
@@ -125,12 +125,12 @@ def test_abort_during_a_round_stops_within_one_step(data, tmp_path):
     c = context(site="site-1", engine=FakeEngine(tmp_path))
     ex.ensure_trainer(task(0), c)
     steps = []
-    step = ex.trainer.trainer.optimizer.step
-    ex.trainer.trainer.optimizer.step = lambda *a, **k: (steps.append(1), step(*a, **k))[1]
+    step = ex.trainer.optimizer.step
+    ex.trainer.optimizer.step = lambda *a, **k: (steps.append(1), step(*a, **k))[1]
     signal = CountingSignal(after=2)  # read before the round (no), then after the first step (yes)
     reply = ex.execute("train", task(0), c, signal)
     assert reply.get_return_code() == ReturnCode.TASK_ABORTED
-    assert len(steps) == 1 and signal.reads == 2 and ex.trainer.trainer.bank.filled == 8  # 2 volumes x 4 partitions
+    assert len(steps) == 1 and signal.reads == 2 and ex.trainer.bank.filled == 8  # 2 volumes x 4 partitions
     assert not os.path.isfile(tmp_path / "fcl_client_state.pt") and ex.last_round == -1  # nothing recorded
 
 
@@ -158,7 +158,8 @@ def test_pretraining_reads_every_cine_frame_and_reports_bounded_counts(data, tmp
     (tmp_path / "ed_es").mkdir()
     ed_es = FCLExecutor(data_root=data, frames="ed_es", **dict(ARGS, max_steps_per_round=0))
     record = from_shareable(run(ed_es, tmp_path / "ed_es", task(0))).get_meta_prop(SITE_RECORD_META)
-    assert (record["volumes"], record["steps_per_round"], record["bank_filled"]) == (8, 4, 32)  # 8 volumes / 2 per batch
+    # 8 volumes / 2 per batch
+    assert (record["volumes"], record["steps_per_round"], record["bank_filled"]) == (8, 4, 32)
     assert [v.phase for v in ed_es.trainer.dataset.volumes[:2]] == ["ED", "ES"]
 
 
@@ -171,10 +172,12 @@ def remote_rows():
 def negatives_of_the_next_step(monkeypatch, executor, tmp_path, shareable):
     """The negatives Q' handed to the loss in the first step of the task."""
     seen = []
-    original = core_fcl.fcl_loss_terms
-    monkeypatch.setattr(core_fcl, "fcl_loss_terms",
-                        lambda q, pos, q_part, neg, neg_part, *a, **k: (seen.append((neg.detach().clone(), neg_part.clone())),
-                                                                        original(q, pos, q_part, neg, neg_part, *a, **k))[1])
+    original = train_fcl.fcl_loss_terms
+    monkeypatch.setattr(train_fcl, "fcl_loss_terms",
+                        lambda q, pos, q_part, neg, neg_part, *a, **k: (seen.append((neg.detach().clone(),
+                                                                                     neg_part.clone())),
+                                                                        original(q, pos, q_part, neg, neg_part, *a,
+                                                                                 **k))[1])
     run(executor, tmp_path, shareable)
     return seen[0]
 
@@ -186,7 +189,8 @@ def test_the_received_remote_bank_is_among_the_next_steps_negatives(data, tmp_pa
     ex = FCLExecutor(data_root=data, negative_sampling=False, **ARGS)
     neg, neg_part = negatives_of_the_next_step(monkeypatch, ex, tmp_path, task(0, (features, partitions)))
     assert neg.shape == (48, 8)
-    assert torch.equal(neg[32:], torch.from_numpy(features)) and torch.equal(neg_part[32:], torch.from_numpy(partitions))
+    assert (torch.equal(neg[32:], torch.from_numpy(features))
+            and torch.equal(neg_part[32:], torch.from_numpy(partitions)))
 
 
 def test_local_cl_exchanges_and_uploads_nothing(data, tmp_path, monkeypatch):
@@ -198,7 +202,8 @@ def test_local_cl_exchanges_and_uploads_nothing(data, tmp_path, monkeypatch):
     neg, _ = negatives_of_the_next_step(monkeypatch, ex, tmp_path, task(0, (features, partitions)))
     assert neg.shape == (32, 8) and not ex.trainer.feature_exchange  # the local bank only
     out = from_shareable(run(ex, tmp_path, task(1, (features, partitions))))
-    assert out.data == {} and out.get_meta_prop("bank_features") is None and out.get_meta_prop("bank_partitions") is None
+    assert (out.data == {} and out.get_meta_prop("bank_features") is None
+            and out.get_meta_prop("bank_partitions") is None)
     assert out.get_meta_prop("num_samples") == 16 and out.get_meta_prop(SITE_RECORD_META)["bank_filled"] == 32
     state = torch.load(tmp_path / "fcl_client_state.pt", weights_only=True)  # what fedssl fcl export-unet reads
     own = ex.trainer.model.state_dict()
@@ -212,7 +217,7 @@ def test_local_cl_exchanges_and_uploads_nothing(data, tmp_path, monkeypatch):
 def test_plain_moco_is_an_executor_switch(data, tmp_path):
     ex = FCLExecutor(data_root=data, plain_moco=True, feature_exchange=False, **ARGS)
     run(ex, tmp_path, task(0))
-    assert ex.trainer.trainer.cfg.plain_moco and ex.plain_moco is True
+    assert ex.trainer.settings.plain_moco and ex.plain_moco is True
     with pytest.raises(ValueError, match="plain_moco"):
         FCLExecutor(data_root=data, plain_moco="yes", **ARGS)
 
@@ -220,3 +225,19 @@ def test_plain_moco_is_an_executor_switch(data, tmp_path):
 def test_loader_workers_reach_the_trainer(data, tmp_path, loader_workers):
     out = from_shareable(run(FCLExecutor(data_root=data, workers=1, **ARGS), tmp_path, task(0)))
     assert np.isfinite(out.get_meta_prop("loss")) and loader_workers == [1]  # one DataLoader for the round
+
+
+def test_the_arguments_are_the_settings_declared_once():
+    """The executor's arguments are FCLSettings' fields (what FLARE, the job checks and the profiles see), stored
+    verbatim and handed to the trainer as one FCLSettings; a misspelt name is refused with the accepted ones."""
+    import dataclasses
+    import inspect
+
+    params = inspect.signature(FCLExecutor).parameters
+    fields = {f.name: f.default for f in dataclasses.fields(FCLSettings)}
+    assert {k: p.default for k, p in params.items()} == fields and len(fields) == 22
+    ex = FCLExecutor(lr=0.1, features=[4, 4, 8, 8, 16, 4])
+    assert ex.lr == 0.1 and ex.features == [4, 4, 8, 8, 16, 4]
+    assert ex.settings == FCLSettings(lr=0.1, features=[4, 4, 8, 8, 16, 4])
+    with pytest.raises(TypeError, match=r"FCLExecutor: unknown arguments bank, lrr; it accepts .*bank_size"):
+        FCLExecutor(lrr=0.1, bank=5)

@@ -28,7 +28,8 @@ def controller(mode, reports=None, **kw):
         assert not any(k.startswith("target.") for k in from_shareable(task.data).data)  # never downloaded
         for site, value in (reports or {}).items():
             ct = ClientTask(Client(site, None), task)
-            ct.result = None if value == "missing" else DXO(DataKind.METRICS, data={}, meta={"d_pc": value}).to_shareable()
+            ct.result = (None if value == "missing" else DXO(DataKind.METRICS, data={},
+                                                             meta={"d_pc": value}).to_shareable())
             task.client_tasks.append(ct)
 
     ctrl.broadcast_and_wait = fake_broadcast

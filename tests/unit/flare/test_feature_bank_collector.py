@@ -36,15 +36,18 @@ def server_ctx(tmp_path, collect=True):
 
 
 def site_bank(i, k=K):
-    return {BANK_FEATURES: np.eye(D, dtype=np.float32)[3 * i: 3 * i + k], BANK_PARTITIONS: np.arange(k, dtype=np.int64) % 2}
+    return {BANK_FEATURES: np.eye(D, dtype=np.float32)[3 * i: 3 * i + k],
+            BANK_PARTITIONS: np.arange(k, dtype=np.int64) % 2}
 
 
 def test_collector_validates_and_returns_the_bank():
-    dxo = DXO(DataKind.WEIGHTS, data={}, meta={BANK_FEATURES: np.eye(D)[:2], BANK_PARTITIONS: np.array([0, 1], np.int32)})
+    dxo = DXO(DataKind.WEIGHTS, data={}, meta={BANK_FEATURES: np.eye(D)[:2],
+                                               BANK_PARTITIONS: np.array([0, 1], np.int32)})
     out = collector().collect("site-1", dxo)
     assert set(out) == {BANK_FEATURES, BANK_PARTITIONS}
     assert out[BANK_FEATURES].dtype == np.float32 and out[BANK_PARTITIONS].dtype == np.int64
-    with pytest.raises(ContributionError, match="site-2 sent no feature bank.*feature_exchange=false.*collectors=\\[\\]"):
+    with pytest.raises(ContributionError, match="site-2 sent no feature "
+                                                "bank.*feature_exchange=false.*collectors=\\[\\]"):
         collector().collect("site-2", DXO(DataKind.WEIGHTS, data={}, meta={}))
     with pytest.raises(ValueError, match="site-3 sent its bank partition ids with shape"):
         collector().collect("site-3", DXO(DataKind.WEIGHTS, data={}, meta={
@@ -112,7 +115,8 @@ def test_fcl_job_collects_banks_and_table7_fedmoco_turns_it_off(row, tmp_path):
     assert collectors == ([] if row == "FedMoCo" else ["bank_collector"])
     trainer = next(c for p, cfg in job_configs(out) for c in component_specs(cfg) if c["id"] == "fcl_trainer")["args"]
     # FedMoCo = plain MoCo with FedAvg (FCL sec. 5.1 "Baselines"; Table 6 "Without FE" has its numbers)
-    assert (trainer["feature_exchange"], trainer["plain_moco"]) == ((False, True) if row == "FedMoCo" else (True, False))
+    assert (trainer["feature_exchange"], trainer["plain_moco"]) == ((False, True) if row == "FedMoCo"
+                                                                    else (True, False))
 
 
 #: Local CL on the server: sites upload no weight and no bank, so the aggregator expects no key and collects nothing

@@ -23,7 +23,8 @@ def to(site, folder):
 
 def broadcast(round_idx=1):
     """Site i's 4 rows are the unit vector e_i with partition id i."""
-    collected = {s: {"bank_features": np.tile(np.eye(3, dtype=np.float32)[i], (4, 1)), "bank_partitions": np.full(4, i, np.int64)}
+    collected = {s: {"bank_features": np.tile(np.eye(3, dtype=np.float32)[i], (4, 1)),
+                     "bank_partitions": np.full(4, i, np.int64)}
                  for i, s in enumerate(SITES)}
     dxo = DXO(DataKind.WEIGHTS, data={"w": np.zeros(2)}, meta={COLLECTED: collected, "aggregated_sites": 3})
     s = dxo.to_shareable()
@@ -119,7 +120,8 @@ def test_remote_bank_has_the_same_size_whatever_the_number_of_sites(tmp_path):
     small = DXO(DataKind.WEIGHTS, data={"w": np.zeros(2)}, meta={COLLECTED: two}).to_shareable()
     shuttle = FeatureBankShuttle(bank_size=6)
     for base in (small, broadcast()):
-        parts = from_shareable(shuttle.process(per_site_copy(base), to("site-1", tmp_path))).get_meta_prop(REMOTE_PARTITIONS)
+        parts = from_shareable(shuttle.process(per_site_copy(base),
+                                               to("site-1", tmp_path))).get_meta_prop(REMOTE_PARTITIONS)
         assert parts.shape == (6,)
 
 

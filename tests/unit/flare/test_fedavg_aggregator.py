@@ -15,7 +15,8 @@ GLOBAL = {"w": np.zeros((2,), np.float32), "b": np.zeros((1,), np.float32)}
 
 
 def ctx(tmp_path, round_idx=0, glob=GLOBAL, **props):
-    return context(engine=FakeEngine(tmp_path, n_clients=6), props={AppConstants.GLOBAL_MODEL: make_model_learnable(glob, {}),
+    return context(engine=FakeEngine(tmp_path, n_clients=6),
+                   props={AppConstants.GLOBAL_MODEL: make_model_learnable(glob, {}),
                                                                       AppConstants.CURRENT_ROUND: round_idx, **props})
 
 
@@ -53,8 +54,10 @@ def test_bad_contributions_are_rejected_and_never_averaged(tmp_path):
     agg, c = FedAvgAggregator(), ctx(tmp_path)
     good = {"w": np.ones(2, np.float32), "b": np.ones(1, np.float32)}
     assert not agg.accept(contribution("site-1", {"w": np.ones(2, np.float32)}, {"num_samples": 1}), c)  # missing key
-    assert not agg.accept(contribution("site-2", {"w": np.ones(3, np.float32), "b": np.ones(1, np.float32)}, {"num_samples": 1}), c)
-    assert not agg.accept(contribution("site-3", {"w": np.array([np.nan, 1], np.float32), "b": np.ones(1, np.float32)}, {"num_samples": 1}), c)
+    assert not agg.accept(contribution("site-2", {"w": np.ones(3, np.float32), "b": np.ones(1, np.float32)},
+                                       {"num_samples": 1}), c)
+    assert not agg.accept(contribution("site-3", {"w": np.array([np.nan, 1], np.float32), "b": np.ones(1, np.float32)},
+                                       {"num_samples": 1}), c)
     assert not agg.accept(contribution("site-4", good, {}), c)  # no sample count for num_samples weighting
     assert not agg.accept(contribution("site-5", good, {"num_samples": 1}, round_idx=7), c)  # stale round
     assert agg.accept(contribution("site-6", good, {"num_samples": 5}), c)
@@ -159,8 +162,10 @@ def test_excluded_keys_are_left_out_then_averaged_in_the_last_round(tmp_path):
     agg.reset(c)  # last round: the locally kept tensors come along and are averaged once
     c = ctx(tmp_path, round_idx=1)
     assert not agg.accept(contribution("site-3", {"w": np.ones(2, np.float32)}, round_idx=1), c)  # must carry "b" now
-    assert agg.accept(contribution("site-1", {"w": np.ones(2, np.float32), "b": np.array([1.0], np.float32)}, round_idx=1), c)
-    assert agg.accept(contribution("site-2", {"w": np.ones(2, np.float32), "b": np.array([5.0], np.float32)}, round_idx=1), c)
+    assert agg.accept(contribution("site-1", {"w": np.ones(2, np.float32), "b": np.array([1.0], np.float32)},
+                                   round_idx=1), c)
+    assert agg.accept(contribution("site-2", {"w": np.ones(2, np.float32), "b": np.array([5.0], np.float32)},
+                                   round_idx=1), c)
     np.testing.assert_allclose(from_shareable(agg.aggregate(c)).data["b"], [3.0])
 
 

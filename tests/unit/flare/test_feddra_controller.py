@@ -164,4 +164,5 @@ def test_the_filter_leaves_non_dro_tasks_alone_and_sends_no_weight_without_a_pla
     assert DRO_WEIGHT_KEY not in from_shareable(DROWeightFilter().process(broadcast(dro=False), ctx)).get_meta_props()
     stale = context(peer_site="site-1", props={AppConstants.CURRENT_ROUND: 1,
                                                DRO_WEIGHTS_PROP: {"round": 0, "weights": {"site-1": 1.0}}})
-    assert DRO_WEIGHT_KEY not in from_shareable(DROWeightFilter().process(broadcast(round_idx=1), stale)).get_meta_props()
+    assert DRO_WEIGHT_KEY not in from_shareable(DROWeightFilter().process(broadcast(round_idx=1),
+                                                                          stale)).get_meta_props()

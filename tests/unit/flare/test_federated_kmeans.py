@@ -156,7 +156,8 @@ def hand_reply(task_name, dxo, x):
         return DXO(DataKind.COLLECTION, data={"centroids": np.array(means, np.float32), "counts": np.array(counts)},
                    meta={"patch_size": P, "n_vectors": x.shape[0]})
     if task_name == KMEANS_STEP:
-        sums, counts, sse = oracle_e_step(x, torch.as_tensor(dxo.data["codebook"]), dxo.get_meta_prop("min_cluster_size"))
+        sums, counts, sse = oracle_e_step(x, torch.as_tensor(dxo.data["codebook"]),
+                                          dxo.get_meta_prop("min_cluster_size"))
         return DXO(DataKind.COLLECTION, data={"sums": sums.astype(np.float32), "counts": counts},
                    meta={ITER_KEY: dxo.get_meta_prop(ITER_KEY), "sse": sse, "n_vectors": x.shape[0]})
     return DXO(DataKind.METRICS, data={"stored": 1})
@@ -189,7 +190,8 @@ def test_federated_lloyd_gives_the_hand_computed_count_weighted_means(tmp_path):
     (event, record), = events
     assert event == SUMMARY_RECORD_EVENT and record["tokenizer"] == "federated k-means K=2, iters=2"
     details = record["tokenizer_details"]
-    assert details["sites"] == sorted(HAND_SITES) and len(details["iterations"]) == 2 and details["min_cluster_size"] == 2
+    assert (details["sites"] == sorted(HAND_SITES) and len(details["iterations"]) == 2
+            and details["min_cluster_size"] == 2)
     assert codebook_description(str(tmp_path / "tokenizer_codebook.pt")) == record["tokenizer"]
 
 
@@ -220,7 +222,8 @@ def test_random_init_is_data_free_and_each_step_is_the_count_weighted_mean_of_th
         old, new = codebooks[it], codebooks[it + 1]
         for k in range(K):
             total = sum(float(r["counts"][k]) for r in steps[3 * it: 3 * it + 3])
-            expected = old[k] if total == 0 else sum(r["sums"][k].astype(np.float64) for r in steps[3 * it: 3 * it + 3]) / total
+            expected = (old[k] if total == 0 else sum(r["sums"][k].astype(np.float64)
+                                                      for r in steps[3 * it: 3 * it + 3]) / total)
             np.testing.assert_allclose(new[k], expected, rtol=1e-5, atol=1e-6)
 
 

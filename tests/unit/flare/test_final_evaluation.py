@@ -85,12 +85,14 @@ def run_controller(tmp_path, has_best, replies, model="best", selection=None):
 
 
 def metrics(acc, auc):
-    return DXO(DataKind.METRICS, data={"accuracy": acc, "auc": auc, "n": 10, "per_class": {"a": {"recall": 1.0}}}).to_shareable()
+    return DXO(DataKind.METRICS, data={"accuracy": acc, "auc": auc, "n": 10,
+                                       "per_class": {"a": {"recall": 1.0}}}).to_shareable()
 
 
 def test_tests_the_validation_selected_model_and_writes_the_report(tmp_path):
     selection = {"best_round": 3, "key_metric": {"name": "val_accuracy"}, "best_metrics": {"val_accuracy": 0.8}}
-    replies = {"site-2": metrics(0.5, 0.6), "site-1": metrics(0.7, None), "site-3": make_reply(ReturnCode.EXECUTION_EXCEPTION)}
+    replies = {"site-2": metrics(0.5, 0.6), "site-1": metrics(0.7, None),
+               "site-3": make_reply(ReturnCode.EXECUTION_EXCEPTION)}
     sent, report = run_controller(tmp_path, True, replies, selection=selection)
     assert sent["weights"]["w"].tolist() == [1.0] and sent["min_responses"] == 3  # 0 = every connected site
     assert report["model"] == "best" and "round 3" in report["model_source"] and "0.8000" in report["model_source"]
@@ -110,7 +112,8 @@ def test_falls_back_to_the_last_model_and_says_so(tmp_path):
     assert sent["weights"]["w"].tolist() == [2.0] and report["model"] == "last" and report["selection"] is None
 
 
-@pytest.mark.parametrize("kw, needle", [({"model": "first"}, "model='first'"), ({"min_responses": -1}, "min_responses=-1"),
+@pytest.mark.parametrize("kw, needle", [({"model": "first"}, "model='first'"),
+                                        ({"min_responses": -1}, "min_responses=-1"),
                                         ({"table_metrics": "acc"}, "table_metrics='acc'")])
 def test_rejects_bad_args(kw, needle):
     with pytest.raises(ValueError, match=needle):
@@ -144,7 +147,8 @@ def test_a_sites_forged_report_is_left_out_and_the_others_reported(bad, tmp_path
 
 
 def test_nan_metrics_become_null_and_numpy_scalars_plain_numbers(tmp_path):
-    reply = DXO(DataKind.METRICS, data={"accuracy": np.float32(0.5), "auc": float("nan"), "n": np.int64(4)}).to_shareable()
+    reply = DXO(DataKind.METRICS, data={"accuracy": np.float32(0.5), "auc": float("nan"),
+                                        "n": np.int64(4)}).to_shareable()
     _, report = run_controller(tmp_path, False, {"site-1": reply})
     assert report["sites"]["site-1"] == {"accuracy": 0.5, "auc": None, "n": 4}
 

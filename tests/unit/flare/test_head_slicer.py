@@ -57,7 +57,8 @@ def test_each_site_gets_its_rows_in_its_order_and_the_shared_dxo_is_untouched(tm
 def test_full_head_for_the_test_task_and_baselines(tmp_path):
     c1, _ = ctx_for("site-1", tmp_path)
     full = from_shareable(HeadSlicer(full_head=True).process(per_site_copy(broadcast()), c1))
-    assert full.data["classifier.weight"].shape == (3, 2) and list(full.get_meta_prop("global_classes")) == ["B", "A", "C"]
+    assert (full.data["classifier.weight"].shape == (3, 2)
+            and list(full.get_meta_prop("global_classes")) == ["B", "A", "C"])
     c1, _ = ctx_for("site-1", tmp_path, method="vanilla")
     van = from_shareable(HeadSlicer().process(per_site_copy(broadcast()), c1))
     assert van.data["classifier.bias"].shape == (3,) and list(van.get_meta_prop("global_classes")) == ["B", "A", "C"]

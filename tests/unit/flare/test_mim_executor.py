@@ -13,7 +13,8 @@ from nvflare.apis.signal import Signal
 
 from fedssl.core.tokenizer import PatchTokenizer, load_tokenizer
 from fedssl.data.image_synthetic import write_synthetic_images
-from fedssl.flare.constants import EXCLUDED_META, KMEANS_INIT, KMEANS_STEP, LOCAL_TOKENIZER_KEY, SET_TOKENIZER, SITE_RECORD_META
+from fedssl.flare.constants import (EXCLUDED_META, KMEANS_INIT, KMEANS_STEP, LOCAL_TOKENIZER_KEY, SET_TOKENIZER,
+                                    SITE_RECORD_META)
 from fedssl.flare.mim_executor import MIMExecutor
 from fedssl.models.vit import TINY_DECODER, TINY_VIT, BEiTViT, MAEViT
 from tests.unit.flare.fakes import CountingSignal, FakeEngine, context
@@ -34,7 +35,8 @@ def data(tmp_path_factory):
 
 
 def global_weights(method="mae", **overrides):
-    model = MAEViT(**TINY_VIT, **TINY_DECODER, seed=0) if method == "mae" else BEiTViT(**TINY_VIT, vocab_size=VOCAB, seed=0)
+    model = (MAEViT(**TINY_VIT, **TINY_DECODER, seed=0) if method == "mae"
+             else BEiTViT(**TINY_VIT, vocab_size=VOCAB, seed=0))
     w = {k: v.numpy() for k, v in model.state_dict().items()}
     w.update(overrides)
     return w
@@ -212,7 +214,8 @@ def test_beit_federated_tokenizer_tasks_then_training(data, tmp_path, caplog):
     ex2 = MIMExecutor(method="beit", data_root=data, mask_ratio=0.4, **ARGS)
     out = from_shareable(run(ex2, tmp_path, task(global_weights("beit"))))
     assert np.isfinite(out.get_meta_prop("loss"))
-    assert out.get_meta_prop(SITE_RECORD_META) == {"tokenizer": desc, "feature_std": metrics(tmp_path)[-1]["feature_std"]}
+    assert out.get_meta_prop(SITE_RECORD_META) == {"tokenizer": desc,
+                                                   "feature_std": metrics(tmp_path)[-1]["feature_std"]}
 
 
 def test_kmeans_tasks_are_refused_by_mismatched_sites(data, tmp_path, caplog):
@@ -236,7 +239,8 @@ def test_kmeans_tasks_are_refused_by_mismatched_sites(data, tmp_path, caplog):
 
 def test_an_abort_during_the_round_stops_within_one_step(data, tmp_path):
     ex = MIMExecutor(method="mae", data_root=data, **ARGS)
-    reply = ex.execute("train", task(global_weights()), context(site="site-1", engine=FakeEngine(tmp_path)), CountingSignal(after=2))
+    reply = ex.execute("train", task(global_weights()), context(site="site-1", engine=FakeEngine(tmp_path)),
+                       CountingSignal(after=2))
     assert reply.get_return_code() == ReturnCode.TASK_ABORTED
     assert ex.trainer.trainer.step == 1  # one step, then the abort
     assert not os.path.exists(tmp_path / "mim_client_state.pt") and not os.path.exists(tmp_path / "mim_metrics.jsonl")

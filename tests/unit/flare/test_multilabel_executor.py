@@ -84,7 +84,8 @@ def make_executor(root, **kw):
 
 
 def initial_state(classes=C_K):
-    return {k: v.numpy() for k, v in MultiLabelDenseNet(classes, 8, (2, 2, 2, 2), 16, hidden_features=4).state_dict().items()}
+    return {k: v.numpy() for k, v in MultiLabelDenseNet(classes, 8, (2, 2, 2, 2), 16,
+                                                        hidden_features=4).state_dict().items()}
 
 
 def run_task(ex, run_dir, name, data, meta, round_idx=0, aborted=False):
@@ -108,7 +109,8 @@ SURGICAL = {"method": "surgical", "backbone": "fedbn"}
 def test_declare_then_train_rounds_reply_with_classes_validation_and_backbone_header(site_root, tmp_path):
     ex = make_executor(site_root)
     declared = from_shareable(run_task(ex, tmp_path, "declare_classes", {}, SURGICAL))
-    assert declared.get_meta_prop("classes").tolist() == C_K and declared.get_meta_prop("num_samples") == ex.splits["n_train"]
+    assert (declared.get_meta_prop("classes").tolist() == C_K
+            and declared.get_meta_prop("num_samples") == ex.splits["n_train"])
     sent = initial_state()
     r0 = run_task(ex, tmp_path, "train", sent, SURGICAL, 0)
     assert r0.get_header(BACKBONE_HEADER) == "fedbn"  # read by the BackboneBNExclusion upload filter

@@ -33,7 +33,8 @@ def test_unknown_round_and_fedbn_keep_tensors_local():
     f = PartialModelExclusion(patterns=["encoder.cls_token"], direction="upload")
     assert "encoder.cls_token" not in from_shareable(f.process(result(), context())).data
     fedbn = PartialModelExclusion(patterns=["decoder.*"], direction="upload", average_at_end=False)
-    assert set(from_shareable(fedbn.process(result(2, 3), context())).data) == {"encoder.cls_token", "encoder.pos_embed"}
+    assert set(from_shareable(fedbn.process(result(2, 3), context())).data) == {"encoder.cls_token",
+                                                                                "encoder.pos_embed"}
 
 
 def test_download_removes_matching_tensors_every_round():

@@ -1,4 +1,5 @@
-"""Where a FLARE party keeps its secrets: its site config dir, or ``$FEDSSL_SECRETS_DIR/<its name>/`` (the simulator)."""
+"""Where a FLARE party keeps its secrets: its site config dir, or ``$FEDSSL_SECRETS_DIR/<its name>/`` (the
+simulator)."""
 
 import os
 

@@ -21,7 +21,8 @@ def weights():
 
 
 def shareable(data=None, meta=None):
-    return DXO(DataKind.WEIGHTS, data=data if data is not None else weights(), meta=meta or {"num_samples": 4}).to_shareable()
+    return DXO(DataKind.WEIGHTS, data=data if data is not None else weights(),
+               meta=meta or {"num_samples": 4}).to_shareable()
 
 
 def roundtrip(kind, s, tmp_path):
@@ -38,7 +39,8 @@ def test_float16_leaves_integer_buffers_and_restores_float32(tmp_path):
     assert q.get_meta_prop("source_datatype") == {"conv.weight": "float32"}  # the int buffer is not FLARE's business
     out = from_shareable(back)
     assert out.data["conv.weight"].dtype == np.float32 and int(out.data["bn.num_batches_tracked"]) == 12
-    np.testing.assert_array_equal(out.data["conv.weight"], weights()["conv.weight"].astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(out.data["conv.weight"],
+                                  weights()["conv.weight"].astype(np.float16).astype(np.float32))
     assert out.get_meta_prop("num_samples") == 4 and out.get_meta_prop("quant_state") is None
 
 
@@ -106,7 +108,8 @@ def test_banks_travel_in_float16_and_the_meter_counts_the_smaller_payload(tmp_pa
     meter = CommunicationMeter("upload")
     big = {"w": np.zeros((64, 64), np.float32)}
     meter.process(shareable(dict(big), {BANK_FEATURES: bank, "num_samples": 4}), ctx)
-    small = Quantizer("float16").process(BankPrecision().process(shareable(dict(big), {BANK_FEATURES: bank, "num_samples": 4}), ctx), ctx)
+    small = Quantizer("float16").process(BankPrecision().process(shareable(dict(big), {BANK_FEATURES: bank,
+                                                                                       "num_samples": 4}), ctx), ctx)
     meter.process(small, ctx)
     plain, wired = (json.loads(line) for line in (tmp_path / COMM_FILE).read_text().splitlines())
     # 256 x 32 bank values and 64 x 64 weights: 2 bytes fewer each

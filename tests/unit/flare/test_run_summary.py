@@ -51,7 +51,8 @@ def test_summary_carries_records_held_back_keys_and_setup_bytes(tmp_path):
     assert captured == [SUMMARY_RECORD_EVENT]
     # round 0: both sites hold back the class token; round 1 (last): full uploads
     for site in ("site-1", "site-2"):
-        accept(rs, ctx, site, {"encoder.w": GLOBAL["encoder.w"]}, {SITE_RECORD_META: {"tokenizer": "x", "note": site}}, 0)
+        accept(rs, ctx, site, {"encoder.w": GLOBAL["encoder.w"]}, {SITE_RECORD_META: {"tokenizer": "x", "note": site}},
+               0)
     aggregate(rs, ctx, 0, {"site-1": 1.0, "site-2": 2.0})
     for site in ("site-1", "site-2"):
         accept(rs, ctx, site, GLOBAL, {SITE_RECORD_META: {"device": "cpu"}}, 1)
@@ -91,7 +92,8 @@ def test_outside_rounds_ignores_round_records():
 
 def stream(rs, ctx, site, tag, value, step, scope=EventScope.FEDERATION):
     """A site's TBWriter scalar as the server sees it: the federated analytics event."""
-    data = create_analytic_dxo(tag=tag, value=value, data_type=AnalyticsDataType.SCALAR, global_step=step).to_shareable()
+    data = create_analytic_dxo(tag=tag, value=value, data_type=AnalyticsDataType.SCALAR,
+                               global_step=step).to_shareable()
     data.set_peer_props({ReservedKey.IDENTITY_NAME: site})
     ctx.set_prop(FLContextKey.EVENT_DATA, data, private=True, sticky=False)
     ctx.set_prop(FLContextKey.EVENT_SCOPE, scope, private=True, sticky=False)
@@ -162,7 +164,8 @@ def test_refused_contributions_are_listed_per_round(tmp_path):
     rs = RunSummary(title="t")
     ctx = context(engine=FakeEngine(tmp_path), site="server")
     rs.handle_event(EventType.START_RUN, ctx)
-    ctx.set_prop(REFUSAL_PROP, {"site": "site-3", "reason": "site-3 sent non-finite values"}, private=True, sticky=False)
+    ctx.set_prop(REFUSAL_PROP, {"site": "site-3", "reason": "site-3 sent non-finite values"}, private=True,
+                 sticky=False)
     ctx.set_prop(AppConstants.TRAINING_RESULT, contribution("site-3", GLOBAL), private=True, sticky=False)
     ctx.set_prop(AppConstants.AGGREGATION_ACCEPTED, False, private=True, sticky=False)
     rs.handle_event(AppEventType.AFTER_CONTRIBUTION_ACCEPT, ctx)

@@ -32,7 +32,8 @@ def data(tmp_path_factory):
 
 def task(round_idx=0):
     torch.manual_seed(0)
-    s = DXO(DataKind.WEIGHTS, data={k: v.numpy() for k, v in build_unet(TINY_FEATURES).state_dict().items()}).to_shareable()
+    s = DXO(DataKind.WEIGHTS,
+            data={k: v.numpy() for k, v in build_unet(TINY_FEATURES).state_dict().items()}).to_shareable()
     s.set_header("current_round", round_idx)
     s.set_header("num_rounds", 3)
     return s

@@ -27,8 +27,8 @@ def global_model(n_classes, bn=0.0):
 def setup(tmp_path, declared, method="surgical", backbone="fedavg", num_samples=None):
     reg = build_registry(method, backbone, declared, num_samples=num_samples)
     ctx = context(engine=FakeEngine(tmp_path), props={
-        AppConstants.GLOBAL_MODEL: make_model_learnable(global_model(len(reg.global_classes)), {}), AppConstants.CURRENT_ROUND: 0,
-        REGISTRY_PROP: reg})
+        AppConstants.GLOBAL_MODEL: make_model_learnable(global_model(len(reg.global_classes)), {}),
+        AppConstants.CURRENT_ROUND: 0, REGISTRY_PROP: reg})
     return reg, ctx
 
 

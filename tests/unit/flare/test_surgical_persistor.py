@@ -18,7 +18,7 @@ def test_rows_follow_names_and_new_rows_are_seeded():
     assert not np.array_equal(nw[1], other[1])
 
 
-# ---------------------------------------------------------------------------------------------- initial weights (issue 13 item 2)
+# ------------------------------------------------------------------------------------ initial weights (issue 13 item 2)
 def start_run(tmp_path, model):
     """The persistor's START_RUN on a fake server: returns (persistor, FL context)."""
     from nvflare.apis.event_type import EventType
@@ -27,7 +27,8 @@ def start_run(tmp_path, model):
     from fedssl.flare.surgical_persistor import SurgicalModelPersistor
     from tests.unit.flare.fakes import FakeEngine, context
 
-    ctx = context(engine=FakeEngine(tmp_path, components={"model": model}), props={FLContextKey.APP_ROOT: str(tmp_path)})
+    ctx = context(engine=FakeEngine(tmp_path, components={"model": model}),
+                  props={FLContextKey.APP_ROOT: str(tmp_path)})
     persistor = SurgicalModelPersistor(model="model")
     persistor.handle_event(EventType.START_RUN, ctx)
     return persistor, ctx

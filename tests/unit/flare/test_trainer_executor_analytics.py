@@ -111,8 +111,8 @@ def test_round_scalars_reach_tensorboard_and_the_summary(tmp_path):
     by_round = {}
     for a in sent:
         by_round.setdefault(a.step if not a.tag.startswith("step/") else "curve", {})[a.tag] = a.value
-    assert set(by_round[0]) == {"loss", "steps", "num_samples", "loss_local", "loss_remote", "lr", "time_s", "steps_per_s",
-                                "val_accuracy"}
+    assert set(by_round[0]) == {"loss", "steps", "num_samples", "loss_local", "loss_remote", "lr", "time_s",
+                                "steps_per_s", "val_accuracy"}
     assert by_round[1]["val_accuracy"] == 0.5
     assert {k: by_round[1][k] for k in ("loss", "loss_local", "loss_remote", "lr", "steps")} == {
         "loss": 2.5, "loss_local": 2.0, "loss_remote": 0.5, "lr": 0.1, "steps": 2.0}
@@ -146,7 +146,8 @@ def test_round_scalars_reach_tensorboard_and_the_summary(tmp_path):
 
     acc = EventAccumulator(str(server_dir / "tb_events" / "site-1"), size_guidance={"scalars": 0})
     acc.Reload()
-    for tag, values in {"loss": [1.0, 2.5], "loss_local": [1.0, 2.0], "loss_remote": [0.0, 0.5], "lr": [0.1, 0.1]}.items():
+    for tag, values in {"loss": [1.0, 2.5], "loss_local": [1.0, 2.0], "loss_remote": [0.0, 0.5],
+                        "lr": [0.1, 0.1]}.items():
         events = acc.Scalars(tag)
         assert [e.step for e in events] == [0, 1] and np.allclose([e.value for e in events], values), tag
     assert [e.step for e in acc.Scalars("step/loss")] == [0, 1, 2, 3]

@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from nvflare.apis.dxo import DXO, DataKind, from_shareable
+from nvflare.apis.dxo import DXO, DataKind
 from nvflare.apis.fl_constant import ReturnCode
 from nvflare.apis.signal import Signal
 from nvflare.app_common.app_constant import AppConstants

@@ -38,7 +38,8 @@ def test_sites_allow_the_safe_persistor_not_flares():
 # ------------------------------------------------------------------ the record of the initial weights (issue 13 item 2)
 def start_run(model, tmp_path, **kw):
     """A persistor over the model component ``model`` at START_RUN; returns (the FL context, the persistor)."""
-    ctx = context(engine=FakeEngine(tmp_path, components={"model": model}), props={FLContextKey.APP_ROOT: str(tmp_path)})
+    ctx = context(engine=FakeEngine(tmp_path, components={"model": model}),
+                  props={FLContextKey.APP_ROOT: str(tmp_path)})
     persistor = WeightsOnlyPersistor(model="model", **kw)
     persistor.handle_event(EventType.START_RUN, ctx)
     return ctx, persistor

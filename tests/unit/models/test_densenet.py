@@ -47,7 +47,8 @@ def test_densenet121_keys_match_torchvision_and_tiny():
     # tiny twin: same module naming pattern (blocks, transitions, norms), fewer layers
     tiny = set(TinyDenseNet(CLASSES, hidden_features=0).state_dict())
     assert tiny <= set(ref)
-    assert {k.split(".")[1] for k in tiny if k.startswith("features.")} == {k.split(".")[1] for k in ref if k.startswith("features.")}
+    assert {k.split(".")[1] for k in tiny if k.startswith("features.")} == {k.split(".")[1] for k in ref
+                                                                            if k.startswith("features.")}
 
 
 def test_is_bn_key_matches_module_types():

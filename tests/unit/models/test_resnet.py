@@ -58,7 +58,8 @@ def test_narrow_resnet50_keeps_the_bottleneck_layout_and_every_model_takes_the_d
 def test_resnet50_blocks_start_as_the_identity_and_resnet18_keeps_torchvisions_init(width):
     """zero_init_residual at depth 50 (a plain ResNet-50's running variances blew up within 3 MoCo steps)."""
     deep = ResNetEncoder(width, depth=50)
-    assert all(float(b.bn3.weight.detach().abs().max()) == 0.0 for layer in (deep.net.layer1, deep.net.layer4) for b in layer)
+    assert all(float(b.bn3.weight.detach().abs().max()) == 0.0 for layer in (deep.net.layer1, deep.net.layer4)
+               for b in layer)
     assert float(deep.net.layer1[0].bn1.weight.detach().min()) == 1.0  # the other BatchNorms as torchvision sets them
     block = deep.net.layer2[1].eval()
     x = torch.randn(2, block.conv1.in_channels, 4, 4).relu()

@@ -17,14 +17,17 @@ def tiny_mae():
 def test_mae_parameter_names_follow_the_contract(tiny_mae):
     keys = list(tiny_mae.state_dict())
     assert {k.split(".")[0] for k in keys} == {"encoder", "decoder"}
-    for k in ["encoder.cls_token", "encoder.pos_embed", "encoder.patch_embed.proj.weight", "encoder.patch_embed.proj.bias",
+    for k in ["encoder.cls_token", "encoder.pos_embed", "encoder.patch_embed.proj.weight",
+              "encoder.patch_embed.proj.bias",
               "encoder.blocks.1.attn.qkv.weight", "encoder.norm.weight", "decoder.embed.weight", "decoder.mask_token",
               "decoder.pos_embed", "decoder.blocks.0.mlp.fc1.weight", "decoder.norm.weight", "decoder.pred.weight"]:
         assert k in keys
     sd = tiny_mae.state_dict()
     d, dd, p = TINY_VIT["embed_dim"], 32, TINY_VIT["patch_size"]
-    # Table V of Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis": "patch projection" = the encoder's input projection (pixels -> embed_dim) ...
-    assert match_keys(keys, ["encoder.patch_embed.*"]) == ["encoder.patch_embed.proj.weight", "encoder.patch_embed.proj.bias"]
+    # Table V of Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagnosis": "patch
+    # projection" = the encoder's input projection (pixels -> embed_dim) ...
+    assert match_keys(keys, ["encoder.patch_embed.*"]) == ["encoder.patch_embed.proj.weight",
+                                                           "encoder.patch_embed.proj.bias"]
     assert tuple(sd["encoder.patch_embed.proj.weight"].shape) == (d, 3, p, p)
     # ... "decoder projection" = the decoder's input projection (embed_dim -> decoder width)
     assert match_keys(keys, ["decoder.embed.*"]) == ["decoder.embed.weight", "decoder.embed.bias"]
@@ -58,7 +61,8 @@ def test_mae_encoder_loads_one_to_one_into_the_classifier(tmp_path):
     loaded = [k for k in own if k.startswith("encoder.")]
     assert report["loaded"] == len(loaded) and all(torch.equal(own[k], enc[k]) for k in loaded)
     assert report["missing"] == ["fc_norm.bias", "fc_norm.weight", "head.bias", "head.weight"]
-    assert set(report["ignored"]) == {k for k in state if k.startswith("decoder.")} | {"encoder.norm.weight", "encoder.norm.bias"}
+    assert set(report["ignored"]) == {k for k in state if k.startswith("decoder.")} | {"encoder.norm.weight",
+                                                                                       "encoder.norm.bias"}
     # FLARE's FL_global_model.pt (PTFileModelPersistor: {"model": numpy arrays, ...}) and a plain state-dict file
     flare = tmp_path / "FL_global_model.pt"
     torch.save({"model": {k: v.numpy() for k, v in state.items()}, "train_conf": {"x": 1}}, flare)
@@ -120,7 +124,8 @@ def test_models_are_seeded_and_leave_the_global_rng_alone():
     assert torch.equal(before, after)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     c = build_model("tiny_vit_mae", seed=2)
-    assert not torch.equal(a.state_dict()["encoder.blocks.0.attn.qkv.weight"], c.state_dict()["encoder.blocks.0.attn.qkv.weight"])
+    assert not torch.equal(a.state_dict()["encoder.blocks.0.attn.qkv.weight"],
+                           c.state_dict()["encoder.blocks.0.attn.qkv.weight"])
     for name in ("tiny_vit_beit", "tiny_vit_cls"):
         kw = {"num_classes": 2} if name == "tiny_vit_cls" else {}
         x, y = build_model(name, seed=4, **kw), build_model(name, seed=4, **kw)
@@ -186,11 +191,13 @@ def test_bad_geometry_is_rejected():
         build_model("tiny_vit_cls", num_classes=2, num_heads=5)
     with pytest.raises(ValueError, match="pos_embed_type"):
         build_model("tiny_vit_mae", pos_embed_type="rope")
-    assert np.isclose(build_model("tiny_vit_mae", norm_pix_loss=True)(torch.randn(2, 3, 32, 32), 0.5)[0].item() > 0, True)
+    assert np.isclose(build_model("tiny_vit_mae", norm_pix_loss=True)(torch.randn(2, 3, 32, 32), 0.5)[0].item() > 0,
+                      True)
 
 
 def test_paper_sized_models_match_the_reported_parameter_counts():
-    """SSL-FL (Yan et al., IEEE TMI 2023) section IV-D: Fed-MAE communicates 111.7M parameters, Fed-BEiT 92M, fine-tuning 85.8M."""
+    """SSL-FL (Yan et al., IEEE TMI 2023) section IV-D: Fed-MAE communicates 111.7M parameters, Fed-BEiT 92M,
+    fine-tuning 85.8M."""
     with torch.device("meta"):  # shapes only, no memory or init time
         mae = build_model("vit_b16_mae")
         beit = build_model("vit_b16_beit")

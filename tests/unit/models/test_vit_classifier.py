@@ -6,10 +6,10 @@ import pytest
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-torch.set_num_threads(1)
-
 from fedssl.models.vit import TINY_DECODER, TINY_VIT, MAEViT
 from fedssl.models.vit_classifier import FineTuneViT, export_encoder, load_into, read_checkpoint
+
+torch.set_num_threads(1)
 
 TINY = dict(image_size=32, patch_size=4, embed_dim=48, depth=2, num_heads=3, drop_path_rate=0.0)
 
@@ -53,7 +53,8 @@ def test_imagenet_weights_load_by_timm_name_and_are_recorded_with_their_digest(t
             continue
         assert torch.equal(own["encoder." + k], v), k
     assert torch.equal(own["encoder.cls_token"], torch.full((1, 1, 48), 0.01))  # key 0: 1 / 100
-    assert torch.equal(own["fc_norm.weight"], torch.ones(48)) and not torch.equal(own["head.weight"], state["head.weight"][:2])
+    assert (torch.equal(own["fc_norm.weight"], torch.ones(48))
+            and not torch.equal(own["head.weight"], state["head.weight"][:2]))
     digest = hashlib.sha256(open(path, "rb").read()).hexdigest()
     assert m.initial_weights == {"init": "imagenet", "path": path, "sha256": digest} and m.init_fix == ""
     scratch = FineTuneViT(num_classes=2, **TINY)
@@ -80,13 +81,15 @@ def test_export_encoder_drops_the_decoder(pretrained, tmp_path):
     report = export_encoder(pretrained, str(tmp_path / "enc.pt"))
     enc = torch.load(tmp_path / "enc.pt")
     assert enc and all(k.startswith("encoder.") for k in enc) and report["dropped"] > 0
-    assert FineTuneViT(num_classes=2, **TINY, pretrained_path=str(tmp_path / "enc.pt")).init_report["loaded"] == report["tensors"] - 2  # encoder.norm.* ignored
+    assert (FineTuneViT(num_classes=2, **TINY, pretrained_path=str(tmp_path / "enc.pt")).init_report["loaded"]
+            == report["tensors"] - 2)  # encoder.norm.* ignored
 
 
 def test_load_into_keeps_missing_keys_and_refuses_unknown_ones():
     m = FineTuneViT(num_classes=2, **TINY)
     own_head = m.head.weight.detach().clone()
-    state = {k: v for k, v in FineTuneViT(num_classes=2, **TINY, seed=5).state_dict().items() if not k.startswith("head.")}
+    state = {k: v for k, v in FineTuneViT(num_classes=2, **TINY, seed=5).state_dict().items()
+             if not k.startswith("head.")}
     assert load_into(m, state, "x") == ["head.bias", "head.weight"] and torch.equal(m.head.weight, own_head)
     with pytest.raises(ValueError, match="decoder.x"):
         load_into(m, {"decoder.x": torch.zeros(1)}, "x")

@@ -23,9 +23,9 @@ from fedssl.models.vlp import (
 
 # tiny preset: ViT width 32, 1 block, 16 patches of 8 x 8 x 3; BERT hidden 32, 1 layer, intermediate 64,
 # 64 positions, 128 words; projections to 128.
-D, H, I, V, P = 32, 32, 64, 128, 128
+D, H, FF, V, P = 32, 32, 64, 128, 128
 VIT_BLOCK = 12 * D * D + 13 * D  # qkv 3D^2+3D, proj D^2+D, fc1 4D^2+4D, fc2 4D^2+D, 2 LayerNorms 4D
-BERT_LAYER = 4 * H * H + 4 * H + 2 * H * I + I + H + 4 * H  # q,k,v,out; fc in/out; 2 LayerNorms
+BERT_LAYER = 4 * H * H + 4 * H + 2 * H * FF + FF + H + 4 * H  # q,k,v,out; fc in/out; 2 LayerNorms
 
 
 @pytest.fixture(scope="module")

@@ -256,7 +256,8 @@ def test_the_wire_switch_puts_the_filters_between_the_meters_and_the_rest_in_eve
             downloads += 1
     for tasks, ids in _filter_ids(server, "task_result_filters"):
         if "meter_upload" in ids:  # the dequantiser right after the upload meter, before anything reads the weights
-            assert ids[ids.index("meter_upload") + 1] == "wire_dequantizer" and result[tuple(tasks)][-1] == "wire_quantizer"
+            assert (ids[ids.index("meter_upload") + 1] == "wire_dequantizer"
+                    and result[tuple(tasks)][-1] == "wire_quantizer")
             uploads += 1
     assert downloads and uploads
 

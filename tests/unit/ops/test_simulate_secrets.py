@@ -40,7 +40,8 @@ class _ShuttleSimulator:
         ctx = context(peer_site="site-1", engine=FakeEngine(os.path.join(ws, "server", "local")), site="server")
         with mock.patch.dict(os.environ, env, clear=True):
             out = FeatureBankShuttle(bank_size=16).process(task, ctx)
-        self.orders.append((env[SECRETS_DIR_ENV], from_shareable(out).get_meta_prop(REMOTE_FEATURES).argmax(1).tolist()))
+        self.orders.append((env[SECRETS_DIR_ENV],
+                            from_shareable(out).get_meta_prop(REMOTE_FEATURES).argmax(1).tolist()))
         self.stdout = io.StringIO("")
 
     def wait(self, timeout=None):

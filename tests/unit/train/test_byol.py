@@ -1,18 +1,24 @@
 """BYOLLocalTrainer on a tiny BYOL U-Net and 3 synthetic 32 px volumes: round statistics by hand, what each mode does
 with the download (FCLOpt / FedBYOL / PTNU), the DP proxy distance, abort within one step, the restart round trip."""
 
+import copy
+import dataclasses
 import io
 import math
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
+from fedssl.core.byol import FCLOPT_LR
 from fedssl.core.ptnu import ONLINE, TARGET, ptnu_steps
 from fedssl.core.seeds import site_seed
-from fedssl.core.trainer import LocalTrainer, StopRequested
+from fedssl.core.trainer import LocalTrainer, MixedPrecision, StopRequested
 from fedssl.data.volume import Volume
-from fedssl.train.byol import BYOLLocalTrainer
+from fedssl.models.unet import TINY_FEATURES, BYOLUNetEncoder
+from fedssl.train.byol import BYOLLocalTrainer, BYOLSettings
 
 TINY = dict(n_partitions=2, features=[4, 4, 8, 8, 16, 4], proj_dim=4, pred_hidden=8, batch_size=2, lr=0.5, seed=0)
 
@@ -24,7 +30,8 @@ def volumes(n=3, slices=4, size=32):
 
 
 def trainer(**kw):
-    return BYOLLocalTrainer(volumes(), num_rounds=2, **{**TINY, **kw})
+    site = kw.pop("site", "")
+    return BYOLLocalTrainer(volumes(), BYOLSettings(**{**TINY, **kw}), num_rounds=2, site=site)
 
 
 def numpy_state(t, prefix=""):
@@ -33,7 +40,7 @@ def numpy_state(t, prefix=""):
 
 def global_download(shift=0.25, with_target=False):
     """Another model's weights (different seed), online + predictor (+ target)."""
-    other = BYOLLocalTrainer(volumes(), num_rounds=2, **{**TINY, "seed": 7})
+    other = trainer(seed=7)
     state = numpy_state(other)
     state = {k: (v + np.float32(shift) if v.dtype.kind == "f" else v) for k, v in state.items()}
     return {k: v for k, v in state.items() if with_target or not k.startswith(TARGET)}
@@ -67,8 +74,8 @@ def test_data_randomness_from_the_site_seed_model_from_the_job_seed():
     reproduces its round exactly."""
     a, b, a2 = trainer(site="site-1"), trainer(site="site-2"), trainer(site="site-1")
     assert (a.data_seed, b.data_seed) == (site_seed(0, "site-1"), site_seed(0, "site-2"))
-    assert (a.dataset.seed, a.trainer.generator.initial_seed()) == (a.data_seed, a.data_seed)
-    assert (b.dataset.seed, b.trainer.generator.initial_seed()) == (b.data_seed, b.data_seed)
+    assert (a.dataset.seed, a.generator.initial_seed()) == (a.data_seed, a.data_seed)
+    assert (b.dataset.seed, b.generator.initial_seed()) == (b.data_seed, b.data_seed)
     assert trainer(site="").data_seed == 0  # outside FLARE: the job seed itself
     sa, sb = a.model.state_dict(), b.model.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)  # model init: the job seed
@@ -78,8 +85,8 @@ def test_data_randomness_from_the_site_seed_model_from_the_job_seed():
 
 
 def test_symmetric_switch_reaches_the_loss():
-    assert trainer().trainer.cfg.symmetric is False  # FCL eq. 6
-    assert trainer(symmetric=True).trainer.cfg.symmetric is True
+    assert trainer().settings.symmetric is False  # FCL eq. 6
+    assert trainer(symmetric=True).settings.symmetric is True
 
 
 def test_first_round_local_target_is_the_global_online_network():
@@ -140,8 +147,8 @@ def test_proxy_distance_by_hand_and_first_round_start():
 
 def test_should_stop_after_one_step_raises_stop_requested():
     t, calls, steps = trainer(), [], []
-    step = t.trainer.optimizer.step
-    t.trainer.optimizer.step = lambda *a, **k: (steps.append(1), step(*a, **k))[1]
+    step = t.optimizer.step
+    t.optimizer.step = lambda *a, **k: (steps.append(1), step(*a, **k))[1]
 
     def should_stop():
         calls.append(1)
@@ -194,3 +201,131 @@ def test_loader_workers_give_the_same_round_and_bad_workers_are_refused(loader_w
     assert loader_workers and set(loader_workers) == {2}  # only the workers=2 trainer built DataLoaders
     with pytest.raises(ValueError, match="workers=True"):
         trainer(workers=True)
+
+
+# ---------------------------------------------------------------------------------------------- the loop
+class LinearBYOL(nn.Module):
+    """online = identity matrix (trainable), predictor = identity, target = diag(1, 2) (frozen)."""
+
+    def __init__(self):
+        super().__init__()
+        self.online = nn.Linear(2, 2, bias=False)
+        self.predictor = nn.Identity()
+        self.target = nn.Linear(2, 2, bias=False)
+        with torch.no_grad():
+            self.online.weight.copy_(torch.eye(2))
+            self.target.weight.copy_(torch.diag(torch.tensor([1.0, 2.0])))
+        self.target.weight.requires_grad_(False)
+
+
+def fixed_views(*views):
+    """An ``augment`` that returns ``views`` in turn (t, t', t, t', ...), whatever the batch."""
+    queue = list(views)
+    return lambda x, g: queue.pop(0)
+
+
+def one_step(kw, t, t2):
+    """One step of a trainer with the hand-checkable LinearBYOL, views ``t`` (online) and ``t2`` (target)."""
+    model = LinearBYOL()
+    kw = {**TINY, "lr": 0.5, "seed": 0, **kw}
+    rounds = kw.pop("num_rounds", 200)
+    tr = BYOLLocalTrainer(volumes(), BYOLSettings(**kw), num_rounds=rounds, model=model, augment=fixed_views(t, t2))
+    out = tr.train_batches([torch.zeros(1, 2)], 1, 0)
+    return out, model
+
+
+T, T2 = torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 1.0]])
+#: eq. 6, L(t, t'): z = q(f(t)) = (1, 0), z' = diag(1, 2) t' = (1, 2): cos = 1/sqrt(5)
+L_T_T2 = 2 - 2 / math.sqrt(5)
+#: the swapped term L(t', t): z = (1, 1), z' = diag(1, 2) t = (1, 0): cos = 1/sqrt(2)
+L_T2_T = 2 - math.sqrt(2)
+
+
+def test_default_is_eq6_one_direction():
+    """FCL eq. 6: the online network sees t, the target t' -- one term, not Grill et al.'s sum."""
+    assert BYOLSettings().symmetric is False
+    out, _ = one_step(dict(num_rounds=1), T, T2)
+    assert out["loss"] == pytest.approx(L_T_T2, abs=1e-6)  # 1.1056; the symmetric sum would be 1.6914
+
+
+def test_symmetric_switch_adds_the_swapped_term():
+    out, _ = one_step(dict(num_rounds=1, symmetric=True), T, T2)
+    assert out["loss"] == pytest.approx(L_T_T2 + L_T2_T, abs=1e-6)  # 1.6914, not 2 x 1.1056 nor 1.1056
+
+
+def test_target_is_the_ema_of_the_online_network_not_a_copy():
+    """Views with cos(z, z') = 1 give a zero loss gradient, so the SGD step is weight decay alone:
+    theta_1 = (1 - lr wd) I = 0.99995 I; eq. 7: xi_1 = m diag(1, 2) + (1 - m) theta_1."""
+    out, model = one_step(dict(num_rounds=1), T, T)
+    assert out["loss"] == pytest.approx(0.0, abs=1e-6)
+    theta = 1 - 0.5 * 1e-4
+    torch.testing.assert_close(model.online.weight, torch.diag(torch.tensor([theta, theta])), atol=1e-7, rtol=0)
+    xi = torch.tensor([[0.99 * 1 + 0.01 * theta, 0.0], [0.0, 0.99 * 2 + 0.01 * theta]])  # 0.9999995, 1.9899995
+    torch.testing.assert_close(model.target.weight, xi, atol=1e-6, rtol=0)
+
+
+def test_paper_settings():
+    """FCL section 5, "Training details": lr 0.5 for FCLOpt (the default), m 0.99, SGD momentum 0.9, weight decay
+    1e-4, both fixed constants of the settings (no job argument)."""
+    assert (BYOLSettings().lr, BYOLSettings().momentum) == (FCLOPT_LR, 0.99) == (0.5, 0.99)
+    assert (BYOLSettings.sgd_momentum, BYOLSettings.weight_decay) == (0.9, 1e-4)
+    assert "sgd_momentum" not in {f.name for f in dataclasses.fields(BYOLSettings)}
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match="BYOLLocalTrainer: argument symmetric='yes' is invalid"):
+        trainer(symmetric="yes")
+    with pytest.raises(ValueError, match="BYOLLocalTrainer: argument lr=0 is invalid"):
+        trainer(lr=0)
+    with pytest.raises(ValueError, match="BYOLLocalTrainer: argument num_rounds=0 is invalid"):
+        BYOLLocalTrainer(volumes(), BYOLSettings(**TINY), num_rounds=0)
+
+
+def test_real_network_step_loss_and_target_ema():
+    """On the BYOL U-Net: the reported loss is eq. 6 recomputed independently on the same views before the
+    step, and after it every target parameter is m xi_0 + (1 - m) theta_1 (BN buffers copied)."""
+    model = BYOLUNetEncoder(TINY_FEATURES, proj_dim=8, pred_hidden=16, seed=0)
+    with torch.no_grad():  # a target that differs from the online network, as after some rounds
+        for p in model.target.parameters():
+            p.add_(0.05)
+    before = copy.deepcopy(model)
+    augment = lambda x, g: x + 0.01 * torch.randn(x.shape, generator=g)  # noqa: E731
+    x = torch.rand(4, 1, 32, 32, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(3)
+    t, t2 = augment(x, g), augment(x, g)
+    z = F.normalize(before.predictor(before.online(t)), dim=1)
+    z2 = F.normalize(before.target(t2), dim=1)
+    expected = (2 - 2 * (z * z2).sum(1)).mean().item()
+    tr = BYOLLocalTrainer(volumes(), BYOLSettings(**{**TINY, "lr": 0.05, "seed": 3}), num_rounds=2, model=model,
+                          augment=augment)
+    out = tr.train_batches([x], 1, 0)
+    assert out["steps"] == 1 and out["loss"] == pytest.approx(expected, rel=1e-5)
+    m = 0.99
+    for (name, xi1), xi0, theta1 in zip(model.target.named_parameters(), before.target.parameters(),
+                                        model.online.parameters()):
+        torch.testing.assert_close(xi1, m * xi0 + (1 - m) * theta1, msg=name)
+    assert any(not torch.equal(a, b) for a, b in zip(model.online.parameters(), model.target.parameters()))
+
+
+def test_feature_std_is_the_spread_of_the_online_projections():
+    """Issue 14 item 4: online = identity, so the projections of t = (e_1, e_2) are e_1, e_2: each coordinate is
+    (1, 0) over the batch, std 1/2.  The target's projections of t' = (e_1, e_1) would give 0: not those."""
+    t, t2 = torch.eye(2), torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    out, _ = one_step(dict(lr=0.1), t, t2)
+    assert out["feature_std"] == pytest.approx(0.5)
+    sym, _ = one_step(dict(lr=0.1, symmetric=True), t, t2)  # the swapped term's online(t') is not counted
+    assert sym["feature_std"] == pytest.approx(0.5)
+
+
+def test_amp_runs_the_networks_in_bfloat16_and_the_target_stays_float32():
+    model = BYOLUNetEncoder(TINY_FEATURES, proj_dim=8, pred_hidden=16, seed=0)
+    tr = BYOLLocalTrainer(volumes(), BYOLSettings(**{**TINY, "lr": 0.05}), num_rounds=2, model=model,
+                          augment=lambda x, g: x)
+    tr.precision = MixedPrecision("cpu", True, force=torch.bfloat16)  # the bfloat16 path on a CPU
+    seen = []
+    for m in model.online.modules():
+        if isinstance(m, (nn.Conv2d, nn.Linear)):
+            m.register_forward_hook(lambda mod, i, o: seen.append(o.dtype))
+    out = tr.train_batches([torch.rand(4, 1, 32, 32, generator=torch.Generator().manual_seed(0))], 1, 0)
+    assert seen and set(seen) == {torch.bfloat16} and math.isfinite(out["loss"])
+    assert all(p.dtype == torch.float32 for p in model.parameters())

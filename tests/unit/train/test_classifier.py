@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-torch.set_num_threads(1)
-
 from fedssl.core.classification import UntrainedHeadError
 from fedssl.core.seeds import site_seed
 from fedssl.core.trainer import StopRequested
 from fedssl.data.image_synthetic import write_synthetic_images
 from fedssl.data.images import load_image_records, select_labelled, train_val_split
 from fedssl.models.vit_classifier import FineTuneViT
-from fedssl.train.classifier import ClassifierLocalTrainer
+from fedssl.train.classifier import ClassifierLocalTrainer, ClassifierSettings
+
+torch.set_num_threads(1)
 
 TINY = dict(image_size=32, patch_size=4, embed_dim=48, depth=2, num_heads=3, drop_path_rate=0.0)
 ARGS = dict(dataset="retina", batch_size=16, lr=1e-3, warmup_rounds=1, val_fraction=0.2, eval_batch_size=64, **TINY)
@@ -31,8 +31,8 @@ def data(tmp_path_factory):
             load_image_records(str(root / "test"), "retina", site="site-1"))
 
 
-def trainer(records, site="site-1", **kw):
-    return ClassifierLocalTrainer(records, num_rounds=3, site=site, **{**ARGS, **kw})
+def trainer(records, site="site-1", device="cpu", **kw):
+    return ClassifierLocalTrainer(records, ClassifierSettings(**{**ARGS, **kw}), num_rounds=3, site=site, device=device)
 
 
 def round_half_up(x):
@@ -138,7 +138,8 @@ def test_sites_split_and_label_with_their_own_seed_but_build_the_same_model(data
     for t, site in ((a, "site-1"), (b, "site-2")):
         train, val = train_val_split(records, 0.2, seed=site_seed(0, site))
         assert [r.path for r in t.val_set.records] == [r.path for r in val]
-        assert [r.path for r in t.train_set.records] == [r.path for r in select_labelled(train, 0.3, seed=site_seed(0, site))]
+        assert [r.path for r in t.train_set.records] == [r.path for r in select_labelled(train, 0.3,
+                                                                                         seed=site_seed(0, site))]
     assert [r.path for r in a.val_set.records] != [r.path for r in b.val_set.records]
     assert all(torch.equal(v, b.model.state_dict()[k]) for k, v in a.model.state_dict().items())
 

@@ -1,19 +1,25 @@
-"""FCLLocalTrainer on a tiny MoCo U-Net and 4 synthetic 32 px volumes: round statistics by hand, the remote bank,
-abort within one step, the restart round trip and the checked global load."""
+"""FCLLocalTrainer (FCL (Wu et al., MedIA 2022) section 3, Fig. 2) on a tiny MoCo U-Net and 4 synthetic 32 px volumes:
+round statistics by hand, the remote bank, abort within one step, the restart round trip and the checked global
+load; the loop on hand-made batches (``train_batches``, identity views): bank, momentum update, positives,
+checkpoints, every expectation computed by hand from the pre-step networks; its settings (FCLSettings)."""
 
 import copy
+import dataclasses
 import io
 import math
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fedssl.core.seeds import site_seed
-from fedssl.core.trainer import LocalTrainer, StopRequested
+from fedssl.core.trainer import LocalTrainer, MixedPrecision, StopRequested
 from fedssl.data.volume import Volume
-from fedssl.models.unet import MoCoUNetEncoder
-from fedssl.train.fcl import FCLLocalTrainer
+import fedssl.train.fcl as train_fcl
+from fedssl.core.checks import settings_from
+from fedssl.models.unet import TINY_FEATURES, MoCoUNetEncoder
+from fedssl.train.fcl import FCLLocalTrainer, FCLSettings
 
 torch.set_num_threads(1)
 TINY = dict(n_partitions=2, features=[4, 4, 8, 8, 16, 4], proj_dim=4, batch_size=4, lr=0.05, bank_size=16, seed=0)
@@ -25,8 +31,13 @@ def volumes(n=4, slices=4, size=32):
             for i in range(n)]
 
 
+def settings(**kw):
+    return FCLSettings(**{**TINY, **kw})
+
+
 def trainer(**kw):
-    return FCLLocalTrainer(volumes(), num_rounds=2, **{**TINY, **kw})
+    site = kw.pop("site", "")
+    return FCLLocalTrainer(volumes(), settings(**kw), num_rounds=2, site=site)
 
 
 def test_round_statistics_by_hand():
@@ -34,7 +45,7 @@ def test_round_statistics_by_hand():
     assert isinstance(t, LocalTrainer)
     stats = t.train_round(0)
     # 4 volumes, 2 per batch: 2 steps; every step enqueues 2 volumes x 2 partitions momentum features
-    assert (stats.steps, stats.samples, t.trainer.bank.filled) == (2, 4, 8)
+    assert (stats.steps, stats.samples, t.bank.filled) == (2, 4, 8)
     # cosine over 2 rounds x 2 steps: step s of round 0 at lr 0.05 * 0.5 * (1 + cos(pi * s / 4))
     lrs = [0.05 * 0.5 * (1 + math.cos(math.pi * s / 4)) for s in range(2)]
     assert [p["lr"] for p in stats.curve] == pytest.approx(lrs) and stats.metrics["lr"] == pytest.approx(lrs[-1])
@@ -81,7 +92,7 @@ def test_should_stop_after_one_step_raises_stop_requested():
 
     with pytest.raises(StopRequested):
         t.train_round(0, should_stop)
-    assert len(calls) == 2 and t.trainer.bank.filled == 4  # exactly one step (2 volumes x 2 partitions)
+    assert len(calls) == 2 and t.bank.filled == 4  # exactly one step (2 volumes x 2 partitions)
 
 
 def test_restart_round_trip_of_state_dict_gives_the_same_next_round():
@@ -93,7 +104,7 @@ def test_restart_round_trip_of_state_dict_gives_the_same_next_round():
     buf.seek(0)
     b = trainer()
     b.load_state_dict(torch.load(buf, weights_only=True)["trainer"])
-    assert b.trainer.bank.filled == a.trainer.bank.filled
+    assert b.bank.filled == a.bank.filled
     for t in (a, b):
         t.set_remote(*remote())
     sa, sb = a.train_round(1), b.train_round(1)
@@ -125,16 +136,16 @@ def test_global_state_is_a_detached_copy_and_load_global_checks_keys():
 
 def test_too_few_volumes_for_one_batch_names_the_site():
     with pytest.raises(ValueError, match="site-7: 1 volumes cannot fill one batch of 2 volumes"):
-        FCLLocalTrainer(volumes(1), num_rounds=1, site="site-7", **TINY)
+        FCLLocalTrainer(volumes(1), settings(), num_rounds=1, site="site-7")
     with pytest.raises(ValueError, match="split='val'"):
         trainer().evaluate()
 
 
 def first_draws(site, **kw):
     """A fresh site trainer's initial bank, first batch of round 0 and initial weights."""
-    t = FCLLocalTrainer(volumes(6), num_rounds=2, site=site, **{**TINY, **kw})
+    t = FCLLocalTrainer(volumes(6), settings(**kw), num_rounds=2, site=site)
     x, _ = next(t.dataset.batches(t.volumes_per_batch, 0))
-    return t, t.trainer.bank.features.clone(), x, t.global_state()
+    return t, t.bank.features.clone(), x, t.global_state()
 
 
 def test_data_randomness_is_per_site_and_model_init_is_per_job():
@@ -145,18 +156,19 @@ def test_data_randomness_is_per_site_and_model_init_is_per_job():
     assert (t1.data_seed, t2.data_seed) == (site_seed(0, "site-1"), site_seed(0, "site-2"))
     assert t1.dataset.seed == t1.data_seed and t1.data_seed != t2.data_seed
     assert not torch.equal(bank1, bank2) and not torch.equal(x1, x2)
-    assert t1.trainer.generator.initial_seed() == t1.data_seed  # augmentations and negative draws
+    assert t1.generator.initial_seed() == t1.data_seed  # augmentations and negative draws
     assert all(torch.equal(w1[k], w2[k]) for k in w1)
     _, again_bank, again_x, _ = first_draws("site-1")  # reproducible per site
     assert torch.equal(again_bank, bank1) and torch.equal(again_x, x1)
     server = MoCoUNetEncoder(TINY["features"], TINY["proj_dim"]).state_dict()  # the server's model component
     assert all(torch.equal(w1[k], server[k]) for k in w1)
-    anonymous = FCLLocalTrainer(volumes(6), num_rounds=2, **TINY)  # no site (outside FLARE): the job seed as is
+    anonymous = FCLLocalTrainer(volumes(6), settings(), num_rounds=2)  # no site (outside FLARE): the job seed as is
     assert anonymous.data_seed == 0 and anonymous.dataset.seed == 0
 
 
-def test_plain_moco_reaches_the_core_trainer():
-    assert trainer(plain_moco=True).trainer.cfg.plain_moco and not trainer().trainer.cfg.plain_moco
+def test_plain_moco_and_local_cl_reach_the_trainer():
+    assert trainer(plain_moco=True).settings.plain_moco and not trainer().settings.plain_moco
+    assert trainer().feature_exchange and not trainer(federated=False).feature_exchange  # Local CL: no exchange
 
 
 def test_loader_workers_give_the_same_round_and_bad_workers_are_refused(loader_workers):
@@ -167,3 +179,163 @@ def test_loader_workers_give_the_same_round_and_bad_workers_are_refused(loader_w
     assert loader_workers and set(loader_workers) == {2}  # only the workers=2 trainer built DataLoaders
     with pytest.raises(ValueError, match="workers=-1"):
         trainer(workers=-1)
+
+
+# ---------------------------------------------------------------------------------------------- the loop
+def identity_augment(x, g):
+    return x
+
+
+def hand_batches(n, v=2, s=2, hw=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        yield torch.rand(v, s, 1, hw, hw, generator=g), torch.arange(s).repeat(v, 1)
+
+
+def make(**kw):
+    """A trainer with proj_dim 8, K = 16, lr 0.01 and identity views, fed hand-made batches (``train_batches``)."""
+    torch.manual_seed(0)
+    s = settings(features=list(TINY_FEATURES), proj_dim=8, bank_size=16, lr=0.01, **kw)
+    return FCLLocalTrainer(volumes(), s, num_rounds=2, augment=identity_augment)
+
+
+def test_round_fills_the_bank_in_batch_order_with_partition_ids():
+    tr = make()
+    remote = (F.normalize(torch.randn(8, 8, generator=torch.Generator().manual_seed(1)), dim=1),
+              torch.tensor([0, 1] * 4))
+    stats = tr.train_batches(hand_batches(3), steps_per_round=3, round_idx=0, remote=remote)
+    assert (stats["steps"], stats["bank_filled"], tr.bank.filled, tr.bank.ptr) == (3, 12, 12, 12)  # 3 x 2 vol x 2 parts
+    assert tr.bank.partitions.tolist() == [0, 1] * 6 + [-1] * 4  # volume-major rows: partition 0, 1, 0, 1 ...
+    assert stats["loss"] == pytest.approx(stats["loss_local"] + stats["loss_remote"])
+
+
+def one_step(tr, x):
+    """One step on one batch ``x [V, S, 1, H, W]`` (identity augmentation: both views are ``x``)."""
+    v, s = x.shape[:2]
+    return tr.train_batches(iter([(x, torch.arange(s).repeat(v, 1))]), steps_per_round=1, round_idx=0)
+
+
+def test_momentum_encoder_is_the_ema_of_the_main_encoder():
+    """xi' = m xi + (1 - m) theta' with m = 0.99 (section 5 "Training details"), theta' the main encoder after the
+    step; a plain copy (m = 0) would give xi' = theta'.  Buffers (BN statistics) are copied from the main encoder."""
+    tr = make()
+    with torch.no_grad():  # a momentum encoder that differs from the main one, as after a few rounds
+        for p in tr.model.momentum.parameters():
+            p.mul_(0.5)
+    xi = {k: v.clone() for k, v in tr.model.momentum.named_parameters()}
+    one_step(tr, next(hand_batches(1))[0])
+    theta = dict(tr.model.main.named_parameters())
+    for k, p in tr.model.momentum.named_parameters():
+        expected = 0.99 * xi[k] + 0.01 * theta[k].detach()
+        torch.testing.assert_close(p, expected, rtol=0, atol=1e-6, msg=k)
+    main_buffers = dict(tr.model.main.named_buffers())
+    assert all(torch.equal(b, main_buffers[k]) for k, b in tr.model.momentum.named_buffers())
+
+
+def test_the_bank_stores_momentum_features_not_main_features():
+    """Section 3.2: the bank holds the momentum encoder's features of the step's images (key view)."""
+    tr = make()
+    with torch.no_grad():
+        for p in tr.model.momentum.parameters():
+            p.mul_(0.5)
+    x = next(hand_batches(1))[0]
+    momentum_before, main_before = copy.deepcopy(tr.model.momentum), copy.deepcopy(tr.model.main)
+    with torch.no_grad():
+        expected = momentum_before.train()(x.reshape(4, 1, 32, 32))
+        main_features = main_before.train()(x.reshape(4, 1, 32, 32))
+    assert not torch.allclose(expected, main_features, atol=1e-3)  # the two encoders really differ
+    one_step(tr, x)
+    torch.testing.assert_close(tr.bank.features[:4], expected, rtol=0, atol=1e-6)
+
+
+def test_plain_moco_positive_is_the_other_view_of_the_same_slice():
+    """plain_moco (FedMoCo, Table 6 "Without FE"): l(q, {k+}, Q) with k+ the momentum feature of the same slice
+    (He et al., 2020), no partner-volume positive, no GSM term even with partition-labelled remote features.
+    First step, identity views, momentum = main: q = k, so q.k+ = 1 and the loss is the batch mean of
+    softplus(LSE_n(q.n / tau) - 1 / tau) over the initial bank n."""
+    tr = make(plain_moco=True, negative_sampling=False)
+    x = next(hand_batches(1))[0]
+    bank0 = tr.bank.features.clone()
+    with torch.no_grad():
+        q = copy.deepcopy(tr.model.main).train()(x.reshape(4, 1, 32, 32))
+    remote = (q.clone(), torch.tensor([0, 1, 0, 1]))  # would be GSM positives of the same partitions
+    stats = tr.train_batches(iter([(x, torch.arange(2).repeat(2, 1))]), 1, 0, remote=remote)
+    negatives = torch.cat([bank0, q])
+    expected = F.softplus(torch.logsumexp(q @ negatives.t() / 0.1, dim=1) - 1.0 / 0.1).mean()
+    assert stats["loss_local"] == pytest.approx(expected.item(), rel=1e-5)
+    assert stats["loss_remote"] == 0.0
+    fcl = make(negative_sampling=False)  # FCL's positives on the same step: the partner volume's slice as well
+    assert fcl.train_batches(iter([(x, torch.arange(2).repeat(2, 1))]), 1, 0, remote=remote)["loss_local"] != \
+        pytest.approx(expected.item(), rel=1e-3)
+
+
+def test_plain_moco_hands_one_positive_per_query_to_the_loss(monkeypatch):
+    seen = {}
+    original = train_fcl.fcl_loss_terms
+
+    def spy(q, pos, *args, gsm):
+        seen.update(positives=pos.shape[1], gsm=gsm)
+        return original(q, pos, *args, gsm=gsm)
+
+    monkeypatch.setattr(train_fcl, "fcl_loss_terms", spy)
+    make(plain_moco=True).train_batches(hand_batches(1), 1, 0)
+    assert seen == {"positives": 1, "gsm": False}
+    make().train_batches(hand_batches(1), 1, 0)
+    assert seen == {"positives": 2, "gsm": True}
+
+
+def test_checkpoint_round_trip_resumes_identically():
+    a = make()
+    a.train_batches(hand_batches(2), 2, 0)
+    b = make()
+    b.load_state_dict(a.state_dict())
+    sa = a.train_batches(hand_batches(1, seed=5), 2, 1)
+    sb = b.train_batches(hand_batches(1, seed=5), 2, 1)
+    assert sa["loss"] == pytest.approx(sb["loss"], rel=1e-6)
+
+
+def test_bad_settings_name_the_argument():
+    with pytest.raises(ValueError, match=r"FCLLocalTrainer: argument tau=0 is invalid"):
+        FCLLocalTrainer(volumes(), settings(tau=0), num_rounds=2)
+    with pytest.raises(ValueError, match=r"FCLLocalTrainer: argument num_rounds=0 is invalid"):
+        FCLLocalTrainer(volumes(), settings(), num_rounds=0)
+    with pytest.raises(TypeError, match=r"FCLExecutor: unknown argument lrr; it accepts .*\blr\b"):
+        settings_from("FCLExecutor", FCLSettings, {"lrr": 0.1})
+    with pytest.raises(ValueError, match=r"FCLExecutor: argument momentum=1.0 is invalid; out of range \(paper: 0\.99"):
+        settings_from("FCLExecutor", FCLSettings, {"momentum": 1.0})
+    # the optimiser's constants are no argument: not settable, not in the job's JSON
+    assert "sgd_momentum" not in {f.name for f in dataclasses.fields(FCLSettings)}
+    assert (FCLSettings.sgd_momentum, FCLSettings.weight_decay) == (0.9, 1e-4)
+
+
+def test_feature_std_is_the_spread_of_the_query_features():
+    """Issue 14 item 4: the round reports the spread of the batch's (normalised) query features q = main(view_q),
+    not the momentum keys: with a momentum encoder that differs, the expectation is the pre-step main network's.
+    A main network whose projection ignores its input gives q equal for every slice: spread 0 (collapse)."""
+    tr = make()
+    with torch.no_grad():
+        for p in tr.model.momentum.parameters():
+            p.mul_(0.5)
+    x = next(hand_batches(1))[0]
+    with torch.no_grad():
+        q = copy.deepcopy(tr.model.main).train()(x.reshape(4, 1, 32, 32))
+    expected = F.normalize(q, dim=1).std(dim=0, unbiased=False).mean().item()
+    assert one_step(tr, x)["feature_std"] == pytest.approx(expected, rel=1e-5)
+    collapsed = make()
+    with torch.no_grad():
+        collapsed.model.main.head[2].weight.zero_()
+        collapsed.model.main.head[2].bias.fill_(1.0)
+    assert one_step(collapsed, x)["feature_std"] == 0.0
+
+
+def test_amp_runs_the_encoders_in_bfloat16_loss_and_bank_stay_float32():
+    tr = make()
+    tr.precision = MixedPrecision("cpu", True, force=torch.bfloat16)  # the bfloat16 path on a CPU
+    seen = []
+    for m in tr.model.main.modules():
+        if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)):
+            m.register_forward_hook(lambda mod, i, o: seen.append(o.dtype))
+    out = tr.train_batches(hand_batches(2), 2, 0)
+    assert seen and set(seen) == {torch.bfloat16}
+    assert math.isfinite(out["loss"]) and tr.bank.features.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in tr.model.parameters())

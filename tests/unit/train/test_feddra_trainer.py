@@ -11,7 +11,7 @@ import torch
 from fedssl.data.vlp import load_mimic_vlp
 from fedssl.data.vocab import build_wordpiece_vocab, make_tokenizer, merge_word_counts, site_word_counts
 from fedssl.models.vlp import ALIGNMENT_PREFIXES
-from fedssl.train.feddra import FedDRALocalTrainer, split_holdout
+from fedssl.train.feddra import FedDRALocalTrainer, FedDRASettings, split_holdout
 
 torch.set_num_threads(1)
 MODEL = {"preset": "tiny", "vocab_size": 256}
@@ -29,12 +29,12 @@ def site(tmp_path_factory):
     return [r for r in records if r.split == "train"], [r for r in records if r.split == "test"], tok
 
 
-def trainer(site, **kw):
+def trainer(site, augment=False, **kw):
     train, test, tok = site
-    args = dict(batch_size=4, align_steps=2, steps=2, lr=1e-3, max_text_len=32, holdout_fraction=0.2, dro_batch=3,
-                augment=False)
+    args = dict(batch_size=4, align_steps=2, steps=2, lr=1e-3, max_text_len=32, holdout_fraction=0.2, dro_batch=3)
     args.update(kw)
-    return FedDRALocalTrainer(train, test, tokenizer=tok, model_args=MODEL, site="site-1", **args)
+    return FedDRALocalTrainer(train, test, FedDRASettings(**MODEL, **args), tokenizer=tok, site="site-1",
+                              augment=augment)
 
 
 def changed_parts(before, after):

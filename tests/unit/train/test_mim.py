@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-torch.set_num_threads(1)
-
 from fedssl.core.seeds import site_seed
 from fedssl.core.tokenizer import PatchTokenizer, init_codebook, kmeans_stats, kmeans_update, patch_vectors
 from fedssl.core.trainer import StopRequested
 from fedssl.data.image_synthetic import write_synthetic_images
 from fedssl.data.images import ImageDataset, load_image_records
 from fedssl.models.vit import TINY_DECODER, TINY_VIT, MAEViT
-from fedssl.train.mim import KMeansPatches, MIMLocalTrainer, peak_lr
+from fedssl.train.mim import KMeansPatches, MIMLocalTrainer, MIMSettings, peak_lr
+
+torch.set_num_threads(1)
 
 N_IMAGES = 12
 VOCAB = 16
@@ -31,7 +31,12 @@ def records(tmp_path_factory):
 
 
 def mae(records, site="site-1", **kw):
-    return MIMLocalTrainer(records, num_rounds=3, site=site, **{**TINY, "max_steps_per_round": 2, **kw})
+    return make(records, site=site, **{"max_steps_per_round": 2, **kw})
+
+
+def make(records, site="site-1", codebook_path="", **kw):
+    """A trainer of 3 rounds with the TINY settings updated by ``kw``."""
+    return MIMLocalTrainer(records, MIMSettings(**{**TINY, **kw}), num_rounds=3, site=site, codebook_path=codebook_path)
 
 
 def global_weights():
@@ -52,8 +57,8 @@ def stop_after(n):
 def test_peak_lr_is_absolute_unless_per_256_is_asked(records):
     """SSL-FL Table I eta is absolute (Retina Fed-MAE 1e-3 at B = 128 = the script's blr 2e-3 x 128 / 256)."""
     assert peak_lr(1e-3, 128, False) == 1e-3 and peak_lr(2e-3, 128, True) == pytest.approx(1e-3)
-    default = MIMLocalTrainer(records, num_rounds=3, site="site-1",
-                              **{k: v for k, v in TINY.items() if k not in ("lr_per_256", "batch_size")})
+    settings = MIMSettings(**{k: v for k, v in TINY.items() if k not in ("lr_per_256", "batch_size")})
+    default = MIMLocalTrainer(records, settings, num_rounds=3, site="site-1")
     assert default.peak_lr == 1e-3  # the trainer's default: lr is not rescaled by batch_size / 256
 
 
@@ -137,15 +142,12 @@ def test_state_round_trip_continues_the_same_run(records):
 def test_beit_with_a_local_codebook_and_a_missing_federated_one(records, tmp_path):
     path = str(tmp_path / "codebook.pt")
     PatchTokenizer(torch.randn(VOCAB, 48, generator=torch.Generator().manual_seed(0)), 4).save(path)
-    t = MIMLocalTrainer(records, num_rounds=3, site="site-1", method="beit", mask_ratio=0.4, tokenizer_path=path,
-                        **{**TINY, "max_steps_per_round": 1})
+    t = make(records, method="beit", mask_ratio=0.4, tokenizer_path=path, max_steps_per_round=1)
     assert t.tokenizer_description == f"local: {path}" and np.isfinite(t.train_round(0).loss)
     with pytest.raises(ValueError, match="no federated codebook was received"):
-        MIMLocalTrainer(records, num_rounds=3, site="site-1", method="beit", codebook_path=str(tmp_path / "no.pt"),
-                        **TINY)
+        make(records, method="beit", codebook_path=str(tmp_path / "no.pt"))
     with pytest.raises(ValueError, match=f"has {VOCAB} tokens but vocab_size=32"):
-        MIMLocalTrainer(records, num_rounds=3, site="site-1", method="beit", tokenizer_path=path,
-                        **{**TINY, "vocab_size": 32})
+        make(records, method="beit", tokenizer_path=path, vocab_size=32)
 
 
 def test_kmeans_patches_sample_centroids_and_e_step(records):

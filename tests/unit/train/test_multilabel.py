@@ -36,7 +36,8 @@ class Images(torch.utils.data.Dataset):
 
 
 def make(method="surgical", backbone="fedavg", classes=("A", "B"), head=None, n=8, **settings):
-    targets = [[float((i >> j) & 1) for j in range(len(classes))] for i in range(n)]  # every class positive and negative
+    # every class positive and negative
+    targets = [[float((i >> j) & 1) for j in range(len(classes))] for i in range(n)]
     splits = {"train": Images(targets, 0), "val": Images(targets, 1), "test": Images(targets, 2)}
     return MultiLabelLocalTrainer(splits, classes, head or classes, method=method, backbone=backbone, site="site-1",
                                   settings=replace(SETTINGS, **settings))
@@ -199,7 +200,8 @@ def test_personalised_and_individual_keep_their_heads():
     t = make("personalised")
     head = t.model.state_dict()["classifier.weight"].clone()
     kept = t.load_global({k: v for k, v in other_state().items() if not k.startswith("classifier.")})
-    assert kept == ["classifier.bias", "classifier.weight"] and torch.equal(t.model.state_dict()["classifier.weight"], head)
+    assert (kept == ["classifier.bias", "classifier.weight"]
+            and torch.equal(t.model.state_dict()["classifier.weight"], head))
     t = make("individual")
     before = params(t.model)
     assert t.load_global({}) == [] and same(before, params(t.model))  # nothing received after round 0
@@ -236,7 +238,8 @@ def test_global_model_has_the_network_head_and_the_sites_batchnorm():
     sent = {k: v for k, v in other_state(["A", "B", "C"]).items() if not is_bn_key(k)}
     model = t.global_model(sent, ["A", "B", "C"])
     st, own = model.state_dict(), t.model.state_dict()
-    assert model.classes == ["A", "B", "C"] and np.array_equal(st["classifier.weight"].numpy(), sent["classifier.weight"])
+    assert (model.classes == ["A", "B", "C"]
+            and np.array_equal(st["classifier.weight"].numpy(), sent["classifier.weight"]))
     assert all(torch.equal(st[k], own[k]) for k in own if is_bn_key(k))
     assert t.evaluate("test", model=model, source="global model")["model"] == "global model"
 
@@ -245,10 +248,12 @@ def test_argument_checks_name_the_argument():
     check_multilabel_args("X", {})  # the paper defaults pass
     with pytest.raises(ValueError, match=r"X: argument lr=0 is invalid"):
         check_multilabel_args("X", {"lr": 0})
-    assert MultiLabelSettings.of({"lr": 0.1, "device": "cpu"}) == MultiLabelSettings(lr=0.1)
+    assert MultiLabelSettings.of({"lr": 0.1, "device": "cpu", "no_such": 1}) == MultiLabelSettings(lr=0.1, device="cpu")
+    with pytest.raises(ValueError, match=r"X: argument amp=1 is invalid"):
+        check_multilabel_args("X", {"amp": 1})
 
 
-# ---------------------------------------------------------------------------------------------- per-site randomness (issue 13 item 9)
+# -------------------------------------------------------------------------------- per-site randomness (issue 13 item 9)
 class Recording(Images):
     """Images that record the order in which training reads them."""
 

@@ -27,23 +27,22 @@ import fedssl.core.mim
 import fedssl.train.classifier
 import fedssl.train.feddra
 import fedssl.train.multilabel
-from fedssl.core.seeds import site_seed
 from fedssl.core.tokenizer import PatchTokenizer
 from fedssl.data.image_synthetic import write_synthetic_images
 from fedssl.data.images import load_image_records
 from fedssl.data.volume import Volume
 from fedssl.models.dynunet3d import build_dynunet
 from fedssl.models.unet import TINY_FEATURES
-from fedssl.train.byol import BYOLLocalTrainer
-from fedssl.train.classifier import ClassifierLocalTrainer
-from fedssl.train.fcl import FCLLocalTrainer
-from fedssl.train.fedclf import FedCLFLocalTrainer
-from fedssl.train.feddra import FedDRALocalTrainer
-from fedssl.train.mim import MIMLocalTrainer
+from fedssl.train.byol import BYOLLocalTrainer, BYOLSettings
+from fedssl.train.classifier import ClassifierLocalTrainer, ClassifierSettings
+from fedssl.train.fcl import FCLLocalTrainer, FCLSettings
+from fedssl.train.fedclf import FedCLFLocalTrainer, FedCLFSettings
+from fedssl.train.feddra import FedDRALocalTrainer, FedDRASettings
+from fedssl.train.mim import MIMLocalTrainer, MIMSettings
 from fedssl.train.multilabel import MultiLabelLocalTrainer, MultiLabelSettings
-from fedssl.train.resnet_classifier import ResNetClassifierLocalTrainer
-from fedssl.train.seg3d import Seg3DLocalTrainer
-from fedssl.train.segmentation import SegmentationLocalTrainer, init_unet
+from fedssl.train.resnet_classifier import ResNetClassifierLocalTrainer, ResNetClassifierSettings
+from fedssl.train.seg3d import Seg3DLocalTrainer, Seg3DSettings
+from fedssl.train.segmentation import SegmentationLocalTrainer, SegmentationSettings, init_unet
 
 torch.set_num_threads(1)
 SITE = "site-1"
@@ -134,50 +133,55 @@ VIT = dict(image_size=32, patch_size=4, embed_dim=48, depth=2, num_heads=3)
 
 
 def fcl(data, seed, site):
-    return FCLLocalTrainer(acdc_volumes(4), num_rounds=2, n_partitions=2, features=[4, 4, 8, 8, 16, 4], proj_dim=4,
-                           batch_size=4, bank_size=16, max_steps_per_round=2, seed=seed, site=site)
+    settings = FCLSettings(n_partitions=2, features=[4, 4, 8, 8, 16, 4], proj_dim=4, batch_size=4, bank_size=16,
+                           max_steps_per_round=2, seed=seed)
+    return FCLLocalTrainer(acdc_volumes(4), settings, num_rounds=2, site=site)
 
 
 def byol(data, seed, site):
-    return BYOLLocalTrainer(acdc_volumes(3), num_rounds=2, n_partitions=2, features=[4, 4, 8, 8, 16, 4], proj_dim=4,
-                            pred_hidden=8, batch_size=2, max_steps_per_round=2, seed=seed, site=site)
+    settings = BYOLSettings(n_partitions=2, features=[4, 4, 8, 8, 16, 4], proj_dim=4, pred_hidden=8, batch_size=2,
+                            max_steps_per_round=2, seed=seed)
+    return BYOLLocalTrainer(acdc_volumes(3), settings, num_rounds=2, site=site)
 
 
 def fedclf(data, seed, site):
-    return FedCLFLocalTrainer(data.derm(), num_rounds=2, dataset="derm", image_size=16, width=4, proj_dim=8,
-                              batch_size=4, bank_size=16, max_steps_per_round=2, seed=seed, site=site)
+    settings = FedCLFSettings(dataset="derm", image_size=16, width=4, proj_dim=8, batch_size=4, bank_size=16,
+                              max_steps_per_round=2, seed=seed)
+    return FedCLFLocalTrainer(data.derm(), settings, num_rounds=2, site=site)
 
 
 def mim_beit(data, seed, site):  # BEiT's ViT has drop path 0.1
-    return MIMLocalTrainer(data.retina()[:12], num_rounds=3, site=site, method="beit", mask_ratio=0.4,
-                           tokenizer_path=data.codebook(), vocab_size=16, batch_size=4, lr=1e-3, warmup_rounds=1,
-                           max_steps_per_round=2, seed=seed, **VIT)
+    settings = MIMSettings(method="beit", mask_ratio=0.4, tokenizer_path=data.codebook(), vocab_size=16, batch_size=4,
+                           lr=1e-3, warmup_rounds=1, max_steps_per_round=2, seed=seed, **VIT)
+    return MIMLocalTrainer(data.retina()[:12], settings, num_rounds=3, site=site)
 
 
 def classifier(data, seed, site):  # the fine-tuning ViT with drop path 0.1
-    return ClassifierLocalTrainer(data.retina(), num_rounds=3, site=site, dataset="retina", drop_path_rate=0.1,
-                                  batch_size=8, lr=1e-3, warmup_rounds=1, val_fraction=0.2, eval_batch_size=64,
-                                  max_steps_per_epoch=2, seed=seed, **VIT)
+    settings = ClassifierSettings(dataset="retina", drop_path_rate=0.1, batch_size=8, lr=1e-3, warmup_rounds=1,
+                                  val_fraction=0.2, eval_batch_size=64, max_steps_per_epoch=2, seed=seed, **VIT)
+    return ClassifierLocalTrainer(data.retina(), settings, num_rounds=3, site=site)
 
 
 def resnet_classifier(data, seed, site):
     records = data.derm()
-    return ResNetClassifierLocalTrainer(records[:16], records[16:], num_rounds=2, site=site, dataset="derm",
-                                        image_size=16, width=4, batch_size=8, eval_batch_size=16, seed=seed)
+    settings = ResNetClassifierSettings(dataset="derm", image_size=16, width=4, batch_size=8, eval_batch_size=16,
+                                        label_fraction=1.0, seed=seed)
+    return ResNetClassifierLocalTrainer(records[:16], records[16:], settings, num_rounds=2, site=site)
 
 
 def seg3d(data, seed, site):
     net = build_dynunet([4, 8, 16], (2.0, 2.0, 10.0), (16, 16, 8), 3, seed=0)
-    return Seg3DLocalTrainer(net, [seg3d_volume(0, "a"), seg3d_volume(1, "b")], [seg3d_volume(3, "v")],
-                             classes={1: "RV", 2: "MYO", 3: "LV"}, pixdim=(2.0, 2.0, 10.0), roi_size=(16, 16, 8),
-                             num_rounds=2, lr=3e-3, batch_size=2, num_samples=2, max_steps_per_epoch=1,
-                             seed=site_seed(seed, site), device="cpu")
+    settings = Seg3DSettings(filters=[4, 8, 16], pixdim=(2.0, 2.0, 10.0), roi_size=(16, 16, 8), lr=3e-3, batch_size=2,
+                             num_samples=2, max_steps_per_epoch=1, seed=seed)
+    return Seg3DLocalTrainer(net, [seg3d_volume(0, "a"), seg3d_volume(1, "b")], [seg3d_volume(3, "v")], settings,
+                             num_rounds=2, site=site, device="cpu")
 
 
 def segmentation(data, seed, site):
     volumes = acdc_volumes(3, labelled=True)
+    settings = SegmentationSettings(features=TINY_FEATURES, batch_size=4, max_steps_per_epoch=2, seed=seed)
     return SegmentationLocalTrainer(init_unet("random", features=TINY_FEATURES, seed=0), volumes[:2], volumes[2:],
-                                    num_rounds=2, batch_size=4, max_steps_per_epoch=2, seed=site_seed(seed, site))
+                                    settings, num_rounds=2, site=site)
 
 
 def multilabel(data, seed, site):  # the DenseNet's head layer has dropout 0.3
@@ -190,9 +194,9 @@ def multilabel(data, seed, site):  # the DenseNet's head layer has dropout 0.3
 
 def feddra(data, seed, site):  # BERT's and the ViT's dropout
     train, test, tok = data.mimic()
-    return FedDRALocalTrainer(train, test, tokenizer=tok, model_args={"preset": "tiny", "vocab_size": 256},
-                              site=site, batch_size=4, steps=2, lr=1e-3, max_text_len=32, holdout_fraction=0.2,
-                              dro_batch=3, seed=seed)
+    settings = FedDRASettings(preset="tiny", vocab_size=256, batch_size=4, steps=2, lr=1e-3, max_text_len=32,
+                              holdout_fraction=0.2, dro_batch=3, seed=seed)
+    return FedDRALocalTrainer(train, test, settings, tokenizer=tok, site=site)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from fedssl.data.images import load_image_records
 from fedssl.data.volume import Volume
 from fedssl.models.unet import ENCODER_MODULES, TINY_FEATURES, UNetEncoder
 from fedssl.models.vit import TINY_DECODER, TINY_VIT, MAEViT
-from fedssl.train.classifier import ClassifierLocalTrainer
+from fedssl.train.classifier import ClassifierLocalTrainer, ClassifierSettings
 from fedssl.train.probe import DecoderTrainer, FrozenEncoderUNet, fit_logistic, frozen_encoder_probe, linear_probe
 from fedssl.train.protocol import local_finetune
 from fedssl.train.segmentation import init_unet
@@ -126,8 +126,8 @@ def test_linear_probe_uses_the_fine_tuning_split_and_a_frozen_encoder(records, m
     out = linear_probe(records, pretrained, method="fed-mae", **VIT)
     encoder = {k: v for k, v in seen[0].state_dict().items() if k.startswith("encoder.")}
     assert all(torch.equal(v, pretrained[k]) for k, v in encoder.items())  # the pre-trained encoder, untouched
-    ft = ClassifierLocalTrainer(records, num_rounds=1, site="site-1", **TINY_VIT, drop_path_rate=0.0,
-                                label_fraction=1.0, val_fraction=0.25)
+    settings = ClassifierSettings(**TINY_VIT, drop_path_rate=0.0, label_fraction=1.0, val_fraction=0.25)
+    ft = ClassifierLocalTrainer(records, settings, num_rounds=1, site="site-1")
     assert (out["n_labelled"], out["n_test"]) == (len(ft.train_set), len(ft.val_set))
     assert out["mode"] == "linear_probe"
     # accuracy recomputed by hand from the same frozen features: standardised with the LABELLED features' statistics,

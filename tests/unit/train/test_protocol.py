@@ -159,7 +159,8 @@ def test_local_runs_train_on_the_site_seed_and_initialise_on_the_job_seed(monkey
     seen = []
     monkeypatch.setattr(protocol, "init_unet", lambda init, features, seed: seen.append(("init", seed)) or
                         init_unet("random", features=TINY_FEATURES, seed=0))
-    monkeypatch.setattr(protocol, "train_segmentation", lambda unet, vols, seed, **kw: seen.append(("data", seed)) or [0.5])
+    monkeypatch.setattr(protocol, "train_segmentation",
+                        lambda unet, vols, seed, **kw: seen.append(("data", seed)) or [0.5])
     local_finetune(_site_volumes(), {"random": "random"}, **{**KW, "seed": 4})
     assert seen == [x for s in ("site-1", "site-2", "site-3") for x in (("init", 4), ("data", site_seed(4, s)))]
     seen.clear()

@@ -11,11 +11,18 @@ from fedssl.data.image_synthetic import write_synthetic_images
 from fedssl.data.images import load_image_records
 from fedssl.models.resnet import PretrainingResNet
 from fedssl.train import resnet_classifier as rc
-from fedssl.train.resnet_classifier import ResNetClassifierLocalTrainer, local_finetune_device
+from fedssl.train.resnet_classifier import ResNetClassifierLocalTrainer, ResNetClassifierSettings, local_finetune_device
 
 torch.set_num_threads(1)
 
 TINY = dict(dataset="derm", image_size=16, width=4, batch_size=8, eval_batch_size=16)
+
+
+def make(train, val, num_rounds, site, milestones=(), gamma=0.2, **kw):
+    """A trainer with the TINY settings (every training image labelled unless ``label_fraction`` says otherwise)."""
+    settings = ResNetClassifierSettings(**{**TINY, "label_fraction": 1.0, **kw})
+    return ResNetClassifierLocalTrainer(train, val, settings, num_rounds=num_rounds, site=site, milestones=milestones,
+                                        gamma=gamma)
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +35,13 @@ def split(tmp_path_factory):
 
 def test_step_schedule_and_labelled_subset(split):
     train, val, _ = split
-    t = ResNetClassifierLocalTrainer(train, val, num_rounds=20, site="device-1", milestones=(12, 16), gamma=0.2,
-                                     label_fraction=0.5, lr=1e-3, **TINY)
+    t = make(train, val, 20, "device-1", milestones=(12, 16), gamma=0.2, label_fraction=0.5, lr=1e-3)
     assert isinstance(t, LocalTrainer)
     lr = t.trainer.lr_at
     assert lr(0) == pytest.approx(1e-3) and lr(11.9) == pytest.approx(1e-3)
     assert lr(12) == pytest.approx(2e-4) and lr(16) == pytest.approx(4e-5)  # x0.2 at 12 and 16
     assert 10 <= len(t.train_set) <= 14  # about half of each class of 24 images
-    flat = ResNetClassifierLocalTrainer(train, val, num_rounds=5, site="device-1", **TINY)
+    flat = make(train, val, 5, "device-1")
     assert flat.trainer.lr_at(4.9) == pytest.approx(1e-4)  # federated: constant 1e-4
     # Adam: the optimiser is AdamW without decay
     assert all(g["weight_decay"] == 0.0 for g in flat.trainer.optimizer.param_groups)
@@ -43,21 +49,21 @@ def test_step_schedule_and_labelled_subset(split):
 
 def test_round_trains_the_head_then_validates(split):
     train, val, test = split
-    t = ResNetClassifierLocalTrainer(train, val, num_rounds=2, site="device-1", **TINY)
+    t = make(train, val, 2, "device-1")
     assert not t.head_trained
     stats = t.train_round(0)
     assert t.head_trained and stats.samples == 24 and stats.steps == 3
     m = t.evaluate("val")
     assert m["n"] == 8 and 0 <= m["balanced_accuracy"] <= 1
     with pytest.raises(ValueError, match="no validation image"):
-        ResNetClassifierLocalTrainer(train, [], num_rounds=1, site="device-3", **TINY)
+        make(train, [], 1, "device-3")
 
 
 def test_a_labelled_set_one_over_the_batch_trains(split):
     """17 labelled images at batch 8 leave one image over: at 16 px, the last ResNet stage is 1 x 1, where
     BatchNorm cannot train on one image; it joins the batch before (two steps of 8 and 9)."""
     train, val, _ = split
-    t = ResNetClassifierLocalTrainer(train[:17], val, num_rounds=1, site="device-1", **TINY)
+    t = make(train[:17], val, 1, "device-1")
     assert len(t.train_set) == 17 and t.steps_per_epoch() == 2
     stats = t.train_round(0)
     assert stats.steps == 2
@@ -89,9 +95,9 @@ def test_local_protocol_tests_the_epoch_best_on_validation(split, monkeypatch):
 
 def test_loader_workers_give_the_same_round(split, loader_workers):
     train, val, _ = split
-    a = ResNetClassifierLocalTrainer(train, val, num_rounds=1, site="device-1", **TINY)
-    b = ResNetClassifierLocalTrainer(train, val, num_rounds=1, site="device-1", workers=2, **TINY)
+    a = make(train, val, 1, "device-1")
+    b = make(train, val, 1, "device-1", workers=2)
     assert a.train_round(0).loss == b.train_round(0).loss
     assert loader_workers and set(loader_workers) == {2}  # only the workers=2 trainer built DataLoaders
     with pytest.raises(ValueError, match="workers=-1"):
-        ResNetClassifierLocalTrainer(train, val, num_rounds=1, site="device-1", workers=-1, **TINY)
+        make(train, val, 1, "device-1", workers=-1)

@@ -6,7 +6,7 @@ import torch
 from fedssl.models.dynunet3d import build_dynunet
 from fedssl.core.trainer import amp_dtype
 from fedssl.eval.segmentation3d import predict_volume3d
-from fedssl.train.seg3d import Seg3DLocalTrainer
+from fedssl.train.seg3d import Seg3DLocalTrainer, Seg3DSettings
 
 ROI, PIX = (16, 16, 8), (2.0, 2.0, 10.0)
 CLASSES = {1: "RV", 2: "MYO", 3: "LV"}
@@ -24,10 +24,12 @@ def volume(seed: int, vid: str) -> dict:
 
 def trainer(**kw) -> Seg3DLocalTrainer:
     net = build_dynunet([4, 8, 16], PIX, ROI, 3, seed=0)
-    args = dict(classes=CLASSES, pixdim=PIX, roi_size=ROI, num_rounds=2, lr=3e-3, batch_size=4, num_samples=2,
-                local_epochs=1, seed=0, device="cpu")
+    args = dict(filters=[4, 8, 16], pixdim=PIX, roi_size=ROI, lr=3e-3, batch_size=4, num_samples=2, local_epochs=1,
+                seed=0)
+    num_rounds, site, device = kw.pop("num_rounds", 2), kw.pop("site", ""), kw.pop("device", "cpu")
     args.update(kw)
-    return Seg3DLocalTrainer(net, [volume(0, "a"), volume(1, "b"), volume(2, "c")], [volume(3, "v")], **args)
+    return Seg3DLocalTrainer(net, [volume(0, "a"), volume(1, "b"), volume(2, "c")], [volume(3, "v")],
+                             Seg3DSettings(**args), num_rounds=num_rounds, site=site, device=device)
 
 
 def test_a_round_takes_the_planned_steps_and_evaluates_every_class():

@@ -12,6 +12,7 @@ from fedssl.data.volume import Volume
 from fedssl.core.trainer import StopRequested
 from fedssl.train.segmentation import (
     SegmentationLocalTrainer,
+    SegmentationSettings,
     SegmentationTrainer,
     epochs_with_floor,
     init_unet,
@@ -72,7 +73,7 @@ def test_training_reduces_loss():
     unet = init_unet("random", features=TINY_FEATURES, seed=0)
     seen = []
     losses = train_segmentation(
-        unet, vols, epochs=8, batch_size=4, lr=1e-2, seed=0, progress=lambda e, l: seen.append((e, l))
+        unet, vols, epochs=8, batch_size=4, lr=1e-2, seed=0, progress=lambda e, loss: seen.append((e, loss))
     )
     assert len(losses) == 8 and [e for e, _ in seen] == list(range(1, 9))
     assert np.mean(losses[-2:]) < losses[0]
@@ -133,9 +134,11 @@ def test_the_state_of_another_unet_width_is_refused_by_name():
 def _local_trainer(seed: int = 0, **kw) -> SegmentationLocalTrainer:
     vols = [_phantom(f"p{i}", ph, z=3, size=32, seed=i) for i in range(2) for ph in ("ED", "ES")]
     unet = init_unet("random", features=TINY_FEATURES, seed=seed)
-    args = dict(num_rounds=2, lr=1e-3, batch_size=2, local_epochs=1, max_steps_per_epoch=0, seed=seed)
+    args = dict(lr=1e-3, batch_size=2, local_epochs=1, max_steps_per_epoch=0, seed=seed, features=TINY_FEATURES)
+    num_rounds, site = kw.pop("num_rounds", 2), kw.pop("site", "")
     args.update(kw)
-    return SegmentationLocalTrainer(unet, vols[:3], vols[3:], **args)
+    return SegmentationLocalTrainer(unet, vols[:3], vols[3:], SegmentationSettings(**args), num_rounds=num_rounds,
+                                    site=site)
 
 
 def test_local_trainer_round_stats_count_slices_and_steps():

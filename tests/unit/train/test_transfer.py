@@ -92,7 +92,8 @@ def test_seeds_classes_and_paired_splits(recorded: list[dict]) -> None:
     assert {c["out_channels"] for c in recorded} == {3}  # background, myocardium, blood pool
     assert recorded[2]["init"] is encoder and (recorded[2]["epochs"], recorded[2]["lr"]) == (2, 1e-3)
     # 5-fold CV: every subject validates exactly once; M subjects from the fold's 4 others; same for both methods
-    assert sorted(s for r in rows if r["method"] == "random" and r["n_labelled"] == 1 for s in r["val_patients"]) == SUBJECTS
+    assert sorted(s for r in rows if r["method"] == "random"
+                  and r["n_labelled"] == 1 for s in r["val_patients"]) == SUBJECTS
     for fold in range(5):
         fold_rows = [r for r in rows if r["fold"] == fold]
         expected_val = kfold_split(SUBJECTS, fold, n_folds=5, seed=data_seed)[1]

@@ -205,7 +205,20 @@ def check_argument(comp: dict, arg: str, value: Any, where: str) -> None:
     declared = params[arg]
     if _fits(value, declared) is False:
         raise ValueError(f"{name}: argument {arg}={value!r} is {_json_kind(value)}, but {cls.__name__} takes "
-                         f"{inspect.formatannotation(declared)} ({JSON_HINT})")
+                         f"{_json_type(declared)} ({JSON_HINT})")
+
+
+def _json_type(annotation: Any) -> str:
+    """A declared type as the JSON it takes: a sequence is ``list`` (``list[int]``), a mapping ``object``."""
+    origin, args = typing.get_origin(annotation) or annotation, typing.get_args(annotation)
+    inner = f"[{', '.join('...' if a is Ellipsis else _json_type(a) for a in args)}]" if args else ""
+    if origin in _SEQUENCES:
+        return f"list{inner}"
+    if origin in _MAPPINGS:
+        return "object"
+    if origin is typing.Union or origin is types.UnionType:
+        return " | ".join(_json_type(a) for a in args)
+    return "null" if annotation is type(None) else inspect.formatannotation(annotation)
 
 
 def check_binds(comp: dict, where: str) -> None:

@@ -308,3 +308,16 @@ def test_the_quick_profile_shortens_the_task_request_interval_of_every_job():
             files = configured_job(os.path.join(REPO_ROOT, "jobs", name), profile="quick")
             servers = [v for k, v in files.items() if k.endswith("config_fed_server.json")]
             assert servers and all(s["server"]["task_request_interval"] == 0.5 for s in servers), name
+
+
+def test_a_declared_type_is_named_as_the_json_it_takes():
+    """The settings dataclasses declare sequences as Sequence[int]; a user writing JSON reads 'list[int]'."""
+    import collections.abc
+    import typing
+
+    from fedssl.ops.jobs import _json_type
+
+    assert _json_type(collections.abc.Sequence[int]) == "list[int]"
+    assert _json_type(typing.Optional[tuple[float, ...]]) == "list[float, ...] | null"
+    assert _json_type(typing.Mapping[str, int]) == "object"
+    assert (_json_type(int), _json_type(list)) == ("int", "list")

@@ -20,13 +20,10 @@ from fedssl.ops.simulate import run_simulation
 SCRAMBLER = """
 import os, random
 random.seed(os.urandom(16))
-try:
-    import numpy
-    numpy.random.seed(int.from_bytes(os.urandom(4), "little"))
-    import torch
-    torch.manual_seed(int.from_bytes(os.urandom(7), "little"))
-except ImportError:
-    pass
+import numpy
+numpy.random.seed(int.from_bytes(os.urandom(4), "little"))
+import torch
+torch.manual_seed(int.from_bytes(os.urandom(7), "little"))
 """
 
 

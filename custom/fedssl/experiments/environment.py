@@ -64,7 +64,7 @@ def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
                 key, sep, value = line.partition(":")
                 if sep and key.strip() == "model name" and value.strip():
                     return value.strip()
-    except OSError:
+    except OSError:  # no /proc/cpuinfo (not Linux): the platform's own name below
         pass
     return platform.processor() or platform.machine() or "unknown"
 

@@ -61,6 +61,7 @@ from fedssl.core.checks import require
 from fedssl.core.untrusted import ContributionError, bounded_json
 from fedssl.eval.run_report import MAX_TERMS_PER_ROUND, loss_term_means, loss_term_ok, read_jsonl, write_run_report
 from fedssl.flare.communication_meter import COMM_FILE
+from fedssl.flare.run_check import announce_pace, announce_start
 from fedssl.flare.constants import AGGREGATED_SITES, INIT_PROP, REFUSAL_PROP, ROUND_STATS_PROP, SITE_RECORD_META
 
 #: event a server component fires (with the record under the same fl_ctx prop) to add keys to summary.json
@@ -132,6 +133,7 @@ class RunSummary(FLComponent):
             with self._terms_lock:
                 self._terms = {}
             self._t0 = time.time()
+            announce_start(self, fl_ctx)
         elif event_type == ANALYTICS_EVENT:
             self._take_loss_term(fl_ctx)
         elif event_type == SUMMARY_RECORD_EVENT:
@@ -146,6 +148,8 @@ class RunSummary(FLComponent):
         elif event_type == AppEventType.AFTER_AGGREGATION:
             self._take_round(fl_ctx)
             self._take_init(fl_ctx)
+            if len(self._rounds) == 1:
+                announce_pace(self, fl_ctx, self._rounds[0]["time_s"])
         elif event_type == EventType.END_RUN:
             self._take_init(fl_ctx)
             run_dir = fl_ctx.get_engine().get_workspace().get_run_dir(fl_ctx.get_job_id())

@@ -469,7 +469,8 @@ def _sets_overrides(sets: list[str]) -> dict:
     return from_sets
 
 
-def _configured_meta(job_dir: str, job_name: str, from_profile: dict, from_sets: dict, n_sites: int | None) -> dict:
+def _configured_meta(job_dir: str, job_name: str, profile: str | None, from_profile: dict, from_sets: dict,
+                     n_sites: int | None) -> dict:
     meta = _read_object(os.path.join(job_dir, "meta.json"))
     where = f"{job_name}/meta.json"
     apply_meta(meta, from_profile.get("meta", {}), f"{where} (profile)")
@@ -479,6 +480,8 @@ def _configured_meta(job_dir: str, job_name: str, from_profile: dict, from_sets:
     if "min_clients" in meta:
         require_int(where, "min_clients", meta["min_clients"], 1, "use the number of sites a run needs, >= 1")
     meta["name"] = job_name
+    if profile:  # what the run's first line reports (fedssl.flare.run_check); a job folder as it is: the paper's
+        meta["profile"] = os.path.splitext(os.path.basename(profile))[0]
     return meta
 
 
@@ -588,7 +591,7 @@ def configured_job(job_dir: str, profile: str | None = None, sets: list[str] = (
         require_int("build_job", "n_sites", n_sites, 1, "use the number of sites, >= 1 (--sites)")
     from_profile = profile_overrides(load_profile(profile), job_name) if profile else {}
     from_sets = _sets_overrides(list(sets))
-    files = {"meta.json": _configured_meta(src, job_name, from_profile, from_sets, n_sites)}
+    files = {"meta.json": _configured_meta(src, job_name, profile, from_profile, from_sets, n_sites)}
     for app in sorted(d for d in os.listdir(src) if os.path.isdir(os.path.join(src, d, "config"))):
         files.update(_configured_app(src, app, job_name, from_profile, from_sets, n_sites))
     if (from_profile.get(RUNNER) or from_sets.get(RUNNER)) and \

@@ -451,7 +451,7 @@ CODE_PINS = [
     ("fedssl.train.fcl.FCLSettings", "weight_decay", 1e-4, TD + ": weight decay 0.0001"),
     ("fedssl.train.byol.BYOLSettings", "sgd_momentum", 0.9, TD + ": SGD momentum 0.9 (FCLOpt trained alike)"),
     ("fedssl.train.byol.BYOLSettings", "weight_decay", 1e-4, TD + ": weight decay 0.0001 (FCLOpt trained alike)"),
-    ("fedssl.core.mim.MIMTrainer", "betas", (0.9, 0.999), PT + ": AdamW beta1 0.9, beta2 0.999"),
+    ("fedssl.train.mim_loop.MIMTrainer", "betas", (0.9, 0.999), PT + ": AdamW beta1 0.9, beta2 0.999"),
 ]
 
 NN = "nnU-Net (Isensee et al., Nature Methods 2021), 3D full resolution"

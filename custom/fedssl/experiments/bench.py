@@ -2,7 +2,7 @@
 
 ``fedssl sslfl bench`` times the exact local training step the FLARE executors run:
 
-* ``mae``  - :class:`~fedssl.core.mim.MIMTrainer` over :class:`~fedssl.models.vit.MAEViT` (random masking,
+* ``mae``  - :class:`~fedssl.train.mim_loop.MIMTrainer` over :class:`~fedssl.models.vit.MAEViT` (random masking,
   ViT decoder, MSE on masked patches), AdamW, warm-up + cosine lr;
 * ``beit`` - the same trainer over :class:`~fedssl.models.vit.BEiTViT` with a :class:`PatchTokenizer`
   (codebook K = ``vocab_size``; the targets are computed in the timed step, as on a site);
@@ -37,9 +37,9 @@ def _sync(device: torch.device) -> None:
 
 
 def _build(method: str, size: str, mask_ratio: float, device: torch.device, amp: bool, vocab_size: int):
-    from fedssl.core.mim import MIMTrainer, param_groups
     from fedssl.core.tokenizer import PatchTokenizer, random_codebook
     from fedssl.models.vit import TINY_DECODER, TINY_VIT, TINY_VOCAB, BEiTViT, MAEViT, ViTClassifier
+    from fedssl.train.mim_loop import MIMTrainer, param_groups
 
     vit = dict(TINY_VIT) if size == "tiny" else {}
     if method == "mae":

@@ -18,12 +18,13 @@ from typing import Callable, Mapping
 
 import torch
 
-from fedssl.core.classification import ClassifierTrainer, classification_metrics, predict, require_trained_head
+from fedssl.core.classification import classification_metrics, predict, require_trained_head
 from fedssl.core.seeds import site_seed
 from fedssl.data.images import ImageDataset, batches, class_names, load_image_records, select_labelled, train_val_split
 from fedssl.data.site_config import site_folders as _site_folders
 from fedssl.models.vit import TINY_VIT, read_state_dict
 from fedssl.models.vit_classifier import FineTuneViT, init_name, load_into, read_checkpoint
+from fedssl.train.classifier_loop import ClassifierTrainer
 
 #: settings of local fine-tuning (paper: the federated fine-tuning recipe with epochs for rounds)
 PAPER_LOCAL = {"image_size": 224, "patch_size": 16, "embed_dim": 768, "depth": 12, "num_heads": 12,

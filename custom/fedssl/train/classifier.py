@@ -13,7 +13,7 @@ Data-side randomness (validation split, labelled subset, augmentation, batch ord
 ``fedssl.core.seeds.site_seed(seed, site)``, so sites draw independently; the model's initial weights use the job
 seed (every site builds the same model, and the server's broadcast replaces it anyway).  Drop path draws from the
 global generators: each epoch runs in the owned global RNG of (site seed, step count) (in
-:meth:`fedssl.core.classification.ClassifierTrainer.train_round`) and each evaluation in that of (site seed, split)
+:meth:`fedssl.train.classifier_loop.ClassifierTrainer.train_round`) and each evaluation in that of (site seed, split)
 (:func:`fedssl.core.rng.owned_global_rng`), so a round is reproducible and leaves the global generators alone.
 """
 
@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from fedssl.core.checks import require, require_amp, require_choice, require_int, require_workers
-from fedssl.core.classification import ClassifierTrainer, classification_metrics, predict, require_trained_head
+from fedssl.core.classification import classification_metrics, predict, require_trained_head
 from fedssl.core.rng import owned_global_rng
 from fedssl.core.seeds import derived_seed, site_seed
 from fedssl.core.trainer import RoundStats, check_optimizer_state, check_stop, detached, load_checked
@@ -43,6 +43,7 @@ from fedssl.data.images import (
 )
 from fedssl.data.loading import loader_options
 from fedssl.models.vit_classifier import FineTuneViT, check_vit_args
+from fedssl.train.classifier_loop import ClassifierTrainer
 
 
 @dataclass(frozen=True)

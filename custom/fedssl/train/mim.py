@@ -3,7 +3,7 @@ Wu et al., "Federated Self-Supervised Learning for Dermatological Disease Diagno
 :class:`fedssl.core.trainer.LocalTrainer`, and the site's side of the federated k-means tokenizer.
 
 - :class:`MIMLocalTrainer`: the site's unlabelled images (:class:`fedssl.data.images.ImageDataset`, mode
-  ``pretrain``) -> :class:`fedssl.core.mim.MIMTrainer` for ``local_epochs`` epochs per round (learning rate:
+  ``pretrain``) -> :class:`fedssl.train.mim_loop.MIMTrainer` for ``local_epochs`` epochs per round (learning rate:
   warm-up then cosine to ``min_lr``, indexed by round); ``samples`` = |D_k|, every image of the site (SSL-FL
   weights the average by local data size).  Data-side randomness (augmentation, batch order, masks, the k-means
   image sample) uses the site's seed ``fedssl.core.seeds.site_seed(seed, site)``; the model's initial weights
@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from fedssl.core.checks import require, require_amp, require_choice, require_int, require_workers
-from fedssl.core.mim import METHODS, MIMTrainer
 from fedssl.core.seeds import site_seed
 from fedssl.core.tokenizer import (
     codebook_description,
@@ -44,6 +43,7 @@ from fedssl.data.images import DATASETS, ImageDataset, ImageRecord, batches
 from fedssl.data.loading import loader_options
 from fedssl.models.vit import BEiTViT, MAEViT
 from fedssl.models.vit_classifier import check_vit_args
+from fedssl.train.mim_loop import METHODS, MIMTrainer
 
 
 def _positive_number(value: object) -> bool:
@@ -83,7 +83,7 @@ class MIMSettings:
         (>= 2; the server's FederatedKMeans min_cluster_size applies when larger), see :class:`KMeansPatches`.
     seed: the job seed: model initialisation (all sites alike: they start from the same weights); the site's data
         seed ``site_seed(seed, site)`` draws augmentations, batches and masks, and seeds each round's owned global
-        RNG (drop path; :meth:`fedssl.core.mim.MIMTrainer.train_round`).
+        RNG (drop path; :meth:`fedssl.train.mim_loop.MIMTrainer.train_round`).
     device: "auto" (CUDA when available), "cpu", "cuda", "cuda:1" ...
     workers: DataLoader worker processes that decode and augment the next batches (0 = in this process; the
         batches are the same either way); batches are pinned on a CUDA device.

@@ -23,11 +23,11 @@ from typing import Any
 import torch
 
 from fedssl.core.checks import require, require_amp, require_choice, require_int, require_workers
-from fedssl.core.classification import ClassifierTrainer
 from fedssl.core.seeds import site_seed
 from fedssl.data.images import DATASETS, ImageDataset, ImageRecord, class_histogram, class_names, select_labelled
 from fedssl.models.resnet import PAPER_DEPTH, PAPER_WIDTH, ResNetClassifier, require_resnet_args
 from fedssl.train.classifier import ClassifierLocalTrainer
+from fedssl.train.classifier_loop import ClassifierTrainer
 
 #: FedCLF sec. V-A: local fine-tuning decays the lr by 0.2 at epochs 12 and 16 of 20
 LOCAL_MILESTONES = (12, 16)

@@ -1,9 +1,7 @@
-"""MixedPrecision (the trainers' ``amp`` switch) and the bfloat16 path of the core classifier trainer, run on a CPU
-with the autocast dtype forced (FCL's, BYOL's and FedCLF's: in their tests under tests/unit/train): the networks'
+"""MixedPrecision (the trainers' ``amp`` switch), run on a CPU with the autocast dtype forced (the trainers' bfloat16
+paths, FCL's, BYOL's, FedCLF's and the classifier loop's: in their tests under tests/unit/train): the networks'
 convolutions and linear layers compute in bfloat16, the loss, the weights and the banks stay float32, and a round
 ends with a finite loss."""
-
-import math
 
 import pytest
 import torch
@@ -12,15 +10,8 @@ from torch import nn
 from fedssl.core.checks import require_amp
 from fedssl.core.trainer import MixedPrecision
 
-from tests.unit.core.test_classification import TinyClassifier, make_trainer
-
 torch.set_num_threads(1)
 BF16 = torch.bfloat16
-
-
-def forced(trainer):
-    trainer.precision = MixedPrecision("cpu", True, force=BF16)
-    return trainer
 
 
 def layer_dtypes(model: nn.Module) -> list:
@@ -71,13 +62,3 @@ def test_forced_bfloat16_autocasts_linear_layers_on_a_cpu():
 def test_the_switch_is_true_or_false(bad):
     with pytest.raises(ValueError, match=f"amp={bad!r}.*use true or false"):
         require_amp("X", bad)
-
-
-def test_classifier_forward_runs_in_bfloat16_with_a_float32_loss():
-    torch.manual_seed(0)
-    model = TinyClassifier()
-    tr = forced(make_trainer(model))
-    seen = layer_dtypes(model)
-    x, y = torch.randn(8, 2), torch.randint(0, 2, (8,))
-    loss = tr.train_round([(x, y)], 0, 1)
-    assert seen and set(seen) == {BF16} and math.isfinite(loss) and float32(model)

@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 import torch
 
-import fedssl.core.classification
-import fedssl.core.mim
 import fedssl.train.classifier
+import fedssl.train.classifier_loop
 import fedssl.train.feddra
+import fedssl.train.mim_loop
 import fedssl.train.multilabel
 from fedssl.core.tokenizer import PatchTokenizer
 from fedssl.data.image_synthetic import write_synthetic_images
@@ -211,8 +211,8 @@ KINDS = {
     "fcl": Kind(fcl, None),
     "byol": Kind(byol, None),
     "fedclf": Kind(fedclf, None),
-    "mim_beit": Kind(mim_beit, None, (fedssl.core.mim,)),
-    "classifier": Kind(classifier, "val", (fedssl.core.classification, fedssl.train.classifier)),
+    "mim_beit": Kind(mim_beit, None, (fedssl.train.mim_loop,)),
+    "classifier": Kind(classifier, "val", (fedssl.train.classifier_loop, fedssl.train.classifier)),
     "resnet_classifier": Kind(resnet_classifier, "val"),
     "seg3d": Kind(seg3d, "val"),
     "segmentation": Kind(segmentation, "val"),

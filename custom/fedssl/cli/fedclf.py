@@ -63,9 +63,15 @@ def _tables_args(s) -> None:
     s.add_argument("--methods", nargs="+", choices=list(FEDCLF_METHODS), default=None)
     s.add_argument("--fractions", type=FRACTION, nargs="+", choices=list(FEDCLF_FRACTIONS), default=None)
     s.add_argument("--profile", default="bench")
-    s.add_argument("--seed", type=SEED, default=None,
-                   help="seed of the synthetic sources and the device splits (default: the profile's; one --out per "
-                        "seed)")
+    s.add_argument("--seeds", type=SEED, nargs="+", default=None,
+                   help="training seeds: every pre-training and fine-tuning cell runs once per seed (initial weights, "
+                        "sampling, augmentations) on the same data and labelled images; paired differences then "
+                        "give the spread over seeds (default: the profile's, 0 1 2; a table of fewer seeds says it "
+                        "is not a finding; a later run may add seeds to the folder)")
+    s.add_argument("--split-seed", type=SEED, default=None,
+                   help="seed of the data draw, the same for every training seed: the synthetic sources, the device "
+                        "splits and which training images are labelled at each L (default: the profile's, 0; a "
+                        "folder keeps its split seed)")
     s.add_argument("--data-root", default=None, help="device folders (fedssl fedclf devices); default: synthetic")
     s.add_argument("--workers", type=COUNT, default=1, help="processes for Table I's local fine-tuning cells")
     add_threads_argument(s)
@@ -74,7 +80,8 @@ def _tables_args(s) -> None:
 def _tables(a) -> None:
     from fedssl.experiments.fedclf_tables import run_fedclf_tables, table_settings
 
-    settings = table_settings(a.profile, tables=a.tables, methods=a.methods, fractions=a.fractions, seed=a.seed)
+    settings = table_settings(a.profile, tables=a.tables, methods=a.methods, fractions=a.fractions, seeds=a.seeds,
+                              split_seed=a.split_seed)
     run_fedclf_tables(a.out, settings, data_root=a.data_root, workers=a.workers, say=lambda m: print(m, flush=True),
                       threads=a.threads)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -106,40 +106,44 @@ PAIR_UNITS: dict[str, tuple[str, ...]] = {"local": ("site", "fold"), "federated"
                                            "centralised": ("fold",)}
 
 
-def paired_against(rows: Sequence[Mapping[str, Any]], baseline: str = "random", *, mode: str) -> list[dict]:
-    """Every method against ``baseline``, per N, paired by the unit each model was trained for: (site, fold) in
-    the local and federated modes, fold in the centralised one, and the training seed (``row["seed"]``, 0 when
-    absent): a method's run is compared with the baseline's run of the same unit and seed.
+def paired_against(rows: Sequence[Mapping[str, Any]], baseline: str = "random", *, mode: str,
+                   units: Sequence[str] | None = None, column: str = "n_labelled", score: str = "dice") -> list[dict]:
+    """Every method against ``baseline``, per ``column`` value (N), paired by the unit each model was trained for
+    (``units``; default :data:`PAIR_UNITS` of ``mode``: (site, fold) in the local and federated modes, fold in the
+    centralised one) and the training seed (``row["seed"]``, 0 when absent): a method's run is compared with the
+    baseline's run of the same unit and seed.  Rows are those of ``mode`` (``row["mode"]``); the compared value
+    is ``row[score]``.
 
-    Returns ``{"method", "n_labelled", "diff_mean", "diff_se", "ahead", "pairs", "seeds"}`` per (method, N) that
-    has at least one pair, methods in order of first appearance, N ascending: the mean of ``method - baseline``
-    over the common pairs, its standard error (sample std / sqrt(pairs); None with one pair), how many pairs the
-    method is ahead in (strictly) and the number of seeds.  With more than one seed also ``"by_seed"`` (seed ->
-    mean difference over that seed's pairs) and ``"seed_se"`` (sample std of those means / sqrt(seeds)): the
-    standard error that holds the run-to-run spread, which the one over pairs does not."""
-    if mode not in PAIR_UNITS:
-        raise ValueError(f"mode={mode!r} is not one of {sorted(PAIR_UNITS)}")
-    unit = PAIR_UNITS[mode]
-    dice: dict[tuple[str, int], dict[tuple, float]] = {}
+    Returns ``{"method", column, "diff_mean", "diff_se", "ahead", "pairs", "seeds"}`` per (method, column value)
+    that has at least one pair, methods in order of first appearance, column values ascending: the mean of
+    ``method - baseline`` over the common pairs, its standard error (sample std / sqrt(pairs); None with one pair),
+    how many pairs the method is ahead in (strictly) and the number of seeds.  With more than one seed also
+    ``"by_seed"`` (seed -> mean difference over that seed's pairs) and ``"seed_se"`` (sample std of those means /
+    sqrt(seeds)): the standard error that holds the run-to-run spread, which the one over pairs does not."""
+    if units is None:
+        if mode not in PAIR_UNITS:
+            raise ValueError(f"mode={mode!r} is not one of {sorted(PAIR_UNITS)}")
+        units = PAIR_UNITS[mode]
+    values: dict[tuple[str, Any], dict[tuple, float]] = {}
     order: dict[str, int] = {}
     for r in rows:
         if r["mode"] != mode:
             continue
         order.setdefault(str(r["method"]), len(order))
-        key = (int(r.get("seed", 0)), *(str(r[u]) for u in unit))
-        dice.setdefault((str(r["method"]), int(r["n_labelled"])), {})[key] = float(r["dice"])
+        key = (int(r.get("seed", 0)), *(str(r[u]) for u in units))
+        values.setdefault((str(r["method"]), r[column]), {})[key] = float(r[score])
     out = []
-    for method, n in sorted(dice, key=lambda mn: (order[mn[0]], mn[1])):
-        base = dice.get((baseline, n))
+    for method, n in sorted(values, key=lambda mn: (order[mn[0]], mn[1])):
+        base = values.get((baseline, n))
         if method == baseline or base is None:
             continue
-        keys = sorted(set(dice[(method, n)]) & set(base))
+        keys = sorted(set(values[(method, n)]) & set(base))
         if not keys:
             continue
-        d = np.array([dice[(method, n)][k] - base[k] for k in keys], dtype=np.float64)
+        d = np.array([values[(method, n)][k] - base[k] for k in keys], dtype=np.float64)
         se = float(d.std(ddof=1) / np.sqrt(d.size)) if d.size > 1 else None
         seeds = sorted({k[0] for k in keys})
-        entry = {"method": method, "n_labelled": n, "diff_mean": float(d.mean()), "diff_se": se,
+        entry = {"method": method, column: n, "diff_mean": float(d.mean()), "diff_se": se,
                  "ahead": int((d > 0).sum()), "pairs": int(d.size), "seeds": len(seeds)}
         if len(seeds) > 1:
             means = np.array([d[[k[0] == s for k in keys]].mean() for s in seeds], dtype=np.float64)
@@ -149,17 +153,19 @@ def paired_against(rows: Sequence[Mapping[str, Any]], baseline: str = "random", 
     return out
 
 
-def format_paired(paired: Sequence[Mapping[str, Any]], baseline: str = "random") -> str:
+def format_paired(paired: Sequence[Mapping[str, Any]], baseline: str = "random", *, column: str = "n_labelled",
+                  name: Callable[[Any], str] = "N={}".format, digits: int = 3) -> str:
     """:func:`paired_against`'s result as one line per method: ``"FCL minus random: N=1 -0.070 (SE 0.025) ahead
     in 2/15; ..."``, with several seeds ``"N=1 -0.070 (SE 0.025) ahead in 6/45, by seed -0.05 / -0.09 / -0.07
-    (SE over seeds 0.012)"``; empty when there is nothing to compare."""
+    (SE over seeds 0.012)"``; empty when there is nothing to compare.  ``column``: the field :func:`paired_against`
+    grouped by, ``name``: its value as the text shows it, ``digits``: decimals of the differences."""
     lines: dict[str, list[str]] = {}
     for p in paired:
-        se = "SE n/a" if p["diff_se"] is None else f"SE {p['diff_se']:.3f}"
-        text = f"N={p['n_labelled']} {p['diff_mean']:+.3f} ({se}) ahead in {p['ahead']}/{p['pairs']}"
+        se = "SE n/a" if p["diff_se"] is None else f"SE {p['diff_se']:.{digits}f}"
+        text = f"{name(p[column])} {p['diff_mean']:+.{digits}f} ({se}) ahead in {p['ahead']}/{p['pairs']}"
         if "by_seed" in p:
-            text += (", by seed " + " / ".join(f"{v:+.3f}" for v in p["by_seed"].values())
-                     + f" (SE over seeds {p['seed_se']:.3f})")
+            text += (", by seed " + " / ".join(f"{v:+.{digits}f}" for v in p["by_seed"].values())
+                     + f" (SE over seeds {p['seed_se']:.{digits}f})")
         lines.setdefault(p["method"], []).append(text)
     return "\n".join(f"{m} minus {baseline}: " + "; ".join(parts) for m, parts in lines.items())
 

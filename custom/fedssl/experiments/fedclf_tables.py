@@ -1,25 +1,35 @@
 """FedCLF's Tables I (local fine-tuning) and II (federated fine-tuning) and the Fig. 6 ablation ("Federated
 Self-Supervised Learning for Dermatological Disease Diagnosis", sec. V-A) on the 10 dermatology devices.
 
-One pre-training run per method (``jobs/fedclf_derm`` and its switches, :data:`METHODS`) in the FLARE simulator,
-then per label fraction L (10 / 20 / 40 / 80 % of each device's training images):
+One pre-training run per method and training seed (``jobs/fedclf_derm`` and its switches, :data:`METHODS`) in the
+FLARE simulator, then per label fraction L (10 / 20 / 40 / 80 % of each device's training images) and seed:
 
-* Table I cells, one per (method, L, device): :func:`fedssl.train.resnet_classifier.local_finetune_device` from the
-  method's global encoder (Local CL: the device's own), Table I's protocol (Adam, batch 256, lr 1e-4, 20 epochs,
-  x0.2 at epochs 12 and 16; the profile's ``tables.fedclf.local`` may shorten it), best epoch on validation;
-* Table II cells, one per (method, L): ``jobs/fedclf_derm_finetune`` in the simulator (Local CL: device 1's own
+* Table I cells, one per (method, L, device, seed): :func:`fedssl.train.resnet_classifier.local_finetune_device`
+  from the method's global encoder (Local CL: the device's own), Table I's protocol (Adam, batch 256, lr 1e-4, 20
+  epochs, x0.2 at epochs 12 and 16; the profile's ``tables.fedclf.local`` may shorten it), best epoch on validation;
+* Table II cells, one per (method, L, seed): ``jobs/fedclf_derm_finetune`` in the simulator (Local CL: device 1's own
   encoder), the validation-selected global model tested on every device.
 
-Each table is written for mean recall and for mean precision (mean +- std over the 10 devices' test sets) with the
-paper's numbers beside it (labelled as the paper's); Fig. 6 is Table II's L = 10 % recall of W/o FE (FedMoCo), FE
-and FE+Neg (FedCLF).  A verdict line compares FedCLF with random init at the smallest L, paired by device.  Cells
-run through :mod:`fedssl.experiments.table_runner` (resume, progress with ETA); data: the device folders under
-``data_root`` or, by default, synthetic sources written and built under ``out/data``.  The local cells compute with
-``threads`` torch threads per process (this one and each worker), recorded in ``run_config.json`` with the
-environment.
+Each table is written for mean recall and for mean precision (mean +- std over the 10 devices' test sets, each
+device's value averaged over the seeds first; every row also holds its mean per seed) with the paper's numbers
+beside it (labelled as the paper's); Fig. 6 is Table II's L = 10 % recall of W/o FE (FedMoCo), FE and FE+Neg
+(FedCLF).  A verdict line compares FedCLF with random init at the smallest L, paired by device (several seeds: each
+seed's mean over its devices, spread over seeds), and every method's paired difference against random init per L
+(:func:`fedssl.eval.report.paired_against`, by device and seed) is printed under the table with its standard error
+over seeds.  Cells run through :mod:`fedssl.experiments.table_runner` (resume, progress with ETA); data: the device
+folders under ``data_root`` or, by default, synthetic sources written and built under ``out/data``.  The local cells
+compute with ``threads`` torch threads per process (this one and each worker), recorded in ``run_config.json`` with
+the environment.
 
-One seed per folder (``seed``: the synthetic sources, the device splits and the models): every table says under it
-that its comparison is not a finding (:data:`RERUN`); there is no training-seed axis yet.
+Seeds.  ``seeds`` (default 0, 1, 2) are training seeds: the pre-training (initial model, the sites' sampling,
+augmentations and bank draws) and the fine-tuning (the classifier's initial weights, batch order, augmentations) of
+every cell run once per seed, a method's seed-s fine-tuning starting from its seed-s pre-training.  ``split_seed``
+(default 0) is the data draw, the same for every training seed: the synthetic sources, the devices' shards and
+60/20/20 splits and which training images are labelled at each L (``ResNetClassifierSettings.split_seed``), so a
+difference paired by device and seed holds the training randomness only.  Every cell's key holds both; a folder
+keeps its split seed (``run_config.json``; a re-run with another is refused) and may gain training seeds (recorded
+there as the union).  A table whose rows rest on fewer than three seeds says so under it
+(:func:`~fedssl.experiments.table_runner.few_seeds_note`).
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ from fedssl.core.checks import require, require_int
 from fedssl.data.fedclf_devices import build_devices, load_device
 from fedssl.data.fedclf_synthetic import SOURCES, write_synthetic_derm_sources
 from fedssl.eval.paper_tables import FEDCLF_SOURCE, fedclf_paper_rows
-from fedssl.eval.report import paired_difference
+from fedssl.eval.report import format_paired, paired_against, paired_difference
 from fedssl.experiments.environment import DEFAULT_THREADS
 from fedssl.experiments.fcl_finetune import load_global_state
 from fedssl.experiments.table_runner import few_seeds_note, plain_json, run_cells, start_run, write_table
@@ -68,18 +78,22 @@ FRACTIONS = (0.1, 0.2, 0.4, 0.8)
 TABLES = (1, 2)
 METRICS = {"recall": "balanced_accuracy", "precision": "macro_precision"}
 #: the runner's settings when the profile's ``tables.fedclf`` leaves them out
-DEFAULTS = {"n_isic": 2000, "image_px": 80, "difficulty": None, "seed": 0, "methods": list(METHODS),
-            "fractions": list(FRACTIONS), "tables": list(TABLES), "pretrain_rounds": None, "finetune_rounds": None,
-            "pretrain_sets": [], "finetune_sets": [], "local": {}}
+DEFAULTS = {"n_isic": 2000, "image_px": 80, "difficulty": None, "seeds": [0, 1, 2], "split_seed": 0,
+            "methods": list(METHODS), "fractions": list(FRACTIONS), "tables": list(TABLES), "pretrain_rounds": None,
+            "finetune_rounds": None, "pretrain_sets": [], "finetune_sets": [], "local": {}}
 #: settings that only pick cells (their cells' keys hold them): a re-run may add some to a folder
-SELECTORS = ("methods", "fractions", "tables")
-#: how a one-seed table becomes one over seeds (no training-seed axis: the seed draws data and models)
-RERUN = "the tables again with --seed 1 and --seed 2, one --out per seed"
+SELECTORS = ("methods", "fractions", "tables", "seeds")
+#: the selectors ``run_config.json`` records anyway (the union of the folder's runs)
+RECORDED = ("seeds",)
 
 
-def seeds_note(s: dict, methods) -> str | None:
-    """The line under a table: its rows rest on the folder's one seed."""
-    return few_seeds_note({METHODS[m]["label"]: [s["seed"]] for m in methods}, rerun=RERUN)
+def seeds_note(values: Mapping) -> str | None:
+    """The line under a table where a method's rows rest on fewer than three training seeds; ``values``:
+    :func:`per_device`'s."""
+    covered: dict[str, set] = {}
+    for (method, _), by_seed in values.items():
+        covered.setdefault(METHODS[method]["label"], set()).update(by_seed)
+    return few_seeds_note(covered)
 
 
 def table_settings(profile: str = "bench", **overrides) -> dict:
@@ -87,12 +101,20 @@ def table_settings(profile: str = "bench", **overrides) -> dict:
     from_profile = load_profile(profile).get("tables", {}).get("fedclf", {}) if profile else {}
     unknown = sorted(set(from_profile) - set(DEFAULTS))
     require(not unknown, f"profile {profile!r} tables.fedclf", "keys", unknown, f"use keys of {sorted(DEFAULTS)}")
+    unknown = sorted(set(overrides) - set(DEFAULTS))
+    require(not unknown, "fedclf tables", "settings", unknown, f"use keys of {sorted(DEFAULTS)}")
     s = {**DEFAULTS, **from_profile, **{k: v for k, v in overrides.items() if v is not None}, "profile": profile}
     for name, allowed in (("methods", list(METHODS)), ("fractions", list(FRACTIONS)), ("tables", list(TABLES))):
         vals = list(s[name])
         require(bool(vals) and all(v in allowed for v in vals) and len(set(vals)) == len(vals), "fedclf tables",
                 name, vals, f"use distinct values from {allowed}")
         s[name] = vals
+    seeds = list(s["seeds"])
+    require(bool(seeds) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in seeds)
+            and len(set(seeds)) == len(seeds), "fedclf tables", "seeds", seeds,
+            "use distinct integers >= 0, e.g. [0, 1, 2]")
+    s["seeds"] = seeds
+    require_int("fedclf tables", "split_seed", s["split_seed"], 0, "use an integer >= 0")
     require_int("fedclf tables", "n_isic", s["n_isic"], 15, "use at least 15 synthetic ISIC images")
     for name in ("pretrain_rounds", "finetune_rounds"):
         if s[name] is not None:
@@ -103,50 +125,67 @@ def table_settings(profile: str = "bench", **overrides) -> dict:
     return s
 
 
+def _seeded(key: dict, s: dict, seed: int) -> dict:
+    """``key`` of training seed ``seed`` on the run's data draw (``split_seed``)."""
+    return {**key, "seed": int(seed), "split_seed": int(s["split_seed"])}
+
+
 def pretrain_cells(s: dict) -> list[dict]:
-    return [{"stage": "pretrain", "method": m} for m in s["methods"] if METHODS[m]["sets"] is not None]
+    """One pre-training cell per training seed and pre-trained method (random init has none), seed-major."""
+    return [_seeded({"stage": "pretrain", "method": m}, s, sd) for sd in s["seeds"] for m in s["methods"]
+            if METHODS[m]["sets"] is not None]
 
 
 def local_cells(s: dict) -> list[dict]:
-    return [{"stage": "local", "method": m, "fraction": f, "site": f"site-{k}"} for f in s["fractions"]
-            for m in s["methods"] for k in range(1, N_DEVICES + 1)] if 1 in s["tables"] else []
+    """Table I: one cell per (seed, L, method, device), seed-major (an interrupted table has every method on its
+    first seeds)."""
+    return [_seeded({"stage": "local", "method": m, "fraction": f, "site": f"site-{k}"}, s, sd) for sd in s["seeds"]
+            for f in s["fractions"] for m in s["methods"] for k in range(1, N_DEVICES + 1)] if 1 in s["tables"] else []
 
 
 def federated_cells(s: dict) -> list[dict]:
-    return [{"stage": "federated", "method": m, "fraction": f} for f in s["fractions"]
-            for m in s["methods"]] if 2 in s["tables"] else []
+    """Table II: one cell per (seed, L, method), seed-major."""
+    return [_seeded({"stage": "federated", "method": m, "fraction": f}, s, sd) for sd in s["seeds"]
+            for f in s["fractions"] for m in s["methods"]] if 2 in s["tables"] else []
 
 
 def prepare_devices(out: str, s: dict, say: Callable[[str], None]) -> str:
-    """Synthetic sources (once) and the 10 device folders under ``out/data``; returns the devices folder."""
+    """Synthetic sources (once) and the 10 device folders under ``out/data``, both drawn with the run's
+    ``split_seed`` (never a training seed); returns the devices folder."""
     raw, devices = os.path.join(out, "data", "raw"), os.path.join(out, "data", "devices")
     if not all(os.path.isdir(os.path.join(raw, src)) for src in SOURCES):
         say(f"writing synthetic dermatology sources ({s['n_isic']} ISIC images, {s['image_px']} px) -> {raw}")
-        write_synthetic_derm_sources(raw, n_isic=s["n_isic"], seed=s["seed"], image_size=s["image_px"],
+        write_synthetic_derm_sources(raw, n_isic=s["n_isic"], seed=s["split_seed"], image_size=s["image_px"],
                                      difficulty=s["difficulty"])
-    build_devices(devices, *(os.path.join(raw, src) for src in SOURCES), seed=s["seed"])
+    build_devices(devices, *(os.path.join(raw, src) for src in SOURCES), seed=s["split_seed"])
     return devices
 
 
-#: the component that trains on the sites, per stage (its ``seed`` and the server model's follow the run's seed)
+#: the component that trains on the sites, per stage (its ``seed`` and the server model's follow the training seed)
 _TRAINER = {"pretrain": "fedclf_trainer", "finetune": "cls_trainer"}
 
 
-def _job_sets(s: dict, stage: str) -> list[str]:
-    """The ``--set`` overrides of every run of one stage: all devices, the rounds, the run's seed (model init and
-    the sites' sampling, as well as the data), then ``<stage>_sets``."""
+def _job_sets(s: dict, stage: str, seed: int) -> list[str]:
+    """The ``--set`` overrides of every run of one stage at training seed ``seed``: all devices, the rounds, the
+    seed (model init and the sites' sampling and augmentations), for fine-tuning the run's ``split_seed`` (which
+    images are labelled), then ``<stage>_sets``."""
     rounds = s[f"{stage}_rounds"]
+    split = [f"client.cls_trainer.split_seed={s['split_seed']}"] if stage == "finetune" else []
     return [f"server.scatter_and_gather.min_clients={N_DEVICES}"] + (
         [f"server.scatter_and_gather.num_rounds={rounds}"] if rounds is not None else []) + [
-        f"server.model.seed={s['seed']}", f"client.{_TRAINER[stage]}.seed={s['seed']}", *s[f"{stage}_sets"]]
+        f"server.model.seed={seed}", f"client.{_TRAINER[stage]}.seed={seed}", *split, *s[f"{stage}_sets"]]
+
+
+def _pretrain_workspace(out: str, method: str, seed: int) -> str:
+    return os.path.join(out, "ws", f"pretrain_{method}_seed{seed}")
 
 
 def pretrain(key: dict, out: str, devices: str, s: dict, simulate=run_simulation) -> dict:
     """One pre-training run; its global model, summary and each device's checkpoint (Local CL's encoders)."""
-    ws = os.path.join(out, "ws", f"pretrain_{key['method']}")
+    ws = _pretrain_workspace(out, key["method"], key["seed"])
     run = simulate(os.path.join(REPO_ROOT, "jobs", PRETRAIN_JOB), ws, n_sites=N_DEVICES,
                    data_root=os.path.join(devices, "{site}"), profile=s["profile"], echo=False,
-                   sets=[*_job_sets(s, "pretrain"), *METHODS[key["method"]]["sets"]])
+                   sets=[*_job_sets(s, "pretrain", key["seed"]), *METHODS[key["method"]]["sets"]])
     sites = {f"site-{k}": os.path.join(ws, f"site-{k}", "simulate_job", "fedclf_client_state.pt")
              for k in range(1, N_DEVICES + 1)}
     return {"global_model": run["global_model"], "wall_time_s": run.get("simulator_wall_time_s"),
@@ -161,40 +200,47 @@ def init_state(method: str, pretrained: Mapping | None, site: str) -> dict | Non
     return load_global_state(path)
 
 
-def local_settings(s: dict) -> dict:
-    """The ResNet of the fine-tuning job at the profile (width, crop) and Table I's protocol (profile-shortened)."""
-    files = configured_job(os.path.join(REPO_ROOT, "jobs", FINETUNE_JOB), s["profile"], sets=_job_sets(s, "finetune"))
+def local_settings(s: dict, seed: int = 0) -> dict:
+    """The ResNet of the fine-tuning job at the profile (width, crop), training seed ``seed`` and the run's
+    ``split_seed``, and Table I's protocol (profile-shortened)."""
+    files = configured_job(os.path.join(REPO_ROOT, "jobs", FINETUNE_JOB), s["profile"],
+                           sets=_job_sets(s, "finetune", seed))
     args = next(c for c in component_specs(files["app/config/config_fed_client.json"]) if c["id"]
                 == "cls_trainer")["args"]
     base = {"dataset": args["dataset"], "image_size": args["image_size"], "width": args["width"],
             "eval_batch_size": args["eval_batch_size"], "max_steps_per_epoch": args["max_steps_per_epoch"],
             "depth": args["depth"],
-            "seed": args["seed"], "device": "cuda" if torch.cuda.is_available() else "cpu"}
+            "seed": args["seed"], "split_seed": args["split_seed"],
+            "device": "cuda" if torch.cuda.is_available() else "cpu"}
     return {**base, "epochs": 20, "milestones": [12, 16], "batch_size": 256, "lr": 1e-4, **s["local"]}
 
 
 def local_one(key: dict, devices: str, s: dict, pretrained: Mapping) -> dict:
-    """One Table I cell (a device's local fine-tuning at one L)."""
+    """One Table I cell (a device's local fine-tuning at one L and training seed); ``pretrained``: (method, seed)
+    -> its pre-training result."""
     site = key["site"]
     splits = [load_device(devices, site, split) for split in ("train", "val", "test")]
-    kw = local_settings(s)
-    row = local_finetune_device(*splits, init=init_state(key["method"], pretrained.get(key["method"]), site),
-                                site=site, label_fraction=key["fraction"], **kw)
+    kw = local_settings(s, key["seed"])
+    row = local_finetune_device(*splits, init=init_state(key["method"], pretrained.get((key["method"], key["seed"])),
+                                                         site), site=site, label_fraction=key["fraction"], **kw)
     return plain_json(row)
 
 
 def federated_one(key: dict, out: str, devices: str, s: dict, pretrained: Mapping, simulate=run_simulation) -> dict:
-    """One Table II cell: federated fine-tuning in the simulator, the selected model tested on every device."""
-    tag = f"{key['method']}_L{int(round(100 * key['fraction']))}"
+    """One Table II cell: federated fine-tuning in the simulator at the key's training seed, the selected model
+    tested on every device."""
+    seed = key["seed"]
+    tag = f"{key['method']}_L{int(round(100 * key['fraction']))}_seed{seed}"
     init = ""
     if key["method"] != "random":
-        init = pretrained[key["method"]]["global_model"]
+        pre = pretrained[(key["method"], seed)]
+        init = pre["global_model"]
         if key["method"] == "local_cl":  # Local CL has no shared model: device 1's own encoder
-            init = os.path.join(out, "ws", "local_cl_site-1.pt")
-            torch.save({"model": init_state("local_cl", pretrained["local_cl"], "site-1")}, init)
+            init = os.path.join(out, "ws", f"local_cl_site-1_seed{seed}.pt")
+            torch.save({"model": init_state("local_cl", pre, "site-1")}, init)
     run = simulate(os.path.join(REPO_ROOT, "jobs", FINETUNE_JOB), os.path.join(out, "ws", f"ft_{tag}"),
                    n_sites=N_DEVICES, data_root=os.path.join(devices, "{site}"), profile=s["profile"], echo=False,
-                   sets=[*_job_sets(s, "finetune"), f"server.model.pretrained_path={init}",
+                   sets=[*_job_sets(s, "finetune", seed), f"server.model.pretrained_path={init}",
                          f"client.cls_trainer.label_fraction={key['fraction']}"])
     with open(os.path.join(run["workspace"], "server", "simulate_job", "test_metrics.json")) as f:
         report = json.load(f)
@@ -202,44 +248,98 @@ def federated_one(key: dict, out: str, devices: str, s: dict, pretrained: Mappin
     return {"sites": per_site, "model": report.get("model"), "wall_time_s": run.get("simulator_wall_time_s")}
 
 
-def per_device(results: Mapping, stage: str) -> dict[tuple[str, float], dict[str, dict[str, float]]]:
-    """{(method, L): {site: {metric: value}}} of the finished cells of one stage."""
+def per_device(results: Mapping, stage: str) -> dict[tuple[str, float], dict[int, dict[str, dict[str, float]]]]:
+    """{(method, L): {training seed: {site: {metric: value}}}} of the finished cells of one stage; ``results``:
+    {(stage, method, L, seed, site or None): cell result}."""
     out: dict = {}
-    for key, r in results.items():
-        if key[0] != stage:
+    for (st, method, fraction, seed, site), r in results.items():
+        if st != stage:
             continue
-        _, method, fraction, site = key
+        by_seed = out.setdefault((method, fraction), {})
         if stage == "local":
-            out.setdefault((method, fraction), {})[site] = {m: r["test"][v] for m, v in METRICS.items()}
+            by_seed.setdefault(seed, {})[site] = {m: r["test"][v] for m, v in METRICS.items()}
         else:
-            for s, vals in r["sites"].items():
-                out.setdefault((method, fraction), {})[s] = {m: vals[v] for m, v in METRICS.items()}
+            by_seed[seed] = {s: {m: vals[v] for m, v in METRICS.items()} for s, vals in r["sites"].items()}
     return out
 
 
+def column_name(fraction: float) -> str:
+    """A label fraction as the tables' column: ``L=10%``."""
+    return f"L={int(round(100 * fraction))}%"
+
+
 def summary_rows(values: Mapping, table: str, metric: str) -> list[dict]:
-    """mean +- std (population, over devices) in %, one row per (method, L)."""
+    """One row per (method, L), in %: mean +- std (population) over devices, each device's value averaged over the
+    training seeds first (``n`` = devices), with the row's ``seeds`` and ``by_seed`` (seed -> the mean over its
+    devices)."""
     rows = []
-    for (method, fraction), sites in values.items():
-        vals = [100.0 * v[metric] for v in sites.values() if v[metric] is not None]
-        if vals:
-            rows.append({"table": table, "method": METHODS[method]["label"],
-                         "column": f"L={int(round(100 * fraction))}%",
-                         "mean": float(np.mean(vals)), "std": float(np.std(vals)), "n": len(vals)})
+    for (method, fraction), by_seed in values.items():
+        per_site: dict[str, list[float]] = {}
+        seed_means = {}
+        for seed in sorted(by_seed):
+            vals = {site: 100.0 * v[metric] for site, v in by_seed[seed].items() if v[metric] is not None}
+            for site, v in vals.items():
+                per_site.setdefault(site, []).append(v)
+            if vals:
+                seed_means[str(seed)] = float(np.mean(list(vals.values())))
+        if per_site:
+            site_means = [float(np.mean(v)) for v in per_site.values()]
+            rows.append({"table": table, "method": METHODS[method]["label"], "column": column_name(fraction),
+                         "mean": float(np.mean(site_means)), "std": float(np.std(site_means)), "n": len(site_means),
+                         "seeds": [int(sd) for sd in seed_means], "by_seed": seed_means})
     return rows
+
+
+def paired_rows(values: Mapping, stage: str, metric: str) -> list[dict]:
+    """One row per (method, L, seed, device) in :func:`fedssl.eval.report.paired_against`'s form, ``metric`` in %."""
+    return [{"mode": stage, "method": METHODS[method]["label"], "fraction": fraction, "seed": seed, "site": site,
+             metric: 100.0 * v[metric]}
+            for (method, fraction), by_seed in values.items() for seed, sites in by_seed.items()
+            for site, v in sites.items() if v[metric] is not None]
+
+
+def paired_footer(values: Mapping, stage: str, metric: str) -> tuple[list[dict], list[str]]:
+    """Every method minus random init per L, paired by device and training seed: the
+    :func:`~fedssl.eval.report.paired_against` entries (with several seeds, the mean per seed and the standard error
+    over seeds: sample std of the per-seed means / sqrt(seeds)) and the lines printed under the table."""
+    baseline = METHODS["random"]["label"]
+    paired = paired_against(paired_rows(values, stage, metric), baseline, mode=stage, units=("site",),
+                            column="fraction", score=metric)
+    if not paired:
+        return [], []
+    several = any(p["seeds"] > 1 for p in paired)
+    head = (f"paired against {baseline} over {'(device, seed) pairs' if several else 'devices'}: mean difference "
+            f"in {metric} points (standard error), pairs ahead" + (", by seed (SE over seeds)" if several else ""))
+    text = format_paired(paired, baseline, column="fraction", name=column_name, digits=2)
+    return paired, [head, *text.splitlines()]
 
 
 def verdict(values: Mapping, table: str, method: str = "fedclf", baseline: str = "random") -> str:
     """FedCLF vs random init at the smallest L both ran, mean recall paired by device: helped / hurt when the mean
-    difference is beyond its std over devices."""
+    difference is beyond its spread.  With one training seed the spread is the std over devices; with several,
+    each seed's difference is its mean over the devices and the spread is the std of those over the seeds."""
+    names = f"{METHODS[method]['label']} vs {METHODS[baseline]['label']}"
     common = sorted({f for m, f in values if m == method} & {f for m, f in values if m == baseline})
     if not common:
-        return f"{METHODS[method]['label']} vs {METHODS[baseline]['label']} ({table}): no common L"
+        return f"{names} ({table}): no common L"
     f = common[0]
-    mean, std, n, word = paired_difference({s: 100.0 * v["recall"] for s, v in values[(method, f)].items()},
-                                           {s: 100.0 * v["recall"] for s, v in values[(baseline, f)].items()})
-    return (f"{METHODS[method]['label']} vs {METHODS[baseline]['label']}, {table} at L={int(round(100 * f))}%: "
-            f"{mean:+.2f} +- {std:.2f} mean recall (points) over {n} devices -> pre-training {word}")
+    a, b = values[(method, f)], values[(baseline, f)]
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
+        return f"{names} ({table}): no common seed at {column_name(f)}"
+
+    def recall(sites: Mapping) -> dict:
+        return {s: 100.0 * v["recall"] for s, v in sites.items()}
+
+    if len(seeds) > 1:
+        by_seed = {sd: paired_difference(recall(a[sd]), recall(b[sd]))[0] for sd in seeds}
+        mean, std, n, word = paired_difference(by_seed, dict.fromkeys(seeds, 0.0))
+        over = f"{n} seeds (each the mean over its devices)"
+    else:
+        mean, std, n, word = paired_difference(recall(a[seeds[0]]), recall(b[seeds[0]]))
+        over = f"{n} devices"
+    return (f"{names}, {table} at {column_name(f)}: {mean:+.2f} +- {std:.2f} mean recall (points) over {over} -> "
+            f"pre-training {word}")
 
 
 def _paper(table: str, metric: str, methods: Sequence[str]) -> list[dict]:
@@ -248,24 +348,27 @@ def _paper(table: str, metric: str, methods: Sequence[str]) -> list[dict]:
     return [{**r, "method": label[r["method"]]} for r in rows]
 
 
-def pretrain_diagnostics(out: str, methods: Sequence[str]) -> dict[str, dict]:
-    """Per pre-trained method, from its run summary: the mean loss over devices and the devices' mean feature
-    spread (std of the normalised momentum features; a collapse shows as ~0) at the first, middle and last round,
-    and the mean number of remote features in the negative queue at the last round."""
+def pretrain_diagnostics(out: str, methods: Sequence[str], seeds: Sequence[int]) -> dict[str, dict]:
+    """Per pre-trained method and training seed (``"<method> seed <s>"``), from its run summary: the mean loss over
+    devices and the devices' mean feature spread (std of the normalised momentum features; a collapse shows as ~0) at
+    the first, middle and last round, and the mean number of remote features in the negative queue at the last
+    round."""
     diag = {}
     for m in methods:
-        path = os.path.join(out, "ws", f"pretrain_{m}", "server", "simulate_job", "summary.json")
-        if METHODS[m]["sets"] is None or not os.path.isfile(path):
-            continue
-        with open(path) as f:
-            rounds = json.load(f).get("rounds", [])
-        if not rounds:
-            continue
-        picks = [rounds[0], rounds[len(rounds) // 2], rounds[-1]]
-        means = [r.get("site_record_means", {}) for r in picks]
-        diag[m] = {"rounds": [r["round"] for r in picks], "loss": [r.get("mean_loss") for r in picks],
-                   "feature_spread": [x.get("feature_std") for x in means],
-                   "queue_remote_fraction": means[-1].get("queue_remote_fraction")}
+        for seed in seeds:
+            path = os.path.join(_pretrain_workspace(out, m, seed), "server", "simulate_job", "summary.json")
+            if METHODS[m]["sets"] is None or not os.path.isfile(path):
+                continue
+            with open(path) as f:
+                rounds = json.load(f).get("rounds", [])
+            if not rounds:
+                continue
+            picks = [rounds[0], rounds[len(rounds) // 2], rounds[-1]]
+            means = [r.get("site_record_means", {}) for r in picks]
+            diag[f"{m} seed {seed}"] = {
+                "method": m, "seed": seed, "rounds": [r["round"] for r in picks],
+                "loss": [r.get("mean_loss") for r in picks], "feature_spread": [x.get("feature_std") for x in means],
+                "queue_remote_fraction": means[-1].get("queue_remote_fraction")}
     return diag
 
 
@@ -274,9 +377,9 @@ def diagnostics_text(diag: Mapping[str, dict]) -> str:
         return " / ".join("-" if v is None else f"{v:.{digits}f}" for v in vals)
 
     lines = ["Pre-training diagnostics (mean over devices; feature spread ~0 = collapse)"]
-    for m, d in diag.items():
-        lines.append(f"  {METHODS[m]['label']}: rounds {fmt(d['rounds'], 0)}: loss {fmt(d['loss'], 3)}; "
-                     f"feature spread {fmt(d['feature_spread'], 3)}"
+    for d in diag.values():
+        lines.append(f"  {METHODS[d['method']]['label']} seed {d['seed']}: rounds {fmt(d['rounds'], 0)}: loss "
+                     f"{fmt(d['loss'], 3)}; feature spread {fmt(d['feature_spread'], 3)}"
                      + ("" if d["queue_remote_fraction"] is None else
                         f"; remote share of the negative queue {d['queue_remote_fraction']:.2f}"))
     return "\n".join(lines)
@@ -288,16 +391,23 @@ def write_tables(out: str, s: dict, results: Mapping, say: Callable[[str], None]
         values = per_device(results, stage)
         if table not in s["tables"] or not values:
             continue
-        notes = [f"profile {s['profile']}; {stage} fine-tuning; mean +- std over the {N_DEVICES} devices' test sets",
+        seeds = sorted({sd for by_seed in values.values() for sd in by_seed})
+        notes = [f"profile {s['profile']}; {stage} fine-tuning; mean +- std over the {N_DEVICES} devices' test sets"
+                 + (f", each device's averaged over training seeds {seeds} first" if len(seeds) > 1 else
+                    f", training seed {seeds[0]}") + f"; split seed {s['split_seed']} (the labelled images)",
                  verdict(values, f"Table {roman}")]
-        few = seeds_note(s, dict.fromkeys(m for m, _ in values))
+        few = seeds_note(values)
         for metric in METRICS:
             name = f"table{roman}_{metric}"
+            paired, footer = paired_footer(values, stage, metric)
             written[name] = write_table(out, name, summary_rows(values, f"Table {roman}", metric),
                                         title=f"FedCLF Table {roman}: {stage} fine-tuning, mean {metric} (%)",
                                         paper=_paper(roman, metric, s["methods"]),
                                         paper_source=FEDCLF_SOURCE.format(table=f"Table {roman}"),
-                                        score=f"{metric} (%)", notes=notes, digits=2, footer=[few] if few else [])
+                                        score=f"{metric} (%)", notes=notes, digits=2,
+                                        footer=footer + ([few] if few else []),
+                                        extra={"seeds": seeds, "split_seed": s["split_seed"],
+                                               "paired_against_random": paired})
             with open(written[name]["txt"]) as f:
                 say(f.read().rstrip())
         fig = {k: v for k, v in values.items() if METHODS[k[0]].get("fig6") and k[1] == 0.1}
@@ -306,39 +416,41 @@ def write_tables(out: str, s: dict, results: Mapping, say: Callable[[str], None]
             paper = [{**r, "method": next(METHODS[m]["label"] for m in METHODS if METHODS[m].get("fig6")
                                           == r["method"])}
                      for r in fedclf_paper_rows("Fig6")]
-            few = seeds_note(s, dict.fromkeys(m for m, _ in fig))
+            few = seeds_note(fig)
             written["fig6"] = write_table(out, "fig6_recall", rows, title="FedCLF Fig. 6: ablation, federated L=10%",
                                           paper=paper, paper_source=FEDCLF_SOURCE.format(table="Fig. 6"),
-                                          score="recall (%)", digits=2, footer=[few] if few else [])
+                                          score="recall (%)", digits=2, footer=[few] if few else [],
+                                          extra={"seeds": seeds, "split_seed": s["split_seed"]})
     return written
 
 
 def run_fedclf_tables(out: str, settings: dict, *, data_root: str | None = None, workers: int = 1,
                       say: Callable[[str], None] = print, simulate=run_simulation,
                       threads: int = DEFAULT_THREADS) -> dict:
-    """Run (or resume) the cells of the chosen tables into ``out`` and write their files.  ``threads``: torch
-    threads of this process and of each of the ``workers`` (a setting of the folder)."""
+    """Run (or resume) the cells of the chosen tables and training seeds into ``out`` and write their files.
+    ``threads``: torch threads of this process and of each of the ``workers`` (a setting of the folder, like
+    ``split_seed``; the seeds run are recorded in ``run_config.json`` as they are added)."""
     t0 = time.time()
     out, devices, store = start_run(out, settings, SELECTORS, data_root, lambda o: prepare_devices(o, settings, say),
-                                    threads=threads, say=say)
+                                    threads=threads, collected=RECORDED, say=say)
     pre = pretrain_cells(settings)
     done = run_cells(pre, lambda key: pretrain(key, out, devices, settings, simulate), store, say=say,
                      label="FedCLF pre-training (FLARE simulator)", threads=threads)
-    pretrained = {k["method"]: r for k, r in zip(pre, done)}
+    pretrained = {(k["method"], k["seed"]): r for k, r in zip(pre, done)}
     results = {}
     cells = local_cells(settings)
     if cells:
         fn = functools.partial(local_one, devices=devices, s=settings, pretrained=pretrained)
         rows = run_cells(cells, fn, store, say=say, workers=workers, cost=lambda key: key["fraction"],
                          label="Table I cells (local fine-tuning)", threads=threads)
-        results.update({("local", k["method"], k["fraction"], k["site"]): r for k, r in zip(cells, rows)})
+        results.update({("local", k["method"], k["fraction"], k["seed"], k["site"]): r for k, r in zip(cells, rows)})
     cells = federated_cells(settings)
     if cells:
         rows = run_cells(cells, lambda key: federated_one(key, out, devices, settings, pretrained, simulate), store,
                          say=say, label="Table II cells (federated fine-tuning, FLARE simulator)", threads=threads)
-        results.update({("federated", k["method"], k["fraction"], None): r for k, r in zip(cells, rows)})
+        results.update({("federated", k["method"], k["fraction"], k["seed"], None): r for k, r in zip(cells, rows)})
     written = write_tables(out, settings, results, say)
-    diag = pretrain_diagnostics(out, settings["methods"])
+    diag = pretrain_diagnostics(out, settings["methods"], settings["seeds"])
     if diag:
         with open(os.path.join(out, "diagnostics.json"), "w") as f:
             json.dump(plain_json(diag), f, indent=2)
@@ -352,8 +464,9 @@ def run_fedclf_tables(out: str, settings: dict, *, data_root: str | None = None,
 
 
 #: ``fedssl fedclf demo``: FedCLF vs FedMoCo vs random init, local and federated fine-tuning at L = 10 and 80 %, at
-#: the quick profile (its ``tables.fedclf`` holds the demo's data size, rounds and overrides)
-DEMO = {"methods": ["random", "fedmoco", "fedclf"], "fractions": [0.1, 0.8], "tables": [1, 2]}
+#: the quick profile (its ``tables.fedclf`` holds the demo's data size, rounds and overrides), one training seed (its
+#: tables say so under them)
+DEMO = {"methods": ["random", "fedmoco", "fedclf"], "fractions": [0.1, 0.8], "tables": [1, 2], "seeds": [0]}
 
 
 def run_fedclf_demo(out: str, *, workers: int = 2, profile: str = "quick", say: Callable[[str], None] = print,

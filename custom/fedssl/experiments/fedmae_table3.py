@@ -151,8 +151,9 @@ def cnn_local_settings(s: dict) -> dict:
     args = _job_args(CNN_JOB, s["profile"], "config_fed_client.json", "fedclf_trainer",
                      [*CNN_DATA_SETS, *s["cnn_sets"]])
     return {"dataset": DATASET, "image_size": args["image_size"], "width": args["width"], "depth": args["depth"],
-            "eval_batch_size": 256, "seed": s["seed"], "device": "cuda" if torch.cuda.is_available() else "cpu",
-            "epochs": 20, "milestones": [12, 16], "batch_size": 256, "lr": 1e-4, **s["cnn_local"]}
+            "eval_batch_size": 256, "seed": s["seed"], "split_seed": s["seed"],  # the folder's one seed draws all
+            "device": "cuda" if torch.cuda.is_available() else "cpu", "epochs": 20, "milestones": [12, 16],
+            "batch_size": 256, "lr": 1e-4, **s["cnn_local"]}
 
 
 def vit_local_settings(s: dict) -> dict:

@@ -206,28 +206,30 @@ def plain_json(value: Any) -> Any:
 
 
 def start_run(out: str, settings: Mapping[str, Any], selectors: Sequence[str], data_root: str | None,
-              prepare: Callable[[str], str], *, threads: int = DEFAULT_THREADS,
+              prepare: Callable[[str], str], *, threads: int = DEFAULT_THREADS, collected: Sequence[str] = (),
               say: Callable[[str], None] = print) -> tuple[str, str, CellStore]:
     """The common start of a table run: ``out`` made absolute and created, this process set to ``threads`` torch
     threads and the run_config checked (:func:`begin_run`: ``settings`` less the cell ``selectors``, plus
-    ``data_root`` and ``threads``), the data folder (``data_root``, or ``prepare(out)`` that writes synthetic data
+    ``data_root`` and ``threads``; the selectors named in ``collected``, e.g. the training seeds, recorded as the
+    union over the folder's runs), the data folder (``data_root``, or ``prepare(out)`` that writes synthetic data
     under ``out``) and the run's cell store.  Returns ``(out, data folder, store)``."""
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
-    begin_run(out, {**{k: v for k, v in settings.items() if k not in selectors}, "data_root": data_root},
-              threads=threads, say=say)
+    begin_run(out, {**{k: v for k, v in settings.items() if k not in selectors or k in collected},
+                    "data_root": data_root}, threads=threads, collected=collected, say=say)
     root = os.path.abspath(data_root) if data_root else prepare(out)
     return out, root, CellStore(os.path.join(out, "cells.jsonl"))
 
 
-def begin_run(out: str, config: Mapping[str, Any], *, threads: int = DEFAULT_THREADS,
+def begin_run(out: str, config: Mapping[str, Any], *, threads: int = DEFAULT_THREADS, collected: Sequence[str] = (),
               say: Callable[[str], None] = print) -> dict:
     """Set this process's torch thread count to ``threads`` (the cells computed here, and :func:`run_cells`'
     workers when it is passed on), then :func:`check_run_config` of ``config`` plus ``threads`` with this
-    process's :func:`~fedssl.experiments.environment.environment`.  Returns the config as recorded."""
+    process's :func:`~fedssl.experiments.environment.environment` (``collected``: its keys recorded, not
+    checked).  Returns the config with ``threads``."""
     set_threads(check_threads(threads))
     config = {**config, "threads": threads}
-    check_run_config(out, config, env=environment(), say=say)
+    check_run_config(out, config, env=environment(), collected=collected, say=say)
     return config
 
 
@@ -255,7 +257,7 @@ LATER_SETTINGS = ("threads",)
 
 
 def check_run_config(out: str, config: Mapping[str, Any], *, env: Mapping[str, Any] | None = None,
-                     say: Callable[[str], None] = print) -> None:
+                     collected: Sequence[str] = (), say: Callable[[str], None] = print) -> None:
     """The settings a table run's cells are computed with, recorded in ``out/run_config.json`` on the first run; a
     re-run into the same folder must use the same ones (cells of other settings would otherwise be mixed into one
     table): a ValueError names the file and every setting that changed (the thread count among them: another one
@@ -263,16 +265,26 @@ def check_run_config(out: str, config: Mapping[str, Any], *, env: Mapping[str, A
 
     ``env`` (:func:`~fedssl.experiments.environment.environment`) is a fact, not a setting: it is appended to the
     file's :data:`ENVIRONMENTS` list when it is not there yet, and a folder whose earlier cells were computed in
-    another environment resumes with a warning line naming what differs (versions, CPU, BLAS, thread variables)."""
+    another environment resumes with a warning line naming what differs (versions, CPU, BLAS, thread variables).
+
+    ``collected``: keys of ``config`` whose values are lists of cell selectors (the training seeds: every cell's
+    key holds its own, so a re-run may add some): recorded as the sorted union of every run's lists, never
+    refused."""
     path = os.path.join(out, "run_config.json")
     if ENVIRONMENTS in config:
         raise ValueError(f"check_run_config: {ENVIRONMENTS!r} is the record of environments, not a setting")
+    grown = {k: sorted(set(config[k])) for k in collected if k in config}
+    config = {k: v for k, v in config.items() if k not in grown}
     old = read_run_config(out, f"remove it only if {out} holds no cells of other settings, or use another --out")
     seen: list = []
     added: list[str] = []
+    before: dict = {}
     if old is not None:
         seen = old.pop(ENVIRONMENTS, [])
         seen = seen if isinstance(seen, list) else []
+        before = {k: old.pop(k) for k in grown if k in old}
+        grown = {k: sorted(set(v) | set(before.get(k) if isinstance(before.get(k), list) else [])) for k, v in
+                 grown.items()}
         added = [k for k in LATER_SETTINGS if k in config and k not in old]
         changed = sorted(k for k in set(old) | set(config) if old.get(k) != config.get(k) and k not in added)
         if changed:
@@ -289,9 +301,9 @@ def check_run_config(out: str, config: Mapping[str, Any], *, env: Mapping[str, A
         say(f"warning: {path}: this run's environment differs from the one its cells were last computed in ("
             + environment_changes(seen[-1], env) + "); resuming, and adding it to the record: cells of the two may "
             "differ in the last digits")
-    if old is None or added or new_env:
+    if old is None or added or new_env or any(before.get(k) != v for k, v in grown.items()):
         os.makedirs(out, exist_ok=True)
-        record = {**config, ENVIRONMENTS: seen + ([dict(env)] if new_env else [])}
+        record = {**config, **grown, ENVIRONMENTS: seen + ([dict(env)] if new_env else [])}
         with open(path + ".tmp", "w") as f:
             json.dump(record, f, indent=2)
         os.replace(path + ".tmp", path)

@@ -4,7 +4,8 @@ Disease Diagnosis", FedCLF / FedMAE-KS, sec. V-A "Evaluation" and "Training deta
 * :class:`ResNetClassifierLocalTrainer` (a ``LocalTrainer``, federated fine-tuning: Adam, batch 128, lr 1e-4,
   100 rounds of one local epoch).  Unlike the ViT trainer it takes the device's own train / validation split (the
   paper splits each device 60/20/20 into train / val / test); the labelled subset is ``select_labelled(train, L)``
-  with L in {10, 20, 40, 80}% per device, drawn per class with the device seed.  It reuses every method of
+  with L in {10, 20, 40, 80}% per device, drawn per class with ``site_seed(split_seed, device)``: the training
+  ``seed`` (weights, batch order, augmentations) does not move it.  It reuses every method of
   :class:`fedssl.train.classifier.ClassifierLocalTrainer` (evaluation, test records, checkpoint, global state).
 * :func:`local_finetune_device` (Table I: local fine-tuning, Adam, batch 256, lr 1e-4, 20 epochs, x0.2 at epochs
   12 and 16): the model of the epoch with the best validation mean recall is tested.
@@ -45,8 +46,10 @@ class ResNetClassifierSettings:
     (18: FedCLF's ResNet-18; 50: FedMAE-KS's CNN baselines); lr, batch_size, local_epochs; weight_decay: 0 = Adam (the
     paper's optimiser; AdamW with decay 0 is Adam); label_fraction: L, the labelled fraction of the device's
     training images (paper: 0.1, 0.2, 0.4, 0.8); max_steps_per_epoch: 0 = full epoch; eval_batch_size; seed: the
-    job seed (the device's draws: ``site_seed(seed, device)``); device: "auto", "cpu", "cuda[:N]"; amp: bfloat16
-    autocast on GPUs that support it; workers: DataLoader worker processes (the same batches either way).
+    training seed (the model's initial weights; the device's batch order and augmentations:
+    ``site_seed(seed, device)``); split_seed: which training images are labelled (per device
+    ``site_seed(split_seed, device)``), the same for every training seed; device: "auto", "cpu", "cuda[:N]"; amp:
+    bfloat16 autocast on GPUs that support it; workers: DataLoader worker processes (the same batches either way).
     """
 
     dataset: str = "derm5"
@@ -61,6 +64,7 @@ class ResNetClassifierSettings:
     max_steps_per_epoch: int = 0
     eval_batch_size: int = 256
     seed: int = 0
+    split_seed: int = 0
     device: str = "auto"
     depth: int = PAPER_DEPTH
     amp: bool = False
@@ -84,6 +88,7 @@ class ResNetClassifierSettings:
         require_int(name, "max_steps_per_epoch", self.max_steps_per_epoch, 0, "use 0 (full epoch) or a positive count")
         require_int(name, "eval_batch_size", self.eval_batch_size, 1, "use a positive batch size")
         require_int(name, "seed", self.seed, 0, "use a non-negative integer")
+        require_int(name, "split_seed", self.split_seed, 0, "use a non-negative integer")
         require_amp(name, self.amp)
         require_workers(name, self.workers)
 
@@ -108,7 +113,7 @@ class ResNetClassifierLocalTrainer(ClassifierLocalTrainer):
         self.batch_size, self.local_epochs, self.eval_batch_size = s.batch_size, s.local_epochs, s.eval_batch_size
         self.max_steps_per_epoch = s.max_steps_per_epoch
         self.classes = class_names(s.dataset)
-        labelled = select_labelled(list(train), s.label_fraction, seed=data_seed)
+        labelled = select_labelled(list(train), s.label_fraction, seed=site_seed(s.split_seed, site))
         self.train_set = ImageDataset(labelled, s.image_size, "finetune", s.dataset, site=site, seed=data_seed)
         self.val_set = ImageDataset(list(val), s.image_size, "eval", s.dataset, site=site)
         self.test_set: ImageDataset | None = None

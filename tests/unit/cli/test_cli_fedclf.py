@@ -36,3 +36,14 @@ def test_tables_verb_passes_the_settings(tmp_path, monkeypatch):
     assert main(["fedclf", "tables", "--out", str(tmp_path), "--threads", "2"]) == 0 and seen["threads"] == 2
     with pytest.raises(SystemExit):
         main(["fedclf", "tables", "--out", str(tmp_path), "--fractions", "0.3"])
+
+
+def test_tables_run_three_training_seeds_by_default_on_one_split_seed(tmp_path, monkeypatch):
+    from fedssl.experiments import fedclf_tables as ft
+
+    seen = {}
+    monkeypatch.setattr(ft, "run_fedclf_tables", lambda out, settings, **kw: seen.update(s=settings))
+    assert main(["fedclf", "tables", "--out", str(tmp_path)]) == 0
+    assert seen["s"]["seeds"] == [0, 1, 2] and seen["s"]["split_seed"] == 0
+    assert main(["fedclf", "tables", "--out", str(tmp_path), "--seeds", "0", "--split-seed", "3"]) == 0
+    assert seen["s"]["seeds"] == [0] and seen["s"]["split_seed"] == 3

@@ -229,6 +229,15 @@ def test_check_run_config_records_then_refuses_changed_or_unreadable_settings(tm
         check_run_config(out, {"profile": "bench", "epochs": 60})
 
 
+def test_collected_selectors_are_recorded_as_their_union_and_never_refused(tmp_path):
+    out = str(tmp_path / "run")
+    check_run_config(out, {"profile": "bench", "seeds": [2, 0]}, collected=("seeds",))
+    check_run_config(out, {"profile": "bench", "seeds": [1]}, collected=("seeds",))  # a seed added: resumes
+    assert json.loads((tmp_path / "run" / "run_config.json").read_text())["seeds"] == [0, 1, 2]
+    with pytest.raises(ValueError, match=r"profile='bench' \(now 'quick'\)"):  # the other settings still checked
+        check_run_config(out, {"profile": "quick", "seeds": [0]}, collected=("seeds",))
+
+
 def test_a_run_config_that_is_not_an_object_is_refused_by_name(tmp_path):
     (tmp_path / "run_config.json").write_text("[1, 2]")  # valid JSON, but a hand-edited list, not settings
     with pytest.raises(ValueError, match=r"run_config\.json is unreadable \(a JSON list, not an object"):

@@ -47,6 +47,28 @@ def test_step_schedule_and_labelled_subset(split):
     assert all(g["weight_decay"] == 0.0 for g in flat.trainer.optimizer.param_groups)
 
 
+def test_the_labelled_subset_follows_the_split_seed_not_the_training_seed(split):
+    """Which training images are labelled: the same for training seeds 0, 1, 2 (a paired difference over seeds holds
+    training randomness only), another draw for another split seed.  The 24 images' classes are 0: 5 images, 1: 9,
+    2: 4, 4: 2, 5: 1, 6: 2, 7: 1, so L = 25 % labels round-half-up(n / 4) (at least one) per class: 1, 2, 1, 1, 1, 1,
+    1 = 8 images; the indices are the draws of site_seed(split_seed, "device-1")."""
+    train, val, _ = split
+    drawn = {}
+    for split_seed in (0, 1):
+        for seed in (0, 1, 2):
+            t = make(train, val, 1, "device-1", label_fraction=0.25, seed=seed, split_seed=split_seed)
+            drawn[split_seed, seed] = sorted(train.index(r) for r in t.train_set.records)
+    assert [drawn[0, s] for s in (0, 1, 2)] == [[1, 2, 3, 12, 13, 21, 22, 23]] * 3
+    assert [drawn[1, s] for s in (0, 1, 2)] == [[2, 3, 6, 13, 15, 16, 21, 23]] * 3
+    per_class = [sum(train[i].label == c for i in drawn[1, 0]) for c in (0, 1, 2, 4, 5, 6, 7)]
+    assert per_class == [1, 2, 1, 1, 1, 1, 1]
+    # the training seed still moves the training: another initial model
+    a, b = (make(train, val, 1, "device-1", seed=s).model.state_dict()["fc.weight"] for s in (0, 1))
+    assert not torch.equal(a, b)
+    with pytest.raises(ValueError, match="split_seed"):
+        make(train, val, 1, "device-1", split_seed=-1)
+
+
 def test_round_trains_the_head_then_validates(split):
     train, val, test = split
     t = make(train, val, 2, "device-1")

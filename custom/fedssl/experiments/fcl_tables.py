@@ -324,9 +324,15 @@ def _check_args(tables, methods, n_labelled, n_sites: int, workers: int, seeds) 
 
 
 def summary_rows(table: int, rows: Sequence[dict]) -> list[dict]:
-    """Protocol rows -> ``write_table`` rows (mean +- std over sites, fold-averaged first; over folds for Table 3)."""
+    """Protocol rows -> ``write_table`` rows (mean +- std over sites, fold-averaged first; over folds for Table 3),
+    each with ``by_seed``: seed -> the same mean over that seed's rows alone (the figure's spread over seeds)."""
+    by_seed: dict = {}
+    for sd in sorted({int(r.get("seed", 0)) for r in rows}):
+        for s in summarise([r for r in rows if int(r.get("seed", 0)) == sd]):
+            by_seed.setdefault((s["method"], s["n_labelled"]), {})[str(sd)] = s["dice_mean"]
     return [{"table": f"Table {table}", "method": s["method"], "column": f"N={s['n_labelled']}",
-             "mean": s["dice_mean"], "std": s["dice_std"], "n": s["n"]} for s in summarise(rows)]
+             "mean": s["dice_mean"], "std": s["dice_std"], "n": s["n"],
+             "by_seed": by_seed.get((s["method"], s["n_labelled"]), {})} for s in summarise(rows)]
 
 
 #: the training seeds of a table run unless told otherwise: one seed's sign is not a finding

@@ -253,7 +253,9 @@ def summary_rows(settings: dict, results: dict) -> list[dict]:
                     if (method, split, sd) in results]
             mean, std = _mean_std(accs)
             rows.append({"table": "sslfl_retina", "method": METHODS[method]["label"], "column": f"Split{split}",
-                         "mean": mean, "std": std, "n": len(accs)})
+                         "mean": mean, "std": std, "n": len(accs),
+                         "by_seed": {str(sd): 100.0 * results[(method, split, sd)]["accuracy"]
+                                     for sd in settings["seeds"] if (method, split, sd) in results}})
     return rows
 
 

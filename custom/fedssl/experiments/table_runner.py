@@ -541,10 +541,30 @@ def _check_rows(rows: Sequence[Mapping], what: str) -> None:
                              f"{{{', '.join(ROW_FIELDS)}}}")
 
 
+def seed_values(row: Mapping) -> list[float]:
+    """The row's per-seed values (its ``by_seed``: seed -> the seed's mean over sites / devices / folds), seeds
+    ascending; [] when the row has none."""
+    by_seed = row.get("by_seed") or {}
+    return [float(by_seed[k]) for k in sorted(by_seed, key=int) if by_seed[k] is not None]
+
+
+def error_bar(row: Mapping) -> tuple[float, str]:
+    """(half-length, what it is) of a row's error bar: the sample std over its seeds' values when it has two or
+    more (the run-to-run spread a reader needs to judge a difference), else the row's std (over sites, devices
+    or folds)."""
+    values = seed_values(row)
+    if len(values) >= 2:
+        m = sum(values) / len(values)
+        return (sum((v - m) ** 2 for v in values) / (len(values) - 1)) ** 0.5, "seeds"
+    return float(row.get("std") or 0.0), "units"
+
+
 def plot_table(rows: Sequence[Mapping], path: str, *, title: str, paper: Sequence[Mapping] | None = None,
                score: str = "dice") -> str:
-    """Score vs column per method, error bars = std; the paper's values dashed in the method's colour.  Agg canvas,
-    no pyplot state.  matplotlib is imported here, so that worker processes of :func:`run_cells` start light."""
+    """Score vs column per method; error bars: std over seeds where a row has per-seed values (``by_seed``, each
+    seed's value drawn as a dot), else the row's std; the paper's values dashed in the method's colour.  Methods
+    are set a little apart so that their bars do not hide each other.  Agg canvas, no pyplot state.  matplotlib is
+    imported here, so that worker processes of :func:`run_cells` start light."""
     import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -555,20 +575,31 @@ def plot_table(rows: Sequence[Mapping], path: str, *, title: str, paper: Sequenc
     FigureCanvasAgg(fig)
     ax = fig.subplots()
     xs = {c: i for i, c in enumerate(columns)}
+    kinds = set()
     for i, method in enumerate(methods):
-        colour = colours[i % len(colours)]
-        pts = [r for r in rows if r["method"] == method]
-        ax.errorbar([xs[r["column"]] for r in pts], [r["mean"] for r in pts],
-                    yerr=[r.get("std") or 0.0 for r in pts], marker="o", capsize=3, color=colour, label=method)
+        colour, dx = colours[i % len(colours)], 0.08 * (i - (len(methods) - 1) / 2)
+        pts = [r for r in rows if r["method"] == method and r["mean"] is not None]
+        bars = [error_bar(r) for r in pts]
+        kinds.update(kind for _, kind in bars)
+        ax.errorbar([xs[r["column"]] + dx for r in pts], [r["mean"] for r in pts], yerr=[b for b, _ in bars],
+                    marker="o", capsize=3, color=colour, label=method)
+        for r in pts:
+            values = seed_values(r)
+            if len(values) >= 2:
+                ax.plot([xs[r["column"]] + dx] * len(values), values, linestyle="none", marker=".", color=colour,
+                        alpha=0.45)
         ref = [r for r in paper or () if r["method"] == method and r["column"] in xs and r["mean"] is not None]
         if ref:
-            ax.plot([xs[r["column"]] for r in ref], [r["mean"] for r in ref], linestyle="--", marker="x",
+            ax.plot([xs[r["column"]] + dx for r in ref], [r["mean"] for r in ref], linestyle="--", marker="x",
                     color=colour, alpha=0.7, label=f"{method} (paper)")
     ax.set_xticks(range(len(columns)))
     ax.set_xticklabels([str(c) for c in columns])
     if score == "dice":
         ax.set_ylim(0.0, 1.0)
-    ax.set_ylabel(score)
+    bar_text = {frozenset({"seeds"}): "error bars: std over seeds, dots: each seed",
+                frozenset({"units"}): "error bars: std"}.get(frozenset(kinds), "error bars: std over seeds where "
+                                                                              "a point has several, else std")
+    ax.set_ylabel(f"{score} ({bar_text})", fontsize="small")
     ax.set_title("\n".join(textwrap.wrap(title, 75)), fontsize="small")  # long titles wrap, not clip
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="x-small", ncol=2)

@@ -489,3 +489,14 @@ def test_end_to_end_tiny(tmp_path):
             assert row["mean"] == pytest.approx(sum(cells) / len(cells)) and row["n"] == len(cells)
         assert open(paths[table]["png"], "rb").read(4) == b"\x89PNG"
         assert open(paths[table]["csv"]).read().startswith("source,table,method,column,mean,std,n")
+
+
+def test_summary_rows_carry_each_seeds_mean_for_the_figure():
+    def row(site, dice, seed=None):
+        r = {"mode": "local", "method": "FCL", "n_labelled": 1, "fold": 0, "site": site, "dice": dice}
+        return r if seed is None else {**r, "seed": seed}
+
+    rows = [row("site-1", 0.2), row("site-2", 0.4), row("site-1", 0.6, 1), row("site-2", 0.4, 1)]
+    (summary,) = fcl_tables.summary_rows(1, rows)
+    assert summary["by_seed"] == {"0": pytest.approx(0.3), "1": pytest.approx(0.5)}  # seed 0 rows carry no seed
+    assert (summary["mean"], summary["n"]) == (pytest.approx(0.4), 2)  # sites averaged over seeds first

@@ -114,6 +114,7 @@ def test_resume_after_a_failed_cell_runs_only_the_unfinished_cells(tmp_path):
     rows = {(r["method"], r["column"]): r for r in out["rows"]}
     assert rows[("ViT scratch", "Split3")]["mean"] == pytest.approx(62.5) and rows[("ViT scratch", "Split3")]["n"] == 1
     assert rows[("Fed-MAE", "Split3")]["mean"] == pytest.approx(75.0) and rows[("Fed-MAE", "Split3")]["std"] is None
+    assert rows[("Fed-MAE", "Split3")]["by_seed"] == {"0": pytest.approx(75.0)}  # the figure's per-seed dots
     # a third run finds everything done and runs nothing
     third = FakeSimulator()
     st.run_sslfl_table(str(tmp_path), settings, say=lines.append, simulate=third, diagnose=diagnose)

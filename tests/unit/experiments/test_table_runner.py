@@ -12,10 +12,13 @@ from fedssl.experiments import environment as env_mod
 from fedssl.experiments.table_runner import (
     CellStore,
     check_run_config,
+    error_bar,
     few_seeds_note,
     format_duration,
     key_id,
+    plot_table,
     run_cells,
+    seed_values,
     write_run_config,
     write_table,
 )
@@ -194,6 +197,32 @@ def test_write_table_files(tmp_path):
     assert bundle.index("folds 0-2") < bundle.index("random  0.300")  # notes under the title
     assert paper.rstrip().endswith("\n\nFCL minus random: N=1 +0.150")  # the footer under both tables
     assert open(paths["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_error_bars_are_the_std_over_seeds_where_a_row_has_several():
+    row = {"method": "FCL", "column": "N=1", "mean": 0.5, "std": 0.01, "by_seed": {"10": 0.9, "2": 0.4, "0": 0.2}}
+    assert seed_values(row) == [0.2, 0.4, 0.9]  # seeds in numeric order, not text order
+    half, kind = error_bar(row)
+    assert kind == "seeds" and half == pytest.approx(0.13 ** 0.5)  # deviations -0.3, -0.1, +0.4: 0.26 / 2
+    assert error_bar({**row, "by_seed": {"0": 0.2}}) == (0.01, "units")  # one seed: the row's std
+    assert error_bar({"mean": 0.5, "std": None}) == (0.0, "units")
+
+
+def test_the_figure_draws_each_seed_and_says_what_its_bars_are(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, dpi=None: saved.append(fig))
+    rows = [{"method": m, "column": c, "mean": 0.5, "std": 0.01, "by_seed": {"0": 0.4, "1": 0.5, "2": 0.6}}
+            for m in ("random", "FCL") for c in ("N=1", "N=2")]
+    plot_table(rows, str(tmp_path / "f.png"), title="t")
+    ax = saved[0].axes[0]
+    dots = [ln for ln in ax.get_lines() if ln.get_marker() == "." and ln.get_linestyle() == "None"]
+    assert len(dots) == 4 and all(sorted(ln.get_ydata()) == [0.4, 0.5, 0.6] for ln in dots)
+    assert ax.get_ylabel() == "dice (error bars: std over seeds, dots: each seed)"
+    saved.clear()
+    plot_table([{k: v for k, v in r.items() if k != "by_seed"} for r in rows], str(tmp_path / "g.png"), title="t")
+    assert saved[0].axes[0].get_ylabel() == "dice (error bars: std)"
 
 
 def test_write_table_without_paper_has_no_paper_block_and_paper_needs_a_source(tmp_path):

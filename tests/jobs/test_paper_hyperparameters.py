@@ -13,8 +13,10 @@ Medical Federated Vision-Language Pre-training Under Data Heterogeneity", TMLR).
 Not pinned, because the paper does not state them (the job's value is the bundle's choice or the reference code's):
 
 - FCL / FCLOpt: image size (192), projection size (128), BYOL predictor width (512), the U-Net widths after the
-  first level (only "initial number of channels 48" is stated), local epochs per round of *federated fine-tuning*
-  (1 is stated for pre-training only), the fold and N of this job within the stated sets.
+  first level (only "initial number of channels 48" is stated), the U-Net's normalisation and projection head
+  (pinned in ``REFERENCE_PINS`` against the reference code FCL builds on, Chaitanya et al. 2020), local epochs per
+  round of *federated fine-tuning* (1 is stated for pre-training only), the fold and N of this job within the
+  stated sets.
 - SSL-FL: AdamW weight decay (0.05 in rui-yan/SSL-FL's scripts), local epochs E (Algorithm 1 leaves it symbolic;
   scripts: E_epoch 1), MAE decoder size and norm_pix_loss (MAE defaults), BEiT vocabulary size (DALL-E: 8192),
   gradient clipping, fine-tuning layer decay (0.65), drop path, min lr, fine-tuning warm-up (scripts: 5), the
@@ -226,6 +228,31 @@ FCL_PINS = [
     Pin("fcl_acdc_finetune", "server", "scatter_and_gather", "min_clients", 10, FS + ": 10 clients"),
     Pin("fcl_acdc_finetune", "meta", "", "min_clients", 10, FS + ": 10 clients"),
 ]
+
+# The network the FCL paper leaves open, pinned against the reference code it builds on (issue 44): Chaitanya et al.,
+# NeurIPS 2020, github krishnabits001/domain_specific_cl at commit e5aae80 (FCL's "standard U-Net" and "projection
+# head" are theirs).  Every encoder and decoder convolution has use_batch_norm=True (models.py 98-129 encoder, 670-704
+# decoder; layers_bn.py 58-65: bias, batch_norm_layer, ReLU; epsilon 1e-3 at layers_bn.py 177); the projection head is
+# flatten(enc_c6_b) -> dense 1024 relu, no bias -> dense 128, no bias (models.py 155-158).
+REF = "Chaitanya et al. 2020 code, krishnabits001/domain_specific_cl"
+REF_BN = REF + " models.py 98-129 (+ 670-704 decoder): use_batch_norm=True on every conv"
+REF_HEAD = REF + " models.py 155-158: flatten -> dense 1024 relu -> dense 128, no biases"
+REFERENCE_PINS = [
+    *[Pin(job, part, comp, "norm", "batch", REF_BN)
+      for job, part, comp in (("fcl_acdc", "client", "fcl_trainer"), ("fcl_acdc", "server", "model"),
+                              ("fclopt_acdc", "client", "byol_trainer"), ("fclopt_acdc", "server", "model"),
+                              ("fcl_acdc_finetune", "client", "seg_trainer"),
+                              ("fcl_acdc_finetune", "server", "model"))],
+    *[Pin(job, part, comp, "head", "flatten", REF_HEAD)
+      for job, part, comp in (("fcl_acdc", "client", "fcl_trainer"), ("fcl_acdc", "server", "model"),
+                              ("fclopt_acdc", "client", "byol_trainer"), ("fclopt_acdc", "server", "model"))],
+    *[Pin(job, "server", "model", "image_size", 192, REF + " experiment_init/init_acdc.py 16-17: 192 x 192 (FCL sec.5 "
+          "too): the flatten head's input") for job in ("fcl_acdc", "fclopt_acdc")],
+    Pin("fcl_acdc", "client", "fcl_trainer", "proj_dim", 128, REF_HEAD),
+]
+#: module constants of fedssl.models.unet -> (reference value, where)
+REFERENCE_CONSTANTS = {"BN_EPS": (1e-3, REF + " layers_bn.py 177: epsilon=1e-3"),
+                       "FLATTEN_HIDDEN": (1024, REF_HEAD)}
 
 # ---------------------------------------------------------------- SSL-FL (seed 000, IEEE TMI 2023, sec. IV-B)
 PT = "SSL-FL sec.IV-B.3"
@@ -498,6 +525,19 @@ def test_amp_defaults(pin):
 @pytest.mark.parametrize("pin", FCL_PINS, ids=_ids(FCL_PINS))
 def test_fcl_paper_settings(pin):
     check(pin)
+
+
+@pytest.mark.parametrize("pin", REFERENCE_PINS, ids=_ids(REFERENCE_PINS))
+def test_fcl_network_follows_the_reference_code(pin):
+    check(pin)
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE_CONSTANTS))
+def test_fcl_network_constants_follow_the_reference_code(name):
+    import fedssl.models.unet as unet
+
+    value, cite = REFERENCE_CONSTANTS[name]
+    assert matches(getattr(unet, name), value), f"fedssl.models.unet.{name} = {getattr(unet, name)!r} ({cite})"
 
 
 @pytest.mark.parametrize("pin", SSLFL_PINS, ids=_ids(SSLFL_PINS))

@@ -225,6 +225,8 @@ def _transfer_args(s) -> None:
     s.add_argument("--spacing", type=POSITIVE, default=0.7, help="in-plane mm after resampling (paper: 0.7)")
     s.add_argument("--features", type=COUNT, nargs=6, default=[48, 96, 192, 384, 768, 48],
                    help="U-Net channels: those of the pre-training run")
+    s.add_argument("--norm", choices=["batch", "instance"], default="batch",
+                   help="U-Net normalisation: that of the pre-training run (jobs' default: batch)")
     s.add_argument("--epochs", type=COUNT, default=200)
     s.add_argument("--lr", type=POSITIVE, default=5e-4)
     s.add_argument("--seed", type=SEED, default=0)
@@ -238,7 +240,7 @@ def _transfer(a) -> None:
     from fedssl.train.transfer import summarise_transfer
 
     settings = {"n_labelled": a.n, "folds": a.folds, "target_spacing": a.spacing, "features": a.features,
-                "epochs": a.epochs, "lr": a.lr, "device": a.device}
+                "norm": a.norm, "epochs": a.epochs, "lr": a.lr, "device": a.device}
     rows = run_transfer(a.data_root, _parse_inits(a.init), a.out, settings=settings, variant=a.variant,
                         image_size=a.image_size, seed=a.seed,
                         progress=lambda r: print(f"  {r['method']:<8} M={r['n_labelled']} fold {r['fold']}: Dice "

@@ -5,7 +5,9 @@
 value for features spread uniformly on the sphere).  0 means every input maps to one direction: a collapsed
 encoder, whose features cannot help a decoder or a head.
 
-What is measured (eval mode, no gradient, BatchNorm running statistics):
+What is measured (eval mode, no gradient, BatchNorm running statistics; a network whose BatchNorm layers never saw a
+batch, a random start, first gets the statistics of the slices measured, on a copy:
+:func:`fedssl.models.unet.fill_batch_statistics`):
 
 * U-Net encoders (FCL, FedMoCo, FCLOpt, FedBYOL, random init): :func:`unet_spread` on every 2D slice of a site's
   volumes: the projection of a ``ContrastiveNet`` (the MoCo main / BYOL online network, what pre-training
@@ -20,6 +22,7 @@ What is measured (eval mode, no gradient, BatchNorm running statistics):
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -31,7 +34,7 @@ from fedssl.core.discrimination import Discrimination, instance_discrimination, 
 from fedssl.core.spread import normalised_spread, uniform_reference
 from fedssl.data.transforms import augment_views
 from fedssl.data.volume import Volume
-from fedssl.models.unet import pool_bottleneck
+from fedssl.models.unet import fill_batch_statistics, pool_bottleneck, unset_batch_norms
 
 
 class Spread(NamedTuple):
@@ -56,11 +59,24 @@ def volume_slices(volumes: Sequence[Volume]) -> torch.Tensor:
                       for v in volumes]).unsqueeze(1)
 
 
+def with_statistics(model: nn.Module, x: torch.Tensor, batch_size: int, device: str | torch.device) -> nn.Module:
+    """``model`` itself, or where it has unset BatchNorm layers (a random start) a copy of it whose layers hold the
+    statistics of ``x`` in batches of ``batch_size`` (:func:`fedssl.models.unet.fill_batch_statistics`)."""
+    if not unset_batch_norms(model):
+        return model
+    model = copy.deepcopy(model)
+    fill_batch_statistics(model, (x[i:i + batch_size].to(device) for i in range(0, len(x), batch_size)))
+    return model
+
+
 @torch.no_grad()
 def _features(fn, model: nn.Module, x: torch.Tensor, batch_size: int, device: str | torch.device) -> torch.Tensor:
-    """``fn(model, batch)`` over ``x`` in batches with ``model`` in eval mode (its mode restored afterwards)."""
+    """``fn(model, batch)`` over ``x`` in batches with ``model`` in eval mode (its mode restored afterwards); a
+    model with unset BatchNorm layers is measured as :func:`with_statistics` of ``x`` (the caller's model as it
+    was)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r}: must be a positive integer")
+    model = with_statistics(model, x, batch_size, device)
     was_training = model.training
     model.eval()
     try:
@@ -72,14 +88,14 @@ def _features(fn, model: nn.Module, x: torch.Tensor, batch_size: int, device: st
 
 def _unet_pooled(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     out = model(x)  # a ContrastiveNet: the projection [B, D]; a bare encoder: the bottleneck [B, C4, h, w]
-    return out if out.dim() == 2 else pool_bottleneck(out)  # as the projection head pools it
+    return out if out.dim() == 2 else pool_bottleneck(out)  # as the grid head pools it, whatever the head
 
 
 def unet_features(model: nn.Module, volumes: Sequence[Volume], *, batch_size: int = 64,
                   device: str | torch.device = "cpu") -> torch.Tensor:
     """Features ``[S, D]`` of every slice of ``volumes``: the projection of a ``ContrastiveNet``
-    (``MoCoUNetEncoder.main`` / ``BYOLUNetEncoder.online``) or the bottleneck of a ``UNetEncoder`` pooled as the head
-    pools it (``pool_bottleneck``)."""
+    (``MoCoUNetEncoder.main`` / ``BYOLUNetEncoder.online``) or the bottleneck of a ``UNetEncoder`` pooled to the grid
+    head's 2 x 2 grid (``pool_bottleneck``, one size whatever the pre-training's head)."""
     return _features(_unet_pooled, model, volume_slices(volumes), batch_size, device)
 
 
@@ -104,6 +120,7 @@ def unet_discrimination(net: nn.Module, volumes: Sequence[Volume], *, tau: float
         x, groups = x[pick], groups[pick]
     g = torch.Generator().manual_seed(int(seed))
     view1, view2 = augment_views(x, g), augment_views(x, g)
+    net = with_statistics(net, x, batch_size, device)  # both views measured with the same statistics
     z1 = _features(_unet_pooled, net, view1, batch_size, device)
     z2 = _features(_unet_pooled, net, view2, batch_size, device)
     return instance_discrimination(z1, z2, tau, groups)

@@ -44,8 +44,8 @@ from fedssl.core.weight_scale import compare_kernels, summarise
 from fedssl.data.images import ImageDataset, ImageRecord
 from fedssl.data.volume import Volume
 from fedssl.eval.features import unet_discrimination, unet_position_knn, unet_spread, vit_spread
-from fedssl.models.unet import (ENCODER_MODULES, BYOLUNetEncoder, ContrastiveNet, MoCoUNetEncoder, UNetEncoder,
-                                encoder_state_from_global)
+from fedssl.models.unet import (ENCODER_MODULES, NORMS, BYOLUNetEncoder, ContrastiveNet, MoCoUNetEncoder,
+                                UNetEncoder, contrastive_net_like, encoder_state_from_global)
 from fedssl.models.vit import ViTClassifier, load_pretrained_encoder
 from fedssl.train.probe import frozen_encoder_probe, linear_probe
 from fedssl.train.segmentation import init_unet
@@ -115,10 +115,10 @@ def _probe_summary(rows: Sequence[dict], random_rows: Sequence[dict], metric: st
             "random_std": rsd, "n_sites": len(rows), "rows": list(rows) + list(random_rows)}
 
 
-def _unet_encoder(init: object, features: Sequence[int], seed: int) -> UNetEncoder:
+def _unet_encoder(init: object, features: Sequence[int], seed: int, norm: str = NORMS[0]) -> UNetEncoder:
     """The encoder of ``init_unet(init)`` (the one fine-tuning and the probe start from) as a ``UNetEncoder``."""
-    state = init_unet(init, features=features, seed=seed).state_dict()
-    encoder = UNetEncoder(features)
+    state = init_unet(init, features=features, seed=seed, norm=norm).state_dict()
+    encoder = UNetEncoder(features, norm=norm)
     encoder.load_state_dict({k: v for k, v in state.items() if k.split(".", 1)[0] in ENCODER_MODULES})
     return encoder
 
@@ -126,15 +126,16 @@ def _unet_encoder(init: object, features: Sequence[int], seed: int) -> UNetEncod
 def _projection_net(global_state: Mapping[str, torch.Tensor], features: Sequence[int],
                     seed: int = 0) -> tuple[ContrastiveNet | None, ContrastiveNet | None]:
     """The MoCo main / BYOL online network (encoder + projection head) of a pre-training global state and the same
-    network as the pre-training started it (the global model built with ``seed``); ``(None, None)`` without a head."""
+    network as the pre-training started it (the global model built with ``seed``); ``(None, None)`` without a head.
+    The norm and head (and the image size of a flatten head) are read from the state."""
     prefix = next((p for p in PROJECTION_PREFIXES if f"{p}head.2.weight" in global_state), None)
     if prefix is None:
         return None, None
-    dim = int(global_state[f"{prefix}head.2.weight"].shape[0])
-    net = ContrastiveNet(features, dim, normalize=prefix == "main.")
-    net.load_state_dict({k[len(prefix):]: torch.as_tensor(v) for k, v in global_state.items() if k.startswith(prefix)})
-    start = MoCoUNetEncoder(features, dim, seed=seed).main if prefix == "main." else \
-        BYOLUNetEncoder(features, dim, seed=seed).online
+    net = contrastive_net_like({k[len(prefix):]: v for k, v in global_state.items() if k.startswith(prefix)},
+                               normalize=prefix == "main.")
+    dim, shape = net.head[2].out_features, dict(norm=net.norm, head=net.head_kind, image_size=net.image_size)
+    start = MoCoUNetEncoder(features, dim, seed=seed, **shape).main if prefix == "main." else \
+        BYOLUNetEncoder(features, dim, seed=seed, **shape).online
     return net, start
 
 
@@ -147,18 +148,19 @@ def diagnose_acdc(method: str, summary_path: str | None, encoder_state: object,
     gives), a pre-training global state (``main.*`` / ``online.*``: the projection's spread is reported too) or
     ``"random"``; ``summary_path``: the run's ``summary.json`` (None: no rounds); ``site_volumes``: the labelled
     volumes per site; ``settings``: the fine-tuning settings (``features``, ``epochs``, ``lr``, ``device``, optional
-    ``batch_size`` and ``max_steps_per_epoch``) of :func:`fedssl.experiments.fcl_finetune.protocol_settings`.
+    ``norm``, ``batch_size`` and ``max_steps_per_epoch``) of :func:`fedssl.experiments.fcl_finetune.protocol_settings`.
     The probe trains the decoder on ``probe_n`` patients of every site in ``fold``, once on this encoder and once on
     a random one (same split, same decoder start, same batches)."""
     features, device = list(settings["features"]), settings.get("device", "cpu")
+    norm = settings.get("norm", NORMS[0])
     is_global = isinstance(encoder_state, Mapping) and any(k.startswith(PROJECTION_PREFIXES) for k in encoder_state)
     init = encoder_state_from_global(encoder_state) if is_global else encoder_state
-    encoder, random_encoder = _unet_encoder(init, features, seed), _unet_encoder("random", features, seed)
+    encoder, random_encoder = _unet_encoder(init, features, seed, norm), _unet_encoder("random", features, seed, norm)
     projection, start = _projection_net(encoder_state, features, seed) if is_global else (None, None)
     probe_kw = dict(n_labelled=probe_n, fold=fold, features=features, epochs=int(settings["epochs"]),
                     lr=float(settings["lr"]), batch_size=int(settings.get("batch_size", 10)), seed=seed,
                     device=device, max_steps_per_epoch=settings.get("max_steps_per_epoch"), split_seed=split_seed,
-                    min_steps=int(settings.get("min_steps", 0)))
+                    min_steps=int(settings.get("min_steps", 0)), norm=norm)
     spread, random_spread, proj, disc, position, rows, random_rows = {}, {}, {}, {}, {}, [], []
     for site in sorted(site_volumes):
         spread[site] = unet_spread(encoder, site_volumes[site], device=device)

@@ -13,11 +13,13 @@ from fedssl.data.site_config import site_folders as _site_folders
 from fedssl.data.volume import Volume
 from fedssl.train.protocol import LABELLED_FROM, centralised_finetune, evaluate_per_site, local_finetune
 from fedssl.train.segmentation import init_unet
-from fedssl.models.unet import UNet2D, encoder_state_from_global, load_encoder_into_unet
+from fedssl.models.unet import UNet2D, encoder_state_from_global, load_encoder_into_unet, require_norm, state_norm
 from fedssl.ops.jobs import load_profile
 
+#: ``norm``: the U-Net's normalisation, the pre-training's ("batch", the reference code's, as jobs/fcl_acdc and
+#: jobs/fclopt_acdc; "instance" for an encoder pre-trained with ``norm: "instance"``)
 PAPER_PROTOCOL = {"image_size": 192, "target_spacing": 1.25, "features": [48, 96, 192, 384, 768, 48], "epochs": 200,
-                  "lr": 5e-4, "device": "auto", "min_steps": 0}
+                  "lr": 5e-4, "device": "auto", "min_steps": 0, "norm": "batch"}
 
 
 def protocol_settings(profile: str | None, epochs: int | None = None) -> dict:
@@ -31,6 +33,7 @@ def protocol_settings(profile: str | None, epochs: int | None = None) -> dict:
     if isinstance(floor, bool) or not isinstance(floor, int) or floor < 0:
         raise ValueError(f"profile {profile!r}: finetune.min_steps={floor!r} must be a non-negative integer "
                          "(0 = no floor, the paper's protocol)")
+    require_norm(f"profile {profile!r}: finetune", settings["norm"])
     if settings["device"] == "auto":
         settings["device"] = "cuda" if torch.cuda.is_available() else "cpu"
     if epochs:
@@ -74,9 +77,12 @@ def encoder_init(path: str) -> dict:
 
 def export_unet_init(pretrained: str, out_path: str, features: Sequence[int], seed: int = 0) -> str:
     """A full U-Net checkpoint whose encoder is the pre-trained one (FLARE persistor format), for
-    ``source_ckpt_file_full_name`` of the federated fine-tuning job; the decoder's initial weights from ``seed``."""
-    unet = UNet2D(features, seed=seed)
-    load_encoder_into_unet(unet, encoder_init(pretrained))
+    ``source_ckpt_file_full_name`` of the federated fine-tuning job; the decoder's initial weights from ``seed``.
+    The U-Net has the pre-training's norm (read from the encoder: BatchNorm running statistics or none); the
+    fine-tuning job's ``norm`` must be the same."""
+    encoder = encoder_init(pretrained)
+    unet = UNet2D(features, seed=seed, norm=state_norm(encoder))
+    load_encoder_into_unet(unet, encoder)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     torch.save({"model": unet.state_dict()}, out_path)
     return out_path
@@ -98,7 +104,7 @@ def run_protocols(
     rows: list[dict] = []
     kw = dict(n_labelled=list(n_labelled), folds=list(folds), features=settings["features"], epochs=settings["epochs"],
               lr=settings["lr"], device=settings["device"], progress=progress,
-              min_steps=settings["min_steps"])
+              min_steps=settings["min_steps"], norm=settings["norm"])
     if "local" in modes:
         rows += local_finetune(site_volumes, inits, **kw)
     if "centralised" in modes:
@@ -108,7 +114,7 @@ def run_protocols(
 
 def evaluate_federated(global_model: str, site_volumes, *, method: str, n_labelled: int, fold: int,
                        settings: dict) -> list[dict]:
-    unet = init_unet(load_global_state(global_model), features=settings["features"])
+    unet = init_unet(load_global_state(global_model), features=settings["features"], norm=settings["norm"])
     return evaluate_per_site(unet, site_volumes, fold, method=method, n_labelled=n_labelled, device=settings["device"])
 
 

@@ -256,7 +256,7 @@ def finetune_one(key: dict, init: str, data_root: str, settings: dict) -> dict:
     start = "random" if init == "random" else encoder_init(init)
     kw = dict(n_labelled=[key["n_labelled"]], folds=[key["fold"]], features=settings["features"],
               epochs=settings["epochs"], lr=settings["lr"], device=settings["device"],
-              min_steps=settings["min_steps"], seed=seed_of(key))
+              min_steps=settings["min_steps"], seed=seed_of(key), norm=settings["norm"])
     if key["stage"] == "local":
         (row,) = local_finetune(sites, {key["method"]: start}, sites=[key["site"]], **kw)
     else:
@@ -493,7 +493,8 @@ def _write(out: str, table: int, rows: list[dict], methods, n_labelled, folds, s
         floor = settings["min_steps"]
         notes = [f"fine-tuning: {settings['epochs']} epochs"
                  + (f" (at least {floor} optimiser steps: more epochs where N is small)" if floor else "")
-                 + f", {settings['image_size']} px at {settings['target_spacing']} mm, U-Net {settings['features']}"]
+                 + f", {settings['image_size']} px at {settings['target_spacing']} mm, U-Net {settings['features']} "
+                 f"with {settings['norm']} norm"]
     if "Local CL" in methods:
         notes.append(LOCAL_CL_NOTE)
     covered = {m: sorted({int(r["seed"]) for r in rows if r["method"] == m}) for m in methods}

@@ -35,7 +35,8 @@ def transfer_encoder(path: str) -> dict:
 def run_transfer(data_root: str, init_paths: dict[str, str], out: str, *, settings: dict[str, Any],
                  variant: str = "axial_crop", image_size: int = 192, seed: int = 0, progress=None) -> list[dict]:
     """Table 5 for every init ``name -> path | "random"`` on the HVSMR folder ``data_root``; ``settings`` overrides
-    :data:`fedssl.train.transfer.PAPER_TRANSFER` (features, epochs, lr, n_labelled, folds, target_spacing, device).
+    :data:`fedssl.train.transfer.PAPER_TRANSFER` (features, norm, epochs, lr, n_labelled, folds, target_spacing,
+    device).
     The inits are read first, so a bad file is refused before the volumes are loaded.  Writes the report to
     ``out`` and returns its rows."""
     s = {**PAPER_TRANSFER, "device": "cpu", **settings}
@@ -43,7 +44,7 @@ def run_transfer(data_root: str, init_paths: dict[str, str], out: str, *, settin
     volumes = load_hvsmr(data_root, variant=variant, target_spacing=s["target_spacing"], image_size=image_size)
     rows = transfer_finetune(volumes, inits, n_labelled=s["n_labelled"], folds=s["folds"], features=s["features"],
                              epochs=s["epochs"], batch_size=s["batch_size"], lr=s["lr"], seed=seed,
-                             device=s["device"], n_folds=s["n_folds"], progress=progress)
+                             device=s["device"], n_folds=s["n_folds"], progress=progress, norm=s["norm"])
     write_transfer_report(rows, out, extra={"settings": s, "variant": variant, "image_size": image_size,
                                             "seed": seed, "inits": init_paths})
     return rows

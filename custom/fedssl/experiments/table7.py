@@ -50,18 +50,23 @@ def _floats(module) -> int:
     return sum(v.numel() for v in module.state_dict().values() if v.is_floating_point())
 
 
+def _shape(a: dict) -> dict:
+    """The network arguments of a pre-training trainer's job arguments (norm, head, image size), as it builds it."""
+    return {k: a[k] for k in ("norm", "head", "image_size") if k in a}
+
+
 def expected_bytes(name: str, job_dir: str, n_sites: int, rounds: int) -> float:
     """Up + down bytes per site per round predicted from the model and bank sizes of the built job."""
     if name in ("FedMoCo", "FCL"):
         a = _args(job_dir, "fcl_trainer")
-        w = 4 * _floats(MoCoUNetEncoder(a["features"], a["proj_dim"]))
+        w = 4 * _floats(MoCoUNetEncoder(a["features"], a["proj_dim"], **_shape(a)))
         bank = a["bank_size"] * (4 * a["proj_dim"] + 8)  # float32 features + int64 partition ids
         if name == "FedMoCo":
             return 2 * w
         # up: model + own bank; down: model + the other sites' banks (none in round 0)
         return 2 * w + bank + bank * (n_sites - 1) * (rounds - 1) / rounds
     a = _args(job_dir, "byol_trainer")
-    m = BYOLUNetEncoder(a["features"], a["proj_dim"], a["pred_hidden"])
+    m = BYOLUNetEncoder(a["features"], a["proj_dim"], a["pred_hidden"], **_shape(a))
     online_pred, target = 4 * (_floats(m.online) + _floats(m.predictor)), 4 * _floats(m.target)
     if name == "FedBYOL":
         return 2 * online_pred

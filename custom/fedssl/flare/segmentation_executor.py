@@ -46,7 +46,7 @@ class SegmentationExecutor(TrainerExecutor):
                             target_spacing=self.target_spacing, image_size=self.image_size, site=site)
         split = site_split({site: volumes}, self.fold, self.n_labelled, n_folds=self.n_folds,
                            split_seed=self.split_seed)[site]
-        unet = init_unet("random", features=list(self.features), seed=self.seed)
+        unet = init_unet("random", features=list(self.features), seed=self.seed, norm=self.norm)
         trainer = SegmentationLocalTrainer(unet, split["train_volumes"], split["val_volumes"], self.settings,
                                            num_rounds=num_rounds, site=site, device=pick_device(self.device))
         self.log_info(fl_ctx, f"{site}: fold {self.fold}, labelled patients {split['train_patients']} "

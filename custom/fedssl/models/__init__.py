@@ -64,9 +64,9 @@ _REGISTRY: dict[str, Callable[..., nn.Module]] = {
     "unet2d": _unet("build_unet", "PAPER_FEATURES"),
     "tiny_unet2d": _unet("build_unet", "TINY_FEATURES"),
     "moco_unet2d": _unet("MoCoUNetEncoder", "PAPER_FEATURES"),
-    "tiny_moco_unet2d": _unet("MoCoUNetEncoder", "TINY_FEATURES"),
+    "tiny_moco_unet2d": _unet("MoCoUNetEncoder", "TINY_FEATURES", image_size=32),
     "byol_unet2d": _unet("BYOLUNetEncoder", "PAPER_FEATURES"),
-    "tiny_byol_unet2d": _unet("BYOLUNetEncoder", "TINY_FEATURES", pred_hidden=16),
+    "tiny_byol_unet2d": _unet("BYOLUNetEncoder", "TINY_FEATURES", pred_hidden=16, image_size=32),
     "densenet121": _densenet("DenseNet121"),  # kw: classes=[...] (required), imagenet_path, ...
     "tiny_densenet": _densenet("TinyDenseNet"),
     "vit_b16_mae": _vit("MAEViT"),

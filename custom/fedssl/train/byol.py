@@ -40,7 +40,7 @@ from fedssl.data.acdc import PartitionSampleDataset
 from fedssl.data.loading import loader_options
 from fedssl.data.transforms import augment_views
 from fedssl.data.volume import Volume
-from fedssl.models.unet import PAPER_FEATURES, BYOLUNetEncoder, require_unet_args
+from fedssl.models.unet import HEADS, NORMS, PAPER_FEATURES, BYOLUNetEncoder, require_unet_args
 
 #: the modes of :meth:`BYOLLocalTrainer.apply_global` (the FCLOptController's ``mode``)
 BYOL_MODES = ("fedbyol", "fclopt", "ptnu", "ptnu_dp")
@@ -62,6 +62,8 @@ class BYOLSettings:
     frames: "all" (the default) pre-trains on every frame of each 4D cine, as FCL (sec. 5.1); "ed_es" on the two
         labelled frames only.
     n_partitions, features, proj_dim, pred_hidden: the partitions of a volume and the BYOL U-Net's shape.
+    norm, head: the U-Net's normalisation and the projector, as FCL's (:class:`fedssl.train.fcl.FCLSettings`):
+        "batch" and "flatten" (the reference code's) by default, "instance" and "grid" as switches.
     batch_size: images per mini-batch; lr: SGD, cosine decay over all rounds; momentum: m of the target EMA (eq. 7).
     m_d: PTNU's m_d (Algorithm 2); max_ptnu_iterations: its bound.
     symmetric: false = eq. 6, one direction (the paper); true = Grill et al.'s sum over both directions.
@@ -79,6 +81,8 @@ class BYOLSettings:
     frames: str = "all"
     n_partitions: int = 4
     features: Sequence[int] = PAPER_FEATURES
+    norm: str = NORMS[0]
+    head: str = HEADS[0]
     proj_dim: int = 128
     pred_hidden: int = 512
     batch_size: int = 32
@@ -98,7 +102,7 @@ class BYOLSettings:
 
     def check(self, name: str) -> None:
         """Every argument checked; a ValueError names component ``name``, the argument, its value and the fix."""
-        require_unet_args(name, self.features, self.image_size)
+        require_unet_args(name, self.features, self.image_size, self.norm, self.head)
         require_choice(name, "frames", self.frames, ("ed_es", "all"))
         require_int(name, "n_partitions", self.n_partitions, 1, "paper: 4")
         require_int(name, "batch_size", self.batch_size, 2, "use at least 2 images per batch (paper: 32)")
@@ -139,7 +143,8 @@ class BYOLLocalTrainer:
         self.data_seed = site_seed(s.seed, site)
         self.dataset = PartitionSampleDataset(list(volumes), s.n_partitions, seed=self.data_seed)
         if model is None:
-            model = BYOLUNetEncoder(s.features, s.proj_dim, s.pred_hidden, seed=s.seed)
+            model = BYOLUNetEncoder(s.features, s.proj_dim, s.pred_hidden, seed=s.seed, norm=s.norm, head=s.head,
+                                    image_size=s.image_size)
         self.device = torch.device(device)
         self.model = model.to(self.device)
         self.augment = augment

@@ -44,7 +44,7 @@ from fedssl.data.acdc import PartitionSampleDataset
 from fedssl.data.loading import loader_options
 from fedssl.data.transforms import augment_views
 from fedssl.data.volume import Volume
-from fedssl.models.unet import PAPER_FEATURES, MoCoUNetEncoder, require_unet_args
+from fedssl.models.unet import HEADS, NORMS, PAPER_FEATURES, MoCoUNetEncoder, require_unet_args
 from fedssl.train.pretraining import Pretrainer
 
 
@@ -58,6 +58,10 @@ class FCLSettings:
         cycle" per patient, the default); "ed_es" = only the two annotated frames.
     n_partitions: S, the partitions of a volume (paper: 4).  features, proj_dim: the U-Net encoder's channels and
         the projection size.
+    norm: "batch" (default: BatchNorm after every convolution, as the reference code of Chaitanya et al. 2020 on
+        which FCL builds) or "instance" (MONAI's default); head: "flatten" (default: the reference's flatten ->
+        1024 -> proj_dim) or "grid" (2 x 2 pooled); see :mod:`fedssl.models.unet`.  Fine-tuning must use the
+        same norm.
     batch_size: 2D images per mini-batch (= volumes per batch x n_partitions; 32 = 8 x 4).
     lr: SGD (momentum :attr:`sgd_momentum`, weight decay :attr:`weight_decay`), cosine decay over all rounds.
     tau: the temperature; momentum: m of the momentum encoder; bank_size: K of the local bank.
@@ -80,6 +84,8 @@ class FCLSettings:
     frames: str = "all"
     n_partitions: int = 4
     features: Sequence[int] = PAPER_FEATURES
+    norm: str = NORMS[0]
+    head: str = HEADS[0]
     proj_dim: int = 128
     batch_size: int = 32
     lr: float = 0.05
@@ -103,7 +109,7 @@ class FCLSettings:
     def check(self, name: str) -> None:
         """Every argument checked; a ValueError names component ``name``, the argument, its value and the fix."""
         require(isinstance(self.data_root, str), name, "data_root", self.data_root, "use a path string or \"\"")
-        require_unet_args(name, self.features, self.image_size)
+        require_unet_args(name, self.features, self.image_size, self.norm, self.head)
         require(self.target_spacing > 0, name, "target_spacing", self.target_spacing,
                 "use a spacing in mm, paper: 1.25")
         require_choice(name, "frames", self.frames, ("ed_es", "all"))
@@ -157,7 +163,8 @@ class FCLLocalTrainer(Pretrainer):
             raise ValueError(f"{site or 'this site'}: {len(volumes)} volumes cannot fill one batch of "
                              f"{self.volumes_per_batch} volumes; lower batch_size")
         self.device = torch.device(device)
-        self.model = MoCoUNetEncoder(s.features, s.proj_dim).to(self.device)
+        self.model = MoCoUNetEncoder(s.features, s.proj_dim, norm=s.norm, head=s.head,
+                                     image_size=s.image_size).to(self.device)
         self.augment = augment
         self.precision = MixedPrecision(self.device, s.amp)
         self.generator = torch.Generator().manual_seed(self.data_seed)
@@ -226,7 +233,7 @@ class FCLLocalTrainer(Pretrainer):
         if not self.feature_exchange:
             remote = None
         self.model.main.train()
-        self.model.momentum.train()
+        self.model.momentum.train()  # the key network normalises by its own batch, as MoCo's code on one device
         losses: list[float] = []
         terms: list[tuple[float, float]] = []
         spread = SpreadMeter()

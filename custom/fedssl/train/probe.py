@@ -34,10 +34,11 @@ from fedssl.data.images import ImageDataset, ImageRecord, batches, class_names, 
 from fedssl.data.volume import Volume
 from fedssl.eval.features import vit_features
 from fedssl.eval.segmentation import ACDC_CLASSES, dice_per_volume, mean_dice
-from fedssl.models.unet import ENCODER_MODULES
+from fedssl.models.unet import ENCODER_MODULES, NORMS, fill_batch_statistics
 from fedssl.models.vit import ViTClassifier, load_pretrained_encoder
 from fedssl.train.protocol import local_split
-from fedssl.train.segmentation import SegmentationTrainer, epochs_with_floor, init_unet, steps_per_epoch
+from fedssl.train.segmentation import (SegmentationTrainer, epochs_with_floor, init_unet, slices_from_volumes,
+                                      steps_per_epoch)
 
 
 class FrozenEncoderUNet(nn.Module):
@@ -67,6 +68,12 @@ class FrozenEncoderUNet(nn.Module):
             m.eval()
         return self
 
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """The encoder's bottleneck of ``x`` (the contracting path alone)."""
+        for m in self.encoder_modules():
+            x = m(x)
+        return x
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.unet(x)
 
@@ -84,7 +91,8 @@ class DecoderTrainer(SegmentationTrainer):
 def frozen_encoder_probe(site_volumes: Mapping[str, Sequence[Volume]], init: object, *, site: str, n_labelled: int,
                          fold: int, features: Sequence[int], epochs: int, batch_size: int = 10, lr: float = 5e-4,
                          seed: int = 0, device: str | torch.device = "cpu", max_steps_per_epoch: int | None = None,
-                         n_folds: int = 5, split_seed: int = 0, method: str = "", min_steps: int = 0) -> dict:
+                         n_folds: int = 5, split_seed: int = 0, method: str = "", min_steps: int = 0,
+                         norm: str = NORMS[0]) -> dict:
     """Train only the decoder of a U-Net whose encoder is ``init`` (``"random"`` or an encoder state dict, as
     :func:`fedssl.train.segmentation.init_unet`) on the ``n_labelled`` patients of ``site`` in ``fold``; Dice on the
     fold's validation patients of all sites.  One row, as the local protocol's, with ``"mode": "probe"``::
@@ -95,10 +103,17 @@ def frozen_encoder_probe(site_volumes: Mapping[str, Sequence[Volume]], init: obj
     The decoder's initial weights come from ``seed`` (identical for every ``init``), the batches and augmentations
     from ``site_seed(seed, site)``, so two encoders probed with the same arguments see the same data in the same
     order and start from the same decoder.  ``min_steps``: the step floor of the fine-tuning protocol
-    (:func:`fedssl.train.segmentation.epochs_with_floor`)."""
+    (:func:`fedssl.train.segmentation.epochs_with_floor`); ``norm``: the U-Net's, the pre-training's.  With "batch"
+    the frozen encoder normalises by its running statistics; a random encoder, which has none, first gets those of
+    the site's labelled slices (:func:`fedssl.models.unet.fill_batch_statistics`; a pre-trained one keeps its
+    own)."""
     train_ids, train_vols, val_ids, val_vols = local_split(site_volumes, site, n_labelled, fold, n_folds=n_folds,
                                                            split_seed=split_seed)
-    model = FrozenEncoderUNet(init_unet(init, features=features, seed=seed))
+    model = FrozenEncoderUNet(init_unet(init, features=features, seed=seed, norm=norm))
+    images = slices_from_volumes(train_vols)[0]  # a random encoder's BatchNorm statistics: of the labelled slices
+    fill_batch_statistics(nn.ModuleList(model.encoder_modules()),
+                          [images[i:i + batch_size] for i in range(0, len(images), batch_size)],
+                          forward=model.encode)
     per_epoch = steps_per_epoch(train_vols, batch_size, max_steps_per_epoch)
     epochs = epochs_with_floor(epochs, per_epoch, min_steps)
     total = epochs * per_epoch

@@ -32,6 +32,7 @@ from fedssl.core.partition import kfold_split, select_labelled
 from fedssl.core.seeds import fold_seed, site_seed
 from fedssl.data.volume import Volume
 from fedssl.eval.segmentation import ACDC_CLASSES, dice_per_volume, mean_dice
+from fedssl.models.unet import NORMS
 from fedssl.train.segmentation import init_unet, train_segmentation
 
 Progress = Callable[[dict], None]
@@ -138,10 +139,11 @@ def _finetune_and_evaluate(
     device: str | torch.device,
     max_steps_per_epoch: int | None,
     min_steps: int = 0,
+    norm: str = NORMS[0],
 ) -> dict:
     """Initialise from ``seed`` (model), train with batches and augmentations from ``data_seed``, evaluate;
     ``epochs`` in the row is the number run (more than asked where ``min_steps`` lifted it)."""
-    unet = init_unet(init, features=features, seed=seed)  # type: ignore[arg-type]
+    unet = init_unet(init, features=features, seed=seed, norm=norm)  # type: ignore[arg-type]
     losses = train_segmentation(
         unet,
         train_volumes,
@@ -200,6 +202,7 @@ def local_finetune(
     split_seed: int = 0,
     min_steps: int = 0,
     sites: Sequence[str] | None = None,
+    norm: str = NORMS[0],
 ) -> list[dict]:
     """Local fine-tuning (FCL (Wu et al., MedIA 2022) Table 1): each site fine-tunes alone on its N annotated patients.
 
@@ -212,9 +215,9 @@ def local_finetune(
          "train_patients", "n_train_volumes", "val_patients", "n_val_volumes", "final_loss", "epochs"}
 
     ``epochs`` epochs each, or more up to ``min_steps`` optimiser steps (0 = the paper's protocol; the row's
-    ``epochs`` is the number run).  ``progress(row)`` is called after every run.  ``sites``: only these sites fine-tune
-    (default all); the validation still pools every site's validation patients, so one site's run is the same as in a
-    full run.
+    ``epochs`` is the number run).  ``norm``: the U-Net's normalisation (:func:`init_unet`), the pre-training's.
+    ``progress(row)`` is called after every run.  ``sites``: only these sites fine-tune (default all); the
+    validation still pools every site's validation patients, so one site's run is the same as in a full run.
     """
     _check_common(n_labelled, folds, inits)
     patients = _site_patients(site_volumes)
@@ -222,7 +225,7 @@ def local_finetune(
     if unknown:
         raise ValueError(f"sites={list(sites)}: {unknown} not among the sites {sorted(patients)}")
     train_kw = dict(features=features, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, device=device,
-                    max_steps_per_epoch=max_steps_per_epoch, min_steps=min_steps)
+                    max_steps_per_epoch=max_steps_per_epoch, min_steps=min_steps, norm=norm)
     rows: list[dict] = []
     for fold in folds:
         split = _fold_split(patients, fold, n_folds, split_seed)
@@ -254,6 +257,7 @@ def centralised_finetune(
     split_seed: int = 0,
     min_steps: int = 0,
     labelled_from: Literal["pooled", "per_site"] = "pooled",
+    norm: str = NORMS[0],
 ) -> list[dict]:
     """Centralised fine-tuning (FCL (Wu et al., MedIA 2022) Table 3): all data combined, one model per method, N and
     fold.
@@ -275,7 +279,7 @@ def centralised_finetune(
     patients = _site_patients(site_volumes)
     all_patients = {pid: vols for site in patients.values() for pid, vols in site.items()}
     train_kw = dict(features=features, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, device=device,
-                    max_steps_per_epoch=max_steps_per_epoch, min_steps=min_steps)
+                    max_steps_per_epoch=max_steps_per_epoch, min_steps=min_steps, norm=norm)
     rows: list[dict] = []
     for fold in folds:
         split = _fold_split(patients, fold, n_folds, split_seed)

@@ -26,7 +26,8 @@ from fedssl.core.trainer import MixedPrecision, RoundStats, check_optimizer_stat
 from fedssl.data.transforms import augment_segmentation
 from fedssl.data.volume import Volume
 from fedssl.eval.segmentation import ACDC_CLASSES, dice_per_volume, mean_dice
-from fedssl.models.unet import PAPER_FEATURES, build_unet, load_encoder_into_unet, require_unet_args
+from fedssl.models.unet import (NORMS, PAPER_FEATURES, build_unet, load_encoder_into_unet, require_norm,
+                                require_unet_args, state_norm)
 
 #: Key prefixes that only a full U-Net state dict has (decoder / output layer), not an encoder one.
 _DECODER_PREFIXES: tuple[str, ...] = ("upcat_", "final_conv.")
@@ -38,7 +39,7 @@ _DECODER_PREFIXES: tuple[str, ...] = ("upcat_", "final_conv.")
 
 
 def init_unet(init: str | Mapping[str, Any], *, features: Sequence[int], seed: int = 0,
-              out_channels: int = 4) -> BasicUNet:
+              out_channels: int = 4, norm: str = NORMS[0]) -> BasicUNet:
     """Build the fine-tuning U-Net and initialise it (FCL (Wu et al., MedIA 2022) section 5: "the pre-trained encoder
     ... is used as the initialization for fine-tuning the U-Net").
 
@@ -49,11 +50,13 @@ def init_unet(init: str | Mapping[str, Any], *, features: Sequence[int], seed: i
       * a full U-Net state dict (has ``upcat_*`` / ``final_conv.*`` keys), e.g. a fine-tuned model.
     The random weights are drawn from ``torch.manual_seed(seed)`` inside a forked RNG, so the result
     depends only on ``seed`` and the global RNG state is left untouched. A state dict that does not
-    fit the U-Net built from ``features`` raises ValueError.
+    fit the U-Net built from ``features`` and ``norm`` ("batch", the reference code's, or "instance";
+    :func:`fedssl.models.unet.build_unet`) raises ValueError; BatchNorm running statistics load with the weights.
     """
+    require_norm("init_unet", norm)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(seed))
-        unet = build_unet(features, in_channels=1, out_channels=out_channels)
+        unet = build_unet(features, in_channels=1, out_channels=out_channels, norm=norm)
     if isinstance(init, str):
         if init != "random":
             raise ValueError(f"init={init!r}: use 'random', an encoder state dict or a full U-Net state dict")
@@ -66,8 +69,9 @@ def init_unet(init: str | Mapping[str, Any], *, features: Sequence[int], seed: i
         bad_shape = [k for k in own if k in init and tuple(torch.as_tensor(init[k]).shape) != tuple(own[k].shape)]
         if missing or extra or bad_shape:
             raise ValueError(
-                f"U-Net state dict does not match the U-Net built from features={list(features)}: "
-                f"missing {missing}, unexpected {extra}, wrong shape {bad_shape[:5]}"
+                f"U-Net state dict does not match the U-Net built from features={list(features)}, norm={norm!r} "
+                f"(the state's norm: {state_norm(init)!r}): missing {missing}, unexpected {extra}, wrong shape "
+                f"{bad_shape[:5]}"
             )
         unet.load_state_dict({k: torch.as_tensor(v) for k, v in init.items()})
     else:
@@ -290,7 +294,9 @@ class SegmentationSettings:
     al., MedIA 2022) section 5).
 
     data_root: the site's folder of ``patientNNN`` folders; "" = site config / FEDSSL_DATA_ROOT.  image_size,
-    target_spacing: the slices' size in pixels and in-plane spacing in mm; features: the U-Net's channels.
+    target_spacing: the slices' size in pixels and in-plane spacing in mm; features: the U-Net's channels; norm: its
+    normalisation, "batch" (the reference code's) or "instance", the pre-training's (the initial U-Net's state must
+    have it; FedAvg averages every tensor of it, BatchNorm running statistics included).
     n_labelled: N annotated patients of the site (1, 2, 4, 8); fold of the ``n_folds``-fold split (8 train / 2
     validation patients per site); lr: Adam 5e-4, cosine over all rounds; batch_size: 10 slices; local_epochs per
     round (paper: 1); max_steps_per_epoch caps each local epoch (0 = no cap); seed: the job seed (initial U-Net; the
@@ -304,6 +310,7 @@ class SegmentationSettings:
     image_size: int = 192
     target_spacing: float = 1.25
     features: Sequence[int] = PAPER_FEATURES
+    norm: str = NORMS[0]
     n_labelled: int = 1
     fold: int = 0
     n_folds: int = 5
@@ -333,7 +340,7 @@ class SegmentationSettings:
                     "use 0 (full epoch) or a positive step count")
         require_int(name, "seed", self.seed, 0, "use the job's non-negative integer seed")
         require_int(name, "split_seed", self.split_seed, 0, "use a non-negative integer (the local protocol's: 0)")
-        require_unet_args(name, self.features, self.image_size)
+        require_unet_args(name, self.features, self.image_size, self.norm)
         require_amp(name, self.amp)
 
 

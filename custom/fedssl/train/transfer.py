@@ -39,10 +39,11 @@ __all__ = ["PAPER_TRANSFER", "transfer_finetune", "summarise_transfer"]
 
 COMPONENT = "transfer_finetune"
 
-#: FCL section 5 / Table 5 settings of the transfer study (features: section 5, "initial number of channels 48")
+#: FCL section 5 / Table 5 settings of the transfer study (features: section 5, "initial number of channels 48"; norm:
+#: the ACDC pre-training's, "batch" by default as jobs/fcl_acdc, see fedssl.models.unet)
 PAPER_TRANSFER: dict[str, Any] = {
     "target_spacing": 0.7, "n_labelled": [1, 2, 4, 8], "n_folds": 5, "folds": [0, 1, 2, 3, 4], "epochs": 200,
-    "lr": 5e-4, "batch_size": 10, "features": [48, 96, 192, 384, 768, 48],
+    "lr": 5e-4, "batch_size": 10, "features": [48, 96, 192, 384, 768, 48], "norm": "batch",
 }
 
 Progress = Callable[[dict], None]
@@ -67,10 +68,11 @@ def _check(volumes: Sequence[Volume], inits: Mapping[str, object], n_labelled: S
 
 def _run_one(init: object, train: Sequence[Volume], val: Sequence[Volume], *, features: Sequence[int], epochs: int,
              batch_size: int, lr: float, seed: int, data_seed: int, device: str | torch.device,
-             max_steps_per_epoch: int | None) -> dict:
+             max_steps_per_epoch: int | None, norm: str) -> dict:
     """Fine-tune one U-Net (weights from ``seed``, batches from ``data_seed``) and score it on ``val``."""
     start = time.perf_counter()
-    unet = init_unet(init, features=features, seed=seed, out_channels=len(HVSMR_CLASSES) + 1)  # type: ignore[arg-type]
+    unet = init_unet(init, features=features, seed=seed, out_channels=len(HVSMR_CLASSES) + 1,  # type: ignore[arg-type]
+                     norm=norm)
     losses = train_segmentation(unet, train, epochs=epochs, batch_size=batch_size, lr=lr, seed=data_seed,
                                 device=device, max_steps_per_epoch=max_steps_per_epoch)
     scores = mean_dice(dice_per_volume(unet, val, device=device, classes=HVSMR_CLASSES), HVSMR_CLASSES)
@@ -95,6 +97,7 @@ def transfer_finetune(
     max_steps_per_epoch: int | None = None,
     n_folds: int = 5,
     progress: Progress | None = None,
+    norm: str = PAPER_TRANSFER["norm"],
 ) -> list[dict]:
     """Table 5's protocol on labelled HVSMR ``volumes`` (one per subject) for every method of ``inits``
     (name -> ``"random"`` or an encoder state dict pre-trained on ACDC).  One row per (fold, method, M)::
@@ -102,13 +105,13 @@ def transfer_finetune(
         {"method", "mode": "transfer", "n_labelled", "fold", "site", "dice", "myocardium", "blood_pool",
          "train_patients", "val_patients", "n_train_slices", "final_loss", "seconds"}
 
-    ``progress(row)`` is called after every run.
+    ``progress(row)`` is called after every run; ``norm``: the U-Net's normalisation, the pre-training's.
     """
     subjects = _check(volumes, inits, n_labelled, folds, n_folds)
     by_id = {v.patient_id: v for v in volumes}
     data_seed = site_seed(seed, site)
     train_kw = dict(features=features, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, data_seed=data_seed,
-                    device=device, max_steps_per_epoch=max_steps_per_epoch)
+                    device=device, max_steps_per_epoch=max_steps_per_epoch, norm=norm)
     rows: list[dict] = []
     for fold in folds:
         train_ids, val_ids = kfold_split(subjects, fold, n_folds=n_folds, seed=data_seed)

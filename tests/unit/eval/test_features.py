@@ -15,7 +15,7 @@ from fedssl.data.acdc import PartitionSampleDataset
 from fedssl.data.transforms import augment_views
 from fedssl.eval.features import (feature_spread, slice_partitions, unet_discrimination, unet_features,
                                   unet_position_knn, unet_spread, vit_spread)
-from fedssl.models.unet import TINY_FEATURES, ContrastiveNet, UNetEncoder
+from fedssl.models.unet import TINY_FEATURES, ContrastiveNet, UNetEncoder, fill_batch_statistics
 from fedssl.models.vit import TINY_VIT, ViTClassifier
 
 torch.set_num_threads(1)
@@ -56,6 +56,7 @@ def volumes(n=2, seed=0):
 def test_unet_spread_of_a_bare_encoder_is_the_bottleneck_pooled_as_the_head_pools_it():
     torch.manual_seed(0)
     enc = UNetEncoder(TINY_FEATURES).train()
+    enc(torch.rand(4, 1, 32, 32))  # BatchNorm statistics of one batch: measured with them, as they are
     vols = volumes()
     x = torch.cat([torch.from_numpy(v.image) for v in vols]).unsqueeze(1)  # 6 slices
     enc.eval()
@@ -68,13 +69,38 @@ def test_unet_spread_of_a_bare_encoder_is_the_bottleneck_pooled_as_the_head_pool
     assert enc.training  # its mode restored
 
 
+def test_a_random_batch_norm_encoder_is_measured_with_the_statistics_of_the_slices():
+    """Issue 44: a random encoder's BatchNorm layers have no statistics (mean 0, variance 1, so evaluation mode would
+    not normalise); it is measured as a copy whose layers hold the statistics of the measured slices, batch by batch
+    with equal weights, and the caller's encoder is left as it was."""
+    import copy
+
+    from fedssl.models.unet import unset_batch_norms
+
+    torch.manual_seed(0)
+    enc = UNetEncoder(TINY_FEATURES)
+    vols = volumes()
+    x = torch.cat([torch.from_numpy(v.image) for v in vols]).unsqueeze(1)  # 6 slices
+    filled = copy.deepcopy(enc)
+    assert fill_batch_statistics(filled, [x[:4], x[4:]]) == 10 and not unset_batch_norms(filled)
+    bn = filled.conv_0.conv_0.adn.N
+    assert int(bn.num_batches_tracked) == 2 and bn.momentum == enc.conv_0.conv_0.adn.N.momentum
+    with torch.no_grad():
+        conv = enc.conv_0.conv_0.conv
+        means = torch.stack([conv(x[:4]).mean(dim=(0, 2, 3)), conv(x[4:]).mean(dim=(0, 2, 3))])
+    torch.testing.assert_close(bn.running_mean, means.mean(0))  # equal weights over the 2 batches
+    with torch.no_grad():
+        expected = F.normalize(filled.eval()(x).flatten(1), dim=1).std(dim=0, unbiased=False).mean().item()
+    assert unet_spread(enc, vols, batch_size=4).value == pytest.approx(expected, abs=1e-6)
+    assert len(unset_batch_norms(enc)) == 10  # the caller's encoder untouched
+
+
 def test_unet_spread_uses_the_projection_and_sees_a_collapsed_head():
     torch.manual_seed(0)
-    net = ContrastiveNet(TINY_FEATURES, proj_dim=8)
+    net = ContrastiveNet(TINY_FEATURES, proj_dim=8, image_size=32)
     assert unet_features(net, volumes()).shape == (6, 8)
-    with torch.no_grad():  # every input -> the same projection: collapse
+    with torch.no_grad():  # every input -> the same projection (0: the flatten head has no bias): collapse
         net.head[2].weight.zero_()
-        net.head[2].bias.fill_(1.0)
     assert unet_spread(net, volumes()).value == 0.0
 
 
@@ -82,10 +108,11 @@ def test_unet_discrimination_views_groups_and_subset_against_a_direct_computatio
     """Two augmented views of each slice from a generator seeded with ``seed``, the projection in eval mode, negatives
     the other patients' slices: 3 patients x 2 phases x 3 slices = 18 slices, each with 12 negatives."""
     torch.manual_seed(0)
-    net = ContrastiveNet(TINY_FEATURES, proj_dim=8).train()
+    net = ContrastiveNet(TINY_FEATURES, proj_dim=8, image_size=32).train()
     rng = np.random.default_rng(0)
     vols = [Volume(f"p{p}", ph, rng.random((3, 32, 32), dtype=np.float32)) for p in range(3) for ph in ("ED", "ES")]
     x = torch.cat([torch.from_numpy(v.image) for v in vols]).unsqueeze(1)
+    fill_batch_statistics(net, [x])  # BatchNorm statistics of the slices: measured with them, as they are
     g = torch.Generator().manual_seed(5)
     v1, v2 = augment_views(x, g), augment_views(x, g)
     with torch.no_grad():

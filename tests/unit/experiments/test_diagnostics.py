@@ -24,6 +24,8 @@ from fedssl.models.unet import TINY_FEATURES, BYOLUNetEncoder, MoCoUNetEncoder, 
 from fedssl.models.vit import TINY_DECODER, TINY_VIT, MAEViT
 
 torch.set_num_threads(1)
+#: the pre-training networks of these tests: projection size 8, 32 px slices (the flatten head's input size)
+TINY_NET = dict(proj_dim=8, image_size=32)
 
 #: the format fedssl.flare.run_summary.RunSummary writes (write_run_report): a round without loss or records
 #: (nothing aggregated) and two FCL rounds with loss terms and site-record means
@@ -111,7 +113,7 @@ def site_volumes(n_sites=2, per_site=5):
 
 
 def test_diagnose_acdc_of_a_global_moco_model(tmp_path):
-    state = MoCoUNetEncoder(TINY_FEATURES, proj_dim=8, seed=1).state_dict()
+    state = MoCoUNetEncoder(TINY_FEATURES, **TINY_NET, seed=1).state_dict()
     settings = {"features": list(TINY_FEATURES), "epochs": 1, "lr": 1e-2, "device": "cpu", "batch_size": 4}
     lines = []
     d = diagnose_acdc("FCL", write(tmp_path, SUMMARY), state, site_volumes(), settings, progress=lines.append)
@@ -152,7 +154,7 @@ def test_the_random_encoder_is_the_pretraining_start_at_its_seed(cls, seed):
     seed s holds exactly the diagnostics' random encoder of seed s, so an untrained model compares as unchanged."""
     from fedssl.core.weight_scale import compare_kernels, summarise
     from fedssl.experiments.diagnostics import _unet_encoder
-    start = encoder_state_from_global(cls(TINY_FEATURES, proj_dim=8, seed=seed).state_dict())
+    start = encoder_state_from_global(cls(TINY_FEATURES, **TINY_NET, seed=seed).state_dict())
     summary = summarise(compare_kernels(start, _unet_encoder("random", list(TINY_FEATURES), seed).state_dict()))
     assert summary == pytest.approx({"geomean": 1.0, "min": 1.0, "max": 1.0, "n": 10, "cosine": 1.0, "change": 0.0})
     assert "seed 3: a pre-training's start at model seed 3" in _scale_text({**summary, "seed": 3})
@@ -163,11 +165,11 @@ def test_instance_discrimination_of_the_projection_against_its_start(cls):
     """MoCo main / BYOL online network on 5 patients x 2 phases x 2 slices per site: 16 negatives per slice (chance
     log 17).  An untrained model at the default seed is the start itself (equal losses); seed 1 is another network."""
     settings = {"features": list(TINY_FEATURES), "epochs": 1, "lr": 1e-2, "device": "cpu", "batch_size": 4}
-    same = diagnose_acdc("m", None, cls(TINY_FEATURES, proj_dim=8).state_dict(), site_volumes(), settings)
+    same = diagnose_acdc("m", None, cls(TINY_FEATURES, **TINY_NET).state_dict(), site_volumes(), settings)
     x = same["discrimination"]
     assert x["chance"] == pytest.approx(np.log(17)) and x["tau"] == 0.1 and set(x["per_site"]) == {"site-1", "site-2"}
     assert x["loss"] == pytest.approx(x["start_loss"], abs=1e-6) and x["top1"] == pytest.approx(x["start_top1"])
-    other = diagnose_acdc("m", None, cls(TINY_FEATURES, proj_dim=8, seed=1).state_dict(), site_volumes(), settings)
+    other = diagnose_acdc("m", None, cls(TINY_FEATURES, **TINY_NET, seed=1).state_dict(), site_volumes(), settings)
     y = other["discrimination"]
     assert (y["start_loss"] == pytest.approx(x["start_loss"], abs=1e-6)
             and y["loss"] != pytest.approx(x["loss"], abs=1e-4))
@@ -179,11 +181,11 @@ def test_instance_discrimination_of_the_projection_against_its_start(cls):
 
 def test_a_bare_encoder_has_no_instance_discrimination():
     settings = {"features": list(TINY_FEATURES), "epochs": 1, "lr": 1e-2, "device": "cpu", "batch_size": 4}
-    state = encoder_state_from_global(MoCoUNetEncoder(TINY_FEATURES, proj_dim=8).state_dict())
+    state = encoder_state_from_global(MoCoUNetEncoder(TINY_FEATURES, **TINY_NET).state_dict())
     d = diagnose_acdc("m", None, state, site_volumes(), settings)
     assert "discrimination" not in d and "instance discrimination, the" not in format_diagnostics([d])
     # a global state whose head was left out (main.encoder.* only): the encoder is measured, no projection
-    headless = {k: v for k, v in MoCoUNetEncoder(TINY_FEATURES, proj_dim=8).state_dict().items()
+    headless = {k: v for k, v in MoCoUNetEncoder(TINY_FEATURES, **TINY_NET).state_dict().items()
                 if k.startswith("main.encoder.")}
     h = diagnose_acdc("m", None, headless, site_volumes(), settings)
     assert "discrimination" not in h and "projection_spread" not in h
@@ -197,8 +199,8 @@ def test_slice_position_of_the_encoder_against_the_random_encoder():
     every method, and an untrained start scores as the random encoder."""
     settings = {"features": list(TINY_FEATURES), "epochs": 1, "lr": 1e-2, "device": "cpu", "batch_size": 4}
     vols = site_volumes()
-    a = diagnose_acdc("a", None, MoCoUNetEncoder(TINY_FEATURES, proj_dim=8, seed=3).state_dict(), vols, settings)
-    b = diagnose_acdc("b", None, encoder_state_from_global(MoCoUNetEncoder(TINY_FEATURES, proj_dim=8).state_dict()),
+    a = diagnose_acdc("a", None, MoCoUNetEncoder(TINY_FEATURES, **TINY_NET, seed=3).state_dict(), vols, settings)
+    b = diagnose_acdc("b", None, encoder_state_from_global(MoCoUNetEncoder(TINY_FEATURES, **TINY_NET).state_dict()),
                       vols, settings)
     pa, pb = a["position"], b["position"]
     assert (pa["n_partitions"], pa["k"]) == (4, 5) and set(pa["per_site"]) == {"site-1", "site-2"}
@@ -207,7 +209,7 @@ def test_slice_position_of_the_encoder_against_the_random_encoder():
     assert np.mean(list(pa["per_site"].values())) == pytest.approx(pa["encoder"])
     from fedssl.eval.features import unet_position_knn
     from fedssl.experiments.diagnostics import _unet_encoder
-    enc = _unet_encoder(encoder_state_from_global(MoCoUNetEncoder(TINY_FEATURES, proj_dim=8, seed=3).state_dict()),
+    enc = _unet_encoder(encoder_state_from_global(MoCoUNetEncoder(TINY_FEATURES, **TINY_NET, seed=3).state_dict()),
                         list(TINY_FEATURES), 0)
     assert pa["per_site"]["site-2"] == pytest.approx(unet_position_knn(enc, vols["site-2"], k=5))
     line = next(s for s in format_diagnostics([a]).splitlines() if "slice position" in s and "vote" in s)

@@ -63,3 +63,33 @@ def test_the_fine_tuning_step_floor_comes_from_the_profile_and_an_explicit_epoch
         path.write_text(json.dumps({"finetune": {"min_steps": bad}}))
         with pytest.raises(ValueError, match=r"finetune.min_steps=.*non-negative integer"):
             protocol_settings(str(path))
+
+
+def test_the_unet_norm_is_the_reference_codes_unless_the_profile_says_otherwise(tmp_path):
+    """Issue 44: fine-tuning builds the U-Net with batch norm (the pre-training jobs' default) unless the profile's
+    ``finetune.norm`` says "instance"; anything else is refused naming it."""
+    from fedssl.experiments.fcl_finetune import protocol_settings
+
+    assert protocol_settings(None)["norm"] == protocol_settings("quick")["norm"] == "batch"
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"finetune": {"norm": "instance"}}))
+    assert protocol_settings(str(path))["norm"] == "instance"
+    path.write_text(json.dumps({"finetune": {"norm": "layer"}}))
+    with pytest.raises(ValueError, match=r"finetune: argument norm='layer' is invalid"):
+        protocol_settings(str(path))
+
+
+@pytest.mark.parametrize("norm", ["batch", "instance"])
+def test_export_unet_takes_the_norm_of_the_pretraining(tmp_path, norm):
+    """``fedssl fcl export-unet``: the U-Net has the pre-trained encoder's norm, its running statistics included."""
+    from fedssl.experiments.fcl_finetune import export_unet_init
+    from fedssl.models.unet import TINY_FEATURES, MoCoUNetEncoder, encoder_state_from_global
+
+    moco = MoCoUNetEncoder(TINY_FEATURES, 8, image_size=32, norm=norm)
+    moco.main(torch.rand(4, 1, 32, 32))  # training mode: batch norm's running statistics move
+    torch.save({"model": moco.state_dict()}, tmp_path / "g.pt")
+    unet = torch.load(export_unet_init(str(tmp_path / "g.pt"), str(tmp_path / "u.pt"), TINY_FEATURES),
+                      weights_only=True)["model"]
+    enc = encoder_state_from_global(moco.state_dict())
+    assert all(torch.equal(unet[k], v) for k, v in enc.items())
+    assert any(k.endswith("running_var") for k in unet) == (norm == "batch")

@@ -266,7 +266,8 @@ def test_exported_unet_keeps_the_encoder_and_draws_the_decoder_from_the_seed(tmp
     from fedssl.experiments.fcl_finetune import encoder_init, export_unet_init
     from fedssl.models.unet import MoCoUNetEncoder
 
-    torch.save({"model": MoCoUNetEncoder(TINY_FEATURES, proj_dim=8, seed=5).state_dict()}, tmp_path / "g.pt")
+    torch.save({"model": MoCoUNetEncoder(TINY_FEATURES, proj_dim=8, image_size=32, seed=5).state_dict()},
+               tmp_path / "g.pt")
     a, b, c = (torch.load(export_unet_init(str(tmp_path / "g.pt"), str(tmp_path / f"u{s}.pt"), TINY_FEATURES, seed=s),
                           weights_only=True)["model"] for s in (0, 1, 1))
     loaded = encoder_init(str(tmp_path / "g.pt"))
@@ -312,7 +313,8 @@ def _tiny_sites() -> dict[str, list[Volume]]:
 def test_same_split_for_every_method(monkeypatch):
     """The real fine-tuning cell: which patients train and validate depends on (fold, N, site), not the method."""
     monkeypatch.setattr(fcl_tables, "load_sites", lambda data_root, settings: _tiny_sites())
-    settings = {"features": TINY_FEATURES, "epochs": 1, "lr": 1e-3, "device": "cpu", "min_steps": 0}
+    settings = {"features": TINY_FEATURES, "epochs": 1, "lr": 1e-3, "device": "cpu", "min_steps": 0,
+                "norm": "batch"}
     for stage, site in (("local", "site-2"), ("centralised", None)):
         seen = []
         for method in ("random", "FCL"):

@@ -18,7 +18,7 @@ torch.set_num_threads(1)
 
 
 def _pretrained(path: Path) -> MoCoUNetEncoder:
-    model = MoCoUNetEncoder(TINY_FEATURES, proj_dim=8, seed=3)
+    model = MoCoUNetEncoder(TINY_FEATURES, proj_dim=8, image_size=32, seed=3)
     torch.save({"model": model.state_dict()}, path)
     return model
 

@@ -32,7 +32,7 @@ def data(tmp_path_factory):
 
 def global_weights(with_target=True):
     torch.manual_seed(1)
-    state = {k: v.numpy() for k, v in BYOLUNetEncoder(TINY_FEATURES, 8, 16).state_dict().items()}
+    state = {k: v.numpy() for k, v in BYOLUNetEncoder(TINY_FEATURES, 8, 16, image_size=32).state_dict().items()}
     return {k: v for k, v in state.items() if with_target or not k.startswith("target.")}
 
 

@@ -34,7 +34,7 @@ def data(tmp_path_factory):
 
 def task(round_idx=0, remote=None):
     torch.manual_seed(0)
-    weights = {k: v.numpy() for k, v in MoCoUNetEncoder(TINY_FEATURES, 8).state_dict().items()}
+    weights = {k: v.numpy() for k, v in MoCoUNetEncoder(TINY_FEATURES, 8, image_size=32).state_dict().items()}
     meta = {} if remote is None else {REMOTE_FEATURES: remote[0], REMOTE_PARTITIONS: remote[1]}
     s = DXO(DataKind.WEIGHTS, data=weights, meta=meta).to_shareable()
     s.set_header("current_round", round_idx)
@@ -235,7 +235,7 @@ def test_the_arguments_are_the_settings_declared_once():
 
     params = inspect.signature(FCLExecutor).parameters
     fields = {f.name: f.default for f in dataclasses.fields(FCLSettings)}
-    assert {k: p.default for k, p in params.items()} == fields and len(fields) == 22
+    assert {k: p.default for k, p in params.items()} == fields and len(fields) == 24
     ex = FCLExecutor(lr=0.1, features=[4, 4, 8, 8, 16, 4])
     assert ex.lr == 0.1 and ex.features == [4, 4, 8, 8, 16, 4]
     assert ex.settings == FCLSettings(lr=0.1, features=[4, 4, 8, 8, 16, 4])

@@ -219,3 +219,37 @@ def test_a_new_round_forgets_the_last_rounds_contributions(tmp_path):
     assert agg.accept(contribution("site-1", {"w": np.array([0.5, 1.0], np.float32), "b": np.zeros(1, np.float32)},
                                    round_idx=1), c1)  # the same site may contribute again in a new round
     np.testing.assert_allclose(from_shareable(agg.aggregate(c1)).data["w"], [0.5, 1.0])
+
+
+def test_batch_norm_buffers_are_averaged_int64_counter_included(tmp_path):
+    """Issue 44: with norm "batch" a U-Net state dict carries running_mean / running_var (float buffers) and
+    num_batches_tracked (int64).  The aggregator averages every one by the sites' sample counts and gives the
+    counter back as int64."""
+    import torch
+
+    from fedssl.models.unet import TINY_FEATURES, UNetEncoder
+
+    def state(mean_offset: float, batches: int) -> dict:
+        enc = UNetEncoder(TINY_FEATURES)  # norm "batch", the default
+        with torch.no_grad():
+            for _ in range(batches):
+                enc(torch.rand(4, 1, 32, 32) + mean_offset)
+        return {k: v.numpy().copy() for k, v in enc.state_dict().items()}
+
+    torch.manual_seed(0)
+    glob, a, b = state(0.0, 0), state(0.0, 2), state(2.0, 7)
+    key = "conv_0.conv_0.adn.N."
+    assert a[key + "num_batches_tracked"].dtype == np.int64 and not np.allclose(a[key + "running_mean"],
+                                                                                 b[key + "running_mean"])
+    agg, c = FedAvgAggregator(weighting="num_samples"), ctx(tmp_path, glob=glob)
+    assert agg.accept(contribution("site-1", a, {"num_samples": 10}), c)
+    assert agg.accept(contribution("site-2", b, {"num_samples": 30}), c)
+    out = from_shareable(agg.aggregate(c)).data
+    assert set(out) == set(glob)
+    for i in range(2):  # by hand, two channels: (10 * a + 30 * b) / 40
+        assert out[key + "running_mean"][i] == pytest.approx((10 * a[key + "running_mean"][i]
+                                                              + 30 * b[key + "running_mean"][i]) / 40, rel=1e-6)
+    np.testing.assert_allclose(out[key + "running_var"], (a[key + "running_var"] + 3 * b[key + "running_var"]) / 4,
+                               rtol=1e-6)
+    counter = out[key + "num_batches_tracked"]
+    assert counter.dtype == np.int64 and int(counter) == 6  # (10 * 2 + 30 * 7) / 40 = 5.75 -> 6 (rounded)

@@ -176,8 +176,8 @@ def test_an_fcl_state_in_a_byol_site_is_named_and_kept(acdc, tmp_path, caplog, t
     fcl_dir, byol_dir = tmp_path / "fcl", tmp_path / "byol"
     fcl_dir.mkdir(), byol_dir.mkdir()
     fcl_ctx = context(site="site-1", engine=FakeEngine(fcl_dir))
-    FCLExecutor(data_root=acdc, bank_size=32, **ARGS).execute("train", weights(MoCoUNetEncoder(TINY_FEATURES, 8), 0),
-                                                              fcl_ctx, Signal())
+    moco = MoCoUNetEncoder(TINY_FEATURES, 8, image_size=32)
+    FCLExecutor(data_root=acdc, bank_size=32, **ARGS).execute("train", weights(moco, 0), fcl_ctx, Signal())
     state = torch.load(fcl_dir / "fcl_client_state.pt", weights_only=True)
     assert state[TRAINER_CLASS_KEY] == "FCLLocalTrainer"
     path = byol_dir / "byol_client_state.pt"
@@ -188,7 +188,7 @@ def test_an_fcl_state_in_a_byol_site_is_named_and_kept(acdc, tmp_path, caplog, t
         torch.save(state, path)
     before = path.read_bytes()
     byol = BYOLExecutor(data_root=acdc, pred_hidden=16, **ARGS)
-    task_ = weights(BYOLUNetEncoder(TINY_FEATURES, 8, 16), 1, **{MODE_KEY: "fclopt"})
+    task_ = weights(BYOLUNetEncoder(TINY_FEATURES, 8, 16, image_size=32), 1, **{MODE_KEY: "fclopt"})
     for _ in range(2):
         caplog.clear()
         reply = byol.execute("train", task_, context(site="site-1", engine=FakeEngine(byol_dir)), Signal())

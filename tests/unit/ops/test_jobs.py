@@ -224,7 +224,7 @@ def test_a_profile_extends_another_by_deep_merge(tmp_path):
     assert bench["finetune"] == quick["finetune"]
     assert bench["jobs"]["fcl_acdc"]["server"]["scatter_and_gather"]["num_rounds"] > \
         quick["jobs"]["fcl_acdc"]["server"]["scatter_and_gather"]["num_rounds"]
-    assert bench["jobs"]["fcl_acdc"]["client"]["fcl_trainer"]["image_size"] == 64  # inherited from quick
+    assert bench["jobs"]["fcl_acdc"]["shape"]["image_size"] == 64  # inherited from quick
 
 
 def test_a_cycle_of_extends_is_an_error(tmp_path):

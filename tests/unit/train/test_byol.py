@@ -20,7 +20,8 @@ from fedssl.data.volume import Volume
 from fedssl.models.unet import TINY_FEATURES, BYOLUNetEncoder
 from fedssl.train.byol import BYOLLocalTrainer, BYOLSettings
 
-TINY = dict(n_partitions=2, features=[4, 4, 8, 8, 16, 4], proj_dim=4, pred_hidden=8, batch_size=2, lr=0.5, seed=0)
+TINY = dict(n_partitions=2, features=[4, 4, 8, 8, 16, 4], proj_dim=4, pred_hidden=8, batch_size=2, lr=0.5, seed=0,
+            image_size=32)
 
 
 def volumes(n=3, slices=4, size=32):
@@ -284,7 +285,7 @@ def test_bad_settings_are_named():
 def test_real_network_step_loss_and_target_ema():
     """On the BYOL U-Net: the reported loss is eq. 6 recomputed independently on the same views before the
     step, and after it every target parameter is m xi_0 + (1 - m) theta_1 (BN buffers copied)."""
-    model = BYOLUNetEncoder(TINY_FEATURES, proj_dim=8, pred_hidden=16, seed=0)
+    model = BYOLUNetEncoder(TINY_FEATURES, proj_dim=8, pred_hidden=16, seed=0, image_size=32)
     with torch.no_grad():  # a target that differs from the online network, as after some rounds
         for p in model.target.parameters():
             p.add_(0.05)
@@ -318,7 +319,7 @@ def test_feature_std_is_the_spread_of_the_online_projections():
 
 
 def test_amp_runs_the_networks_in_bfloat16_and_the_target_stays_float32():
-    model = BYOLUNetEncoder(TINY_FEATURES, proj_dim=8, pred_hidden=16, seed=0)
+    model = BYOLUNetEncoder(TINY_FEATURES, proj_dim=8, pred_hidden=16, seed=0, image_size=32)
     tr = BYOLLocalTrainer(volumes(), BYOLSettings(**{**TINY, "lr": 0.05}), num_rounds=2, model=model,
                           augment=lambda x, g: x)
     tr.precision = MixedPrecision("cpu", True, force=torch.bfloat16)  # the bfloat16 path on a CPU

@@ -22,7 +22,8 @@ from fedssl.models.unet import TINY_FEATURES, MoCoUNetEncoder
 from fedssl.train.fcl import FCLLocalTrainer, FCLSettings
 
 torch.set_num_threads(1)
-TINY = dict(n_partitions=2, features=[4, 4, 8, 8, 16, 4], proj_dim=4, batch_size=4, lr=0.05, bank_size=16, seed=0)
+TINY = dict(n_partitions=2, features=[4, 4, 8, 8, 16, 4], proj_dim=4, batch_size=4, lr=0.05, bank_size=16, seed=0,
+            image_size=32)
 
 
 def volumes(n=4, slices=4, size=32):
@@ -160,7 +161,7 @@ def test_data_randomness_is_per_site_and_model_init_is_per_job():
     assert all(torch.equal(w1[k], w2[k]) for k in w1)
     _, again_bank, again_x, _ = first_draws("site-1")  # reproducible per site
     assert torch.equal(again_bank, bank1) and torch.equal(again_x, x1)
-    server = MoCoUNetEncoder(TINY["features"], TINY["proj_dim"]).state_dict()  # the server's model component
+    server = MoCoUNetEncoder(TINY["features"], TINY["proj_dim"], image_size=32).state_dict()  # the server's model
     assert all(torch.equal(w1[k], server[k]) for k in w1)
     anonymous = FCLLocalTrainer(volumes(6), settings(), num_rounds=2)  # no site (outside FLARE): the job seed as is
     assert anonymous.data_seed == 0 and anonymous.dataset.seed == 0
@@ -322,9 +323,8 @@ def test_feature_std_is_the_spread_of_the_query_features():
     expected = F.normalize(q, dim=1).std(dim=0, unbiased=False).mean().item()
     assert one_step(tr, x)["feature_std"] == pytest.approx(expected, rel=1e-5)
     collapsed = make()
-    with torch.no_grad():
+    with torch.no_grad():  # the flatten head has no bias (the reference's): every projection is 0
         collapsed.model.main.head[2].weight.zero_()
-        collapsed.model.main.head[2].bias.fill_(1.0)
     assert one_step(collapsed, x)["feature_std"] == 0.0
 
 

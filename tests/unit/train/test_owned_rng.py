@@ -134,13 +134,13 @@ VIT = dict(image_size=32, patch_size=4, embed_dim=48, depth=2, num_heads=3)
 
 def fcl(data, seed, site):
     settings = FCLSettings(n_partitions=2, features=[4, 4, 8, 8, 16, 4], proj_dim=4, batch_size=4, bank_size=16,
-                           max_steps_per_round=2, seed=seed)
+                           max_steps_per_round=2, seed=seed, image_size=32)
     return FCLLocalTrainer(acdc_volumes(4), settings, num_rounds=2, site=site)
 
 
 def byol(data, seed, site):
     settings = BYOLSettings(n_partitions=2, features=[4, 4, 8, 8, 16, 4], proj_dim=4, pred_hidden=8, batch_size=2,
-                            max_steps_per_round=2, seed=seed)
+                            max_steps_per_round=2, seed=seed, image_size=32)
     return BYOLLocalTrainer(acdc_volumes(3), settings, num_rounds=2, site=site)
 
 

@@ -36,8 +36,11 @@ def site_volumes(n_sites=2, per_site=5):
 
 
 def encoder_init():
+    """A "pre-trained" encoder: random weights whose BatchNorm layers have statistics (one training-mode batch)."""
     torch.manual_seed(3)
-    return UNetEncoder(TINY_FEATURES).state_dict()
+    enc = UNetEncoder(TINY_FEATURES)
+    enc(torch.rand(4, 1, 32, 32))
+    return enc.state_dict()
 
 
 def is_encoder(key):
@@ -69,6 +72,22 @@ def test_the_probe_leaves_the_encoder_bit_identical_and_trains_the_decoder(monke
     assert len(per_volume) == 4 == row["n_val_volumes"]
     assert row["dice"] == pytest.approx(sum(r["mean"] for r in per_volume) / 4)
     assert row["LV"] == pytest.approx(sum(r["LV"] for r in per_volume) / 4)
+
+
+def test_a_random_encoder_gets_the_statistics_of_the_labelled_slices_and_keeps_its_weights(monkeypatch):
+    """Issue 44: a random encoder with BatchNorm has no statistics (mean 0, variance 1); the probe gives its
+    layers those of the site's labelled slices before the decoder trains, and changes no weight."""
+    start = init_unet("random", features=TINY_FEATURES, seed=0).state_dict()
+    seen = []
+    monkeypatch.setattr(probe, "dice_per_volume", lambda model, *a, **k: seen.append(model) or
+                        [{"mean": 0.0, "RV": 0.0, "MYO": 0.0, "LV": 0.0}])
+    frozen_encoder_probe(site_volumes(), "random", **KW)
+    after = seen[0].state_dict()
+    key = "down_4.convs.conv_1.adn.N."
+    assert int(after[key + "num_batches_tracked"]) > 0 and not torch.equal(after[key + "running_var"],
+                                                                            start[key + "running_var"])
+    assert all(torch.equal(after[k], start[k]) for k in start if is_encoder(k) and "running" not in k
+               and "num_batches" not in k)
 
 
 def test_encoder_is_out_of_the_optimiser_and_stays_in_eval_mode():

@@ -157,8 +157,8 @@ def test_local_runs_train_on_the_site_seed_and_initialise_on_the_job_seed(monkey
     import fedssl.train.protocol as protocol
 
     seen = []
-    monkeypatch.setattr(protocol, "init_unet", lambda init, features, seed: seen.append(("init", seed)) or
-                        init_unet("random", features=TINY_FEATURES, seed=0))
+    monkeypatch.setattr(protocol, "init_unet", lambda init, features, seed, norm: seen.append(("init", seed)) or
+                        init_unet("random", features=TINY_FEATURES, seed=0, norm=norm))
     monkeypatch.setattr(protocol, "train_segmentation",
                         lambda unet, vols, seed, **kw: seen.append(("data", seed)) or [0.5])
     local_finetune(_site_volumes(), {"random": "random"}, **{**KW, "seed": 4})

@@ -50,7 +50,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     """Replace the U-Net and its training by fixed predictors; record what the protocol passes them."""
     calls: list[dict] = []
 
-    def fake_init(init, *, features, seed, out_channels):
+    def fake_init(init, *, features, seed, out_channels, norm):
         calls.append({"init": init, "init_seed": seed, "out_channels": out_channels})
         return _Predict(oracle=init == "oracle")
 
@@ -67,7 +67,7 @@ def test_paper_settings_of_table5() -> None:
     # FCL section 5 ("Training details", "Dataset and preprocessing") and Table 5 (M = 1, 2, 4, 8; 5-fold CV)
     assert PAPER_TRANSFER == {"target_spacing": 0.7, "n_labelled": [1, 2, 4, 8], "n_folds": 5,
                               "folds": [0, 1, 2, 3, 4], "epochs": 200, "lr": 5e-4, "batch_size": 10,
-                              "features": [48, 96, 192, 384, 768, 48]}
+                              "features": [48, 96, 192, 384, 768, 48], "norm": "batch"}
 
 
 def test_dice_per_class_hand_computed(recorded: list[dict]) -> None:

@@ -3,7 +3,7 @@ bytes the wire switches save against the score they cost."""
 
 from __future__ import annotations
 
-from fedssl.cli import COUNT, SEED, Verb, add_family
+from fedssl.cli import COUNT, POSITIVE, SEED, Verb, add_family
 
 
 def _aggregation_args(s) -> None:
@@ -78,9 +78,54 @@ def _message(a) -> None:
             json.dump(rows, f, indent=1)
 
 
+def _evidence_args(s) -> None:
+    s.add_argument("--out", required=True, help="folder for the data, evidence.json and evidence.png")
+    s.add_argument("--size", default="gpu", choices=["gpu", "tiny"],
+                   help="gpu = the papers' model sizes (FCL: 10 sites, U-Net 48, 192 px; Fed-MAE: see "
+                        "experiments/evidence_mae.py); tiny = toy sizes for a CPU")
+    s.add_argument("--seeds", nargs="+", type=SEED, default=[0, 1, 2])
+    s.add_argument("--methods", nargs="+", default=["fcl", "fedmae"], choices=["fcl", "fedmae"])
+    s.add_argument("--budget-s", type=POSITIVE, default=480.0,
+                   help="wall seconds for the whole command; rounds and epochs are chosen to fit")
+    s.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1 ...")
+    s.add_argument("--workers", type=COUNT, default=None, help="fine-tuning processes (gpu: 8, tiny: 2)")
+    s.add_argument("--fcl-rounds", type=COUNT, default=None, help="FCL pre-training rounds (default: the budget's)")
+    s.add_argument("--fcl-epochs", type=COUNT, default=None, help="fine-tuning epochs (default: the budget's)")
+    s.add_argument("--mae-pretrain-rounds", type=COUNT, default=None)
+    s.add_argument("--mae-finetune-rounds", type=COUNT, default=None)
+
+
+def _evidence(a) -> None:
+    from fedssl.experiments.evidence import run_evidence
+
+    rounds = {"fcl_rounds": a.fcl_rounds, "fcl_epochs": a.fcl_epochs, "mae_pretrain": a.mae_pretrain_rounds,
+              "mae_finetune": a.mae_finetune_rounds}
+    run_evidence(a.out, size=a.size, seeds=a.seeds, device=a.device, budget_s=a.budget_s, methods=a.methods,
+                 rounds={k: v for k, v in rounds.items() if v is not None}, workers=a.workers,
+                 say=lambda m: print(m, flush=True))
+
+
+def _fcl_step_args(s) -> None:
+    s.add_argument("--out", required=True, help="folder for one synthetic site and fcl_step.json")
+    s.add_argument("--size", default="gpu", choices=["gpu", "tiny"])
+    s.add_argument("--device", default="auto")
+    s.add_argument("--steps", type=COUNT, default=10, help="timed steps of each measurement")
+
+
+def _fcl_step(a) -> None:
+    from fedssl.experiments.fcl_step import fcl_step_breakdown
+
+    fcl_step_breakdown(a.out, size=a.size, device=a.device, steps=a.steps, say=lambda m: print(m, flush=True))
+
+
 VERBS = (
     Verb("aggregation", "server scaling: time and peak memory of aggregating 2..20 ViT-B/16 contributions "
                         "(FedAvgAggregator, one process per count)", _aggregation_args, _aggregation),
+    Verb("evidence", "one GPU command, at most 9 minutes: FCL at the paper's model size (Table 1, N = 1 and 2) and "
+                     "Fed-MAE at Split-3 against random init over 3 seeds; JSON, PNG and one verdict per method",
+         _evidence_args, _evidence),
+    Verb("fcl-step", "where an FCL pre-training step and a fine-tuning step spend their time on the device: data, "
+                     "compute, workers, amp, channels_last", _fcl_step_args, _fcl_step),
     Verb("message", "bytes of a job's model message as sent and through each wire quantiser, at the profiles' "
                     "model sizes (no training)", _message_args, _message),
     Verb("overhead", "the same local training as a bare loop and as a FLARE simulator job: time per round and what "

@@ -412,6 +412,7 @@ def write_synthetic_acdc(
     n_frames: int = 10,
     slices_range: tuple[int, int] = (8, 10),
     difficulty: float = DEFAULT_DIFFICULTY,
+    only_sites: Sequence[str] | None = None,
 ) -> dict[str, list[str]]:
     """Write synthetic cardiac cine phantoms in the real ACDC layout.
 
@@ -439,6 +440,8 @@ def write_synthetic_acdc(
             :data:`DEFAULT_DIFFICULTY` = calibrated to FCL Table 1's random-init row, README "Calibrated synthetic
             data"); it scales the Rician noise, the coil bias field, the breath-hold misalignment, the
             trabeculae, the slow-flow darkening and the texture of the surrounding tissue.
+        only_sites: write only these sites' patients (None = all); the files are the same as in a full write, so
+            processes can write the sites of one data set in parallel.
 
     Returns:
         ``{"site-1": [patient ids], ...}``.
@@ -471,6 +474,8 @@ def write_synthetic_acdc(
         acq = _site_acquisition(seed, k)
         site_dir = out / site if per_site_folders else out
         result[site] = [f"patient{first_id + i:03d}" for i in block.tolist()]
+        if only_sites is not None and site not in only_sites:
+            continue
         jobs.extend((i, first_id + i, acq, site_dir) for i in block.tolist())
 
     def write_one(job: tuple[int, int, dict[str, float], Path]) -> None:

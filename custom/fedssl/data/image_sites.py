@@ -30,6 +30,8 @@ import shutil
 from pathlib import Path
 from typing import Optional, Union
 
+import numpy as np
+
 from fedssl.core.dirichlet import dirichlet_split, iid_split
 from fedssl.data.images import (
     SSLFL_DATASETS,
@@ -244,3 +246,19 @@ def format_partition_table(part: dict) -> str:
         row += " ".join(f"{d['class_counts'][c]:>{w}}" for c in classes) + f" {d['n_images']:>{w}}"
         lines.append(row)
     return "\n".join(lines)
+
+
+def balance_retina(root: PathLike, seed: int = 0) -> dict:
+    """Keep a class-balanced random subset of a retina data set's ``trainLabels.csv`` rows (SSL-FL: "randomly
+    selecting 9,000 balanced images" of Kaggle DR); images left out stay on disk, unlisted. Returns the counts."""
+    path = os.path.join(root, "trainLabels.csv")
+    with open(path, newline="") as f:
+        header, *rows = list(csv.reader(f))
+    by_label = {0: [r for r in rows if int(r[1]) == 0], 1: [r for r in rows if int(r[1]) > 0]}
+    n = min(len(v) for v in by_label.values())
+    rng = np.random.default_rng(seed)
+    keep = sorted((r for v in by_label.values() for r in (v[i] for i in rng.permutation(len(v))[:n])),
+                  key=lambda r: r[0])
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([header, *keep])
+    return {"no_dr": n, "dr": n, "dropped": len(rows) - 2 * n}

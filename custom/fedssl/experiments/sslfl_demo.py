@@ -27,6 +27,7 @@ import json
 import os
 import time
 
+from fedssl.data.image_sites import balance_retina
 from fedssl.eval.report import accuracy_verdict
 from fedssl.experiments.environment import DEFAULT_THREADS, set_threads
 from fedssl.experiments.table_runner import few_seeds_note, write_run_config
@@ -48,26 +49,6 @@ PRETRAIN_SETS = ["client.mim_trainer.max_steps_per_round=0", "client.mim_trainer
                  "client.mim_trainer.lr=0.0015", "client.mim_trainer.warmup_rounds=2"]
 FINETUNE_SETS = ["client.cls_trainer.val_fraction=0.2", "client.cls_trainer.batch_size=32",
                  "client.cls_trainer.warmup_rounds=5"]
-
-
-def balance_retina(root: str, seed: int = 0) -> dict:
-    """Keep a class-balanced random subset of a retina data set's ``trainLabels.csv`` rows (SSL-FL: "randomly
-    selecting 9,000 balanced images" of Kaggle DR); images left out stay on disk, unlisted. Returns the counts."""
-    import csv
-
-    import numpy as np
-
-    path = os.path.join(root, "trainLabels.csv")
-    with open(path, newline="") as f:
-        header, *rows = list(csv.reader(f))
-    by_label = {0: [r for r in rows if int(r[1]) == 0], 1: [r for r in rows if int(r[1]) > 0]}
-    n = min(len(v) for v in by_label.values())
-    rng = np.random.default_rng(seed)
-    keep = sorted((r for v in by_label.values() for r in (v[i] for i in rng.permutation(len(v))[:n])),
-                  key=lambda r: r[0])
-    with open(path, "w", newline="") as f:
-        csv.writer(f).writerows([header, *keep])
-    return {"no_dr": n, "dr": n, "dropped": len(rows) - 2 * n}
 
 
 def _say(t0: float, msg: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fedssl.cli import main
-from fedssl.data.image_sites import format_partition_table, write_site_folders
+from fedssl.data.image_sites import balance_retina, format_partition_table, write_site_folders
 from fedssl.data.image_synthetic import write_synthetic_images
 from fedssl.data.images import ImageDataError, class_histogram, load_image_records
 
@@ -168,3 +169,13 @@ def test_copies_where_symlinks_fail(src, tmp_path, monkeypatch):
     assert recs and not any(Path(r.path).is_symlink() for r in recs)
     full = {Path(r.path).name: r.label for r in load_image_records(src["derm"], "derm")}
     assert all(full[Path(r.path).name] == r.label for r in recs)
+
+
+def test_balance_retina_keeps_as_many_healthy_as_diseased_rows(tmp_path):
+    rows = [("a", 0), ("b", 0), ("c", 0), ("d", 2), ("e", 4)]
+    with open(tmp_path / "trainLabels.csv", "w", newline="") as f:
+        csv.writer(f).writerows([("image", "level"), *rows])
+    assert balance_retina(str(tmp_path), seed=0) == {"no_dr": 2, "dr": 2, "dropped": 1}
+    with open(tmp_path / "trainLabels.csv", newline="") as f:
+        kept = list(csv.DictReader(f))
+    assert sum(int(r["level"]) == 0 for r in kept) == 2 and {r["image"] for r in kept} >= {"d", "e"}

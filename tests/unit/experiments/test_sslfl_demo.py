@@ -1,6 +1,5 @@
-"""The SSL-FL demo's pieces: method variants bind to real jobs, data set checks, the balanced retina subset."""
+"""The SSL-FL demo's pieces: method variants bind to real jobs, data set checks."""
 
-import csv
 import json
 import os
 
@@ -10,7 +9,6 @@ from fedssl.experiments.sslfl_demo import (
     FINETUNE_SETS,
     PRETRAIN_SETS,
     VARIANTS,
-    balance_retina,
     check_methods,
     format_table,
     verdicts,
@@ -36,16 +34,6 @@ def test_methods_must_share_one_data_set():
         check_methods(["simclr"])
     with pytest.raises(ValueError, match="use one or more of"):
         check_methods([])
-
-
-def test_balance_retina_keeps_as_many_healthy_as_diseased_rows(tmp_path):
-    rows = [("a", 0), ("b", 0), ("c", 0), ("d", 2), ("e", 4)]
-    with open(tmp_path / "trainLabels.csv", "w", newline="") as f:
-        csv.writer(f).writerows([("image", "level"), *rows])
-    assert balance_retina(str(tmp_path), seed=0) == {"no_dr": 2, "dr": 2, "dropped": 1}
-    with open(tmp_path / "trainLabels.csv", newline="") as f:
-        kept = list(csv.DictReader(f))
-    assert sum(int(r["level"]) == 0 for r in kept) == 2 and {r["image"] for r in kept} >= {"d", "e"}
 
 
 def test_table_prints_missing_metrics_as_na():

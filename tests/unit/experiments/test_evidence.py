@@ -1,0 +1,160 @@
+"""``fedssl bench evidence`` (fedssl.experiments.evidence): the budget arithmetic and the verdict with hand-computed
+values, the in-process server average against FLARE's, and the FCL part end to end at the tiny size on the CPU
+(rows, curves, the pre-trained encoder really used, the same command giving the same numbers)."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedssl.core.state_dict import weighted_average
+from fedssl.experiments import evidence as ev
+
+
+def test_rounds_that_fit_hand_computed():
+    assert ev.rounds_that_fit(100.0, 2.5, most=200) == 40
+    assert ev.rounds_that_fit(100.0, 2.5, most=30) == 30
+    assert ev.rounds_that_fit(1.0, 2.5, most=30) == 1
+    assert ev.rounds_that_fit(10.0, 3.0, most=30, least=5) == 5
+    # 200 s with a 4x pool: 800 s of single-stream steps; 0.01 s x 500 steps = 5 s an epoch -> 160 epochs
+    assert ev.finetune_epochs(200.0, 0.01, 500, 4.0, most=200, least=20) == 160
+    # 60 runs of 5 s fixed cost take 300 of those 800 s: 500 s / 5 s an epoch -> 100 epochs
+    assert ev.finetune_epochs(200.0, 0.01, 500, 4.0, most=200, least=20, run_s=5.0, n_runs=60) == 100
+
+
+def test_se_over_seeds_and_verdict_hand_computed():
+    # values 0.1, 0.2, 0.3: sample std 0.1, SE 0.1 / sqrt 3 = 0.0577
+    assert ev.se_over_seeds([0.1, 0.2, 0.3]) == pytest.approx(0.1 / math.sqrt(3))
+    assert ev.se_over_seeds([0.4]) is None
+    line = ev.verdict_line("FCL vs random init, N=1", 0.2, 0.1 / math.sqrt(3), 3, "Dice")
+    assert "+0.200" in line and "SE 0.058 over 3 seeds" in line and "ahead by 3.5 SE" in line
+    assert "behind by 3.5 SE" in ev.verdict_line("x", -0.2, 0.1 / math.sqrt(3), 3, "Dice")
+    assert "not separated (+1.0 SE" in ev.verdict_line("x", 0.1, 0.1, 3, "Dice")
+    assert "one seed: not a finding" in ev.verdict_line("x", 0.3, None, 1, "Dice")
+    assert "+4.0 points" in ev.verdict_line("Fed-MAE", 4.0, 1.0, 3, "accuracy")
+
+
+def test_device_average_equals_the_servers_running_average():
+    g = torch.Generator().manual_seed(0)
+    states = [{"w": torch.randn(3, 2, generator=g), "bn.num_batches_tracked": torch.tensor(n)} for n in (3, 4, 8)]
+    weights = [10.0, 20.0, 50.0]
+    avg = ev._DeviceAverage()
+    for s, w in zip(states, weights):
+        avg.add(s, w)
+    got = avg.result()
+    want = weighted_average(states, weights)
+    assert torch.allclose(got["w"], torch.as_tensor(want["w"]), atol=1e-7)
+    # (3*10 + 4*20 + 8*50) / 80 = 6.375 -> 6, an int64 as the state's
+    assert got["bn.num_batches_tracked"].dtype == torch.int64 and int(got["bn.num_batches_tracked"]) == 6
+    assert int(want["bn.num_batches_tracked"]) == 6
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("evidence")
+    result = ev.run_evidence(str(out), size="tiny", seeds=(0, 1), device="cpu", budget_s=300, methods=["fcl"],
+                             rounds={"fcl_rounds": 2, "fcl_epochs": 2}, workers=1, say=lambda m: None)
+    return out, result
+
+
+def test_tiny_run_writes_every_row_curve_and_file(tiny_run):
+    out, result = tiny_run
+    assert json.load(open(out / "evidence.json")) == json.loads(json.dumps(result))
+    assert (out / "evidence.png").stat().st_size > 5000
+    fcl = result["parts"]["fcl"]
+    assert fcl["pretrain"]["rounds"] == 2 and fcl["pretrain"]["rounds_done"] == 2
+    assert not fcl["pretrain"]["stopped_early"]
+    for seed in ("0", "1"):
+        curve = fcl["pretrain"]["by_seed"][seed]
+        assert len(curve["loss"]) == 2 and all(np.isfinite(curve["loss"]))
+        assert len(curve["feature_std"]) == 2
+    assert fcl["pretrain"]["chance_loss_local"] == pytest.approx(math.log(32 + 1))
+    rows = fcl["finetune"]["rows"]
+    # 2 seeds x 2 sites x 2 inits x N in (1, 2)
+    assert len(rows) == 16 and {r["method"] for r in rows} == {"random", "FCL"}
+    assert {(r["seed"], r["site"]) for r in rows} == {(s, f"site-{k}") for s in (0, 1) for k in (1, 2)}
+    assert all(r["epochs"] == 2 for r in rows)
+    # the paired difference is recomputed from the rows, seed by seed
+    for p in fcl["paired"]:
+        for seed in (0, 1):
+            d = [next(r["dice"] for r in rows if r["method"] == "FCL" and r["seed"] == seed and r["site"] == s
+                      and r["n_labelled"] == p["n_labelled"]) -
+                 next(r["dice"] for r in rows if r["method"] == "random" and r["seed"] == seed and r["site"] == s
+                      and r["n_labelled"] == p["n_labelled"]) for s in ("site-1", "site-2")]
+            assert p["by_seed"][str(seed)] == pytest.approx(np.mean(d))
+    assert len(result["verdicts"]) == 2 and all("over 2 seeds" in v for v in result["verdicts"])
+
+
+def test_tiny_run_fine_tunes_the_pretrained_encoder(tiny_run):
+    """The FCL rows start from the saved global model (not from random init): their losses differ from the
+    random-init runs of the same seed and site, and the saved model differs between seeds."""
+    out, result = tiny_run
+    rows = result["parts"]["fcl"]["finetune"]["rows"]
+    key = lambda r: (r["seed"], r["site"], r["n_labelled"])  # noqa: E731
+    random = {key(r): r["final_loss"] for r in rows if r["method"] == "random"}
+    assert all(r["final_loss"] != random[key(r)] for r in rows if r["method"] == "FCL")
+    g0 = torch.load(out / "fcl_global_seed0.pt", weights_only=True)
+    g1 = torch.load(out / "fcl_global_seed1.pt", weights_only=True)
+    assert any(not torch.equal(g0[k], g1[k]) for k in g0 if g0[k].is_floating_point())
+
+
+def test_same_command_same_numbers(tiny_run, tmp_path):
+    _, first = tiny_run
+    again = ev.fcl_evidence(str(tmp_path), size="tiny", seeds=(0, 1), device="cpu", budget_s=300, rounds=2, epochs=2,
+                            workers=1, say=lambda m: None)
+    a, b = first["parts"]["fcl"], again
+    assert a["pretrain"]["by_seed"] == b["pretrain"]["by_seed"]
+    strip = lambda rows: sorted((r["method"], r["seed"], r["site"], r["n_labelled"], r["dice"], r["final_loss"])  # noqa
+                                for r in rows)
+    assert strip(a["finetune"]["rows"]) == strip(b["finetune"]["rows"])
+
+
+def test_bad_arguments_are_refused_in_one_line(tmp_path):
+    with pytest.raises(ValueError, match="methods=.*use some of"):
+        ev.run_evidence(str(tmp_path), methods=["fedclf"])
+    with pytest.raises(ValueError, match="size='huge'"):
+        ev.run_evidence(str(tmp_path), size="huge")
+    with pytest.raises(ValueError, match="distinct seeds"):
+        ev.run_evidence(str(tmp_path), seeds=(0, 0))
+
+
+def test_federation_starts_every_site_from_the_last_global_and_shuttles_the_banks(tmp_path, monkeypatch):
+    """Every round, every site of a seed starts from the previous round's average (the server's) and, from the
+    second round on, holds the other sites' bank (K rows); the returned global is the average of the sites'
+    models after the last round."""
+    from fedssl.train.fcl import FCLLocalTrainer
+
+    cfg = ev.FCL_SIZES["tiny"]
+    sites = ev.prepare_acdc(str(tmp_path / "acdc"), cfg, processes=1)
+    starts, finals = [], {}
+    original = FCLLocalTrainer.train_round
+
+    def recording(self, round_idx, should_stop=None):
+        starts.append((self.settings.seed, round_idx, {k: v.clone() for k, v in self.model.state_dict().items()}))
+        out = original(self, round_idx, should_stop)
+        finals[(self.settings.seed, round_idx, self.data_seed)] = (
+            {k: v.clone() for k, v in self.model.state_dict().items()}, out.samples)
+        return out
+
+    monkeypatch.setattr(FCLLocalTrainer, "train_round", recording)
+    pre = ev.federated_fcl(sites, cfg, (0, 1), 2, "cpu", 300.0, lambda m: None)
+    for seed in (0, 1):
+        run = pre["runs"][seed]
+        assert run["remote_features"] == [0.0, float(cfg["pretrain"]["bank_size"])]
+        first = [st for sd, r, st in starts if sd == seed and r == 0]
+        second = [st for sd, r, st in starts if sd == seed and r == 1]
+        assert len(first) == len(second) == 2
+        avg = ev._DeviceAverage()
+        for (sd, r, _), (state, n) in finals.items():
+            if sd == seed and r == 0:
+                avg.add(state, n)
+        round0 = avg.result()
+        for st in second:  # both sites start round 1 from the round-0 average
+            assert all(torch.equal(st[k], round0[k]) for k in st)
+        last = ev._DeviceAverage()
+        for (sd, r, _), (state, n) in finals.items():
+            if sd == seed and r == 1:
+                last.add(state, n)
+        assert all(torch.equal(run["global"][k], v) for k, v in last.result().items())

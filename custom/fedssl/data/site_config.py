@@ -1,10 +1,13 @@
-"""How a site finds its data: the job's argument, else the site's own config, else an environment variable.
+"""How a site finds its data: the site's own config, else the job's argument, else an environment variable.
 
-A job folder never bakes in a site's paths.  Each site resolves its data root, in order, from:
-1. the executor argument ``data_root`` when it is not empty (simulator / quick experiments);
-2. ``data_root`` in ``<site workspace>/local/fedssl_site.json`` (production: written by the site admin);
+A job folder never bakes in a site's paths, and a site's own settings beat a job's: a job that names a data root
+cannot point a site that configured its own at other files.  Each site resolves its data root, in order, from:
+1. ``data_root`` in ``<site workspace>/local/fedssl_site.json`` (production: written by the site admin);
+2. the executor argument ``data_root`` when it is not empty (simulator / quick experiments, where sites have no
+   config of their own);
 3. the environment variable ``FEDSSL_DATA_ROOT`` of the client process.
-``{site}`` in the value is replaced by the site's name, so one simulator setting serves every site.
+``{site}`` in the value is replaced by the site's name, so one simulator setting serves every site.  Other per-site
+settings (:func:`resolve_site_setting`: ``classes``, ``dataset`` ...) follow the same order.
 
 Experiments that run every site on one machine find them as the ``site-*`` folders of one root
 (:func:`site_folders`), in site number order.
@@ -50,10 +53,11 @@ def read_site_config(site_config_dir: str | None) -> dict:
 
 
 def resolve_data_root(arg: str, site: str, site_config_dir: str | None = None) -> str:
-    source, value = "executor argument data_root", arg
+    """The site's data root (module docstring: the site's config, then the job's ``arg``, then the environment)."""
+    cfg = read_site_config(site_config_dir)
+    source, value = f"{os.path.join(site_config_dir or '', SITE_CONFIG_FILE)}", cfg.get("data_root", "")
     if not value:
-        cfg = read_site_config(site_config_dir)
-        source, value = f"{os.path.join(site_config_dir or '', SITE_CONFIG_FILE)}", cfg.get("data_root", "")
+        source, value = "executor argument data_root", arg
     if not value:
         source, value = f"environment variable {ENV_DATA_ROOT}", os.environ.get(ENV_DATA_ROOT, "")
     if not value:
@@ -79,17 +83,19 @@ def _for_site(value, site: str, source: str):
 def resolve_site_setting(arg, key: str, site: str, site_config_dir: str | None = None):
     """A per-site setting other than the data root (e.g. ``classes``, ``dataset``): ``(value, source)``.
 
-    Resolved, in order, from the executor argument ``arg`` when not empty, then ``key`` in the site's
-    ``local/fedssl_site.json``.  Either may be a plain value (every site) or an object keyed by site name,
-    e.g. ``{"site-1": [...], "site-2": [...]}``.  Nothing configured -> ValueError naming the site and both places.
+    Resolved, in order, from ``key`` in the site's ``local/fedssl_site.json``, then the executor argument ``arg``
+    when not empty (a site's own settings beat a job's).  Either may be a plain value (every site) or an object
+    keyed by site name, e.g. ``{"site-1": [...], "site-2": [...]}``.  Nothing configured -> ValueError naming the
+    site and both places.
     """
     empty = (None, "", [], {})
-    if arg not in empty:
-        source = f"executor argument {key}"
-        value = _for_site(arg, site, source)
+    path = os.path.join(site_config_dir or "", SITE_CONFIG_FILE)
+    own = read_site_config(site_config_dir).get(key)
+    if own not in empty:
+        source, value = path, _for_site(own, site, path)
     else:
-        path = os.path.join(site_config_dir or "", SITE_CONFIG_FILE)
-        source, value = path, _for_site(read_site_config(site_config_dir).get(key), site, path)
+        source = f"executor argument {key}"
+        value = _for_site(arg, site, source) if arg not in empty else arg
     if value in empty:
         raise ValueError(f"{site}: no {key} configured; set {key!r} in {SITE_CONFIG_FILE} in the site's local/ folder "
                          f"or the executor argument {key} (a value, or an object mapping site names to values)")

@@ -5,16 +5,30 @@ import pytest
 from fedssl.data.site_config import ENV_DATA_ROOT, SITE_CONFIG_FILE, resolve_data_root, site_folders
 
 
-def test_order_argument_then_site_config_then_env(tmp_path, monkeypatch):
+def test_order_site_config_then_argument_then_env(tmp_path, monkeypatch):
     for d in ("arg", "cfg", "env", "env_site-2"):
         (tmp_path / d).mkdir()
     local = tmp_path / "local"
     local.mkdir()
     monkeypatch.setenv(ENV_DATA_ROOT, str(tmp_path / "env_{site}"))
     assert resolve_data_root("", "site-2", str(local)) == str(tmp_path / "env_site-2")
+    assert resolve_data_root(str(tmp_path / "arg"), "site-2", str(local)) == str(tmp_path / "arg")
     (local / SITE_CONFIG_FILE).write_text(json.dumps({"data_root": str(tmp_path / "cfg")}))
     assert resolve_data_root("", "site-2", str(local)) == str(tmp_path / "cfg")
-    assert resolve_data_root(str(tmp_path / "arg"), "site-2", str(local)) == str(tmp_path / "arg")
+    # issue 45: a job that names a data root cannot point a site with its own config at other files
+    assert resolve_data_root(str(tmp_path / "arg"), "site-2", str(local)) == str(tmp_path / "cfg")
+
+
+def test_site_settings_beat_the_jobs(tmp_path):
+    from fedssl.data.site_config import resolve_site_setting
+
+    local = tmp_path / "local"
+    local.mkdir()
+    assert resolve_site_setting(["a", "b"], "classes", "site-1", str(local)) == (["a", "b"],
+                                                                                 "executor argument classes")
+    (local / SITE_CONFIG_FILE).write_text(json.dumps({"classes": {"site-1": ["own"]}}))
+    value, source = resolve_site_setting(["a", "b"], "classes", "site-1", str(local))
+    assert value == ["own"] and source.endswith(SITE_CONFIG_FILE)
 
 
 def test_missing_root_names_site_and_path(tmp_path, monkeypatch):

@@ -37,7 +37,7 @@ from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.workflows.scatter_and_gather import ScatterAndGather
 
 from fedssl.core.checks import require, require_int
-from fedssl.core.dro import check_dro_args, dro_update, uniform_weights
+from fedssl.core.dro import MIN_SHARE, check_dro_args, dro_update, uniform_weights
 from fedssl.core.untrusted import as_finite_float
 from fedssl.flare.constants import (ALIGN_TASK, DRO_LOSS_KEY, DRO_ON_KEY, DRO_WEIGHTS_PROP, STAGE_KEY)
 
@@ -60,6 +60,7 @@ class _TurnData(ShareableGenerator):
 
 class FedDRAController(ScatterAndGather):
     def __init__(self, two_stage: bool = True, dro: bool = True, rho: float = 0.1, gamma: float = 0.5,
+                 min_share: float = MIN_SHARE,
                  alignment_prefixes: list = ("image_align.", "text_align.", "image_proj.", "text_proj."),
                  align_aggregator_id: str = "align_aggregator", align_timeout: int = 0, **sag_args):
         """
@@ -68,6 +69,8 @@ class FedDRAController(ScatterAndGather):
             dro: reweight the sites' step sizes by lambda (needs the DROWeightFilter on the server's task data).
             rho: the chi^2 uncertainty radius (paper: 0.1 MIMIC-CXR, 0.5 retina); checked even with dro off.
             gamma: the exponentiated-gradient step on v_i (the authors' code: 0.01 x the 50 steps of a turn = 0.5).
+            min_share: every site keeps at least min_share / N of the weight (default 0.5: with two sites one that
+                lies about its loss gets at most 0.75); 0 = the paper's weights, which can reach 0.
             alignment_prefixes: the parameter-name prefixes of stage 1 (the model's alignment part).
             align_aggregator_id: the server component that averages stage 1 (a FedAvgAggregator with uniform weights
                 that excludes the encoders).
@@ -78,7 +81,7 @@ class FedDRAController(ScatterAndGather):
         name = type(self).__name__
         require(isinstance(two_stage, bool), name, "two_stage", two_stage, "use true (FedDRA) or false (no stage 1)")
         require(isinstance(dro, bool), name, "dro", dro, "use true (DRO client weights) or false (uniform)")
-        check_dro_args(name, rho, gamma)
+        check_dro_args(name, rho, gamma, min_share)
         require(isinstance(alignment_prefixes, (list, tuple)) and alignment_prefixes
                 and all(isinstance(p, str) and p for p in alignment_prefixes), name, "alignment_prefixes",
                 alignment_prefixes, 'use the model\'s alignment prefixes, e.g. ["image_align.", "text_align.", ...]')
@@ -86,6 +89,7 @@ class FedDRAController(ScatterAndGather):
                 align_aggregator_id, "use the id of the stage-1 aggregator component")
         require_int(name, "align_timeout", align_timeout, 0, "use 0 (no limit) or a positive number of seconds")
         self.two_stage, self.dro, self.rho, self.gamma = two_stage, dro, float(rho), float(gamma)
+        self.min_share = float(min_share)
         self.alignment_prefixes = tuple(alignment_prefixes)
         self.align_aggregator_id, self.align_timeout = align_aggregator_id, align_timeout
         self.align_aggregator: Aggregator | None = None
@@ -132,7 +136,7 @@ class FedDRAController(ScatterAndGather):
 
     def _update_weights(self, round_idx: int, fl_ctx: FLContext) -> None:
         if self.losses:
-            self.weights, kept = dro_update(self.weights, self.losses, self.gamma, self.rho)
+            self.weights, kept = dro_update(self.weights, self.losses, self.gamma, self.rho, self.min_share)
             for site in kept:
                 self.log_warning(fl_ctx, f"turn {round_idx}: {site} reported no finite loss v_i; it keeps its weight")
         self.losses = {}
@@ -142,7 +146,8 @@ class FedDRAController(ScatterAndGather):
         run_dir = self._engine.get_workspace().get_run_dir(fl_ctx.get_job_id())
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, TRAJECTORY_FILE), "w") as f:
-            json.dump({"rho": self.rho, "gamma": self.gamma, "trajectory": self.trajectory}, f, indent=1)
+            json.dump({"rho": self.rho, "gamma": self.gamma, "min_share": self.min_share,
+                       "trajectory": self.trajectory}, f, indent=1)
 
     def _stage_one(self, weights: dict, meta: dict, round_idx: int, fl_ctx: FLContext) -> dict:
         """Broadcast stage 1, average the returned alignment parts; {} when no site contributed."""

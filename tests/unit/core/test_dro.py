@@ -129,3 +129,56 @@ def test_the_projection_moves_only_the_sites_with_a_valid_loss():
     assert new["site-2"] == 0.3
     assert chi2_divergence(np.array([new[s] for s in sorted(new)])) == pytest.approx(0.05, rel=1e-6)  # active
     assert new["site-1"] > 1 / 3 > new["site-3"]
+
+
+@pytest.mark.parametrize("n,rho,gamma", [(2, 0.5, 0.2), (5, 0.1, 0.5), (3, 0.1, 0.5)])
+def test_no_sequence_of_reports_stops_the_update_or_takes_a_site_over(n, rho, gamma):
+    """Issue 45: honest, lying (50, 1e308, -1e308) and missing reports in random order over 24 turns, 150 runs:
+    the update never raises, the weights stay on the simplex, inside the chi^2 ball and above min_share / N."""
+    from fedssl.core.dro import MIN_SHARE, chi2_divergence, dro_update, uniform_weights
+
+    rng = np.random.default_rng(0)
+    sites = [f"site-{i}" for i in range(1, n + 1)]
+    lies = (50.0, 1e308, -1e308, float("nan"), None)
+    for _ in range(150):
+        w = uniform_weights(sites)
+        for _turn in range(24):
+            losses = {}
+            for s in sites:
+                kind = rng.integers(3)
+                if kind == 0:
+                    losses[s] = float(rng.uniform(2.0, 4.0))
+                elif kind == 1:
+                    losses[s] = lies[int(rng.integers(len(lies)))]
+            w, _ = dro_update(w, losses, gamma, rho, min_share=MIN_SHARE)
+            lam = np.array([w[s] for s in sites])
+            assert abs(lam.sum() - 1.0) < 1e-9 and np.all(np.isfinite(lam))
+            assert lam.min() >= MIN_SHARE / n - 1e-9
+            assert chi2_divergence(lam) <= rho + 1e-9
+
+
+def test_one_lie_in_a_two_site_job_leaves_the_honest_site_a_bounded_share():
+    """Issue 45: in feddra_retina (2 sites, rho 0.5, gamma 0.2) one reported loss of 50 gave the liar lambda = 1.0
+    and the honest site 0.0; with the floor the liar gets at most 0.75 and the honest site keeps 0.25."""
+    from fedssl.core.dro import MIN_SHARE, dro_update, uniform_weights
+
+    w = uniform_weights(["site-1", "site-2"])
+    paper, _ = dro_update(w, {"site-1": 50.0, "site-2": 3.0}, 0.2, 0.5, min_share=0.0)
+    assert paper["site-1"] > 0.999 and paper["site-2"] < 1e-3  # the paper's unbounded weights
+    bounded, _ = dro_update(w, {"site-1": 50.0, "site-2": 3.0}, 0.2, 0.5, min_share=MIN_SHARE)
+    assert bounded["site-1"] == pytest.approx(0.75) and bounded["site-2"] == pytest.approx(0.25)
+
+
+def test_the_reported_attack_sequence_no_longer_raises():
+    """A site reports 50 twice, then nothing: the next turn's update raised 'the chi^2 ball does not meet the
+    simplex' (the run panicked)."""
+    from fedssl.core.dro import dro_update, uniform_weights
+
+    sites = [f"site-{i}" for i in range(1, 6)]
+    for min_share in (0.0, 0.5):
+        w = uniform_weights(sites)
+        honest = {s: 3.0 for s in sites[1:]}
+        for report in (50.0, 50.0, None, 50.0, None, None):
+            w, _ = dro_update(w, {**honest, **({} if report is None else {"site-1": report})}, 0.5, 0.1,
+                              min_share=min_share)
+            assert abs(sum(w.values()) - 1.0) < 1e-9

@@ -114,6 +114,7 @@ def test_the_weights_follow_the_reported_losses_and_stay_in_the_ball(tmp_path, m
     assert chi2_divergence(np.array(list(w.values()))) <= 0.1 + 1e-9
     saved = json.load(open(tmp_path / TRAJECTORY_FILE))
     assert [t["turn"] for t in saved["trajectory"]] == [0, 1] and saved["rho"] == 0.1
+    assert saved["min_share"] == 0.5  # the floor in force is on record
     assert "loss" not in json.dumps(saved)  # the per-site losses are not written
 
 
@@ -130,7 +131,8 @@ def test_a_site_without_a_valid_loss_keeps_its_weight(tmp_path, monkeypatch, bad
     assert w["site-2"] == 0.4 and w["site-1"] > w["site-3"]
 
 
-@pytest.mark.parametrize("args,name", [(dict(rho=0.0), "rho"), (dict(gamma=-1.0), "gamma"), (dict(rho="0.1"), "rho")])
+@pytest.mark.parametrize("args,name", [(dict(rho=0.0), "rho"), (dict(gamma=-1.0), "gamma"), (dict(rho="0.1"), "rho"),
+                                       (dict(min_share=1.0), "min_share"), (dict(min_share=True), "min_share")])
 def test_a_bad_radius_or_step_is_refused_at_start(args, name):
     with pytest.raises(ValueError, match=f"argument {name}="):
         FedDRAController(min_clients=3, num_rounds=5, **{"rho": 0.1, "gamma": 0.5, **args})

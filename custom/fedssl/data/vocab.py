@@ -51,6 +51,13 @@ MAX_MERGED_WORDS = 50_000
 MAX_COUNT = 10**12
 #: longest ``##`` / word-start piece considered by :func:`build_wordpiece_vocab`
 _MAX_PIECE_CHARS = 8
+#: every site's counts are rescaled to this total before they are summed: each site has the same say
+SITE_MASS = 10**6
+#: at most this share of the vocabulary goes to characters (plain and ``##``); the rarest characters, and the words
+#: that contain them, are left out beyond it, except the characters that each hold CORE_CHAR_SHARE of the summed
+#: counts (at most 100 of them: the alphabet of the reports, kept whatever the vocabulary size)
+MAX_CHAR_SHARE = 0.25
+CORE_CHAR_SHARE = 0.01
 
 _NORMALIZER = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=True, lowercase=True)
 _PRE_TOKENIZER = pre_tokenizers.BertPreTokenizer()
@@ -98,8 +105,10 @@ def site_word_counts(texts: Iterable[str], min_count: int = DEFAULT_MIN_COUNT,
 def merge_word_counts(counts_list: Sequence[Mapping[str, int]], min_sites: int = 1,
                       max_words: int = MAX_MERGED_WORDS, min_count: int = DEFAULT_MIN_COUNT,
                       max_site_words: int = MAX_SITE_WORDS) -> dict[str, int]:
-    """Server side: validate every site's dict and sum the counts of the words reported by at least ``min_sites``
-    sites; the ``max_words`` most frequent are kept (ties alphabetical), ordered by count, then alphabetically.
+    """Server side: validate every site's dict, rescale its counts to a total of :data:`SITE_MASS` (each site has
+    the same say, whatever counts it claims: one site sending 10**12 for its words cannot crowd out the others'; a
+    site's rescaled count is at least 1) and sum the counts of the words reported by at least ``min_sites`` sites;
+    the ``max_words`` most frequent are kept (ties alphabetical), ordered by count, then alphabetically.
 
     A site's dict must hold at most ``max_site_words`` entries, each a word the basic tokeniser outputs as itself of
     1..:data:`MAX_WORD_CHARS` characters, with an integer count in ``[min_count, 10**12]``; anything else raises a
@@ -131,7 +140,9 @@ def merge_word_counts(counts_list: Sequence[Mapping[str, int]], min_sites: int =
             if not (isinstance(count, int) and not isinstance(count, bool) and min_count <= count <= MAX_COUNT):
                 raise ValueError(f"{name}: {where} sent the count {count!r} for {word!r}; counts must be integers in "
                                  f"[min_count={min_count}, {MAX_COUNT}] (rarer words must not leave a site)")
-        total.update(counts)
+        site_total = sum(counts.values())
+        if site_total:
+            total.update({w: max(1, round(c * SITE_MASS / site_total)) for w, c in counts.items()})
         sites.update(counts.keys())
     kept = sorted((w for w in total if sites[w] >= min_sites), key=lambda w: (-total[w], w))
     return {w: total[w] for w in kept[:max_words]}
@@ -148,7 +159,11 @@ def build_wordpiece_vocab(word_counts: Mapping[str, int], vocab_size: int) -> li
        summed counts of the words having them (ties alphabetical);
     5. ``[unused0]``, ``[unused1]`` ... up to ``vocab_size``.
 
-    Raises a ValueError when ``vocab_size`` cannot hold steps 1 and 2."""
+    The characters take at most :data:`MAX_CHAR_SHARE` of ``vocab_size`` (plain and ``##``), or the characters
+    that each hold :data:`CORE_CHAR_SHARE` of the counts if they are more, and never more than fits: beyond it the
+    characters of the smallest summed counts are left out, with every word that contains one, so words made up to
+    spread the character set cannot make the build fail or fill the vocabulary.  Raises a ValueError only when
+    ``vocab_size`` cannot hold the special tokens and one character."""
     name = "build_wordpiece_vocab"
     require(isinstance(word_counts, Mapping), name, "word_counts", type(word_counts).__name__,
             "pass the {word: count} dict of merge_word_counts")
@@ -157,11 +172,20 @@ def build_wordpiece_vocab(word_counts: Mapping[str, int], vocab_size: int) -> li
                 "every key must be one word of basic_words (merge_word_counts output)")
         require(isinstance(count, int) and not isinstance(count, bool) and count > 0, name, f"word_counts[{word!r}]",
                 count, "counts must be positive integers")
-    chars = sorted({c for w in word_counts for c in w})
+    require_int(name, "vocab_size", vocab_size, len(SPECIAL_TOKENS) + 2,
+                f"the {len(SPECIAL_TOKENS)} special tokens and at least one character (plain and ##) need "
+                f"{len(SPECIAL_TOKENS) + 2} entries")
+    char_score: Counter[str] = Counter()
+    for w, c in word_counts.items():
+        for ch in set(w):
+            char_score[ch] += c
+    mass = sum(char_score.values())
+    core = sum(1 for v in char_score.values() if v >= CORE_CHAR_SHARE * mass)  # at most 1 / CORE_CHAR_SHARE of them
+    room = min(max(1, int(MAX_CHAR_SHARE * vocab_size) // 2, core), (vocab_size - len(SPECIAL_TOKENS)) // 2)
+    chars = sorted(sorted(char_score, key=lambda ch: (-char_score[ch], ch))[:room])
+    allowed = set(chars)
+    word_counts = {w: c for w, c in word_counts.items() if set(w) <= allowed}
     vocab = list(SPECIAL_TOKENS) + chars + ["##" + c for c in chars]
-    require_int(name, "vocab_size", vocab_size, len(vocab),
-                f"the {len(SPECIAL_TOKENS)} special tokens and the {len(chars)} characters (plain and ##) need at "
-                f"least {len(vocab)} entries")
     seen = set(vocab)
     words = sorted((w for w in word_counts if len(w) > 1), key=lambda w: (-word_counts[w], w))
     for w in words[: vocab_size - len(vocab)]:

@@ -8,6 +8,7 @@ import torch
 
 from fedssl.data.vocab import (
     SPECIAL_TOKENS,
+    _is_word,
     basic_words,
     build_wordpiece_vocab,
     load_vocab,
@@ -41,9 +42,11 @@ def test_only_words_of_at_least_min_count_texts_leave_the_site():
 def test_merge_sums_sites_and_names_a_malformed_site():
     a = {"effusion": 9, "edema": 5, ".": 20}
     b = {"effusion": 6, "opacity": 7, ".": 11}
-    assert merge_word_counts([a, b]) == {".": 31, "effusion": 15, "opacity": 7, "edema": 5}
-    assert merge_word_counts([a, b], min_sites=2) == {".": 31, "effusion": 15}
-    assert merge_word_counts([a, b], max_words=3) == {".": 31, "effusion": 15, "opacity": 7}
+    # each site's counts rescaled to a total of 10**6 (a: 34, b: 24), then summed:
+    # "." 20/34 + 11/24 -> 588235 + 458333; effusion 9/34 + 6/24 -> 264706 + 250000; opacity 7/24; edema 5/34
+    assert merge_word_counts([a, b]) == {".": 1046568, "effusion": 514706, "opacity": 291667, "edema": 147059}
+    assert merge_word_counts([a, b], min_sites=2) == {".": 1046568, "effusion": 514706}
+    assert merge_word_counts([a, b], max_words=3) == {".": 1046568, "effusion": 514706, "opacity": 291667}
     for bad, what in [({"edema": 2}, "count 2"), ({"two words": 6}, "'two words'"), ({"Edema": 6}, "'Edema'"),
                       ({"a" * 33: 6}, "a" * 33), ({"edema": 6.0}, "count 6.0"), ({"edema": True}, "count True"),
                       (["edema"], "list")]:
@@ -62,8 +65,11 @@ def test_vocabulary_layout_is_exact_and_deterministic():
     assert build_wordpiece_vocab(counts, 14) == base + ["no"]
     reordered = dict(reversed(list(counts.items())))
     assert build_wordpiece_vocab(reordered, 18) == build_wordpiece_vocab(counts, 18)
-    with pytest.raises(ValueError, match="vocab_size=12.*at least 13"):
-        build_wordpiece_vocab(counts, 12)
+    # too small for every character: the rarest ("x", count 3) and its word are left out, the build goes on
+    assert build_wordpiece_vocab(counts, 12) == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", "n", "o", "##.",
+                                                  "##n", "##o", "no"]
+    with pytest.raises(ValueError, match="vocab_size=6.*need 7 entries"):
+        build_wordpiece_vocab(counts, 6)
     # pieces after the whole words: word starts and ## suffixes scored by summed counts, ties alphabetical
     vocab = build_wordpiece_vocab({"abcd": 2, "abce": 1}, 20)
     assert len(vocab) == 20 and tuple(vocab[:5]) == SPECIAL_TOKENS
@@ -128,3 +134,21 @@ def test_vocab_round_trips_through_files_and_folders(vocab, tmp_path):
         make_tokenizer(["[PAD]", "[UNK]", "[SEP]", "[MASK]", "a"])
     with pytest.raises(ValueError, match="exactly one of vocab"):
         make_tokenizer(vocab, path=str(path))
+
+
+def test_one_site_cannot_fill_or_break_the_vocabulary():
+    """Issue 45: 1,100 made-up words sent with count 10**12 filled 955 of 1,024 entries; 15,300 one-character words
+    made the build raise before round 0.  Each site's counts now weigh the same and the characters are bounded."""
+    honest_words = [f"w{a}{b}" for a in "abcdefghij" for b in "klmnopqrst"]  # 100 words of 3 letters
+    honest = [{w: 50 + 3 * i + s for i, w in enumerate(honest_words)} for s in range(4)]
+    flood = {f"zq{i}": 10**12 for i in range(1100)}
+    vocab = build_wordpiece_vocab(merge_word_counts(honest + [flood]), 1024)
+    assert set(honest_words) <= set(vocab)  # every honest word keeps its place
+    # the made-up words only fill what is left after every honest word (before: they came first)
+    assert max(vocab.index(w) for w in honest_words) < min(i for i, t in enumerate(vocab) if t.startswith("zq"))
+    letters = [chr(c) for c in range(0x100, 0xD800) if _is_word(chr(c))][:15300]
+    assert len(letters) == 15300
+    chars = {c: 5 for c in letters}
+    vocab = build_wordpiece_vocab(merge_word_counts(honest + [chars]), 1024)
+    assert len(vocab) == 1024 and set(honest_words) <= set(vocab)
+    assert sum(1 for t in vocab if t.lstrip("#") in chars) <= 0.25 * 1024

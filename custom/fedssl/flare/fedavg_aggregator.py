@@ -7,7 +7,11 @@ to arrive.  Each contribution must come from a registered client of the run, for
 tensors are cast to the global model's dtypes before any check (``fedssl.core.state_dict.check_contribution``),
 must be finite and within ``max_update_ratio`` of the global model; its weight (``num_samples`` / steps) must be
 a whole number in ``[1, max_weight]``, and a site's ``num_samples`` may not change during a run; every meta
-value read (loss, counts) is type-checked.  Accepted tensors go straight into a running weighted sum
+value read (loss, counts) is type-checked.  The weight is also bounded relative to the others (issue 45): the
+largest claim of a round counts at most ``max_weight_ratio`` times the median of the other sites' weights, so one
+site that claims a million samples against three of a hundred cannot replace the global model with its own (its
+contribution is held aside until the round's other weights are known: one extra model in memory, whatever the
+number of sites).  Accepted tensors go straight into a running weighted sum
 (``fedssl.core.state_dict.RunningAverage``, float64): no site's model is held, so the server's memory does not
 grow with the number of sites.  A rejected site is logged ("REJECTED ...", naming it) and left out
 of the round; nothing a site sends raises out of ``accept``.
@@ -23,6 +27,7 @@ FL-context property ``ROUND_STATS_PROP`` only (memory, never persisted).  The ag
 
 from __future__ import annotations
 
+import numpy as np
 from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
 from nvflare.apis.event_type import EventType
 from nvflare.apis.fl_constant import ReservedKey, ReturnCode
@@ -43,6 +48,15 @@ WEIGHTINGS = ("num_samples", "num_steps", "uniform")
 DEFAULT_MAX_WEIGHT = 1_000_000
 #: default bound on ||x - g|| / max(||g||, 1): an honest round moves a model by well under its own norm
 DEFAULT_MAX_UPDATE_RATIO = 10.0
+#: the largest weight of a round counts at most this many times the median of the others' (0 = no relative cap)
+DEFAULT_MAX_WEIGHT_RATIO = 5.0
+
+
+def check_ratio(component: str, max_weight_ratio: object) -> None:
+    require(isinstance(max_weight_ratio, (int, float)) and not isinstance(max_weight_ratio, bool)
+            and (max_weight_ratio == 0 or 1 <= max_weight_ratio < float("inf")), component, "max_weight_ratio",
+            max_weight_ratio, f"use 0 (no relative cap: the papers' plain FedAvg) or a number >= 1: the largest weight "
+            f"of a round counts at most that many times the median of the others' (default {DEFAULT_MAX_WEIGHT_RATIO})")
 
 
 def check_bounds(component: str, max_weight: object, max_update_ratio: object) -> None:
@@ -60,12 +74,18 @@ class RoundAggregator(Aggregator):
     who may contribute, the checked weight and loss of each contribution, and the running weighted sum of the
     accepted tensors (plus the few a subclass must keep per site, e.g. surgical head rows)."""
 
-    def __init__(self, weighting: str, max_weight: float, max_update_ratio: float):
+    def __init__(self, weighting: str, max_weight: float, max_update_ratio: float,
+                 max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO):
         super().__init__()
         self.weighting = weighting
         self.max_weight = max_weight
         self.max_update_ratio = max_update_ratio
+        self.max_weight_ratio = float(max_weight_ratio)
         self._running = RunningAverage()
+        #: (site, weight, tensors) of the largest claim so far this round, not yet in the running sum
+        self._held: tuple[str, float, dict] | None = None
+        #: site -> (claimed, counted) when the last round capped a weight
+        self.capped: dict[str, tuple[float, float]] = {}
         self._retained: dict[str, dict] = {}  # site -> the tensors ``keep`` was told to hold per site
         self._weights: dict[str, float] = {}
         self._losses: dict[str, float] = {}
@@ -75,6 +95,7 @@ class RoundAggregator(Aggregator):
     def reset(self, fl_ctx: FLContext) -> None:
         self._running.clear()
         self._retained, self._weights, self._losses = {}, {}, {}
+        self._held, self.capped = None, {}
 
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
         if event_type == AppEventType.ROUND_STARTED:  # fired from the workflow's context, which holds NUM_ROUNDS
@@ -147,8 +168,19 @@ class RoundAggregator(Aggregator):
         when the loss is not a finite number or the tensors do not fit the round's running sum."""
         loss = dxo.get_meta_prop("loss")
         loss = None if loss is None else as_finite_float(loss, "loss", site)
+        tensors = {k: v for k, v in data.items() if k not in retain}
         try:
-            self._running.add({k: v for k, v in data.items() if k not in retain}, weight)
+            if not self._relative_cap():
+                self._running.add(tensors, weight)
+            else:  # the largest claim waits for the others' weights (round_average)
+                self._check_fits(tensors)
+                held = self._held
+                if held is None or weight > held[1]:
+                    if held is not None:
+                        self._running.add(held[2], held[1])
+                    self._held = (site, weight, tensors)
+                else:
+                    self._running.add(tensors, weight)
         except ValueError as e:
             raise ContributionError(f"{site}: {e}") from None
         if self.weighting == "num_samples":
@@ -177,8 +209,33 @@ class RoundAggregator(Aggregator):
             self.system_panic("no valid contribution this round: nothing to aggregate", fl_ctx)
         return sites, n_clients
 
+    def _relative_cap(self) -> bool:
+        return self.max_weight_ratio > 0 and self.weighting != "uniform"
+
+    def _check_fits(self, tensors: dict) -> None:
+        """ValueError unless ``tensors`` have the keys and shapes of this round's other contributions."""
+        first = self._held[2] if self._held is not None else None
+        if first is None:
+            return
+        if set(tensors) != set(first):
+            missing, extra = sorted(set(first) - set(tensors))[:3], sorted(set(tensors) - set(first))[:3]
+            raise ValueError(f"contribution keys differ from the first one's (missing {missing}, unexpected {extra})")
+        for k, v in tensors.items():
+            if np.shape(v) != np.shape(first[k]):
+                raise ValueError(f"{k!r} has shape {np.shape(v)}, the first contribution's is {np.shape(first[k])}")
+
     def round_average(self) -> dict:
-        """The weighted mean of this round's accepted tensors (empty when contributions carried none)."""
+        """The weighted mean of this round's accepted tensors (empty when contributions carried none); the largest
+        claim counts at most ``max_weight_ratio`` x the median of the other sites' weights."""
+        if self._held is not None:
+            site, claimed, tensors = self._held
+            others = [w for s, w in self._weights.items() if s != site]
+            counted = min(claimed, self.max_weight_ratio * float(np.median(others))) if others else claimed
+            self._running.add(tensors, counted)
+            self._weights[site] = counted
+            if counted < claimed:
+                self.capped[site] = (claimed, counted)
+            self._held = None
         return self._running.result() if self._running.count and self._running.total_weight > 0 else {}
 
     def retained(self, site: str) -> dict:
@@ -195,7 +252,8 @@ class RoundAggregator(Aggregator):
 class FedAvgAggregator(RoundAggregator):
     def __init__(self, weighting: str = "num_samples", optional_prefixes: list = (), exclude_patterns: list = (),
                  average_excluded_at_end: bool = False, collectors: list = (), max_weight: float = DEFAULT_MAX_WEIGHT,
-                 max_update_ratio: float = DEFAULT_MAX_UPDATE_RATIO):
+                 max_update_ratio: float = DEFAULT_MAX_UPDATE_RATIO,
+                 max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO):
         """
         Args:
             weighting: "num_samples" (meta ``num_samples``: images/volumes, as FCL and SSL-FL weight),
@@ -212,6 +270,8 @@ class FedAvgAggregator(RoundAggregator):
                 a ``FeatureBankCollector`` for FCL's feature exchange); [] = only the weights are kept.
             max_weight: largest weight one site may claim (``num_samples`` or steps of a round).
             max_update_ratio: largest ``||x - g|| / max(||g||, 1)`` accepted from a site (float tensors).
+            max_weight_ratio: the largest weight of a round counts at most this many times the median of the other
+                sites' weights (default 5; 0 = no relative cap, the papers' plain FedAvg).
         """
         name = type(self).__name__
         require_choice(name, "weighting", weighting, WEIGHTINGS)
@@ -226,7 +286,8 @@ class FedAvgAggregator(RoundAggregator):
         require(isinstance(collectors, (list, tuple)) and all(isinstance(c, str) and c for c in collectors),
                 name, "collectors", collectors, 'use a list of server component ids, e.g. ["bank_collector"]')
         check_bounds(name, max_weight, max_update_ratio)
-        super().__init__(weighting, max_weight, max_update_ratio)
+        check_ratio(name, max_weight_ratio)
+        super().__init__(weighting, max_weight, max_update_ratio, max_weight_ratio)
         self.exclude_patterns = list(exclude_patterns)
         self.optional_prefixes = list(optional_prefixes)
         self.average_excluded_at_end = average_excluded_at_end
@@ -308,6 +369,9 @@ class FedAvgAggregator(RoundAggregator):
         if not sites:
             return Shareable()
         avg = self.round_average()
+        for site, (claimed, counted) in self.capped.items():
+            self.log_warning(fl_ctx, f"{site} claimed weight {claimed:g}; counted {counted:g} "
+                                     f"({self.max_weight_ratio:g} x the median of the other sites')")
         self.log_info(fl_ctx, f"aggregated {len(sites)}/{n_clients} sites, weights ({self.weighting}): "
                       + ", ".join(f"{self._weights[s]:g}" for s in sites))
         self.publish_round_stats(fl_ctx, sites)

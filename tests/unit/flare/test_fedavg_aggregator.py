@@ -253,3 +253,39 @@ def test_batch_norm_buffers_are_averaged_int64_counter_included(tmp_path):
                                rtol=1e-6)
     counter = out[key + "num_batches_tracked"]
     assert counter.dtype == np.int64 and int(counter) == 6  # (10 * 2 + 30 * 7) / 40 = 5.75 -> 6 (rounded)
+
+
+@pytest.mark.parametrize("attacker_first", [True, False])
+def test_one_inflated_sample_count_cannot_replace_the_global_model(tmp_path, attacker_first):
+    """Issue 45: num_samples = 1,000,000 (the absolute cap) against three sites of 100 made the global model the
+    attacker's (cosine 1.000000).  The largest claim now counts at most 5 x the median of the others', whatever
+    the arrival order: (3 x 100 x honest + 500 x attacker) / 800."""
+    agg, c = FedAvgAggregator(weighting="num_samples"), ctx(tmp_path)
+    honest = [contribution(f"site-{i}", {"w": np.array([1.0, 0.0], np.float32), "b": np.zeros(1, np.float32)},
+                           {"num_samples": 100}) for i in (1, 2, 3)]
+    attacker = contribution("site-4", {"w": np.array([0.0, 8.0], np.float32), "b": np.ones(1, np.float32)},
+                            {"num_samples": 1_000_000})
+    for s in ([attacker] + honest if attacker_first else honest + [attacker]):
+        assert agg.accept(s, c)
+    out = from_shareable(agg.aggregate(c)).data
+    np.testing.assert_allclose(out["w"], [300 / 800, 500 * 8 / 800])
+    np.testing.assert_allclose(out["b"], [500 / 800])
+    assert agg.capped == {"site-4": (1_000_000.0, 500.0)}
+    # the papers' plain FedAvg (max_weight_ratio 0): the attacker's model, as before
+    plain, c2 = FedAvgAggregator(weighting="num_samples", max_weight_ratio=0), ctx(tmp_path / "plain")
+    for s in honest + [attacker]:
+        assert plain.accept(s, c2)
+    w = from_shareable(plain.aggregate(c2)).data["w"]
+    assert float(w @ np.array([0.0, 8.0]) / np.linalg.norm(w) / 8.0) > 0.99999
+
+
+def test_honest_sizes_within_the_ratio_keep_plain_fedavg(tmp_path):
+    agg, c = FedAvgAggregator(weighting="num_samples"), ctx(tmp_path)
+    for i, (n, v) in enumerate([(100, 1.0), (300, 2.0), (450, 4.0)], start=1):
+        assert agg.accept(contribution(f"site-{i}", {"w": np.full(2, v, np.float32), "b": np.zeros(1, np.float32)},
+                                       {"num_samples": n}), c)
+    # 450 <= 5 x median(100, 300) = 1000: (100 + 600 + 1800) / 850
+    np.testing.assert_allclose(from_shareable(agg.aggregate(c)).data["w"], [2500 / 850] * 2, rtol=1e-6)
+    assert agg.capped == {}
+    with pytest.raises(ValueError, match="max_weight_ratio=0.5"):
+        FedAvgAggregator(max_weight_ratio=0.5)

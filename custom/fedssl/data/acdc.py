@@ -307,9 +307,20 @@ def _frame_path(pdir: Path, patient_id: str, frame: int, gt: bool = False) -> Pa
     return pdir / f"{patient_id}_frame{frame:02d}{'_gt' if gt else ''}.nii.gz"
 
 
+def _finite_image(data: np.ndarray, path: Path, site: str) -> np.ndarray:
+    """``data`` unchanged, or ACDCDataError naming the file and the site when a voxel is NaN or infinite (a
+    corrupt export; before, such voxels were silently set to 0)."""
+    bad = int(np.size(data) - np.count_nonzero(np.isfinite(data)))
+    if bad:
+        raise _err(site, path, f"{bad} voxel(s) are NaN or infinite",
+                   "re-export the image from the scanner archive; a valid MRI holds finite intensities only")
+    return data
+
+
 def _load_cine(cine_path: Path, site: str) -> tuple[np.ndarray, tuple[float, ...]]:
     """The patient's ``_4d.nii.gz`` as ``(H, W, Z, T)`` (a 3D file counts as one frame)."""
     data, zooms = load_nifti(cine_path, site=site)
+    _finite_image(data, cine_path, site)
     if data.ndim == 3:
         data = data[..., None]
     if data.ndim != 4:
@@ -325,7 +336,7 @@ def _frame_volume(data: np.ndarray, img_path: Path, site: str) -> np.ndarray:
     if data.ndim != 3:
         raise _err(site, img_path, f"expected a 3D (H, W, Z) volume, got shape {data.shape}",
                    "use the per-frame patientNNN_frameXX.nii.gz files, not the 4D cine")
-    return data
+    return _finite_image(data, img_path, site)
 
 
 def _phase_image(

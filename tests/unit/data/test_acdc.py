@@ -616,3 +616,23 @@ def test_cavity_volumes_name_the_broken_file_and_site(tmp_path: Path) -> None:
     _save_nifti(pdir / "patient007_frame02_gt.nii.gz", bad, (2.5, 0.625, 8.0))
     with pytest.raises(ACDCDataError, match="not ACDC classes"):
         cavity_volumes(tmp_path, site="site-x")
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("cine_only", [False, True])
+def test_non_finite_image_is_refused_naming_file_and_site(tmp_path: Path, value: float, cine_only: bool) -> None:
+    """Issue 45: a NaN or infinite voxel was silently set to 0; now the load stops naming the file and the site."""
+    if cine_only:
+        pdir = _cine_only_patient(tmp_path)
+        bad = pdir / "patient009_4d.nii.gz"
+        data = np.zeros((8, 8, 2, 4), dtype=np.float32)
+        zooms: tuple[float, ...] = (1.25, 1.25, 8.0, 1.0)
+    else:
+        pdir = _hand_patient(tmp_path)
+        bad = pdir / "patient007_frame02.nii.gz"
+        data, zooms = np.zeros((20, 80, 3), dtype=np.float32), (2.5, 0.625, 8.0)
+    data[(1, 2, 1, 0)[: data.ndim]] = value
+    _save_nifti(bad, data, zooms)
+    with pytest.raises(ACDCDataError, match="1 voxel\\(s\\) are NaN or infinite") as exc:
+        load_site(tmp_path, with_labels=False, site="site-3")
+    _assert_names(exc, bad, "site-3")

@@ -239,6 +239,13 @@ SSLFL_RETINA = {
         (False, "Table I's eta is absolute: the script's blr 2e-3 x 128 / 256 = 1e-3; not rescaled again"),
     ("sslfl_mae_retina", "client", "mim_trainer", "min_lr"): (0.0, "run_mae_pretrain_FedAvg.py --min_lr 0"),
     ("sslfl_mae_retina", "client", "mim_trainer", "weight_decay"): (0.05, "retina_split1_ssl.sh --weight_decay 0.05"),
+    ("sslfl_mae_retina", "client", "mim_trainer", "adam_beta2"):
+        (0.95, "code/util/FedAvg_utils.py: MAE pre-training AdamW betas=(0.9, 0.95)"),
+    ("sslfl_mae_derm", "client", "mim_trainer", "adam_beta2"): (0.95, "the same optimiser for every data set"),
+    ("sslfl_mae_covidfl", "client", "mim_trainer", "adam_beta2"): (0.95, "the same optimiser for every data set"),
+    ("sslfl_beit_retina", "client", "mim_trainer", "adam_beta2"): (0.999, "BEiT's create_optimizer: AdamW default"),
+    ("fedmae_derm", "client", "mim_trainer", "adam_beta2"):
+        (0.95, "FedMAE-KS sec. IV: MAE's pre-training recipe (MAE main_pretrain.py betas=(0.9, 0.95))"),
     ("sslfl_beit_retina", "client", "mim_trainer", "lr_per_256"): (False, "BEiT's code uses --lr as is"),
     ("sslfl_beit_retina", "client", "mim_trainer", "min_lr"): (1e-5, "run_beit_pretrain_FedAvg.py --min_lr 1e-5"),
     ("sslfl_beit_retina", "client", "mim_trainer", "clip_grad"): (3.0, "retina_split1_ssl.sh --clip_grad 3.0"),

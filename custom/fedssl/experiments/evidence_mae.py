@@ -429,6 +429,7 @@ class MAESite:
         self.site, self.settings, self.data_seed = site, s, site_seed(s.seed, site)
         self.dataset = ImageDataset(records, s.image_size, "pretrain", s.dataset, site=site, seed=self.data_seed)
         self.trainer = MIMTrainer(model, s.method, lr=s.peak_lr, weight_decay=s.weight_decay,
+                                  betas=(0.9, float(s.adam_beta2)),
                                   warmup_rounds=s.warmup_rounds, total_rounds=num_rounds, mask_ratio=s.mask_ratio,
                                   device=device, seed=self.data_seed, min_lr=s.min_lr,
                                   clip_grad=s.clip_grad or None, amp=s.amp)

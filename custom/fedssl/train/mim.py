@@ -70,7 +70,10 @@ class MIMSettings:
     lr_per_256: false (default): ``lr`` is the absolute peak rate; true: ``lr`` is MAE's base rate per 256 images and
         the peak is lr x batch_size / 256 (for papers that quote MAE's blr).
     min_lr: the rate the cosine decays to at the last round (SSL-FL's scripts: Fed-BEiT 1e-5, Fed-MAE 0).
-    weight_decay: AdamW (betas 0.9, 0.999) weight decay, 0.05.
+    weight_decay: AdamW weight decay, 0.05.
+    adam_beta2: AdamW's second-moment decay (beta1 is 0.9): MAE's 0.95 (default; SSL-FL's Fed-MAE optimiser,
+        rui-yan/SSL-FL code/util/FedAvg_utils.py ``betas=(0.9, 0.95)``, as MAE's main_pretrain.py; FedMAE-KS
+        follows MAE); 0.999 for Fed-BEiT (BEiT's AdamW default).
     batch_size: images per mini-batch (Table I).
     local_epochs: E, epochs over the site's images per round (SSL-FL 1; FedMAE 10).
     warmup_rounds: linear warm-up, in rounds (MAE 5, BEiT 10); then cosine decay to ``min_lr`` at the last round.
@@ -107,6 +110,7 @@ class MIMSettings:
     lr_per_256: bool = False
     min_lr: float = 0.0
     weight_decay: float = 0.05
+    adam_beta2: float = 0.95
     batch_size: int = 128
     local_epochs: int = 1
     warmup_rounds: int = 5
@@ -144,6 +148,9 @@ class MIMSettings:
         wd = self.weight_decay
         require(isinstance(wd, (int, float)) and not isinstance(wd, bool) and wd >= 0,
                 name, "weight_decay", wd, "use a non-negative weight decay (paper: 0.05)")
+        b2 = self.adam_beta2
+        require(isinstance(b2, (int, float)) and not isinstance(b2, bool) and 0 < b2 < 1, name, "adam_beta2", b2,
+                "use a number in (0, 1): MAE / SSL-FL Fed-MAE 0.95, BEiT 0.999")
         require_int(name, "batch_size", self.batch_size, 1, "use a positive batch size (Table I, e.g. 128)")
         min_lr, peak = self.min_lr, peak_lr(self.lr, self.batch_size, self.lr_per_256)
         require(isinstance(min_lr, (int, float)) and not isinstance(min_lr, bool) and 0 <= min_lr <= peak, name,
@@ -242,6 +249,7 @@ class MIMLocalTrainer:
                                 s.decoder_embed_dim, s.decoder_depth, s.decoder_num_heads, s.norm_pix_loss,
                                 s.vocab_size, s.seed)
         self.trainer = MIMTrainer(model, s.method, lr=self.peak_lr, weight_decay=s.weight_decay,
+                                  betas=(0.9, float(s.adam_beta2)),
                                   warmup_rounds=s.warmup_rounds, total_rounds=num_rounds, mask_ratio=s.mask_ratio,
                                   tokenizer=tokenizer, device=device, seed=self.data_seed, min_lr=s.min_lr,
                                   clip_grad=s.clip_grad or None, amp=s.amp)

@@ -62,6 +62,15 @@ def test_peak_lr_is_absolute_unless_per_256_is_asked(records):
     assert default.peak_lr == 1e-3  # the trainer's default: lr is not rescaled by batch_size / 256
 
 
+def test_adamw_uses_the_configured_second_moment_decay(records):
+    """Issue 47: SSL-FL's Fed-MAE (code/util/FedAvg_utils.py) and MAE use AdamW betas (0.9, 0.95); the trainer
+    used (0.9, 0.999) whatever the job said.  0.95 is the default, a job's value is applied, others refused."""
+    assert make(records).trainer.optimizer.param_groups[0]["betas"] == (0.9, 0.95)
+    assert make(records, adam_beta2=0.999).trainer.optimizer.param_groups[0]["betas"] == (0.9, 0.999)
+    with pytest.raises(ValueError, match="adam_beta2=1.0"):
+        make(records, adam_beta2=1.0)
+
+
 def test_min_lr_is_where_the_cosine_ends(records):
     """BEiT's min lr 1e-5 (SSL-FL run_beit_pretrain_FedAvg.py): 3 rounds, 1 warm-up round, peak 1e-3:
     progress 2 is half-way down the cosine, 1e-5 + (1e-3 - 1e-5) / 2 = 5.05e-4; the last round ends at 1e-5."""

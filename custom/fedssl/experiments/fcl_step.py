@@ -3,7 +3,8 @@ the site's device, at the paper's model size (or the tiny one on a CPU).
 
 For a trainer built as the FLARE executor builds it (:class:`fedssl.train.fcl.FCLLocalTrainer`, one synthetic
 ACDC site of 10 patients x 10 frames), it times, after a warm-up round, each variant of the settings that decide
-throughput (``workers`` DataLoader processes, ``amp`` bfloat16 autocast) over ``steps`` steps; then the parts:
+throughput (``workers`` DataLoader processes, ``amp`` bfloat16 autocast, ``channels_last``) over ``steps`` steps;
+then the parts:
 
 * ``data``: the site's batches alone (slice sampling, stacking, pinning, the copy to the device);
 * ``compute``: the main encoder's forward and backward and the momentum encoder's forward on a random batch
@@ -31,7 +32,8 @@ from fedssl.models.unet import MoCoUNetEncoder
 from fedssl.train.fcl import FCLLocalTrainer
 from fedssl.train.segmentation import init_unet, train_segmentation
 
-VARIANTS = ({"workers": 0, "amp": True}, {"workers": 4, "amp": True}, {"workers": 0, "amp": False})
+VARIANTS = ({"workers": 0, "amp": True}, {"workers": 4, "amp": True}, {"workers": 0, "amp": False},
+            {"workers": 0, "amp": True, "channels_last": True}, {"workers": 0, "amp": False, "channels_last": True})
 
 
 def _sync(device: str) -> None:
@@ -67,7 +69,8 @@ def fcl_step_breakdown(out: str, *, size: str = "gpu", device: str = "auto", ste
                     "trainer": [], "data": [], "compute": [], "finetune": []}
     base = fcl_settings(cfg, 0, device)
     for v in variants:
-        s = replace(base, max_steps_per_round=steps, workers=v["workers"], amp=v["amp"] and device != "cpu")
+        s = replace(base, max_steps_per_round=steps, workers=v["workers"], amp=v["amp"] and device != "cpu",
+                    channels_last=v.get("channels_last", False))
         tr = FCLLocalTrainer(vols, s, num_rounds=2, device=device, site=site)
         tr.train_round(0)
         _sync(device)

@@ -76,6 +76,9 @@ class FCLSettings:
         and bank stay float32; no effect on a CPU.
     workers: DataLoader worker processes that build the next batches (0 = in the training process; the batches are
         the same either way); batches are pinned on a CUDA device.
+    channels_last: the encoders' weights and the batches in channels-last memory format (off by default; on an
+        H200 the encoder's compute alone took 20.6 ms instead of 27.4 ms a step, 15.2 ms with ``amp``, experiments/
+        fcl_step.py); the numbers differ from the default format's in the last bits.
     """
 
     data_root: str = ""
@@ -102,6 +105,7 @@ class FCLSettings:
     device: str = "auto"
     amp: bool = False
     workers: int = 0
+    channels_last: bool = False
     #: the optimiser's fixed constants (FCL section 5: SGD momentum 0.9, weight decay 0.0001)
     sgd_momentum: ClassVar[float] = 0.9
     weight_decay: ClassVar[float] = 1e-4
@@ -118,7 +122,8 @@ class FCLSettings:
         least = 2 * self.n_partitions  # n_partitions is an int >= 1 here
         require(isinstance(self.batch_size, int) and self.batch_size >= least, name, "batch_size", self.batch_size,
                 f"need at least 2 volumes per batch: batch_size >= 2 * n_partitions = {least}")
-        for flag in ("feature_exchange", "negative_sampling", "structural_matching", "plain_moco", "federated"):
+        for flag in ("feature_exchange", "negative_sampling", "structural_matching", "plain_moco", "federated",
+                     "channels_last"):
             require(isinstance(getattr(self, flag), bool), name, flag, getattr(self, flag), "use true or false")
         require_int(name, "max_steps_per_round", self.max_steps_per_round, 0,
                     "use 0 (full epoch) or a positive step count")
@@ -165,6 +170,8 @@ class FCLLocalTrainer(Pretrainer):
         self.device = torch.device(device)
         self.model = MoCoUNetEncoder(s.features, s.proj_dim, norm=s.norm, head=s.head,
                                      image_size=s.image_size).to(self.device)
+        self.memory_format = torch.channels_last if s.channels_last else torch.contiguous_format
+        self.model = self.model.to(memory_format=self.memory_format)
         self.augment = augment
         self.precision = MixedPrecision(self.device, s.amp)
         self.generator = torch.Generator().manual_seed(self.data_seed)
@@ -244,8 +251,8 @@ class FCLLocalTrainer(Pretrainer):
             lr = cosine_lr(s.lr, (round_idx * steps_per_round + step) / (self.num_rounds * steps_per_round))
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
-            view_q = self.augment(x, self.generator)
-            view_k = self.augment(x, self.generator)
+            view_q = self.augment(x, self.generator).contiguous(memory_format=self.memory_format)
+            view_k = self.augment(x, self.generator).contiguous(memory_format=self.memory_format)
             with self.precision.autocast():
                 q = self.model.main(view_q)  # [N, D]
                 with torch.no_grad():

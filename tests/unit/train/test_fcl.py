@@ -339,3 +339,20 @@ def test_amp_runs_the_encoders_in_bfloat16_loss_and_bank_stay_float32():
     assert seen and set(seen) == {torch.bfloat16}
     assert math.isfinite(out["loss"]) and tr.bank.features.dtype == torch.float32
     assert all(p.dtype == torch.float32 for p in tr.model.parameters())
+
+
+def test_channels_last_trains_the_same_run_in_the_other_memory_format():
+    """``channels_last``: 4-D weights and the encoders' inputs in channels-last format; the round is the default
+    format's up to float rounding (the flag changes the memory layout, not the arithmetic)."""
+    seen = []
+    cl = trainer(channels_last=True)
+    for m in cl.model.main.modules():
+        if isinstance(m, torch.nn.Conv2d):
+            m.register_forward_pre_hook(lambda mod, args: seen.append(args[0].is_contiguous(
+                memory_format=torch.channels_last)))
+    assert all(p.is_contiguous(memory_format=torch.channels_last) for p in cl.model.parameters() if p.dim() == 4)
+    a, b = trainer().train_round(0), cl.train_round(0)
+    assert seen and all(seen)
+    assert b.loss == pytest.approx(a.loss, rel=1e-4)
+    with pytest.raises(ValueError, match="channels_last"):
+        settings(channels_last="yes").check("FCLLocalTrainer")

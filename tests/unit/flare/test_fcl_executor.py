@@ -235,7 +235,7 @@ def test_the_arguments_are_the_settings_declared_once():
 
     params = inspect.signature(FCLExecutor).parameters
     fields = {f.name: f.default for f in dataclasses.fields(FCLSettings)}
-    assert {k: p.default for k, p in params.items()} == fields and len(fields) == 24
+    assert {k: p.default for k, p in params.items()} == fields and len(fields) == 25
     ex = FCLExecutor(lr=0.1, features=[4, 4, 8, 8, 16, 4])
     assert ex.lr == 0.1 and ex.features == [4, 4, 8, 8, 16, 4]
     assert ex.settings == FCLSettings(lr=0.1, features=[4, 4, 8, 8, 16, 4])

@@ -28,7 +28,7 @@ import yaml
 from fedssl.data.site_config import SITE_CONFIG_FILE
 from fedssl.ops.jobs import REPO_ROOT, build_job
 from fedssl.ops.policy import write_site_local
-from fedssl.ops.simulate import FailureLog
+from fedssl.ops.simulate import FailureLog, nvflare_command
 
 PROJECT_YML = os.path.join(REPO_ROOT, "provisioning", "project.yml")
 PRIVACY_JSON = os.path.join(REPO_ROOT, "app_config", "privacy.json")
@@ -144,7 +144,7 @@ class LoopbackDeployment:
         self.port = self.port or free_port()
         project_yml = os.path.join(self.workspace, "project.yml")
         project = write_project(project_yml, self.n_sites, self.port)
-        out = subprocess.run(["nvflare", "provision", "-p", project_yml, "-w",
+        out = subprocess.run([*nvflare_command(), "provision", "-p", project_yml, "-w",
                               os.path.join(self.workspace, "provision")],
                              capture_output=True, text=True, timeout=300)
         if out.returncode != 0:

@@ -13,7 +13,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
+import threading
 import time
 
 from fedssl.flare.party_folder import SECRETS_DIR_ENV
@@ -96,6 +99,35 @@ def global_model_path(workspace: str) -> str:
     return os.path.join(server_run_dir(workspace), "app_server", "FL_global_model.pt")
 
 
+def nvflare_command() -> list[str]:
+    """How to start FLARE's command line: the ``nvflare`` beside this Python (its virtual environment, also when
+    it is not on PATH), else the one on PATH, else ``python -m nvflare.cli`` with this Python."""
+    beside = os.path.join(os.path.dirname(sys.executable), "nvflare")
+    if os.path.isfile(beside) and os.access(beside, os.X_OK):
+        return [beside]
+    found = shutil.which("nvflare")
+    return [found] if found else [sys.executable, "-m", "nvflare.cli"]
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stop ``proc`` and every process of its group (it was started with ``start_new_session``): SIGTERM, then
+    SIGKILL after ``grace_s``; a group already gone is fine."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        try:  # the parent is gone; its children may linger in the group
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return
+
+
 def run_simulation(
     job_dir: str,
     workspace: str,
@@ -141,24 +173,39 @@ def run_simulation(
     # all sites share this machine's cores: one process per site, so split the cores between them
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n_sites)))
     threads = threads or n_sites  # -t = -n: no client restarts between tasks
-    cmd = ["nvflare", "simulator", job, "-w", workspace, "-n", str(n_sites), "-t", str(threads)]
+    cmd = [*nvflare_command(), "simulator", job, "-w", workspace, "-n", str(n_sites), "-t", str(threads)]
     log_path = workspace + "_simulator.log"
     t0 = time.time()
     failure_log = FailureLog()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        for line in proc.stdout:
-            log.write(line)
-            failure_log.read(line)
-            m = PROGRESS.search(line)
-            if m:
-                if echo:
+        # its own process group: stopping this run (Ctrl-C, a timeout, an error here) stops every process the
+        # simulator started, its site processes included, not only the parent
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)
+
+        def pump() -> None:  # the output is read beside the wait, so timeout_s holds while the output is open
+            for line in proc.stdout:
+                log.write(line)
+                failure_log.read(line)
+                m = PROGRESS.search(line)
+                if m and echo:
                     print(f"  [{time.time() - t0:6.1f}s] {m.group(1)}", flush=True)
+
+        reader = threading.Thread(target=pump, name="simulator-output", daemon=True)
+        reader.start()
         try:
             rc = proc.wait(timeout=timeout_s)
+            reader.join(timeout=60.0)
+            if reader.is_alive():  # the simulator exited but something it started still holds its output
+                stop_process_group(proc)
+                reader.join(timeout=10.0)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            raise SimulationError(f"simulator exceeded {timeout_s}s; see {log_path}")
+            stop_process_group(proc)
+            reader.join(timeout=10.0)
+            raise SimulationError(f"simulator exceeded {timeout_s}s; see {log_path}") from None
+        except BaseException:
+            stop_process_group(proc)
+            raise
     summary_path = os.path.join(server_run_dir(workspace), "summary.json")
     refused = failure_log.refusals()
     failures = failure_log.failures + refused

@@ -148,3 +148,44 @@ def test_the_summary_records_the_sites_torch_thread_count(tmp_path, monkeypatch,
     s = simulate.run_simulation(os.path.join(REPO_ROOT, "jobs", "fcl_acdc"), str(tmp_path / "ws"), n_sites=2,
                                 data_root=str(tmp_path), echo=False)
     assert s["torch_threads_per_site"] == expected == int(_ResultSimulator.envs[-1]["OMP_NUM_THREADS"])
+
+
+def test_nvflare_is_found_beside_this_python_before_path(tmp_path, monkeypatch):
+    """Issue 45: a virtual environment's nvflare was found only on PATH."""
+    bindir = tmp_path / "venv" / "bin"
+    bindir.mkdir(parents=True)
+    fake = bindir / "nvflare"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(simulate.sys, "executable", str(bindir / "python3"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert simulate.nvflare_command() == [str(fake)]
+    fake.unlink()
+    assert simulate.nvflare_command() == [str(bindir / "python3"), "-m", "nvflare.cli"]
+
+
+def test_stopping_a_run_stops_every_process_the_simulator_started(tmp_path, monkeypatch):
+    """Issue 45: a timeout (as Ctrl-C or an error) killed the simulator but left its site processes running."""
+    import signal
+    import time
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    pidfile = tmp_path / "child.pid"
+    fake = bindir / "nvflare"
+    fake.write_text(f"#!/bin/sh\nsleep 120 &\necho $! > {pidfile}\necho started\nsleep 120\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(simulate.sys, "executable", str(bindir / "python3"))
+    with pytest.raises(simulate.SimulationError, match="exceeded 2s"):
+        simulate.run_simulation(os.path.join(REPO_ROOT, "jobs", "fcl_acdc"), str(tmp_path / "ws"), n_sites=1,
+                                data_root=str(tmp_path), echo=False, timeout_s=2)
+    child = int(pidfile.read_text())
+    for _ in range(50):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the simulator's child process outlived the run")

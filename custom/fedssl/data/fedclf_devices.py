@@ -152,7 +152,7 @@ def resize_short_edge(path: str, short_edge: int, site: str):
             w, h = im.size
             size = (short_edge, round(h * short_edge / w)) if w <= h else (round(w * short_edge / h), short_edge)
             return im.resize(size, Image.BILINEAR)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise ImageDataError(f"[site {site}] cannot decode image ({type(e).__name__}: {e}): {path}. Fix: replace or "
                              "remove the file") from None
 

@@ -407,7 +407,7 @@ def _decode(path: str, base: int, site: str) -> np.ndarray:
             if size != (w, h):
                 im = im.resize(size, Image.BICUBIC, reducing_gap=3.0)
             return np.asarray(im, dtype=np.uint8).copy()
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         raise _err(site, path, f"cannot decode image ({exc.__class__.__name__}: {exc})",
                    "replace the file with a readable PNG/JPEG or remove it") from exc
 

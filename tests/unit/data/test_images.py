@@ -338,3 +338,19 @@ def test_batch_bounds_by_hand():
     assert batch_bounds(9, 4) == [(0, 4), (4, 8), (8, 9)]
     assert batch_bounds(1, 4, fold_single=True) == [(0, 1)]  # nothing to join: one batch of one
     assert batch_bounds(9, 4, drop_last=True, fold_single=True) == [(0, 4), (4, 8)]
+
+
+def test_a_decompression_bomb_names_the_file_and_the_site(tmp_path, monkeypatch):
+    """Issue 45: PIL's DecompressionBombError is not an OSError and escaped the loaders unnamed."""
+    from PIL import Image
+
+    from fedssl.data import images as images_module
+    from fedssl.data.fedclf_devices import resize_short_edge
+
+    path = str(tmp_path / "bomb.png")
+    Image.new("RGB", (40, 40)).save(path)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # 1,600 pixels > 2 x 100: PIL raises, as for a real bomb
+    with pytest.raises(ImageDataError, match=r"\[site site-2\].*DecompressionBombError.*bomb\.png"):
+        images_module._decode(path, 32, "site-2")
+    with pytest.raises(ImageDataError, match=r"\[site site-2\].*DecompressionBombError.*bomb\.png"):
+        resize_short_edge(path, 32, "site-2")

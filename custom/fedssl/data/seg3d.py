@@ -73,7 +73,8 @@ def base_transform(pixdim: Sequence[float], roi_size: Sequence[int], axcodes: st
     nearest label), intensity to [0, 1] between the 1st and 99th percentiles, pad to at least ``roi_size``."""
     from monai import transforms as mt
 
-    steps = [mt.LoadImaged(keys=["image", "label"], image_only=True), mt.EnsureChannelFirstd(keys=["image", "label"])]
+    steps = [mt.LoadImaged(keys=["image", "label"], image_only=True), mt.EnsureChannelFirstd(keys=["image", "label"]),
+             mt.Lambdad(keys="image", func=_finite)]
     if axcodes:
         steps.append(mt.Orientationd(keys=["image", "label"], axcodes=axcodes,
                                      labels=(("L", "R"), ("P", "A"), ("I", "S"))))
@@ -81,9 +82,19 @@ def base_transform(pixdim: Sequence[float], roi_size: Sequence[int], axcodes: st
         mt.Spacingd(keys=["image", "label"], pixdim=tuple(float(p) for p in pixdim), mode=("bilinear", "nearest")),
         mt.ScaleIntensityRangePercentilesd(keys="image", lower=1, upper=99, b_min=0.0, b_max=1.0, clip=True),
         mt.SpatialPadd(keys=["image", "label"], spatial_size=tuple(int(r) for r in roi_size)),
-        mt.EnsureTyped(keys=["image", "label"], dtype=(torch.float32, torch.uint8), track_meta=False),
+        # labels stay float32 here: load_volumes checks the values before the uint8 cast (256 must not wrap to 0)
+        mt.EnsureTyped(keys=["image", "label"], dtype=(torch.float32, torch.float32), track_meta=False),
     ]
     return mt.Compose(steps)
+
+
+def _finite(image):
+    """The image unchanged, or ValueError when a voxel is NaN or infinite (before resampling spreads or the
+    intensity clip hides it)."""
+    bad = int(image.numel() - torch.isfinite(torch.as_tensor(image)).sum())
+    if bad:
+        raise ValueError(f"{bad} voxel(s) are NaN or infinite")
+    return image
 
 
 def train_transform(roi_size: Sequence[int], num_samples: int = 2):
@@ -122,9 +133,10 @@ def load_volumes(items: Sequence[dict], dataset: str, pixdim: Sequence[float], r
         if tuple(d["image"].shape) != tuple(d["label"].shape):
             raise Seg3DDataError(f"site {site or '?'}: {item['label']}: label shape {tuple(d['label'].shape)} differs "
                                  f"from the image's {tuple(d['image'].shape)}; the pair must share one grid")
-        values = set(np.unique(d["label"].numpy()).tolist())
+        values = set(np.unique(d["label"].numpy()).tolist())  # float32: checked before any cast
         if not values <= allowed:
-            raise Seg3DDataError(f"site {site or '?'}: {item['label']}: label values {sorted(values - allowed)} are "
+            shown = sorted(v if not float(v).is_integer() else int(v) for v in values - allowed)[:5]
+            raise Seg3DDataError(f"site {site or '?'}: {item['label']}: label values {shown} are "
                                  f"not {dataset} classes {sorted(allowed)}")
-        out.append({"image": d["image"], "label": d["label"], "id": item["id"]})
+        out.append({"image": d["image"], "label": d["label"].to(torch.uint8), "id": item["id"]})
     return out

@@ -61,3 +61,28 @@ def test_hvsmr_uses_the_same_pipeline(tmp_path):
     items = list_items("hvsmr", str(tmp_path), "site-1")
     vol = load_volumes(items, "hvsmr", (1.5, 1.5, 1.5), (8, 8, 8), "site-1")[0]
     assert vol["id"] == "pat0" and set(vol["label"].unique().tolist()) <= {0, 1, 2}
+
+
+@pytest.mark.parametrize("value", [256, 257, -255, 1.6])
+def test_labels_are_checked_before_the_uint8_cast(acdc, tmp_path, value):
+    """Issue 45: 256 became background, 257 and -255 RV and 1.6 became 1: the uint8 cast ran before the check."""
+    item = dict(list_items("acdc", acdc, "site-1")[0])
+    lab = nib.load(item["label"])
+    data = np.asarray(lab.dataobj).astype(np.float32)
+    data[2, 2, 0] = value
+    bad = tmp_path / "wraps_gt.nii.gz"
+    nib.save(nib.Nifti1Image(data, lab.affine), bad)
+    with pytest.raises(Seg3DDataError, match=r"wraps_gt\.nii\.gz: label values \[.*\] are not acdc classes"):
+        load_volumes([{**item, "label": str(bad)}], "acdc", (1.5, 1.5, 10.0), (8, 8, 4), "site-1")
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_a_non_finite_image_voxel_is_refused_naming_the_file(acdc, tmp_path, value):
+    item = dict(list_items("acdc", acdc, "site-1")[0])
+    img = nib.load(item["image"])
+    data = np.asarray(img.dataobj).astype(np.float32)
+    data[3, 3, 0] = value
+    bad = tmp_path / "nan_image.nii.gz"
+    nib.save(nib.Nifti1Image(data, img.affine), bad)
+    with pytest.raises(Seg3DDataError, match=r"site site-1: .*nan_image\.nii\.gz.*1 voxel\(s\) are NaN or infinite"):
+        load_volumes([{**item, "image": str(bad)}], "acdc", (1.5, 1.5, 10.0), (8, 8, 4), "site-1")

@@ -181,15 +181,29 @@ class CellStore:
         if not gone:
             return []
         gone_ids = {key_id(r["key"]) for r in gone}
-        kept = [r for ident, r in self._cells.items() if ident not in gone_ids]
+        # from the file's own lines, so that a repeated line (the store kept its first) goes with its cell, into
+        # the forgotten file, and every other line stays as it was; a torn or unreadable line is dropped, as before
+        moved, kept = [], []
+        with open(self.path, "rb") as f:
+            for raw in f.read().split(b"\n"):
+                try:
+                    record = self._record(raw)
+                except ValueError:
+                    continue
+                (moved if key_id(record["key"]) in gone_ids else kept).append(raw.rstrip(b"\r"))
         root, _ = os.path.splitext(self.path)
-        for path, records, mode in ((root + ".forgotten.jsonl", gone, "ab"), (self.path + ".tmp", kept, "wb")):
-            with open(path, mode) as f:
-                for r in records:
-                    f.write((json.dumps(r, allow_nan=True) + "\n").encode("utf-8"))
+        tmp = self.path + ".tmp"
+        if os.path.lexists(tmp):  # never write through a link left there (it could point at any file)
+            os.unlink(tmp)
+        for path, lines, flags in ((root + ".forgotten.jsonl", moved, os.O_APPEND),
+                                   (tmp, kept, os.O_TRUNC | os.O_EXCL)):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            with os.fdopen(fd, "wb") as f:
+                for line in lines:
+                    f.write(line + b"\n")
                 f.flush()
                 os.fsync(f.fileno())
-        os.replace(self.path + ".tmp", self.path)
+        os.replace(tmp, self.path)
         self._torn_at = None  # the rewrite dropped a torn last line too
         for ident in gone_ids:
             del self._cells[ident]

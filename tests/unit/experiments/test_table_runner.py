@@ -108,6 +108,26 @@ def test_forget_moves_cells_aside_and_the_next_run_computes_exactly_them(tmp_pat
     assert CellStore(path).forget({"method": "none"}) == [] and len(CellStore(path).results()) == 3
 
 
+def test_forget_never_writes_through_a_link_and_keeps_repeated_lines(tmp_path):
+    """Issue 45 item 10: a symlinked cells.jsonl.tmp made forget overwrite the file it pointed at, and a repeated
+    line vanished from both files.  Now the link is removed, not followed; a repeated line of a kept cell stays in
+    the store and one of a forgotten cell goes with it to the forgotten file."""
+    path = tmp_path / "cells.jsonl"
+    run_cells(CELLS, lambda key: {"value": key["n"]}, CellStore(path), say=lambda line: None)
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([*lines, lines[0], lines[2]]) + "\n")  # random n=1 and FCL n=1 twice
+    victim = tmp_path / "victim.txt"
+    victim.write_text("someone else's file\n")
+    (tmp_path / "cells.jsonl.tmp").symlink_to(victim)
+    with pytest.warns(UserWarning, match="repeats cell"):
+        store = CellStore(path)
+    store.forget({"method": "FCL"})
+    assert victim.read_text() == "someone else's file\n"
+    assert path.read_text().splitlines() == [lines[0], lines[1], lines[0]]
+    forgotten = (tmp_path / "cells.forgotten.jsonl").read_text().splitlines()
+    assert forgotten == [lines[2], lines[3], lines[2]]
+
+
 def test_record_without_its_newline_is_kept_and_the_next_one_starts_a_new_line(tmp_path):
     path = tmp_path / "cells.jsonl"
     path.write_text(json.dumps({"key": CELLS[0], "result": 1, "seconds": 1.0}))  # no trailing newline

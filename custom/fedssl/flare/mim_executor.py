@@ -32,13 +32,14 @@ from fedssl.core.checks import takes_settings
 from fedssl.core.tokenizer import save_codebook
 from fedssl.core.trainer import RoundStats
 from fedssl.data.images import load_image_records
+from fedssl.data.site_config import read_site_config
 from fedssl.flare.constants import (DESCRIPTION_KEY, IMAGES_KEY, INIT_KEY, ITER_KEY, K_KEY, KMEANS_INIT, KMEANS_STEP,
                                     LOCAL_ITERS_KEY, LOCAL_TOKENIZER_KEY, MIN_CLUSTER_KEY, SEED_KEY, SET_TOKENIZER,
                                     SITE_RECORD_META, VECTORS_KEY)
 from fedssl.flare.site_executor import pick_device
 from fedssl.flare.trainer_executor import TrainerExecutor
-from fedssl.train.mim import (KMeansPatches, MIMLocalTrainer, MIMSettings, check_kmeans_task, cluster_floor,
-                              received_codebook, site_tokenizer)
+from fedssl.train.mim import (KMeansPatches, MIMLocalTrainer, MIMSettings, check_kmeans_sharing, check_kmeans_task,
+                              cluster_floor, received_codebook, site_tokenizer)
 
 
 class MIMExecutor(TrainerExecutor):
@@ -95,9 +96,16 @@ class MIMExecutor(TrainerExecutor):
                 + (f", kept local: {kept}" if kept else "") + ")")
 
     # ------------------------------------------------------------------ tasks: federated k-means tokenizer
-    def kmeans_task(self, shareable: Shareable, fl_ctx: FLContext) -> DXO:
+    def kmeans_task(self, shareable: Shareable, fl_ctx: FLContext, shares: bool = False) -> DXO:
+        """The task's DXO, checked; ``shares``: the answer holds statistics of this site's patches, which it sends
+        only when its own config (or, without one, the job) says share_kmeans_statistics true."""
         dxo = from_shareable(shareable)
-        check_kmeans_task(self.site_name(fl_ctx), self.settings, dxo.get_meta_prop(K_KEY))
+        site = self.site_name(fl_ctx)
+        check_kmeans_task(site, self.settings, dxo.get_meta_prop(K_KEY))
+        if shares:
+            ws = fl_ctx.get_engine().get_workspace()
+            own = read_site_config(ws.get_site_config_dir()).get("share_kmeans_statistics")
+            check_kmeans_sharing(site, self.settings.share_kmeans_statistics if own is None else own)
         return dxo
 
     def min_cluster_size_for(self, dxo: DXO, site: str) -> int:
@@ -119,6 +127,7 @@ class MIMExecutor(TrainerExecutor):
         dxo = self.kmeans_task(shareable, fl_ctx)
         if dxo.get_meta_prop(INIT_KEY) == "random":  # data-free start: the server only needs the patch size
             return DXO(DataKind.COLLECTION, data={}, meta={"patch_size": self.patch_size}).to_shareable()
+        self.kmeans_task(shareable, fl_ctx, shares=True)
         m = self.min_cluster_size_for(dxo, site)
         centroids, counts, n = self.kmeans_patches(fl_ctx).local_centroids(
             self.vocab_size, int(dxo.get_meta_prop(IMAGES_KEY)), int(dxo.get_meta_prop(SEED_KEY)),
@@ -130,7 +139,7 @@ class MIMExecutor(TrainerExecutor):
                    meta={VECTORS_KEY: n, "patch_size": self.patch_size, MIN_CLUSTER_KEY: m}).to_shareable()
 
     def kmeans_step(self, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
-        dxo = self.kmeans_task(shareable, fl_ctx)
+        dxo = self.kmeans_task(shareable, fl_ctx, shares=True)
         m = self.min_cluster_size_for(dxo, self.site_name(fl_ctx))
         codebook = torch.as_tensor(np.asarray(dxo.data["codebook"]), dtype=torch.float32)
         sums, counts, sse, n = self.kmeans_patches(fl_ctx).e_step(codebook, int(dxo.get_meta_prop(IMAGES_KEY)),

@@ -84,6 +84,12 @@ class MIMSettings:
         k-means codebook the site stored.
     min_cluster_size: Fed-BEiT federated k-means: the fewest patch vectors a mean or sum this site sends may cover
         (>= 2; the server's FederatedKMeans min_cluster_size applies when larger), see :class:`KMeansPatches`.
+    share_kmeans_statistics: Fed-BEiT federated k-means: this site answers the k-means tasks only when true.  The
+        statistics are means and sums of at least ``min_cluster_size`` patches, but an honest-but-curious server
+        that differences one site's successive Lloyd steps recovers raw patches (431 distinct ones at the paper's
+        K / N, issue 45), and one that varies the images asked for gets every patch of a chosen image: sharing
+        is an explicit choice.  ``share_kmeans_statistics`` in the site's own ``local/fedssl_site.json`` beats the
+        job's; a site that does not share refuses the task, naming this setting.
     seed: the job seed: model initialisation (all sites alike: they start from the same weights); the site's data
         seed ``site_seed(seed, site)`` draws augmentations, batches and masks, and seeds each round's owned global
         RNG (drop path; :meth:`fedssl.train.mim_loop.MIMTrainer.train_round`).
@@ -119,6 +125,7 @@ class MIMSettings:
     amp: bool = False
     tokenizer_path: str = ""
     min_cluster_size: int = 5
+    share_kmeans_statistics: bool = False
     seed: int = 0
     device: str = "auto"
     workers: int = 0
@@ -170,6 +177,8 @@ class MIMSettings:
                 'use a path to a local tokenizer, or "" for the federated k-means codebook')
         require(self.method == "beit" or tok == "", name, "tokenizer_path", tok,
                 'only Fed-BEiT uses a tokenizer; leave it "" for method "mae"')
+        require(isinstance(self.share_kmeans_statistics, bool), name, "share_kmeans_statistics",
+                self.share_kmeans_statistics, "use true (answer the federated k-means tasks) or false")
         require_int(name, "min_cluster_size", self.min_cluster_size, 2,
                     "use an integer >= 2: a k-means statistic of one patch vector is that patch (default 5)")
         require_int(name, "seed", self.seed, 0, "use a non-negative integer")
@@ -319,6 +328,16 @@ def check_kmeans_task(site: str, settings: MIMSettings, k: object) -> None:
     if k != settings.vocab_size:
         raise ValueError(f"{site}: the server learns a codebook of K={k} tokens but this site's vocab_size="
                          f"{settings.vocab_size}; set FederatedKMeans vocab_size and the sites' vocab_size alike")
+
+
+def check_kmeans_sharing(site: str, share: object) -> None:
+    """ValueError naming the site and the setting unless it agreed to share k-means statistics (``share`` is the
+    site's own setting when it has one, else the job's)."""
+    if share is not True:
+        raise ValueError(f"{site}: does not share federated k-means statistics (share_kmeans_statistics="
+                         f"{share!r}): they let the server recover raw image patches (threat model); set "
+                         "share_kmeans_statistics true in the site's local/fedssl_site.json (or the job, where the "
+                         "site has none) to accept, or give the sites a local tokenizer (tokenizer_path)")
 
 
 def cluster_floor(site: str, requested: object, own: int, key: str = "min_cluster_size") -> int:

@@ -23,7 +23,7 @@ N_IMAGES = 12
 VOCAB = 16
 ARGS = dict(image_size=32, patch_size=4, embed_dim=48, depth=2, num_heads=3, decoder_embed_dim=32, decoder_depth=1,
             decoder_num_heads=2, vocab_size=VOCAB, batch_size=4, max_steps_per_round=2, lr=1e-3, lr_per_256=False,
-            warmup_rounds=1, device="cpu")
+            warmup_rounds=1, device="cpu", share_kmeans_statistics=True)
 CLS = "encoder.cls_token"
 
 
@@ -250,3 +250,31 @@ def test_loader_workers_reach_the_trainer(data, tmp_path, loader_workers):
     out = from_shareable(run(MIMExecutor(method="mae", data_root=data, workers=1, **ARGS), tmp_path,
                              task(global_weights())))
     assert np.isfinite(out.get_meta_prop("loss")) and loader_workers and set(loader_workers) == {1}
+
+
+def test_kmeans_statistics_leave_a_site_only_when_it_agreed(data, tmp_path, caplog):
+    """Issue 45 item 5: a server that differences one site's successive Lloyd steps recovers raw patches, so a
+    site answers the k-means tasks only with share_kmeans_statistics true; its own fedssl_site.json beats the job."""
+    import json as _json
+
+    from fedssl.data.site_config import SITE_CONFIG_FILE
+
+    quiet = {**ARGS, "share_kmeans_statistics": False}
+    ex = MIMExecutor(method="beit", data_root=data, **quiet)
+    os.makedirs(tmp_path / "job_says_no")
+    reply = run(ex, tmp_path / "job_says_no", kmeans_task({}), KMEANS_INIT)
+    assert reply.get_return_code() == ReturnCode.EXECUTION_EXCEPTION
+    assert "does not share federated k-means statistics (share_kmeans_statistics=False)" in caplog.text
+    random_start = from_shareable(run(ex, tmp_path / "job_says_no", kmeans_task({"init": "random"}), KMEANS_INIT))
+    assert random_start.data == {}  # the data-free start sends no statistic, so it needs no consent
+    c = np.zeros((VOCAB, 48), np.float32)
+    step = run(ex, tmp_path / "job_says_no", kmeans_task({"kmeans_iter": 0}, {"codebook": c}), KMEANS_STEP)
+    assert step.get_return_code() == ReturnCode.EXECUTION_EXCEPTION
+    for job_value, site_value, answers in ((False, True, True), (True, False, False)):
+        folder = tmp_path / f"site_{site_value}"
+        os.makedirs(folder)
+        (folder / SITE_CONFIG_FILE).write_text(_json.dumps({"share_kmeans_statistics": site_value}))
+        ex = MIMExecutor(method="beit", data_root=data, **{**ARGS, "share_kmeans_statistics": job_value})
+        reply = run(ex, folder, kmeans_task({}), KMEANS_INIT)
+        assert (reply.get_return_code() in (None, ReturnCode.OK)) is answers
+

@@ -101,13 +101,19 @@ def sample_negatives(
 UNIT_NORM_TOL = 1e-3
 
 
+#: the least feature spread (mean over dimensions of the std over filled rows) an uploaded bank may have: a
+#: collapsed honest encoder stays above 1e-3 (feature spread 0.001-0.006 measured), a bank of copies is 0
+MIN_BANK_SPREAD = 1e-5
+
+
 def check_bank(features: object, partitions: object, site: str, dim: int, max_rows: int,
                n_partitions: int) -> tuple[np.ndarray, np.ndarray]:
     """Validate an uploaded bank before it is shuttled to other sites; float32 ``[K, dim]`` / int64 ``[K]`` copies.
 
     Checked after the cast (``fedssl.core.untrusted.cast_array``): width ``dim``, at most ``max_rows`` rows (the
     job's K), finite, every row of unit norm within ``UNIT_NORM_TOL``, partition ids in ``[-1, n_partitions)``
-    (-1 marks a bank slot not yet filled).  ContributionError names the site otherwise.
+    (-1 marks a bank slot not yet filled), and, with 4 or more filled rows, not degenerate: at least half of them
+    distinct and a feature spread of at least :data:`MIN_BANK_SPREAD`.  ContributionError names the site otherwise.
     """
     f = cast_array(features, np.float32, "its feature bank", site)
     if f.ndim != 2 or f.shape[1] != dim or not 0 < f.shape[0] <= max_rows:
@@ -121,6 +127,16 @@ def check_bank(features: object, partitions: object, site: str, dim: int, max_ro
     if p.size and (p.min() < -1 or p.max() >= n_partitions):
         raise ContributionError(f"{site} sent bank partition ids in [{p.min()}, {p.max()}]; expected -1 (unfilled) "
                                 f"or 0..{n_partitions - 1}")
+    filled = f[p >= 0]
+    if filled.shape[0] >= 4:  # a degenerate bank poisons the others' negatives (issue 45)
+        distinct = np.unique(filled, axis=0).shape[0]
+        if distinct * 2 < filled.shape[0]:
+            raise ContributionError(f"{site} sent a bank of {filled.shape[0]} filled features with only {distinct} "
+                                    "distinct ones; a bank holds one feature per sampled slice")
+        spread = float(filled.astype(np.float64).std(axis=0).mean())
+        if spread < MIN_BANK_SPREAD:
+            raise ContributionError(f"{site} sent a near-constant bank (feature spread {spread:.2g} < "
+                                    f"{MIN_BANK_SPREAD:g}); its features carry no information")
     return f, p
 
 
@@ -134,6 +150,10 @@ def remote_bank_for(
     replacement in a random order; while the pool is smaller than ``rows`` the rest is random unit vectors
     with partition id -1, exactly what an unfilled bank slot holds (negatives, never positives).  ``rng``
     must come from a secret the receiving site does not hold, so that it cannot undo the order.
+
+    A site receives at most ``N - 1`` real rows for every filled row it shared itself this round (the rest is
+    padding): honest sites, which fill alike, are not limited; a site that marks its bank unfilled receives
+    nothing real (issue 45: it received twice as many real rows as the honest ones).
     """
     dim = next(iter(banks.values()))[0].shape[1]
     pooled = [banks[name] for name in sorted(banks) if name != site]
@@ -141,7 +161,9 @@ def remote_bank_for(
     p = np.concatenate([b[1] for b in pooled], axis=0) if pooled else np.zeros((0,), np.int64)
     filled = p >= 0
     f, p = f[filled], p[filled]
-    take = rng.permutation(f.shape[0])[:rows]
+    own = int(np.sum(banks[site][1] >= 0)) if site in banks else 0
+    rows_real = min(rows, own * len(pooled))
+    take = rng.permutation(f.shape[0])[:rows_real]
     f, p = f[take], p[take]
     pad = rows - f.shape[0]
     if pad > 0:

@@ -32,7 +32,6 @@ from fedssl.core.checks import takes_settings
 from fedssl.core.tokenizer import save_codebook
 from fedssl.core.trainer import RoundStats
 from fedssl.data.images import load_image_records
-from fedssl.data.site_config import read_site_config
 from fedssl.flare.constants import (DESCRIPTION_KEY, IMAGES_KEY, INIT_KEY, ITER_KEY, K_KEY, KMEANS_INIT, KMEANS_STEP,
                                     LOCAL_ITERS_KEY, LOCAL_TOKENIZER_KEY, MIN_CLUSTER_KEY, SEED_KEY, SET_TOKENIZER,
                                     SITE_RECORD_META, VECTORS_KEY)
@@ -60,9 +59,7 @@ class MIMExecutor(TrainerExecutor):
         self.records = None
         self.patches: KMeansPatches | None = None  # the k-means sample of this site's patches
 
-    @property
-    def peak_lr(self) -> float:
-        return self.settings.peak_lr
+    peak_lr = property(lambda self: self.settings.peak_lr)
 
     def site_records(self, fl_ctx: FLContext):
         if self.records is None:
@@ -97,15 +94,12 @@ class MIMExecutor(TrainerExecutor):
 
     # ------------------------------------------------------------------ tasks: federated k-means tokenizer
     def kmeans_task(self, shareable: Shareable, fl_ctx: FLContext, shares: bool = False) -> DXO:
-        """The task's DXO, checked; ``shares``: the answer holds statistics of this site's patches, which it sends
-        only when its own config (or, without one, the job) says share_kmeans_statistics true."""
-        dxo = from_shareable(shareable)
-        site = self.site_name(fl_ctx)
+        """The task's DXO, checked; ``shares``: the answer holds statistics of the site's patches (consent needed)."""
+        dxo, site = from_shareable(shareable), self.site_name(fl_ctx)
         check_kmeans_task(site, self.settings, dxo.get_meta_prop(K_KEY))
-        if shares:
+        if shares and dxo.get_meta_prop(INIT_KEY) != "random":  # the data-free start sends no statistic
             ws = fl_ctx.get_engine().get_workspace()
-            own = read_site_config(ws.get_site_config_dir()).get("share_kmeans_statistics")
-            check_kmeans_sharing(site, self.settings.share_kmeans_statistics if own is None else own)
+            check_kmeans_sharing(site, self.share_kmeans_statistics, ws.get_site_config_dir())
         return dxo
 
     def min_cluster_size_for(self, dxo: DXO, site: str) -> int:
@@ -124,17 +118,15 @@ class MIMExecutor(TrainerExecutor):
             _, description = site_tokenizer(site, self.tokenizer_path, "", self.vocab_size)
             self.log_info(fl_ctx, f"{site}: uses {description}; no federated k-means")
             return DXO(DataKind.COLLECTION, data={}, meta={LOCAL_TOKENIZER_KEY: description}).to_shareable()
-        dxo = self.kmeans_task(shareable, fl_ctx)
+        dxo = self.kmeans_task(shareable, fl_ctx, shares=True)
         if dxo.get_meta_prop(INIT_KEY) == "random":  # data-free start: the server only needs the patch size
             return DXO(DataKind.COLLECTION, data={}, meta={"patch_size": self.patch_size}).to_shareable()
-        self.kmeans_task(shareable, fl_ctx, shares=True)
         m = self.min_cluster_size_for(dxo, site)
         centroids, counts, n = self.kmeans_patches(fl_ctx).local_centroids(
             self.vocab_size, int(dxo.get_meta_prop(IMAGES_KEY)), int(dxo.get_meta_prop(SEED_KEY)),
             dxo.get_meta_prop(LOCAL_ITERS_KEY), m, should_stop=lambda: abort_signal.triggered)
-        self.log_info(fl_ctx, f"{site}: local k-means of {n} patch vectors -> {int((counts > 0).sum())} of "
-                              f"{self.vocab_size} centroids sent (means of >= {m} vectors; "
-                              f"{n - int(counts.sum())} vectors in smaller clusters withheld)")
+        self.log_info(fl_ctx, f"{site}: local k-means of {n} patch vectors -> {int((counts > 0).sum())} centroids "
+                              f"sent (means of >= {m} vectors; {n - int(counts.sum())} in smaller ones withheld)")
         return DXO(DataKind.COLLECTION, data={"centroids": centroids.numpy(), "counts": counts.numpy()},
                    meta={VECTORS_KEY: n, "patch_size": self.patch_size, MIN_CLUSTER_KEY: m}).to_shareable()
 

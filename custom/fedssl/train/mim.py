@@ -40,6 +40,7 @@ from fedssl.core.tokenizer import (
 )
 from fedssl.core.trainer import RoundStats, check_stop, detached, load_checked
 from fedssl.data.images import DATASETS, ImageDataset, ImageRecord, batches
+from fedssl.data.site_config import read_site_config
 from fedssl.data.loading import loader_options
 from fedssl.models.vit import BEiTViT, MAEViT
 from fedssl.models.vit_classifier import check_vit_args
@@ -330,9 +331,11 @@ def check_kmeans_task(site: str, settings: MIMSettings, k: object) -> None:
                          f"{settings.vocab_size}; set FederatedKMeans vocab_size and the sites' vocab_size alike")
 
 
-def check_kmeans_sharing(site: str, share: object) -> None:
-    """ValueError naming the site and the setting unless it agreed to share k-means statistics (``share`` is the
-    site's own setting when it has one, else the job's)."""
+def check_kmeans_sharing(site: str, job_value: object, site_config_dir: str | None) -> None:
+    """ValueError naming the site and the setting unless it agreed to share k-means statistics: the site's own
+    ``share_kmeans_statistics`` (``local/fedssl_site.json``) when it has one, else the job's ``job_value``."""
+    own = read_site_config(site_config_dir).get("share_kmeans_statistics")
+    share = job_value if own is None else own
     if share is not True:
         raise ValueError(f"{site}: does not share federated k-means statistics (share_kmeans_statistics="
                          f"{share!r}): they let the server recover raw image patches (threat model); set "

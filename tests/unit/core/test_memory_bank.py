@@ -84,8 +84,15 @@ def test_remote_bank_size_does_not_reveal_the_number_of_sites_or_fill_levels():
         assert f.shape == (8, 4) and (p >= 0).all(), (n_others, filled)
 
 
+def _distinct_rows(n, dim):
+    angles = 0.2 * np.arange(1, n + 1)
+    f = np.zeros((n, dim), np.float32)
+    f[:, 0], f[:, 1] = np.cos(angles), np.sin(angles)
+    return f
+
+
 def test_check_bank_casts_and_rejects_bad_uploads():
-    ok_f, ok_p = _unit_rows(4, 2, 0).astype(np.float64), np.zeros(4, np.int32)
+    ok_f, ok_p = _distinct_rows(4, 2).astype(np.float64), np.zeros(4, np.int32)
     f, p = check_bank(ok_f, ok_p, "site-1", dim=2, max_rows=4, n_partitions=4)
     assert f.dtype == np.float32 and p.dtype == np.int64
     cases = {
@@ -99,8 +106,27 @@ def test_check_bank_casts_and_rejects_bad_uploads():
         "partition below -1": (ok_f, np.array([0, 1, 2, -2])),
         "float partitions": (ok_f, np.zeros(4, np.float32)),
         "complex": (ok_f.astype(np.complex64), ok_p),
+        # issue 45: a bank of copies of one vector (or of near-copies) was accepted and shuttled
+        "duplicates": (np.repeat(ok_f[:1], 4, axis=0), ok_p),
+        "near-constant": (_unit_rows(4, 2, 0) + np.array([[0, 1e-7], [0, 2e-7], [0, 3e-7], [0, 4e-7]]), ok_p),
     }
     for what, (feats, parts) in cases.items():
         with pytest.raises(ValueError, match="site-1"):
             check_bank(feats, parts, "site-1", dim=2, max_rows=4, n_partitions=4)
             pytest.fail(f"{what} was accepted")
+
+
+def test_a_site_that_shares_nothing_receives_nothing_real():
+    """Issue 45: a device that marked its whole bank unfilled shared nothing and still received real rows.  A site
+    receives at most N - 1 real rows per filled row it shared; honest sites that fill alike are not limited."""
+    rng = np.random.default_rng(0)
+    honest = {f"site-{i}": (_distinct_rows(8, 2), np.array([0, 1, 2, 3, -1, -1, -1, -1])) for i in (1, 2, 3)}
+    free = dict(honest, **{"site-4": (_distinct_rows(8, 2), np.full(8, -1))})
+    f, p = remote_bank_for(free, "site-4", 8, rng)
+    assert (p >= 0).sum() == 0 and f.shape == (8, 2)
+    f, p = remote_bank_for(free, "site-1", 8, rng)  # 4 filled rows x (4 - 1) sites = 12 >= the 8 real rows there
+    assert (p >= 0).sum() == 8
+    half = dict(honest, **{"site-4": (_distinct_rows(8, 2), np.array([0, -1, -1, -1, -1, -1, -1, -1]))})
+    f, p = remote_bank_for(half, "site-4", 8, rng)
+    assert (p >= 0).sum() == 3  # one filled row shared, three real rows back
+

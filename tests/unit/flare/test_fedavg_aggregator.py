@@ -21,9 +21,10 @@ def ctx(tmp_path, round_idx=0, glob=GLOBAL, **props):
 
 
 def bank(v, k=4, d=3):
-    """k unit rows e_(v mod d), partition ids 0..k-1: which site's bank arrived shows in the rows."""
+    """k distinct unit rows near e_(v mod d), partition ids 0..k-1: which site's bank arrived shows in the rows."""
     f = np.zeros((k, d), np.float32)
-    f[:, int(v) % d] = 1.0
+    angles = 0.1 * np.arange(1, k + 1)
+    f[:, int(v) % d], f[:, (int(v) + 1) % d] = np.cos(angles), np.sin(angles)
     return {"bank_features": f, "bank_partitions": np.arange(k, dtype=np.int64)}
 
 

@@ -118,6 +118,25 @@ def test_the_weights_follow_the_reported_losses_and_stay_in_the_ball(tmp_path, m
     assert "loss" not in json.dumps(saved)  # the per-site losses are not written
 
 
+def test_each_turn_starts_from_the_last_turns_weights(tmp_path, monkeypatch):
+    """Issue 47: weights reset to uniform every turn passed every test (each checked one update).  Two turns with
+    the same losses: the second moves on from the first's weights, as hand-computed by dro_update twice."""
+    from fedssl.core.dro import dro_update
+
+    ctrl, _, engine = controller(tmp_path, two_stage=False, rho=10.0)
+    turn(ctrl, engine, 0)
+    losses = dict(zip(SITES, (3.0, 2.0, 1.0)))
+    expected = {s: 1 / 3 for s in SITES}
+    for r in (1, 2):
+        for site, loss in losses.items():
+            report(ctrl, site, loss, monkeypatch)
+        _, _, ctx = turn(ctrl, engine, r)
+        expected, _ = dro_update(expected, losses, 0.5, 10.0, 0.5)
+        assert ctx.get_prop(DRO_WEIGHTS_PROP)["weights"] == pytest.approx(expected)
+    once, _ = dro_update({s: 1 / 3 for s in SITES}, losses, 0.5, 10.0, 0.5)
+    assert expected["site-1"] > once["site-1"] + 1e-3  # two steps went further than one
+
+
 @pytest.mark.parametrize("bad", ["missing", float("nan"), -1.0, "2.0"])
 def test_a_site_without_a_valid_loss_keeps_its_weight(tmp_path, monkeypatch, bad):
     ctrl, _, engine = controller(tmp_path, two_stage=False)

@@ -123,3 +123,22 @@ def test_loader_workers_give_the_same_round(split, loader_workers):
     assert loader_workers and set(loader_workers) == {2}  # only the workers=2 trainer built DataLoaders
     with pytest.raises(ValueError, match="workers=-1"):
         make(train, val, 1, "device-1", workers=-1)
+
+
+def test_table_i_local_protocol_decays_by_0_2_at_epochs_12_and_16(split, monkeypatch):
+    """Issue 47: Table I's decay factor 0.1 instead of 0.2 passed every test (they all passed gamma themselves).
+    FedCLF sec. V-A: local fine-tuning for 20 epochs, the lr x 0.2 at epochs 12 and 16."""
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(*args, milestones, gamma, **kwargs):
+        seen.update(milestones=tuple(milestones), gamma=gamma, epochs=kwargs["num_rounds"])
+        raise Stop
+
+    monkeypatch.setattr(rc, "ResNetClassifierLocalTrainer", capture)
+    train, val, test = split
+    with pytest.raises(Stop):
+        rc.local_finetune_device(train, val, test, init=None, site="device-1", label_fraction=0.1)
+    assert seen == {"milestones": (12, 16), "gamma": 0.2, "epochs": 20}

@@ -159,3 +159,20 @@ def test_loader_workers_give_the_same_turn(site, loader_workers):
     assert loader_workers == [2]
     with pytest.raises(ValueError, match="workers=-1"):
         trainer(site, workers=-1)
+
+
+def test_the_local_loss_is_the_symmetric_infonce_with_the_jobs_temperature(site):
+    """Issue 47: an image-to-text-only loss and an ignored temperature passed every test.  The trainer's batch
+    loss must equal the mean of both InfoNCE directions at the settings' tau (hand formula), anchor off."""
+    import torch.nn.functional as F
+
+    from fedssl.train.feddra import FedDRASettings
+
+    cfg = FedDRASettings(**MODEL, mu=0.0, tau=0.2).loss_config()
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)
+    logits = F.normalize(a, dim=-1) @ F.normalize(b, dim=-1).t() / 0.2
+    t = torch.arange(5)
+    both = 0.5 * F.cross_entropy(logits, t) + 0.5 * F.cross_entropy(logits.t(), t)
+    assert float(cfg.loss(a, b)[0]) == pytest.approx(float(both), rel=1e-6)
+    assert float(cfg.loss(a, b)[0]) != pytest.approx(float(F.cross_entropy(logits, t)), rel=1e-3)

@@ -216,3 +216,25 @@ def test_amp_runs_moco_in_bfloat16_and_its_bank_stays_float32(records):
     assert seen and set(seen) == {torch.bfloat16}
     assert math.isfinite(out["loss"]) and tr.bank.features.dtype == torch.float32
     assert all(p.dtype == torch.float32 for p in tr.model.parameters())
+
+
+def test_moco_step_uses_the_jobs_temperature_and_banks_the_momentum_features(records, monkeypatch):
+    """Issue 47: the trainer ignoring the configured temperature, and the local bank storing the main encoder's q
+    instead of the momentum features k (eq. 4: Q_l holds keys), passed every test."""
+    import fedssl.train.fedclf as fedclf
+
+    seen = []
+    real = fedclf.info_nce
+
+    def recording(q, k, negatives, tau):
+        seen.append((q.detach().clone(), k.detach().clone(), tau))
+        return real(q, k, negatives, tau)
+
+    monkeypatch.setattr(fedclf, "info_nce", recording)
+    t = make(records, 2, "", model=TinyMoCo(), batch_size=3, bank_size=8, seed=0, tau=0.37)
+    t.train_batches(_batches(1), steps_per_round=1, round_idx=0)
+    (q, k, tau), = seen
+    assert tau == 0.37
+    banked = t.bank.features[:3]
+    assert torch.allclose(banked, F.normalize(k, dim=1), atol=1e-6) or torch.allclose(banked, k, atol=1e-6)
+    assert not torch.allclose(banked, q, atol=1e-4)

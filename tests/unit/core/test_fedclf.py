@@ -79,6 +79,19 @@ def test_remote_draws_are_uniform_over_the_bank():
     assert torch.allclose(counts, torch.full((4,), 0.25), atol=0.01)
 
 
+def test_remote_draws_are_independent_not_a_cycle():
+    """Issue 47: drawing round-robin passed the frequency test above.  Eq. (3) draws each index uniformly and
+    independently: consecutive pairs cover all 16 combinations about equally (a cycle gives only 4), and the draw
+    is torch.randint on the trainer's generator."""
+    remote = torch.arange(4.0).view(4, 1)
+    drawn = sample_remote(remote, 40_000, torch.Generator().manual_seed(2)).view(-1).long()
+    pairs = torch.bincount(drawn[:-1] * 4 + drawn[1:], minlength=16).float() / (40_000 - 1)
+    assert torch.allclose(pairs, torch.full((16,), 1 / 16), atol=0.006)
+    g = torch.Generator().manual_seed(5)
+    expected = torch.randint(4, (7,), generator=torch.Generator().manual_seed(5))
+    assert torch.equal(sample_remote(remote, 7, g).view(-1).long(), expected)
+
+
 def test_queue_keeps_the_last_entries_when_more_arrive_than_it_holds():
     q = NegativeQueue(torch.zeros(2, 1), False)
     q.replace_oldest(torch.tensor([[1.0], [2.0], [3.0]]), torch.tensor([False, True, True]))

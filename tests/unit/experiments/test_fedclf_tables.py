@@ -263,3 +263,23 @@ def test_the_training_seed_reaches_the_models_and_the_split_seed_the_labelled_dr
     for seed in (0, 3):
         kw = ft.local_settings(s, seed)
         assert kw["seed"] == seed and kw["split_seed"] == 5
+
+
+def test_fig6_bars_are_wired_to_the_papers_equations():
+    """Issue 47: the "FE" bar wired to eq. 5 (remote negatives only) passed every test.  Fig. 6: W/o FE = plain
+    MoCo (queue none), FE = local + remote negatives (eq. 4, queue fe), FE+Neg = FedCLF (eq. 5, queue fe_neg, the
+    job's own setting)."""
+    import json as _json
+
+    from fedssl.experiments.fedclf_tables import METHODS
+    from fedssl.ops.jobs import REPO_ROOT
+
+    config = _json.load(open(f"{REPO_ROOT}/jobs/fedclf_derm/app/config/config_fed_client.json"))
+    trainer = next(e for e in config["executors"] if e["executor"]["id"] == "fedclf_trainer")["executor"]["args"]
+
+    def queue(method):
+        sets = [s.split("=", 1)[1] for s in METHODS[method]["sets"] if s.startswith("client.fedclf_trainer.queue=")]
+        return sets[-1] if sets else trainer["queue"]
+
+    assert {m["fig6"]: queue(name) for name, m in METHODS.items() if "fig6" in m} == {
+        "W/o FE": "none", "FE": "fe", "FE+Neg": "fe_neg"}

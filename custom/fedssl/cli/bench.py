@@ -3,7 +3,7 @@ bytes the wire switches save against the score they cost."""
 
 from __future__ import annotations
 
-from fedssl.cli import COUNT, POSITIVE, SEED, Verb, add_family
+from fedssl.cli import COUNT, NON_NEGATIVE, POSITIVE, SEED, Verb, add_family
 
 
 def _aggregation_args(s) -> None:
@@ -105,6 +105,36 @@ def _evidence(a) -> None:
                  say=lambda m: print(m, flush=True))
 
 
+def _control_args(s) -> None:
+    s.add_argument("--out", required=True, help="folder for the data, encoders/, control.json and control.png "
+                                                "(resumable: a second call skips what is done)")
+    s.add_argument("--size", default="bench", choices=["bench", "tiny"],
+                   help="bench = the bench profile's FCL settings (10 sites, U-Net 8, 64 px); tiny = toy sizes")
+    s.add_argument("--multipliers", nargs="+", type=COUNT, default=[1, 4, 16],
+                   help="centralised pre-training steps, in multiples of one site's steps in the bench run")
+    s.add_argument("--federated-multipliers", nargs="+", type=COUNT, default=[1],
+                   help="federated pre-training rounds, in multiples of the bench run's")
+    s.add_argument("--seeds", nargs="+", type=SEED, default=[0, 1, 2])
+    s.add_argument("--folds", nargs="+", type=NON_NEGATIVE, default=[0], choices=range(5))
+    s.add_argument("--first-seed-only", nargs="*", type=COUNT, default=[],
+                   help="multipliers that run only the first seed")
+    s.add_argument("--budget-s", type=POSITIVE, default=None, help="no cell starts after this many wall seconds")
+    s.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda ...")
+    s.add_argument("--report-only", action="store_true", help="only the table, verdicts and PNG of control.json")
+
+
+def _control(a) -> None:
+    from fedssl.experiments.control import control_report, fcl_control
+
+    say = lambda m: print(m, flush=True)  # noqa: E731
+    if a.report_only:
+        control_report(a.out, say=say)
+        return
+    fcl_control(a.out, multipliers=a.multipliers, seeds=a.seeds, federated_multipliers=a.federated_multipliers,
+                folds=a.folds, size=a.size, device=a.device, first_seed_only=a.first_seed_only, budget_s=a.budget_s,
+                say=say)
+
+
 def _fcl_step_args(s) -> None:
     s.add_argument("--out", required=True, help="folder for one synthetic site and fcl_step.json")
     s.add_argument("--size", default="gpu", choices=["gpu", "tiny"])
@@ -121,6 +151,9 @@ def _fcl_step(a) -> None:
 VERBS = (
     Verb("aggregation", "server scaling: time and peak memory of aggregating 2..20 ViT-B/16 contributions "
                         "(FedAvgAggregator, one process per count)", _aggregation_args, _aggregation),
+    Verb("control", "FCL's centralised control (issue 44 H2): one trainer on all sites' data pooled at 1x, 4x, 16x the "
+                    "bench pre-training steps, and the federated run, against random init in Table 1 local "
+                    "fine-tuning over seeds; JSON, PNG, one verdict per arm and multiplier", _control_args, _control),
     Verb("evidence", "one GPU command, at most 9 minutes: FCL at the paper's model size (Table 1, N = 1 and 2) and "
                      "Fed-MAE at Split-3 against random init over 3 seeds; JSON, PNG and one verdict per method",
          _evidence_args, _evidence),

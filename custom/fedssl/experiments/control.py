@@ -1,0 +1,486 @@
+"""``fedssl bench control``: the centralised control of issue 44 hypothesis H2 for FCL (Wu et al., "Distributed
+contrastive learning for medical image segmentation", MedIA 2022) on synthetic ACDC.
+
+The question: on this data, can FCL's pre-training beat random init in Table 1's local fine-tuning at all at the
+bench profile's compute?  If a centralised pre-training -- the same encoder, the same FCL loss, every site's
+unlabelled volumes pooled into ONE trainer, no federation -- cannot beat random init at this compute, the federated
+one cannot be expected to; if it can and the federated one cannot, federation loses it.
+
+Arms, per multiplier m and seed (:data:`BENCH`: the bench profile's FCL settings, ``jobs/fcl_acdc`` with
+``app_config/profiles/bench.json`` on ``quick.json``: 64 px at 2.5 mm, U-Net [8, 16, 32, 64, 128, 8], projection 32,
+batch 16 = 4 volumes x 4 partitions, bank 1,024, SGD lr 0.005 cosine over the run, 20 rounds of one full local
+epoch, 10 sites x 10 patients x 10 cine frames):
+
+* "1x" = the optimiser steps one site makes in the bench run: 20 rounds x its 25 steps per round = 500.
+* ``central xm``: one :class:`fedssl.train.fcl.FCLLocalTrainer` on the pooled volumes of all sites (1,000), m x 500
+  steps in m x 20 rounds of ``max_steps_per_round`` = one site's steps per round (25), so the cosine schedule spans
+  the whole run and a round draws 100 of the pooled volumes.  Feature exchange is OFF: with one site,
+  :func:`fedssl.core.memory_bank.remote_bank_for` has no other site to pool from and returns only padding rows
+  (random unit vectors with partition id -1, never positives), so exchange would only add K random unit vectors
+  to the negatives that negative sampling draws from.  The loss is FCL's local loss (partition positives across
+  volume pairs) plus global structural matching on the pooled run's own bank (its partition-labelled momentum
+  features: with one site the bank holds every site's features); the negatives are that bank (negative sampling
+  draws K of its K entries: all of them).
+* ``federated xm``: :func:`fedssl.experiments.evidence.federated_fcl` (in-process FedAvg of the same trainers, feature
+  exchange + NS + GSM, no FLARE) over the 10 sites for m x 20 rounds: each site makes m x 500 steps, so the
+  federation spends 10x the total compute of ``central xm`` (the same steps per trainer, ten trainers).
+* ``random``: random init, once per seed, shared by all arms.
+
+Every encoder is fine-tuned with Table 1's local protocol (:func:`fedssl.train.protocol.local_finetune`: each site
+alone on N = 1 and 2 annotated patients, validated on every site's validation patients of the fold, pooled) at the
+bench fine-tuning settings (:func:`fedssl.experiments.fcl_finetune.protocol_settings` ``("bench")``: 60 epochs, at
+least 140 optimiser steps, lr 0.005, batch 10), as ``fedssl.experiments.fcl_tables`` passes them (``min_steps``
+included, which :func:`fedssl.experiments.evidence.run_finetuning` does not pass; hence the direct calls here), in
+this process, site by site.
+
+``out/control.json`` is written after every pre-training and every fine-tuned site: a second call with the same
+settings skips what is done (the saved encoders ``out/encoders/*.pt`` are reused, not retrained), and can add
+multipliers or seeds.  The report (:func:`control_report`): a table of Dice at N = 1 and 2 per arm (mean over seeds)
+with the paired difference against random init (:func:`fedssl.eval.report.paired_against`, SE over seeds), one
+verdict line per arm and multiplier, and ``out/control.png``.  ``size="tiny"`` runs the same code at toy sizes (the
+tests).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from fedssl.data.acdc import load_site
+from fedssl.eval.report import paired_against
+from fedssl.experiments.evidence import (
+    FCL_SIZES,
+    _n_steps,
+    _seed_points,
+    _write_json,
+    fcl_settings,
+    federated_fcl,
+    pick_device,
+    prepare_acdc,
+    se_over_seeds,
+    verdict_line,
+)
+from fedssl.models.unet import encoder_state_from_global
+from fedssl.train.fcl import FCLLocalTrainer
+from fedssl.train.protocol import local_finetune
+
+#: the bench profile's FCL pre-training (jobs/fcl_acdc at profile "bench") and its data (``fedssl fcl synth acdc``'s
+#: defaults); fine-tuning: ``protocol_settings("bench")``
+BENCH: dict = {
+    "data": {"n_patients": 100, "n_sites": 10, "shape": [128, 128], "n_frames": 10, "slices_range": [8, 10]},
+    "pretrain": {"image_size": 64, "target_spacing": 2.5, "features": [8, 16, 32, 64, 128, 8], "batch_size": 16,
+                 "lr": 0.005, "bank_size": 1024, "proj_dim": 32, "max_steps_per_round": 0, "amp": False},
+    "rounds": 20,
+    "finetune": "bench",
+}
+
+#: toy sizes for the tests: evidence's tiny FCL settings, 2 base rounds
+TINY: dict = {
+    "data": FCL_SIZES["tiny"]["data"],
+    "pretrain": FCL_SIZES["tiny"]["pretrain"],
+    "rounds": 2,
+    "finetune": {"image_size": 32, "target_spacing": 2.5, "features": FCL_SIZES["tiny"]["pretrain"]["features"],
+                 "epochs": FCL_SIZES["tiny"]["finetune"]["epochs"], "lr": FCL_SIZES["tiny"]["finetune"]["lr"],
+                 "min_steps": 0, "norm": "batch", "device": "cpu"},
+}
+
+CONTROL_SIZES = {"bench": BENCH, "tiny": TINY}
+ARMS = ("central", "federated")
+N_LABELLED = (1, 2)
+#: a budget with no end
+_NO_END = 1e9
+
+
+def finetune_settings(size: str) -> dict:
+    """The fine-tuning settings of ``size``: the bench profile's (``protocol_settings("bench")``) or the tiny ones."""
+    spec = CONTROL_SIZES[size]["finetune"]
+    if isinstance(spec, str):
+        from fedssl.experiments.fcl_finetune import protocol_settings
+
+        return protocol_settings(spec)
+    return dict(spec)
+
+
+def finetune_kwargs(ft: dict, folds: Sequence[int], seed: int) -> dict:
+    """:func:`local_finetune`'s arguments for Table 1 at the settings ``ft``, as ``fcl_tables.finetune_one`` passes
+    them (``min_steps`` included; batch 10, the protocol's default)."""
+    return dict(n_labelled=list(N_LABELLED), folds=[int(f) for f in folds], features=ft["features"],
+                epochs=ft["epochs"], lr=ft["lr"], device=ft["device"], min_steps=ft["min_steps"], seed=int(seed),
+                norm=ft["norm"])
+
+
+def method_name(arm: str, multiplier: int | None) -> str:
+    return "random" if arm == "random" else f"{arm} x{int(multiplier)}"
+
+
+def cell_key(arm: str, multiplier: int | None, seed: int) -> str:
+    return f"{method_name(arm, multiplier)} seed {int(seed)}"
+
+
+# ---------------------------------------------------------------------------------------------- data
+def _data_marker(root: str) -> str:
+    return os.path.join(root, "written.json")
+
+
+def load_or_write_data(root: str, cfg: dict, say: Callable[[str], None]) -> dict[str, list]:
+    """The unlabelled volumes of every site: written once with :func:`prepare_acdc` (in this process, threads
+    restored afterwards: its site loader sets one thread), then read back from ``root`` when its marker says the
+    same data settings."""
+    threads = torch.get_num_threads()
+    marker = _data_marker(root)
+    want = {"data": cfg["data"], "seed": 0}
+    t = time.time()
+    same = False
+    if os.path.isfile(marker):
+        with open(marker, encoding="utf-8") as f:
+            same = json.load(f) == json.loads(json.dumps(want))
+    if same:
+        pre = cfg["pretrain"]
+        sites = [f"site-{k}" for k in range(1, cfg["data"]["n_sites"] + 1)]
+        vols = {s: load_site(os.path.join(root, s), with_labels=False, frames="all", site=s,
+                             target_spacing=pre["target_spacing"], image_size=pre["image_size"]) for s in sites}
+        say(f"data: {len(vols)} sites read from {root} in {time.time() - t:.0f} s")
+        return vols
+    try:
+        vols = prepare_acdc(root, cfg, processes=1)
+    finally:
+        torch.set_num_threads(threads)
+    _write_json(marker, want)
+    say(f"data: {len(vols)} sites written and loaded in {time.time() - t:.0f} s")
+    return vols
+
+
+def _labelled(root: str, sites: Sequence[str], ft: dict) -> dict[str, list]:
+    return {s: load_site(os.path.join(root, s), with_labels=True, site=s, target_spacing=ft["target_spacing"],
+                         image_size=ft["image_size"]) for s in sites}
+
+
+# ---------------------------------------------------------------------------------------------- pre-training
+def pretrain_central(site_volumes: dict, cfg: dict, seed: int, rounds: int, steps_per_round: int, device: str,
+                     say: Callable[[str], None]) -> tuple[dict, dict]:
+    """One FCL trainer on every site's volumes pooled: ``rounds`` rounds of ``steps_per_round`` steps, feature
+    exchange off (module docstring).  Returns (the model's state, the record)."""
+    pooled = [v for site in sorted(site_volumes) for v in site_volumes[site]]
+    size = {"pretrain": dict(cfg["pretrain"], max_steps_per_round=int(steps_per_round), feature_exchange=False)}
+    s = fcl_settings(size, seed, device)
+    t0 = time.perf_counter()
+    tr = FCLLocalTrainer(pooled, s, num_rounds=int(rounds), device=device, site="pooled")
+    build_s = time.perf_counter() - t0
+    rec: dict = {"loss": [], "loss_local": [], "loss_remote": [], "feature_std": [], "steps": [],
+                 "remote_features": [], "volumes": len(tr.dataset), "build_s": round(build_s, 1),
+                 "feature_exchange": tr.feature_exchange}
+    t0 = time.perf_counter()
+    for r in range(int(rounds)):
+        st = tr.train_round(r)
+        rec["loss"].append(float(st.loss))
+        rec["loss_local"].append(float(st.metrics["loss_local"]))
+        rec["loss_remote"].append(float(st.metrics["loss_remote"]))
+        rec["feature_std"].append(float(st.metrics["feature_std"]))
+        rec["remote_features"].append(int(st.metrics["remote_features"]))
+        rec["steps"].append(int(st.steps))
+        done = r + 1
+        if r == 0 or done % 10 == 0 or done == rounds:
+            say(f"  central seed {seed} round {done}/{rounds} ({time.perf_counter() - t0:.0f} s): loss "
+                f"{st.loss:.3f} (local {st.metrics['loss_local']:.3f}), feature spread "
+                f"{st.metrics['feature_std']:.4f}")
+    rec["seconds"] = round(time.perf_counter() - t0, 1)
+    rec["total_steps"] = int(sum(rec["steps"]))
+    rec["steps_per_trainer"] = rec["total_steps"]
+    return {k: v.detach().cpu() for k, v in tr.model.state_dict().items()}, rec
+
+
+def pretrain_federated(site_volumes: dict, cfg: dict, seed: int, rounds: int, steps_per_site_round: Sequence[int],
+                       device: str, say: Callable[[str], None]) -> tuple[dict, dict]:
+    """:func:`federated_fcl` over every site for ``rounds`` rounds; returns (the global state, the record)."""
+    pre = federated_fcl(site_volumes, {"pretrain": dict(cfg["pretrain"])}, [seed], int(rounds), device, _NO_END,
+                        lambda m: say(f"  federated seed {seed}: {m}"))
+    run = pre["runs"][seed]
+    per_site = [int(n) * pre["rounds_done"] for n in steps_per_site_round]
+    rec = {k: run[k] for k in ("loss", "loss_local", "feature_std", "remote_features")}
+    rec.update(seconds=round(pre["seconds"], 1), build_s=round(pre["build_s"], 1), rounds_done=pre["rounds_done"],
+               volumes=sum(len(v) for v in site_volumes.values()), sites=len(site_volumes),
+               steps_per_trainer=int(round(float(np.mean(per_site)))), total_steps=int(sum(per_site)),
+               feature_exchange=True)
+    return {k: v.detach().cpu() for k, v in run["global"].items()}, rec
+
+
+# ---------------------------------------------------------------------------------------------- the run
+def _plan(multipliers: Sequence[int], seeds: Sequence[int], federated_multipliers: Sequence[int],
+          first_seed_only: Sequence[int]) -> list[tuple[str, int | None, int]]:
+    """The cells in the order they run: random init of every seed, then the centralised arm by multiplier, then
+    the federated arm, every seed of a multiplier before the next; the multipliers of ``first_seed_only`` run for
+    the first seed only and last (one seed is no finding: the cells that can give a verdict come first)."""
+    few = {int(m) for m in first_seed_only}
+    cells: list[tuple[str, int | None, int]] = [("random", None, s) for s in seeds]
+    for full in (True, False):
+        for arm, ms in (("central", multipliers), ("federated", federated_multipliers)):
+            cells += [(arm, int(m), s) for m in ms if (int(m) not in few) == full
+                      for s in (seeds if full else seeds[:1])]
+    return cells
+
+
+def fcl_control(out: str, *, multipliers: Sequence[int] = (1, 4, 16), seeds: Sequence[int] = (0, 1, 2),
+                federated_multipliers: Sequence[int] = (1,), folds: Sequence[int] = (0,), size: str = "bench",
+                device: str = "auto", first_seed_only: Sequence[int] = (), budget_s: float | None = None,
+                say: Callable[[str], None] = print) -> dict:
+    """The centralised control (module docstring): every cell of :func:`_plan` not yet in ``out/control.json``,
+    then the report.  ``budget_s``: no cell starts after that many seconds (the cell running then finishes).
+    Returns the result (what ``control.json`` holds)."""
+    if size not in CONTROL_SIZES:
+        raise ValueError(f"size={size!r}: use one of {sorted(CONTROL_SIZES)}")
+    for name, vals in (("multipliers", multipliers), ("federated_multipliers", federated_multipliers)):
+        if any(int(m) < 1 for m in vals) or len(set(vals)) != len(vals):
+            raise ValueError(f"{name}={list(vals)}: give distinct positive integers")
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds={list(seeds)}: give distinct seeds (3 for a finding)")
+    if not folds:
+        raise ValueError("folds: give at least one fold")
+    t_start = time.time()
+    cfg, device = CONTROL_SIZES[size], pick_device(device)
+    ft = dict(finetune_settings(size), device=device)
+    settings = {"size": size, "data": cfg["data"], "pretrain": cfg["pretrain"], "rounds": cfg["rounds"],
+                "finetune": ft, "folds": [int(f) for f in folds], "n_labelled": list(N_LABELLED)}
+    settings = json.loads(json.dumps(settings))
+    path = os.path.join(out, "control.json")
+    result: dict = {}
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            result = json.load(f)
+        if result.get("settings") != settings:
+            raise ValueError(f"{path} was written with other settings ({result.get('settings')}); use another out "
+                             "folder or remove it")
+    result.setdefault("experiment", "FCL centralised control (issue 44 H2): central and federated pre-training "
+                                    "against random init, Table 1 local fine-tuning")
+    result["settings"] = settings
+    result["device"] = device
+    result.setdefault("cells", {})
+    cells = result["cells"]
+
+    def save() -> None:
+        result["rows"] = [r for c in cells.values() for r in c.get("rows", [])]
+        _write_json(path, result)
+
+    root = os.path.join(out, "data", "acdc")
+    site_volumes = load_or_write_data(root, cfg, say)
+    sites = sorted(site_volumes, key=lambda s: int(s.split("-")[-1]))
+    s0 = fcl_settings(cfg, 0, device)
+    cap = int(cfg["pretrain"].get("max_steps_per_round", 0))
+    per_site = [_n_steps(site_volumes[s], s0, cap) for s in sites]
+    base_spr = int(round(float(np.mean(per_site))))
+    result["data"] = {"volumes_per_site": {s: len(site_volumes[s]) for s in sites}}
+    result["base"] = {"rounds": int(cfg["rounds"]), "steps_per_round": base_spr, "steps_per_round_by_site": per_site,
+                      "steps": int(cfg["rounds"]) * base_spr}
+    result["chance_loss_local"] = math.log(cfg["pretrain"]["bank_size"] + 1)
+    save()
+    say(f"1x = {result['base']['steps']} steps ({cfg['rounds']} rounds x {base_spr}); centralised: one trainer on "
+        f"{sum(len(v) for v in site_volumes.values())} pooled volumes; federated: {len(sites)} sites, each m x "
+        f"{result['base']['steps']} steps ({len(sites)}x the compute of central at the same m)")
+    labelled: dict | None = None
+    plan = _plan(multipliers, seeds, federated_multipliers, first_seed_only)
+    os.makedirs(os.path.join(out, "encoders"), exist_ok=True)
+    for arm, m, seed in plan:
+        key = cell_key(arm, m, seed)
+        cell = cells.get(key)
+        if cell is not None and cell.get("done"):
+            continue
+        if budget_s is not None and time.time() - t_start > budget_s:
+            say(f"the budget ({budget_s:.0f} s) is spent: {key} and the cells after it are left for a later call")
+            break
+        method = method_name(arm, m)
+        if cell is None:
+            cell = cells[key] = {"arm": arm, "multiplier": m, "seed": int(seed), "method": method, "rows": []}
+        say(f"== {key}")
+        init: object = "random"
+        if arm != "random":
+            enc_path = os.path.join(out, "encoders", f"{arm}_x{m}_seed{seed}.pt")
+            if "pretrain" in cell and os.path.isfile(enc_path):
+                state = torch.load(enc_path, map_location="cpu", weights_only=True)
+            else:
+                rounds = int(m) * int(cfg["rounds"])
+                if arm == "central":
+                    state, rec = pretrain_central(site_volumes, cfg, seed, rounds, base_spr, device, say)
+                else:
+                    state, rec = pretrain_federated(site_volumes, cfg, seed, rounds, per_site, device, say)
+                rec.update(rounds=rounds, encoder=os.path.relpath(enc_path, out))
+                torch.save(state, enc_path)
+                cell["pretrain"] = rec
+                save()
+                say(f"  {method} seed {seed}: {rec['total_steps']} steps ({rec['steps_per_trainer']} per trainer) "
+                    f"in {rec['seconds']:.0f} s; final local loss {rec['loss_local'][-1]:.3f} (chance "
+                    f"{result['chance_loss_local']:.3f}), feature spread {rec['feature_std'][-1]:.4f}")
+            init = encoder_state_from_global(state)
+        if labelled is None:
+            labelled = _labelled(root, sites, ft)
+        t0 = time.time()
+        done_sites = {r["site"] for r in cell["rows"]}
+        for site in sites:
+            if site in done_sites:
+                continue
+            rows = local_finetune(labelled, {method: init}, sites=[site], **finetune_kwargs(ft, folds, seed))
+            cell["rows"] += [_plain(dict(r, seed=int(seed))) for r in rows]
+            cell["finetune_seconds"] = round(cell.get("finetune_seconds", 0.0) + time.time() - t0, 1)
+            t0 = time.time()
+            save()
+            say(f"  {method} seed {seed} {site}: " + ", ".join(f"N={r['n_labelled']} fold {r['fold']} Dice "
+                                                               f"{r['dice']:.3f}" for r in rows))
+        cell["done"] = True
+        save()
+        say(f"  {key} done (fine-tuning {cell['finetune_seconds']:.0f} s)")
+    result["seconds_this_call"] = round(time.time() - t_start, 1)
+    save()
+    return control_report(out, say=say)
+
+
+def _plain(row: dict) -> dict:
+    return json.loads(json.dumps(row, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+
+
+# ---------------------------------------------------------------------------------------------- the report
+def _methods_in(cells: dict) -> list[tuple[str, int | None]]:
+    seen = {(c["arm"], c["multiplier"]) for c in cells.values() if c.get("done")}
+    order = {"random": 0, "central": 1, "federated": 2}
+    return sorted(seen, key=lambda am: (order[am[0]], am[1] or 0))
+
+
+def summarise(result: dict) -> tuple[list[dict], list[str]]:
+    """Per arm and multiplier (done cells only): Dice at each N (mean over seeds of the mean over sites and folds),
+    the paired difference against random init (:func:`paired_against`: the mean over (site, fold, seed) pairs, SE
+    over seeds) and the per-seed differences; and one verdict line per arm and multiplier."""
+    cells = result["cells"]
+    rows = [r for c in cells.values() if c.get("done") for r in c["rows"]]
+    paired = {(p["method"], p["n_labelled"]): p for p in paired_against(rows, "random", mode="local")}
+    summary, verdicts = [], []
+    for arm, m in _methods_in(cells):
+        method = method_name(arm, m)
+        pre = [c["pretrain"] for c in cells.values() if c.get("done") and c["method"] == method and "pretrain" in c]
+        entry: dict = {"method": method, "arm": arm, "multiplier": m,
+                       "seeds": sorted({c["seed"] for c in cells.values() if c.get("done") and c["method"] == method})}
+        if pre:
+            entry["steps_per_trainer"] = pre[0]["steps_per_trainer"]
+            entry["total_steps"] = pre[0]["total_steps"]
+            entry["pretrain_seconds_mean"] = float(np.mean([p["seconds"] for p in pre]))
+            entry["final_loss_local"] = float(np.mean([p["loss_local"][-1] for p in pre]))
+            entry["final_feature_std"] = float(np.mean([p["feature_std"][-1] for p in pre]))
+        parts = []
+        for n in N_LABELLED:
+            by_seed: dict[int, list[float]] = {}
+            for r in rows:
+                if r["method"] == method and r["n_labelled"] == n:
+                    by_seed.setdefault(int(r["seed"]), []).append(float(r["dice"]))
+            means = {s: float(np.mean(v)) for s, v in sorted(by_seed.items())}
+            e = {"dice": float(np.mean(list(means.values()))) if means else None, "dice_by_seed": means,
+                 "dice_seed_se": se_over_seeds(list(means.values()))}
+            p = paired.get((method, n))
+            if p is not None:
+                seed_diffs = p.get("by_seed") or {str(s): p["diff_mean"] for s in sorted(by_seed)}
+                e.update(diff=p["diff_mean"], diff_seed_se=p.get("seed_se"), diff_by_seed=seed_diffs,
+                         pairs=p["pairs"], ahead=p["ahead"], n_seeds=p["seeds"])
+                parts.append(verdict_line(f"N={n}", p["diff_mean"], p.get("seed_se"), int(p["seeds"]), "Dice"))
+            entry[f"N={n}"] = e
+        summary.append(entry)
+        if arm != "random" and parts:
+            steps = entry.get("steps_per_trainer")
+            what = (f"{steps} steps on the pooled data" if arm == "central" else
+                    f"{steps} steps per site, {entry.get('total_steps')} in all")
+            verdicts.append(f"{method} ({what}) vs random init, Table 1 local: " + "; ".join(parts))
+    return summary, verdicts
+
+
+def format_table(summary: Sequence[dict]) -> str:
+    head = (f"{'method':<14} {'steps/trainer':>13} {'seeds':>6}  {'Dice N=1':>8} {'diff N=1 (SE seeds)':>20}  "
+            f"{'Dice N=2':>8} {'diff N=2 (SE seeds)':>20}")
+    lines = [head, "-" * len(head)]
+    for e in summary:
+        cols = []
+        for n in N_LABELLED:
+            d = e[f"N={n}"]
+            dice = "-" if d["dice"] is None else f"{d['dice']:.3f}"
+            if "diff" in d:
+                se = "n/a" if d["diff_seed_se"] is None else f"{d['diff_seed_se']:.3f}"
+                diff = f"{d['diff']:+.3f} ({se})"
+            else:
+                diff = ""
+            cols.append(f"{dice:>8} {diff:>20}")
+        steps = str(e.get("steps_per_trainer", "-"))
+        lines.append(f"{e['method']:<14} {steps:>13} {len(e['seeds']):>6}  " + "  ".join(cols))
+    return "\n".join(lines)
+
+
+def control_report(out: str, *, say: Callable[[str], None] = print) -> dict:
+    """The table, the verdicts and ``out/control.png`` from ``out/control.json`` (what is done so far); writes the
+    summary back into the JSON and returns it."""
+    path = os.path.join(out, "control.json")
+    with open(path, encoding="utf-8") as f:
+        result = json.load(f)
+    summary, verdicts = summarise(result)
+    result["summary"], result["verdicts"] = summary, verdicts
+    result["table"] = format_table(summary)
+    pre_lines = []
+    for e in summary:
+        if "final_loss_local" in e:
+            pre_lines.append(f"{e['method']}: final local loss {e['final_loss_local']:.3f} (chance ln(K+1) = "
+                             f"{result['chance_loss_local']:.3f}), feature spread {e['final_feature_std']:.4f}, "
+                             f"pre-training {e['pretrain_seconds_mean']:.0f} s per seed")
+    result["pretrain_lines"] = pre_lines
+    _write_json(path, result)
+    if summary:
+        plot_control(result, os.path.join(out, "control.png"))
+    say(result["table"])
+    for line in pre_lines + verdicts:
+        say(line)
+    return result
+
+
+def plot_control(result: dict, path: str) -> str:
+    """Dice minus random init at N = 1 and N = 2 against pre-training steps per trainer (log x), one line per arm,
+    error bars = SE over seeds, each seed a dot, the zero line; and the local loss per round against chance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = [e for e in result["summary"] if e["arm"] != "random"]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6), squeeze=False)
+    colours = {"central": "#3b75af", "federated": "#c4622d"}
+    for ax, n in zip(axes[0][:2], N_LABELLED):
+        for arm in ARMS:
+            pts = sorted((e["steps_per_trainer"], e[f"N={n}"]) for e in summary
+                         if e["arm"] == arm and "diff" in e[f"N={n}"] and "steps_per_trainer" in e)
+            if not pts:
+                continue
+            xs = [p[0] * (1.06 if arm == "federated" else 1.0) for p in pts]  # apart where both arms sit
+            ys = [p[1]["diff"] for p in pts]
+            err = [p[1]["diff_seed_se"] or 0.0 for p in pts]
+            ax.errorbar(xs, ys, yerr=err, color=colours[arm], marker="s", capsize=3,
+                        label=f"{arm}" + (" (steps per site)" if arm == "federated" else ""))
+            for x, p in zip(xs, pts):
+                _seed_points(ax, x, list(p[1]["diff_by_seed"].values()))
+        ax.axhline(0.0, color="grey", linestyle="--", linewidth=1)
+        ax.set_xscale("log")
+        ax.set_xlabel("pre-training optimiser steps per trainer")
+        ax.set_ylabel("Dice minus random init")
+        ax.set_title(f"Table 1 local, N={n}")
+        ax.legend(fontsize=8)
+    ax = axes[0][2]
+    for key, c in sorted(result["cells"].items()):
+        if "pretrain" in c:
+            ax.plot(range(1, len(c["pretrain"]["loss_local"]) + 1), c["pretrain"]["loss_local"],
+                    color=colours[c["arm"]], alpha=0.6, linewidth=1)
+    ax.axhline(result["chance_loss_local"], color="grey", linestyle="--", label="ln(K+1)")
+    ax.set_xscale("log")
+    ax.set_xlabel("round")
+    ax.set_ylabel("local contrastive loss")
+    ax.set_title("pre-training (blue central, orange federated)")
+    ax.legend(fontsize=8)
+    fig.suptitle(f"FCL centralised control ({result['settings']['size']}, folds {result['settings']['folds']})",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,219 @@
+"""``fedssl bench control`` (experiments/control.py) at toy sizes: the cells and rows, the pooled centralised trainer
+and its step count, the paired differences, resuming without retraining and the same numbers on a rerun."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from fedssl.core.memory_bank import FeatureBank, remote_bank_for
+from fedssl.data.acdc_synthetic import write_synthetic_acdc
+from fedssl.experiments import control
+from fedssl.experiments.fcl_finetune import protocol_settings
+from fedssl.ops.jobs import load_profile
+
+MULTIPLIERS, SEEDS, FEDERATED = (1, 2), (0, 1), (1,)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("control"))
+    result = control.fcl_control(out, multipliers=MULTIPLIERS, seeds=SEEDS, federated_multipliers=FEDERATED,
+                                 size="tiny", device="cpu", say=lambda m: None)
+    return out, result
+
+
+def _json(out):
+    with open(os.path.join(out, "control.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def test_rows_cover_every_arm_multiplier_and_seed(run):
+    out, result = run
+    data = _json(out)
+    n_sites = control.TINY["data"]["n_sites"]
+    want = {("random", None)} | {("central", m) for m in MULTIPLIERS} | {("federated", m) for m in FEDERATED}
+    assert {(c["arm"], c["multiplier"]) for c in data["cells"].values()} == want
+    assert all(c["done"] for c in data["cells"].values())
+    assert len(data["cells"]) == len(want) * len(SEEDS)
+    rows = data["rows"]
+    assert len(rows) == len(want) * len(SEEDS) * n_sites * len(control.N_LABELLED)
+    methods = {"random", "central x1", "central x2", "federated x1"}
+    assert {r["method"] for r in rows} == methods
+    for method in methods:
+        assert sorted({r["seed"] for r in rows if r["method"] == method}) == list(SEEDS)
+        assert sorted({r["n_labelled"] for r in rows if r["method"] == method}) == [1, 2]
+    assert {r["mode"] for r in rows} == {"local"} and {r["fold"] for r in rows} == {0}
+    assert os.path.isfile(os.path.join(out, "control.png"))
+    assert len(result["verdicts"]) == len(want) - 1  # one per arm and multiplier
+    assert result["chance_loss_local"] == pytest.approx(math.log(control.TINY["pretrain"]["bank_size"] + 1))
+
+
+def test_central_trainer_pools_every_site_and_runs_m_times_the_base_steps(run):
+    out, _ = run
+    data = _json(out)
+    pooled = sum(data["data"]["volumes_per_site"].values())
+    base = data["base"]
+    assert base["steps"] == control.TINY["rounds"] * base["steps_per_round"] == 4
+    for m in MULTIPLIERS:
+        for s in SEEDS:
+            pre = data["cells"][control.cell_key("central", m, s)]["pretrain"]
+            assert pre["volumes"] == pooled == 20
+            assert pre["total_steps"] == sum(pre["steps"]) == m * base["steps"]
+            assert pre["steps"] == [base["steps_per_round"]] * (m * control.TINY["rounds"])
+            assert len(pre["loss_local"]) == len(pre["feature_std"]) == m * control.TINY["rounds"]
+            assert pre["feature_exchange"] is False and set(pre["remote_features"]) == {0}
+    fed = data["cells"][control.cell_key("federated", 1, 0)]["pretrain"]
+    n_sites = len(data["data"]["volumes_per_site"])
+    assert fed["steps_per_trainer"] == base["steps"] and fed["total_steps"] == n_sites * base["steps"]
+    assert fed["feature_exchange"] is True and len(fed["loss"]) == control.TINY["rounds"]
+
+
+def test_one_site_feature_exchange_would_only_add_padding():
+    """The docstring's reason for turning exchange off in the centralised run: one site has no partners."""
+    bank = FeatureBank(16, 4, seed=0)
+    bank.enqueue(torch.nn.functional.normalize(torch.randn(16, 4), dim=1), torch.arange(16) % 4)
+    assert (bank.partitions >= 0).all()  # a full bank of real features: still nothing comes back
+    f, p = remote_bank_for({"pooled": bank.export()}, "pooled", 16, np.random.default_rng(0))
+    assert f.shape == (16, 4) and set(p.tolist()) == {-1}
+    assert np.allclose(np.linalg.norm(f, axis=1), 1.0, atol=1e-5)
+
+
+def test_paired_difference_recomputed_from_rows(run):
+    out, result = run
+    rows = _json(out)["rows"]
+    for e in result["summary"]:
+        if e["arm"] == "random":
+            continue
+        for n in control.N_LABELLED:
+            per_seed = []
+            for s in SEEDS:
+                base = {r["site"]: r["dice"] for r in rows if r["method"] == "random" and r["seed"] == s
+                        and r["n_labelled"] == n}
+                mine = {r["site"]: r["dice"] for r in rows if r["method"] == e["method"] and r["seed"] == s
+                        and r["n_labelled"] == n}
+                per_seed.append(np.mean([mine[k] - base[k] for k in sorted(base)]))
+            assert e[f"N={n}"]["diff"] == pytest.approx(float(np.mean(per_seed)), abs=1e-12)
+            assert e[f"N={n}"]["diff_seed_se"] == pytest.approx(float(np.std(per_seed, ddof=1) / math.sqrt(2)),
+                                                                abs=1e-12)
+
+
+def test_summary_on_known_rows():
+    """Made-up rows where the answer is known: central x4 is ahead by 0.1 and 0.2 in seeds 0 and 1."""
+    def rows(method, seed, dice):
+        return [{"method": method, "mode": "local", "n_labelled": n, "fold": 0, "site": site, "seed": seed,
+                 "dice": dice + (0.05 if site == "site-2" else 0.0)} for n in (1, 2) for site in ("site-1", "site-2")]
+
+    cells = {}
+    for seed, lift in ((0, 0.1), (1, 0.2)):
+        cells[f"random seed {seed}"] = {"arm": "random", "multiplier": None, "seed": seed, "method": "random",
+                                        "done": True, "rows": rows("random", seed, 0.4)}
+        cells[f"central x4 seed {seed}"] = {
+            "arm": "central", "multiplier": 4, "seed": seed, "method": "central x4", "done": True,
+            "rows": rows("central x4", seed, 0.4 + lift),
+            "pretrain": {"steps_per_trainer": 2000, "total_steps": 2000, "seconds": 1.0, "loss_local": [7.0, 6.0],
+                         "feature_std": [0.05, 0.04]}}
+    summary, verdicts = control.summarise({"cells": cells, "chance_loss_local": 7.0})
+    central = next(e for e in summary if e["method"] == "central x4")
+    assert central["N=1"]["diff"] == pytest.approx(0.15)
+    assert central["N=1"]["diff_seed_se"] == pytest.approx(0.05)
+    assert central["N=1"]["dice"] == pytest.approx(0.575)
+    assert central["N=1"]["diff_by_seed"] == {"0": pytest.approx(0.1), "1": pytest.approx(0.2)}
+    assert len(verdicts) == 1 and verdicts[0].count("+0.150 (Dice; SE 0.050 over 2 seeds) -> ahead by 3.0 SE") == 2
+
+
+def test_second_call_resumes_without_retraining(run, monkeypatch):
+    out, first = run
+    encoders = sorted(os.listdir(os.path.join(out, "encoders")))
+    assert len(encoders) == len(SEEDS) * (len(MULTIPLIERS) + len(FEDERATED))
+    mtimes = {e: os.stat(os.path.join(out, "encoders", e)).st_mtime_ns for e in encoders}
+
+    def boom(*a, **k):
+        raise AssertionError("retrained a cell that was done")
+
+    monkeypatch.setattr(control, "pretrain_central", boom)
+    monkeypatch.setattr(control, "pretrain_federated", boom)
+    monkeypatch.setattr(control, "local_finetune", boom)
+    again = control.fcl_control(out, multipliers=MULTIPLIERS, seeds=SEEDS, federated_multipliers=FEDERATED,
+                                size="tiny", device="cpu", say=lambda m: None)
+    assert {e: os.stat(os.path.join(out, "encoders", e)).st_mtime_ns for e in encoders} == mtimes
+    assert again["rows"] == first["rows"] and again["verdicts"] == first["verdicts"]
+
+
+def test_an_unfinished_cell_finishes_only_its_missing_sites(run, monkeypatch):
+    out, _ = run
+    data = _json(out)
+    key = control.cell_key("central", 2, 1)
+    cell = data["cells"][key]
+    kept, dropped = cell["rows"][:2], cell["rows"][2:]  # site-1's two rows stay, site-2's are to be redone
+    cell["rows"], cell["done"] = kept, False
+    with open(os.path.join(out, "control.json"), "w", encoding="utf-8") as f:
+        json.dump(data, f)
+    calls = []
+    real = control.local_finetune
+
+    def counting(*a, **k):
+        calls.append(k)
+        return real(*a, **k)
+
+    monkeypatch.setattr(control, "local_finetune", counting)
+    monkeypatch.setattr(control, "pretrain_central", lambda *a, **k: pytest.fail("retrained"))
+    result = control.fcl_control(out, multipliers=MULTIPLIERS, seeds=SEEDS, federated_multipliers=FEDERATED,
+                                 size="tiny", device="cpu", say=lambda m: None)
+    assert [c["sites"] for c in calls] == [["site-2"]]
+    ft = result["settings"]["finetune"]
+    assert calls[0]["min_steps"] == ft["min_steps"] and calls[0]["epochs"] == ft["epochs"] and calls[0]["seed"] == 1
+    redone = result["cells"][key]["rows"]
+    assert redone[:2] == kept and [r["dice"] for r in redone[2:]] == [r["dice"] for r in dropped]
+
+
+def test_same_numbers_on_a_fresh_run(run, tmp_path):
+    out, first = run
+    fresh = control.fcl_control(str(tmp_path), multipliers=(1,), seeds=(0,), federated_multipliers=(),
+                                size="tiny", device="cpu", say=lambda m: None)
+    for key, cell in fresh["cells"].items():
+        assert cell["rows"] == first["cells"][key]["rows"]
+        if "pretrain" in cell:
+            assert cell["pretrain"]["loss"] == first["cells"][key]["pretrain"]["loss"]
+
+
+def test_other_settings_in_the_same_folder_are_refused(run):
+    out, _ = run
+    with pytest.raises(ValueError, match="other settings"):
+        control.fcl_control(out, multipliers=MULTIPLIERS, seeds=SEEDS, folds=(1,), size="tiny", device="cpu",
+                            say=lambda m: None)
+
+
+def test_bench_is_the_bench_profile():
+    job = load_profile("bench")["jobs"]["fcl_acdc"]
+    shape, client = job["shape"], job["client"]["fcl_trainer"]
+    pre = control.BENCH["pretrain"]
+    assert pre["features"] == shape["features"] and pre["proj_dim"] == shape["proj_dim"]
+    assert pre["bank_size"] == shape["bank_size"] and pre["image_size"] == shape["image_size"]
+    for k in ("target_spacing", "batch_size", "max_steps_per_round", "lr"):
+        assert pre[k] == client[k], k
+    assert control.BENCH["rounds"] == job["server"]["scatter_and_gather"]["num_rounds"]
+    defaults = {k: p.default for k, p in inspect.signature(write_synthetic_acdc).parameters.items()}
+    data = control.BENCH["data"]
+    assert (data["n_patients"], data["n_sites"], tuple(data["shape"]), data["n_frames"], tuple(data["slices_range"])) \
+        == (defaults["n_patients"], defaults["n_sites"], defaults["shape"], defaults["n_frames"],
+            defaults["slices_range"])
+    ft = control.finetune_settings("bench")
+    assert ft == protocol_settings("bench") and ft["min_steps"] == 140 and ft["epochs"] == 60 and ft["lr"] == 0.005
+    kw = control.finetune_kwargs(ft, [0], 2)
+    assert (kw["min_steps"], kw["epochs"], kw["lr"], kw["seed"], kw["n_labelled"], kw["folds"]) == \
+        (140, 60, 0.005, 2, [1, 2], [0])
+    assert kw["features"] == ft["features"] and kw["norm"] == "batch"
+
+
+def test_plan_runs_the_cells_that_can_give_a_verdict_first():
+    plan = control._plan((1, 4, 16), (0, 1, 2), (1,), first_seed_only=(16,))
+    assert plan == [("random", None, 0), ("random", None, 1), ("random", None, 2), ("central", 1, 0),
+                    ("central", 1, 1), ("central", 1, 2), ("central", 4, 0), ("central", 4, 1), ("central", 4, 2),
+                    ("federated", 1, 0), ("federated", 1, 1), ("federated", 1, 2), ("central", 16, 0)]

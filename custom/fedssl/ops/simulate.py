@@ -9,6 +9,7 @@ refusal FLARE logs during a run is reported by class name, not only as a missing
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -121,10 +122,9 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
             proc.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             continue
-        try:  # the parent is gone; its children may linger in the group
+        # the parent is gone; its children may linger in the group (a group already empty is the goal reached)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
         return
 
 

@@ -4,6 +4,8 @@ positive and written."""
 import json
 import math
 
+import pytest
+
 from fedssl.cli import main
 from fedssl.experiments.fcl_step import fcl_step_breakdown
 
@@ -24,9 +26,8 @@ def test_breakdown_times_every_part(tmp_path):
 
 
 def test_cli_help_lists_the_evidence_and_step_commands(capsys):
-    try:
+    with pytest.raises(SystemExit) as e:
         main(["bench", "--help"])
-    except SystemExit:
-        pass
+    assert e.value.code == 0
     out = capsys.readouterr().out
     assert "evidence" in out and "fcl-step" in out

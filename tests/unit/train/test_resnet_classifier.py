@@ -131,7 +131,7 @@ def test_table_i_local_protocol_decays_by_0_2_at_epochs_12_and_16(split, monkeyp
     seen = {}
 
     class Stop(Exception):
-        pass
+        """Raised by the stand-in trainer once it has recorded its schedule: nothing trains."""
 
     def capture(*args, milestones, gamma, **kwargs):
         seen.update(milestones=tuple(milestones), gamma=gamma, epochs=kwargs["num_rounds"])

@@ -38,7 +38,11 @@ def test_fedclf_pretraining_exchanges_banks_then_finetunes(devices, tmp_path):
     assert run["bytes_per_site_per_round"]["upload"] > 64 * 32 * 4
     assert run["rounds"][1]["site_record_means"]["queue_remote_fraction"] == 1.0
     log = open(run["log"]).read()
-    assert "sending site-1 a remote bank of 128 features" in log
+    # site-1 receives as many of the 2 others' features as it shared in round 0 (its bank started empty)
+    with open(os.path.join(run["workspace"], "site-1", "simulate_job", "fedclf_metrics.jsonl")) as f:
+        first = json.loads(f.readline())
+    assert 0 < first["bank_filled"] <= 64
+    assert f"sending site-1 {first['bank_filled']} remote features from 2 other sites" in log
     ft = simulate("fedclf_derm_finetune", devices, tmp_path / "ft",
                   f"server.model.pretrained_path={run['global_model']}", "client.cls_trainer.label_fraction=0.4")
     with open(os.path.join(ft["workspace"], "server", "simulate_job", "test_metrics.json")) as f:

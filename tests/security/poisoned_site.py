@@ -2,8 +2,10 @@
 
 ``RecordingFCLExecutor`` is an honest site that also writes what it uploads (``upload_round<r>.npz``: the
 tensors and ``num_samples``) into its run folder, so the test can recompute the honest average bit for bit;
-``PoisonedFCLExecutor`` trains like an honest site and then sends its weights as float64 times 1e300 (which
-overflows float32: the global model would become inf if accepted).
+``PoisonedFCLExecutor`` trains like an honest site and then, in round 0, sends its weights as float64 times 1e300
+(which overflows float32: the global model would become inf if accepted); from round 1 on it answers with an
+error return code, as a site that fails (or claims to) does; FLARE's ScatterAndGather stopped the run on that
+unless the job says ``ignore_result_error``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import os
 
 import numpy as np
 from nvflare.apis.dxo import DXO, from_shareable
+from nvflare.apis.fl_constant import ReturnCode
+from nvflare.apis.shareable import make_reply
 
 from fedssl.flare.fcl_executor import FCLExecutor
 
@@ -29,5 +33,7 @@ class RecordingFCLExecutor(FCLExecutor):
 class PoisonedFCLExecutor(FCLExecutor):
     def train(self, shareable, fl_ctx, abort_signal):
         dxo = from_shareable(super().train(shareable, fl_ctx, abort_signal))
+        if int(shareable.get_header("current_round", 0) or 0) >= 1:
+            return make_reply(ReturnCode.EXECUTION_EXCEPTION)
         poisoned = {k: np.asarray(v, np.float64) * 1e300 + 1e300 for k, v in dxo.data.items()}
         return DXO(data_kind=dxo.data_kind, data=poisoned, meta=dxo.get_meta_props()).to_shareable()

@@ -3,7 +3,9 @@
 - nothing derived from one site (its bank, its loss) enters the global model that the persistor saves;
 - a receiving site that knows the whole job configuration and its own secret cannot attribute remote rows to their
   sender: the order comes from the server's secret, kept in the server's own folder;
-- the size of the remote bank tells it neither the number of sites nor how full their banks are;
+- the size of the remote bank tells it neither the number of sites nor how much the others shared (it is what the
+  site shared itself);
+- no row reaches it twice, so rows cannot be linked across rounds by value or lifetime;
 - the perturbation noise cannot be subtracted by a receiver that knows the configuration and its own secret: it comes
   from the sender's secret, kept in the sender's own folder;
 - a malformed bank is dropped at the server and never forwarded.
@@ -13,12 +15,13 @@ import zlib
 
 import numpy as np
 import pytest
+import torch
 from nvflare.apis.dxo import from_shareable
 from nvflare.apis.shareable import Shareable
 from nvflare.app_common.abstract.model import ModelLearnableKey, make_model_learnable
 from nvflare.app_common.app_constant import AppConstants
 
-from fedssl.core.memory_bank import remote_bank_for
+from fedssl.core.memory_bank import FeatureBank, remote_bank_for
 from fedssl.core.party_secret import party_secret
 from fedssl.core.privacy import perturb_features
 from fedssl.core.seeds import site_seed
@@ -139,17 +142,13 @@ def test_a_rerun_on_the_servers_folder_repeats_the_order_and_nothing_of_the_secr
     assert str(secret) not in repr(out) and f"{secret:032x}" not in repr(out)
 
 
-#: filled rows the other sites (site-2 .. site-n; site i holds partition i mod S) offer site-1, by partition id
-OTHERS_FILLED = {(3, K): {1: 9, 2: 9}, (6, K): {1: 9, 2: 9, 3: 9, 0: 9}, (3, 5): {1: 5, 2: 5},
-                 (6, 2): {1: 4, 2: 2, 3: 2, 0: 2}}
-
-
 @pytest.mark.parametrize("n_sites, filled", [(3, K), (6, K), (3, 5), (6, 2)])
-def test_remote_bank_size_reveals_neither_site_count_nor_fill_level(n_sites, filled, tmp_path):
+def test_remote_bank_size_reveals_neither_site_count_nor_what_the_others_shared(n_sites, filled, tmp_path):
+    """Sites that share alike: each receives exactly as many rows as it shared, whatever the number of sites."""
     names = [f"site-{i}" for i in range(1, n_sites + 1)]
     banks = {}
     for i, s in enumerate(names):
-        f = np.eye(D, dtype=np.float32)[np.arange(K) % D]
+        f = np.eye(D, dtype=np.float32)[(np.arange(K) + K * i) % D]
         p = np.full(K, -1, np.int64)
         p[:filled] = i % S
         banks[s] = (f, p)
@@ -159,11 +158,47 @@ def test_remote_bank_size_reveals_neither_site_count_nor_fill_level(n_sites, fil
         assert agg.accept(contribution(s, {"w": np.ones(2, np.float32)},
                                        {"num_samples": 1, BANK_FEATURES: f, BANK_PARTITIONS: p}), ctx)
     feats, parts = receive(FeatureBankShuttle(bank_size=K), agg.aggregate(ctx), names[0], tmp_path / "server")
-    assert feats.shape == (K, D) and parts.shape == (K,)
-    # the others hold >= K filled rows between them: K of those, no padding (-1) and none of site-1's own rows
-    counts = dict(zip(*np.unique(parts, return_counts=True)))
-    available = OTHERS_FILLED[n_sites, filled]
-    assert sum(counts.values()) == K and all(0 < n <= available.get(int(p), 0) for p, n in counts.items()), counts
+    assert feats.shape == (filled, D) and parts.shape == (filled,)
+    assert (parts >= 0).all()  # no padding (-1)
+
+
+def test_a_row_is_delivered_once_so_rows_cannot_be_linked_across_rounds(tmp_path):
+    """Issue 45: banks re-sent every round came back round after round until their sender replaced them; a receiver
+    linked them across rounds and grouped them by lifetime (100 % of rows with their sender under FedCLF's shuttle,
+    84 % under FCL's) and averaged perturbed copies.  Now a row leaves its site once (``export_fresh``) and the
+    server forwards a row once even from a client that re-sends its whole bank: over 6 rounds no row reaches
+    site-1 twice, so neither its value nor its lifetime links it to anything."""
+    rng = np.random.default_rng(0)
+    repeats = {}
+    # careless: a client that uploads its whole bank every round; undefended: and a server that forwards it all
+    for careless, undefended in ((False, False), (True, False), (True, True)):
+        senders = {s: FeatureBank(K, D, seed=i) for i, s in enumerate(SITES)}
+        collector = FeatureBankCollector(bank_size=K, proj_dim=D, n_partitions=S)
+        collector.fresh_rows.history = 0 if undefended else collector.fresh_rows.history
+        shuttle, seen, received = FeatureBankShuttle(bank_size=K), {}, 0
+        for r in range(6):
+            agg = FedAvgAggregator(collectors=["bank_collector"])
+            ctx = context(engine=FakeEngine(tmp_path, components={"bank_collector": collector}),
+                          props={AppConstants.GLOBAL_MODEL: make_model_learnable(GLOBAL, {}),
+                                 AppConstants.CURRENT_ROUND: r})
+            for site, bank in senders.items():
+                new = rng.standard_normal((4, D)).astype(np.float32)  # a round's 4 new features
+                bank.enqueue(torch.as_tensor(new / np.linalg.norm(new, axis=1, keepdims=True)),
+                             torch.arange(4) % S)
+                f, p = bank.export() if careless else bank.export_fresh()
+                assert agg.accept(contribution(site, {"w": np.ones(2, np.float32)},
+                                               {"num_samples": 1, BANK_FEATURES: f, BANK_PARTITIONS: p}, r), ctx)
+            base = agg.aggregate(ctx)
+            base.set_header("current_round", r + 1)
+            feats, _ = receive(shuttle, base, "site-1", tmp_path / "server")
+            assert undefended or feats.shape == (4, D)  # what site-1 shared this round
+            received += feats.shape[0]
+            for row in feats:
+                seen[row.tobytes()] = seen.get(row.tobytes(), 0) + 1
+        assert undefended or received == 24
+        repeats[careless, undefended] = sum(n > 1 for n in seen.values()) / len(seen)
+    assert repeats[False, False] == repeats[True, False] == 0, repeats  # no row reaches site-1 twice
+    assert repeats[True, True] > 0.2, repeats  # undefended: 34 % of the rows came back (K = 9, 4 new a round)
 
 
 def subtract(g, noise):

@@ -8,6 +8,8 @@ size-K subset Q' of Q uniformly (2).
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,8 @@ class FeatureBank:
         self.partitions = torch.full((capacity,), -1, dtype=torch.long)  # [K]
         self.ptr = 0
         self.filled = 0
+        #: rows enqueued since the last :meth:`export_fresh` (at most K): what the next upload shares
+        self.fresh = 0
 
     @property
     def capacity(self) -> int:
@@ -53,10 +57,11 @@ class FeatureBank:
         self.partitions[idx] = parts.detach().to(self.partitions)
         self.ptr = int((self.ptr + n) % self.capacity)
         self.filled = min(self.capacity, self.filled + n)
+        self.fresh = min(self.capacity, self.fresh + n)
 
     def state_dict(self) -> dict:
         return {"features": self.features.clone(), "partitions": self.partitions.clone(), "ptr": self.ptr,
-                "filled": self.filled}
+                "filled": self.filled, "fresh": self.fresh}
 
     def load_state_dict(self, state: dict) -> None:
         feats, parts = torch.as_tensor(state["features"]), torch.as_tensor(state["partitions"])
@@ -65,10 +70,42 @@ class FeatureBank:
         self.features = feats.float().clone()
         self.partitions = parts.long().clone()
         self.ptr, self.filled = int(state["ptr"]), int(state["filled"])
+        self.fresh = int(state.get("fresh", 0))  # checkpoints before the fresh-only exchange: nothing pending
 
     def export(self) -> tuple[np.ndarray, np.ndarray]:
-        """What a client uploads for feature exchange: float32 ``[K, D]`` features and int64 ``[K]`` partitions."""
+        """The whole bank: float32 ``[K, D]`` features and int64 ``[K]`` partitions (copies)."""
         return self.features.numpy().astype(np.float32, copy=True), self.partitions.numpy().astype(np.int64, copy=True)
+
+    def export_fresh(self) -> tuple[np.ndarray, np.ndarray]:
+        """What a client uploads for feature exchange: the ``fresh`` rows enqueued since the last call, oldest first
+        (float32 ``[n, D]``, int64 ``[n]``, n <= K), and none of them again.  Each feature leaves the site once:
+        a bank that is re-sent every round lets a receiver link a feature across rounds by its value or by how long
+        it stays, and average its independently perturbed copies (issue 45)."""
+        idx = (self.ptr - self.fresh + torch.arange(self.fresh)) % self.capacity
+        self.fresh = 0
+        return (self.features[idx].numpy().astype(np.float32, copy=True),
+                self.partitions[idx].numpy().astype(np.int64, copy=True))
+
+    def filled_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the filled entries, oldest first: ``[filled, D]`` features and ``[filled]`` partition ids."""
+        idx = (self.ptr - self.filled + torch.arange(self.filled)) % self.capacity
+        return self.features[idx].clone(), self.partitions[idx].clone()
+
+    def receive(self, features: object, partitions: object) -> int:
+        """Enqueue the filled rows (partition id >= 0) of a delivered remote bank: a receiver keeps the other sites'
+        features in a FIFO of its own, because each of them is delivered once.  Returns how many were enqueued.
+        Raises ValueError on a shape other than ``[M, D]`` / ``[M]`` (M may be 0)."""
+        f = torch.as_tensor(np.asarray(features, dtype=np.float32))  # float16 when banks travel in half precision
+        p = torch.as_tensor(np.asarray(partitions, dtype=np.int64))
+        if f.ndim != 2 or f.shape[1] != self.dim or tuple(p.shape) != (f.shape[0],):
+            raise ValueError(f"the remote bank has features {tuple(f.shape)} and partitions {tuple(p.shape)}; "
+                             f"expected [M, {self.dim}] and [M]")
+        keep = p >= 0
+        n = int(keep.sum())
+        if n:
+            self.enqueue(f[keep], p[keep])
+        self.fresh = 0  # a remote bank is never uploaded
+        return n
 
 
 def sample_negatives(
@@ -111,13 +148,14 @@ def check_bank(features: object, partitions: object, site: str, dim: int, max_ro
     """Validate an uploaded bank before it is shuttled to other sites; float32 ``[K, dim]`` / int64 ``[K]`` copies.
 
     Checked after the cast (``fedssl.core.untrusted.cast_array``): width ``dim``, at most ``max_rows`` rows (the
-    job's K), finite, every row of unit norm within ``UNIT_NORM_TOL``, partition ids in ``[-1, n_partitions)``
+    job's K; 0 rows is a site that shares nothing this round), finite, every row of unit norm within
+    ``UNIT_NORM_TOL``, partition ids in ``[-1, n_partitions)``
     (-1 marks a bank slot not yet filled), and, with 4 or more filled rows, not degenerate: at least half of them
     distinct and a feature spread of at least :data:`MIN_BANK_SPREAD`.  ContributionError names the site otherwise.
     """
     f = cast_array(features, np.float32, "its feature bank", site)
-    if f.ndim != 2 or f.shape[1] != dim or not 0 < f.shape[0] <= max_rows:
-        raise ContributionError(f"{site} sent a feature bank of shape {f.shape}; expected [K, {dim}] with 1 <= K <= "
+    if f.ndim != 2 or f.shape[1] != dim or not 0 <= f.shape[0] <= max_rows:
+        raise ContributionError(f"{site} sent a feature bank of shape {f.shape}; expected [n, {dim}] with 0 <= n <= "
                                 f"{max_rows}")
     p = cast_array(partitions, np.int64, "its bank partition ids", site, shape=(f.shape[0],))
     norms = np.linalg.norm(f.astype(np.float64), axis=1)
@@ -140,20 +178,52 @@ def check_bank(features: object, partitions: object, site: str, dim: int, max_ro
     return f, p
 
 
+class FreshRows:
+    """The server's memory of the rows each site has shared, so that a row is forwarded once (issue 45).
+
+    A receiver that gets the same row in two rounds links them (by value, or by how long a row stays), groups the
+    rows of one sender by their lifetime, and averages independently perturbed copies.  The bundle's clients upload
+    only the rows enqueued since their last upload (:meth:`FeatureBank.export_fresh`); this is the server's own
+    check, for a client that re-sends its bank: a filled row whose value the site sent within its last ``history``
+    rows is dropped.  Digests live in memory only, keyed by the site's name, and are forgotten with the run.
+    """
+
+    def __init__(self, history: int):
+        self.history = int(history)
+        self._seen: dict[str, dict[bytes, None]] = {}  # per site: digests in the order sent (an ordered set)
+
+    def reset(self) -> None:
+        self._seen.clear()
+
+    def keep(self, site: str, features: np.ndarray, partitions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The filled rows of ``site``'s upload that it has not sent before (nor twice in this upload)."""
+        seen = self._seen.setdefault(site, {})
+        take = []
+        for i in np.flatnonzero(partitions >= 0):
+            key = hashlib.blake2b(features[i].tobytes(), digest_size=16).digest()
+            if key not in seen:
+                seen[key] = None
+                take.append(i)
+        for key in list(seen)[: max(0, len(seen) - self.history)]:
+            del seen[key]
+        take = np.asarray(take, dtype=np.int64)
+        return features[take], partitions[take]
+
+
 def remote_bank_for(
     banks: dict[str, tuple[np.ndarray, np.ndarray]], site: str, rows: int, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The remote bank a site receives (equation (1) without Q_{l,c}): exactly ``rows`` features, new arrays,
-    no site names, whatever the number of other sites and however full their banks are.
+    """The remote rows a site receives this round (equation (1) without Q_{l,c}): new arrays, no site names, each
+    row a filled row (partition id >= 0) that another site shared this round, in a random order.
 
-    The filled entries (partition id >= 0) of every *other* site are pooled; ``rows`` of them are drawn without
-    replacement in a random order; while the pool is smaller than ``rows`` the rest is random unit vectors
-    with partition id -1, exactly what an unfilled bank slot holds (negatives, never positives).  ``rng``
-    must come from a secret the receiving site does not hold, so that it cannot undo the order.
-
-    A site receives at most ``N - 1`` real rows for every filled row it shared itself this round (the rest is
-    padding): honest sites, which fill alike, are not limited; a site that marks its bank unfilled receives
-    nothing real (issue 45: it received twice as many real rows as the honest ones).
+    As many as the site shared itself (its filled rows in ``banks``), at most ``rows`` (the job's K), and at
+    most what the others shared together: a site gets back what it gives.  Sites that share alike therefore each
+    receive exactly their own count, which tells them neither the number of sites nor how many rows the others
+    shared; only when the others together shared fewer does the count show their total.  A site that shares
+    nothing receives nothing (issue 45: free riding earned rows).  There is no padding: a padding row is known to
+    be one (its partition id is -1), so padding would show the same totals.  ``rng`` must come from a secret the
+    receiving site does not hold, so that it cannot undo the order.  The receiver keeps what it gets in a FIFO of
+    its own (:meth:`FeatureBank.receive`).
     """
     dim = next(iter(banks.values()))[0].shape[1]
     pooled = [banks[name] for name in sorted(banks) if name != site]
@@ -162,15 +232,5 @@ def remote_bank_for(
     filled = p >= 0
     f, p = f[filled], p[filled]
     own = int(np.sum(banks[site][1] >= 0)) if site in banks else 0
-    rows_real = min(rows, own * len(pooled))
-    take = rng.permutation(f.shape[0])[:rows_real]
-    f, p = f[take], p[take]
-    pad = rows - f.shape[0]
-    if pad > 0:
-        noise = rng.standard_normal((pad, dim))
-        noise /= np.maximum(np.linalg.norm(noise, axis=1, keepdims=True), 1e-12)
-        f = np.concatenate([f, noise.astype(np.float32)], axis=0)
-        p = np.concatenate([p, np.full(pad, -1, np.int64)], axis=0)
-        order = rng.permutation(rows)
-        f, p = f[order], p[order]
-    return f.astype(np.float32, copy=False), p.astype(np.int64, copy=False)
+    take = rng.permutation(f.shape[0])[: min(rows, own)]
+    return f[take].astype(np.float32, copy=False), p[take].astype(np.int64, copy=False)

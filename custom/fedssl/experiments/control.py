@@ -15,9 +15,8 @@ epoch, 10 sites x 10 patients x 10 cine frames):
 * ``central xm``: one :class:`fedssl.train.fcl.FCLLocalTrainer` on the pooled volumes of all sites (1,000), m x 500
   steps in m x 20 rounds of ``max_steps_per_round`` = one site's steps per round (25), so the cosine schedule spans
   the whole run and a round draws 100 of the pooled volumes.  Feature exchange is OFF: with one site,
-  :func:`fedssl.core.memory_bank.remote_bank_for` has no other site to pool from and returns only padding rows
-  (random unit vectors with partition id -1, never positives), so exchange would only add K random unit vectors
-  to the negatives that negative sampling draws from.  The loss is FCL's local loss (partition positives across
+  :func:`fedssl.core.memory_bank.remote_bank_for` has no other site to pool from and returns no row, so exchange
+  would change nothing.  The loss is FCL's local loss (partition positives across
   volume pairs) plus global structural matching on the pooled run's own bank (its partition-labelled momentum
   features: with one site the bank holds every site's features); the negatives are that bank (negative sampling
   draws K of its K entries: all of them).

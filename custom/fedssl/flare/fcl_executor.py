@@ -77,7 +77,7 @@ class FCLExecutor(TrainerExecutor):
         return super().result_state(stats, dxo) if self.federated else {}
 
     def result_meta(self, stats: RoundStats, dxo: DXO, fl_ctx: FLContext) -> dict:
-        """The summary record (bounded counts) and, with feature exchange, the local bank."""
+        """The summary record (bounded counts) and, with feature exchange, the rows the bank took in this round."""
         m = stats.metrics
         meta: dict = {SITE_RECORD_META: {"volumes": stats.samples, "steps_per_round": stats.steps,
                                          "bank_filled": m["bank_filled"], "bank_fill": m["bank_fill"],

@@ -6,14 +6,14 @@ Runs once per site as it pulls the train task.  The banks that the aggregator co
 bank made of every *other* site's features and partition ids: never the site's own, no site names.
 The broadcast DXO shared by all sites is never edited in place.
 
-A receiving site must not be able to attribute a remote feature to its source: the bank always has exactly
-``bank_size`` rows (``fedssl.core.memory_bank.remote_bank_for``: drawn from the others' filled entries, padded
-with unfilled-slot rows while they hold fewer), so it reveals neither the number of sites nor how full their
-banks are once they hold K features between them.  Its order is a pure function of (the server's secret, round,
-receiving site), so it cannot be undone by a site.  The secret is the server's own (``fedssl.flare.party_folder``):
-drawn from the operating system on first use into the server's site config dir (in the simulator
-``$FEDSSL_SECRETS_DIR/<server name>/``) and read again on every later run, so a rerun in the same workspace
-repeats the order exactly; never a seed of the job configuration, never sent anywhere.
+A receiving site must not be able to attribute a remote feature to its source: it receives rows that the others
+shared this round and only those (the collector forwards each row once), as many as it shared itself, at most
+``bank_size`` (``fedssl.core.memory_bank.remote_bank_for``), so sites that share alike learn neither the number of
+sites nor how many rows the others shared, and nothing is padded.  Its order is a pure function of (the server's
+secret, round, receiving site), so it cannot be undone by a site.  The secret is the server's own
+(``fedssl.flare.party_folder``): drawn from the operating system on first use into the server's site config dir
+(in the simulator ``$FEDSSL_SECRETS_DIR/<server name>/``) and read again on every later run, so a rerun in the same
+workspace repeats the order exactly; never a seed of the job configuration, never sent anywhere.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ SECRET_NAME = "feature_bank_shuttle"
 
 class FeatureBankShuttle(Filter):
     def __init__(self, bank_size: int = 4096):
-        """bank_size: K, the sites' bank size (paper: 4096): every remote bank has exactly K rows."""
+        """bank_size: K, the sites' bank size (paper: 4096): no remote bank has more than K rows."""
         super().__init__()
         require_int(type(self).__name__, "bank_size", bank_size, 1, "use the sites' bank size K (paper: 4096)")
         self.bank_size = bank_size
@@ -59,7 +59,7 @@ class FeatureBankShuttle(Filter):
             rng = np.random.default_rng([self._secret, round_idx, zlib.crc32(site.encode())])
             feats, parts = remote_bank_for(banks, site, self.bank_size, rng)
             meta[REMOTE_FEATURES], meta[REMOTE_PARTITIONS] = feats, parts
-            self.log_info(fl_ctx, f"sending {site} a remote bank of {feats.shape[0]} features "
-                                  f"({int((parts >= 0).sum())} filled) from {len(banks) - (site in banks)} other sites")
+            others = len(banks) - (site in banks)
+            self.log_info(fl_ctx, f"sending {site} {feats.shape[0]} remote features from {others} other sites")
         out = DXO(data_kind=dxo.data_kind, data=dxo.data, meta=meta)
         return out.update_shareable(shareable)

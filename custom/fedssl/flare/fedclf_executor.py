@@ -5,9 +5,10 @@ The math is :class:`fedssl.train.fedclf.FedCLFLocalTrainer`, the round protocol
 :class:`fedssl.flare.trainer_executor.TrainerExecutor`.  Per round: load the global model (Local CL: only before
 the device's first local round), hand the remote bank of the download (``Q_r``, eq. 2) to the trainer, train one
 local epoch on the device's unlabelled training images, upload the networks, the sample count and (feature
-exchange: ``queue`` "fe" or "fe_neg") the local bank ``Q_l`` (eq. 1).  The server side is FCL's: the
-``FeatureBankCollector`` validates each bank, the ``FeatureBankShuttle`` sends each device the others' filled
-features, shuffled, without names, always the same number of rows.
+exchange: ``queue`` "fe" or "fe_neg") the rows ``Q_l`` took in this round (eq. 1), each shared once.  The
+server side is FCL's: the ``FeatureBankCollector`` validates each upload and forwards a row once, the
+``FeatureBankShuttle`` sends each device as many of the others' new features as it shared, shuffled, without
+names; the device keeps them in its remote FIFO.
 
 Local CL (``federated=false``) exchanges nothing and needs ``queue="none"``; the server then runs its aggregator
 with ``exclude_patterns=["*"]`` and ``collectors=[]``.  Each result carries, under the ``summary_record`` meta,
@@ -24,7 +25,7 @@ from nvflare.apis.fl_context import FLContext
 from fedssl.core.checks import takes_settings
 from fedssl.core.trainer import RoundStats
 from fedssl.data.images import load_image_records
-from fedssl.flare.constants import BANK_FEATURES, BANK_PARTITIONS, REMOTE_FEATURES, SITE_RECORD_META
+from fedssl.flare.constants import BANK_FEATURES, BANK_PARTITIONS, REMOTE_FEATURES, REMOTE_PARTITIONS, SITE_RECORD_META
 from fedssl.flare.site_executor import pick_device
 from fedssl.flare.trainer_executor import TrainerExecutor
 from fedssl.train.fedclf import FedCLFLocalTrainer, FedCLFSettings
@@ -62,7 +63,8 @@ class FedCLFExecutor(TrainerExecutor):
     def receive(self, dxo: DXO, fl_ctx: FLContext, round_idx: int) -> dict:
         """The global model (Local CL: only before the first local round) and, with feature exchange, Q_r."""
         extra = super().receive(dxo, fl_ctx, round_idx) if self.federated or self.last_round < 0 else {}
-        self.trainer.set_remote(dxo.get_meta_prop(REMOTE_FEATURES) if self.exchanges_features else None)
+        if self.exchanges_features:
+            self.trainer.set_remote(dxo.get_meta_prop(REMOTE_FEATURES), dxo.get_meta_prop(REMOTE_PARTITIONS))
         return extra
 
     def result_state(self, stats: RoundStats, dxo: DXO) -> dict:

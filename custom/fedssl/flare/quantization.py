@@ -11,8 +11,10 @@ feature banks.
   in round 0 because of momentum-encoder batch-norm biases);
 - what arrives is checked before FLARE's dequantiser reads it (it comes from a site, or from the server): the
   quantisation type is one the job configured, every quantised key names a tensor of the payload with a float
-  source type, and the quantisation state is a dict of arrays per key.  A payload that was not quantised passes
-  unchanged (the receiving aggregator casts and bounds every tensor anyway).
+  source type, and the quantisation state is a dict of arrays per key; a payload that fails the check, or makes
+  FLARE's dequantiser raise, becomes one line naming its sender and an error reply that the round leaves out.
+  A payload that was not quantised passes unchanged (the receiving aggregator casts and bounds every tensor
+  anyway).
 
 blockwise8 / float4 / normfloat4 run on CUDA in FLARE 2.9 (its quantiser moves every tensor to the GPU); on a
 machine without one they are refused when the filter is built, naming the types that run on a CPU.
@@ -34,7 +36,8 @@ import torch
 from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
 from nvflare.apis.filter import Filter
 from nvflare.apis.fl_context import FLContext
-from nvflare.apis.shareable import Shareable
+from nvflare.apis.fl_constant import ReturnCode
+from nvflare.apis.shareable import Shareable, make_reply
 from nvflare.app_opt.pt.quantization.ada_quant import AdaQuantizer
 from nvflare.app_opt.pt.quantization.dequantizer import ModelDequantizer
 from nvflare.app_opt.pt.quantization.quantizer import ModelQuantizer
@@ -107,6 +110,21 @@ class Dequantizer(ModelDequantizer):
         require_choice(type(self).__name__, "quantization_type", quantization_type, QUANTIZATION_TYPES)
         super().__init__()
         self.quantization_type = quantization_type
+
+    def process(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
+        """The restored payload; one that cannot be restored (malformed quantisation meta from a site, or anything
+        FLARE's dequantiser raises on it) is answered with one line naming its sender and an error reply, which the
+        round leaves out (every job's ScatterAndGather runs with ``ignore_result_error``), never a traceback."""
+        try:
+            return super().process(shareable, fl_ctx)
+        except Exception as e:  # whatever a malformed payload makes FLARE's dequantiser raise
+            peer = fl_ctx.get_peer_context()
+            sender = (peer.get_identity_name() if peer else None) or "the sender"
+            self.log_error(fl_ctx, f"refused a quantised payload from {sender}: {type(e).__name__}: {str(e)[:200]}; "
+                                   "it is left out")
+            reply = make_reply(ReturnCode.BAD_TASK_DATA)
+            reply.set_peer_props(shareable.get_peer_props() or {})
+            return reply
 
     def process_dxo(self, dxo: DXO, shareable: Shareable, fl_ctx: FLContext) -> DXO | None:
         if dxo.get_meta_prop("quantized_flag") is None and dxo.get_meta_prop(MetaKey.PROCESSED_ALGORITHM) is None:

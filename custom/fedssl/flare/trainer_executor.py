@@ -117,8 +117,6 @@ class TrainerExecutor(AnalyticsStream, SiteExecutor):
             raise FloatingPointError(f"{site}: the training loss became {stats.loss} in round {round_idx}; lower the "
                                      "learning rate or check the data")
         self.last_round = round_idx
-        self.save_checkpoint(fl_ctx, {"round": round_idx, "trainer": trainer.state_dict(),
-                                      TRAINER_CLASS_KEY: type(trainer).__name__, **self.checkpoint_extra()})
         stats.metrics.setdefault("time_s", round(seconds, 3))
         if seconds > 0 and stats.samples:
             stats.metrics.setdefault("steps_per_s", round(stats.steps / seconds, 3))
@@ -129,6 +127,10 @@ class TrainerExecutor(AnalyticsStream, SiteExecutor):
         state = {k: v.detach().cpu().numpy() for k, v in self.result_state(stats, dxo).items()}
         meta = {"num_samples": stats.samples, MetaKey.NUM_STEPS_CURRENT_ROUND: stats.steps, "loss": stats.loss,
                 **self.result_meta(stats, dxo, fl_ctx)}
+        # after the result is built: what it exported (a feature bank's new rows) is not pending in the checkpoint,
+        # so a restarted site never sends a feature twice
+        self.save_checkpoint(fl_ctx, {"round": round_idx, "trainer": trainer.state_dict(),
+                                      TRAINER_CLASS_KEY: type(trainer).__name__, **self.checkpoint_extra()})
         reply = DXO(data_kind=DataKind.WEIGHTS, data=state, meta=meta).to_shareable()
         for key, value in self.result_headers(stats, dxo, fl_ctx).items():
             reply.set_header(key, value)

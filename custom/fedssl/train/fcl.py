@@ -179,7 +179,9 @@ class FCLLocalTrainer(Pretrainer):
         self.optimizer = torch.optim.SGD(self.model.main.parameters(), lr=s.lr, momentum=s.sgd_momentum,
                                          weight_decay=s.weight_decay)
         self.max_steps_per_round = int(s.max_steps_per_round)
-        #: the remote bank ``(features [M, D], partitions [M])`` of the last download, or None
+        #: the other sites' features as delivered, each once, kept in a FIFO of K of this site's own
+        self.remote_bank = FeatureBank(s.bank_size, self.model.proj_dim, seed=derived_seed(self.data_seed, "remote"))
+        #: the remote bank ``(features [M, D], partitions [M])`` trained with: the FIFO's filled rows, or None
         self.remote: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -188,21 +190,19 @@ class FCLLocalTrainer(Pretrainer):
 
     # ------------------------------------------------------------------ the exchanged banks
     def set_remote(self, features: object | None, partitions: object | None = None) -> None:
-        """The remote bank for the next rounds (the other sites' features and partition ids, eq. 1); None
-        clears it.  Ignored in training when feature exchange is off (FedMoCo, Local CL)."""
-        if features is None:
-            self.remote = None
-            return
-        f = torch.as_tensor(np.asarray(features, dtype=np.float32))  # float16 when banks travel in half precision
-        p = torch.as_tensor(np.asarray(partitions))
-        if f.ndim != 2 or f.shape[1] != self.model.proj_dim or tuple(p.shape) != (f.shape[0],):
-            raise ValueError(f"the remote bank has features {tuple(f.shape)} and partitions {tuple(p.shape)}; "
-                             f"expected [M, {self.model.proj_dim}] and [M]")
-        self.remote = (f, p)
+        """Add a delivery of the other sites' features and partition ids (eq. 1) to this site's remote FIFO (each
+        remote feature arrives once; the FIFO keeps the latest K); None: nothing delivered.  The next rounds train
+        with the FIFO's filled rows.  Ignored in training when feature exchange is off (FedMoCo, Local CL)."""
+        if features is not None:
+            if partitions is None:
+                raise ValueError("a remote bank needs its partition ids (FCL's remote positives, eq. 4)")
+            self.remote_bank.receive(features, partitions)
+        self.remote = self.remote_bank.filled_rows() if self.remote_bank.filled else None
 
     def export_bank(self) -> tuple[np.ndarray, np.ndarray]:
-        """This site's bank as uploaded for feature exchange: float32 ``[K, D]`` features, int64 ``[K]`` partitions."""
-        return self.bank.export()
+        """What this site shares for feature exchange: the rows its bank took in since the last call, each once
+        (float32 ``[n, D]`` features, int64 ``[n]`` partitions, n <= K)."""
+        return self.bank.export_fresh()
 
     # ------------------------------------------------------------------ LocalTrainer
     def train_round(self, round_idx: int, should_stop: Callable[[], bool] | None = None) -> RoundStats:
@@ -219,7 +219,7 @@ class FCLLocalTrainer(Pretrainer):
 
         data = self.dataset.batches(v, round_idx, cap, **loader_options(self.workers, self.device))
         out = self.train_batches(data, steps_per_round, round_idx, remote, progress)
-        n_remote = 0 if remote is None else int(remote[0].shape[0])
+        n_remote = 0 if remote is None else int(remote[0].shape[0])  # the FIFO's filled rows
         metrics = {"loss_local": out["loss_local"], "loss_remote": out["loss_remote"], "lr": out["lr_end"],
                    "lr_end": out["lr_end"], "remote_features": n_remote, "bank_filled": out["bank_filled"],
                    "bank_fill": out["bank_filled"] / self.bank.capacity, "feature_std": out["feature_std"]}
@@ -290,11 +290,15 @@ class FCLLocalTrainer(Pretrainer):
 
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "bank": self.bank.state_dict(), "generator": self.generator.get_state(),
+                "bank": self.bank.state_dict(), "remote_bank": self.remote_bank.state_dict(),
+                "generator": self.generator.get_state(),
                 "config": {**asdict(self.settings), "num_rounds": self.num_rounds}}
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.bank.load_state_dict(state["bank"])
+        if "remote_bank" in state:  # checkpoints before the remote FIFO start it empty
+            self.remote_bank.load_state_dict(state["remote_bank"])
+            self.remote = self.remote_bank.filled_rows() if self.remote_bank.filled else None
         self.generator.set_state(state["generator"])

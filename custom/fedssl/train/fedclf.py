@@ -190,7 +190,9 @@ class FedCLFLocalTrainer(Pretrainer):
         self.batch_size, self.max_steps_per_round = s.batch_size, int(s.max_steps_per_round)
         #: the last round's Q_CL (MoCo), for inspection; rebuilt at the start of every round
         self.queue: NegativeQueue | None = None
-        #: the remote bank Q_r [R, D] of the last download, or None
+        #: the other devices' features as delivered, each once, kept in a FIFO of K of this device's own
+        self.remote_bank = FeatureBank(s.bank_size, self.bank.dim, seed=derived_seed(self.data_seed, "remote"))
+        #: Q_r [R, D] trained with: the FIFO's filled rows, or None
         self.remote: torch.Tensor | None = None
 
     @property
@@ -199,20 +201,19 @@ class FedCLFLocalTrainer(Pretrainer):
         return min(full, self.max_steps_per_round) if self.max_steps_per_round else full
 
     # ------------------------------------------------------------------ the exchanged banks
-    def set_remote(self, features: object | None) -> None:
-        """Q_r for the next rounds (the other devices' features, eq. 2); None clears it."""
-        if features is None:
-            self.remote = None
-            return
-        f = torch.as_tensor(np.asarray(features, dtype=np.float32))
-        dim = self.bank.dim
-        if f.ndim != 2 or f.shape[1] != dim or f.shape[0] < 1:
-            raise ValueError(f"the remote bank has shape {tuple(f.shape)}; expected [R, {dim}] with R >= 1")
-        self.remote = f
+    def set_remote(self, features: object | None, marks: object | None = None) -> None:
+        """Add a delivery of the other devices' features (eq. 2; ``marks``: their fill marks, 0 = filled, default all
+        filled) to this device's remote FIFO (each arrives once; the FIFO keeps the latest K); None: nothing
+        delivered.  Q_r for the next rounds is the FIFO's filled rows.  ValueError on a shape other than [R, D]."""
+        if features is not None:
+            n = int(np.shape(features)[0]) if np.ndim(features) else 0
+            self.remote_bank.receive(features, np.zeros(n, np.int64) if marks is None else marks)
+        self.remote = self.remote_bank.filled_rows()[0] if self.remote_bank.filled else None
 
     def export_bank(self) -> tuple[np.ndarray, np.ndarray]:
-        """Q_l as uploaded: float32 ``[K, D]`` features and int64 ``[K]`` fill marks (0 filled, -1 initial)."""
-        return self.bank.export()
+        """Q_l's rows taken in since the last call, each shared once: float32 ``[n, D]`` features and int64 ``[n]``
+        fill marks (0), n <= K."""
+        return self.bank.export_fresh()
 
     # ------------------------------------------------------------------ LocalTrainer
     def train_round(self, round_idx: int, should_stop: Callable[[], bool] | None = None) -> RoundStats:
@@ -321,11 +322,15 @@ class FedCLFLocalTrainer(Pretrainer):
 
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "bank": self.bank.state_dict(), "generator": self.generator.get_state(),
+                "bank": self.bank.state_dict(), "remote_bank": self.remote_bank.state_dict(),
+                "generator": self.generator.get_state(),
                 "config": {**asdict(self.settings), "num_rounds": self.num_rounds}}
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.bank.load_state_dict(state["bank"])
+        if "remote_bank" in state:  # checkpoints before the remote FIFO start it empty
+            self.remote_bank.load_state_dict(state["remote_bank"])
+            self.remote = self.remote_bank.filled_rows()[0] if self.remote_bank.filled else None
         self.generator.set_state(state["generator"])

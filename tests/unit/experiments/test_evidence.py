@@ -122,18 +122,20 @@ def test_bad_arguments_are_refused_in_one_line(tmp_path):
 
 def test_federation_starts_every_site_from_the_last_global_and_shuttles_the_banks(tmp_path, monkeypatch):
     """Every round, every site of a seed starts from the previous round's average (the server's) and, from the
-    second round on, holds the other sites' bank (K rows); the returned global is the average of the sites'
-    models after the last round."""
+    second round on, holds as many of the other site's features as it shared (the server's rule); the returned
+    global is the average of the sites' models after the last round."""
     from fedssl.train.fcl import FCLLocalTrainer
 
     cfg = ev.FCL_SIZES["tiny"]
     sites = ev.prepare_acdc(str(tmp_path / "acdc"), cfg, processes=1)
-    starts, finals = [], {}
+    starts, finals, shared = [], {}, {}
     original = FCLLocalTrainer.train_round
 
     def recording(self, round_idx, should_stop=None):
         starts.append((self.settings.seed, round_idx, {k: v.clone() for k, v in self.model.state_dict().items()}))
         out = original(self, round_idx, should_stop)
+        if round_idx == 0:
+            shared.setdefault(self.settings.seed, []).append(self.bank.fresh)  # what it uploads after round 0
         finals[(self.settings.seed, round_idx, self.data_seed)] = (
             {k: v.clone() for k, v in self.model.state_dict().items()}, out.samples)
         return out
@@ -142,7 +144,9 @@ def test_federation_starts_every_site_from_the_last_global_and_shuttles_the_bank
     pre = ev.federated_fcl(sites, cfg, (0, 1), 2, "cpu", 300.0, lambda m: None)
     for seed in (0, 1):
         run = pre["runs"][seed]
-        assert run["remote_features"] == [0.0, float(cfg["pretrain"]["bank_size"])]
+        # two sites: each gets min(own, other's) of the other's rows
+        assert len(shared[seed]) == 2 and 0 < min(shared[seed]) <= cfg["pretrain"]["bank_size"]
+        assert run["remote_features"] == [0.0, float(min(shared[seed]))]
         first = [st for sd, r, st in starts if sd == seed and r == 0]
         second = [st for sd, r, st in starts if sd == seed and r == 1]
         assert len(first) == len(second) == 2

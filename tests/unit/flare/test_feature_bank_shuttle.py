@@ -46,8 +46,8 @@ def test_each_site_gets_all_others_never_its_own_fresh_per_site(tmp_path):
     for i, site in enumerate(SITES):
         out = from_shareable(f.process(per_site_copy(base), to(site, tmp_path)))
         feats, parts = out.get_meta_prop(REMOTE_FEATURES), out.get_meta_prop(REMOTE_PARTITIONS)
-        assert feats.shape == (8, 3) and parts.shape == (8,)
-        assert i not in set(parts.tolist()) and set(parts.tolist()) == set(range(3)) - {i}
+        assert feats.shape == (4, 3) and parts.shape == (4,)  # as many as it shared
+        assert set(parts.tolist()) <= set(range(3)) - {i}
         assert not feats[:, i].any()  # none of its own rows
         assert out.get_meta_prop(COLLECTED) is None  # no site names travel
         outs[site] = feats
@@ -67,8 +67,8 @@ def distinct_broadcast(round_idx):
 
 
 def order(folder, site="site-1", round_idx=1, shuttle=None):
-    """The rows (by index) ``site`` receives in round ``round_idx`` from a server whose folder is ``folder``: one of
-    16! orders of the other two sites' 16 rows."""
+    """The rows (by index) ``site`` receives in round ``round_idx`` from a server whose folder is ``folder``: 8 of
+    the other two sites' 16 rows (as many as it shared), in one of 16! / 8! draws."""
     shuttle = shuttle or FeatureBankShuttle(bank_size=16)
     out = from_shareable(shuttle.process(per_site_copy(distinct_broadcast(round_idx)), to(site, folder)))
     return out.get_meta_prop(REMOTE_FEATURES).argmax(axis=1).tolist()
@@ -81,7 +81,7 @@ def test_remote_bank_is_shuffled_by_the_servers_kept_secret_not_a_config_seed(tm
     orders = {k: order(tmp_path / f"server{k}") for k in range(3)}
     assert (tmp_path / "server0" / "feature_bank_shuttle.secret").is_file()
     assert order(tmp_path / "server0") == orders[0]  # a new instance (a restarted server): the same order
-    assert all(sorted(o) == list(range(8, 24)) and o != sorted(o) for o in orders.values())
+    assert all(len(set(o)) == 8 and set(o) <= set(range(8, 24)) and o != sorted(o) for o in orders.values())
     assert len({tuple(o) for o in orders.values()}) == 3
     with pytest.raises(TypeError):
         FeatureBankShuttle(seed=0)  # a job configuration cannot choose the shuffle
@@ -115,14 +115,15 @@ def test_a_corrupt_secret_stops_the_filter_in_one_line_naming_the_file(tmp_path)
 
 
 def test_remote_bank_has_the_same_size_whatever_the_number_of_sites(tmp_path):
-    """K = 6 rows whether 1 or 2 other sites sent banks: the size does not tell a site how many others there are."""
+    """4 rows (what site-1 shared) whether 1 or 2 other sites sent banks: the size does not tell a site how many
+    others there are."""
     two = {k: v for k, v in from_shareable(broadcast()).get_meta_prop(COLLECTED).items() if k != "site-3"}
     small = DXO(DataKind.WEIGHTS, data={"w": np.zeros(2)}, meta={COLLECTED: two}).to_shareable()
     shuttle = FeatureBankShuttle(bank_size=6)
     for base in (small, broadcast()):
         parts = from_shareable(shuttle.process(per_site_copy(base),
                                                to("site-1", tmp_path))).get_meta_prop(REMOTE_PARTITIONS)
-        assert parts.shape == (6,)
+        assert parts.shape == (4,)
 
 
 def test_refuses_to_run_without_a_receiving_site():

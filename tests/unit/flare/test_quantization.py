@@ -102,6 +102,39 @@ def test_dequantizer_refuses_what_its_sender_cannot_produce(tmp_path):
     assert from_shareable(dq.process(plain, ctx)).data["conv.weight"].dtype == np.float32
 
 
+@pytest.mark.parametrize("attack", ["wrong type", "state not a dict", "names an integer tensor", "tensor is text",
+                                    "tensor is a nested dict", "adaquant state of the wrong shape"])
+def test_a_malformed_quantised_upload_is_one_line_and_an_error_reply_never_a_traceback(attack, tmp_path, caplog):
+    """Issue 45 (not tried before): malformed quantisation meta on the wire switch.  The server's dequantiser answers
+    every case with one line naming the site and an error reply (ScatterAndGather, with the jobs'
+    ignore_result_error, leaves it out of the round); an honest payload after it is restored as usual."""
+    kind = "adaquant" if attack.startswith("adaquant") else "float16"
+    ctx = context(peer_site="site-3", engine=FakeEngine(tmp_path))
+    sent = from_shareable(Quantizer(kind).process(shareable(), ctx))
+    data, meta = dict(sent.data), dict(sent.meta)
+    if attack == "wrong type":
+        meta[MetaKey.PROCESSED_ALGORITHM] = "blockwise8"
+    elif attack == "state not a dict":
+        meta["quant_state"] = [1, 2, 3]
+    elif attack == "names an integer tensor":
+        meta["source_datatype"] = {**meta["source_datatype"], "bn.num_batches_tracked": "int64"}
+    elif attack == "tensor is text":
+        data["conv.weight"] = "not a tensor"
+    elif attack == "tensor is a nested dict":
+        data["conv.weight"] = {"a": np.ones(3)}
+    else:
+        meta["quant_state"] = {k: {kk: np.ones(7) for kk in v} for k, v in meta["quant_state"].items()}
+    bad = DXO(DataKind.WEIGHTS, data=data, meta=meta).to_shareable()
+    bad.set_peer_props({"__identity_name__": "site-3"})
+    out = Dequantizer(kind).process(Shareable.from_bytes(bad.to_bytes()), ctx)
+    assert out.get_return_code() == "BAD_TASK_DATA" and out.get_peer_props() == {"__identity_name__": "site-3"}
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "site-3" in errors[0].getMessage() and not errors[0].exc_info
+    assert "Traceback" not in caplog.text
+    honest = Shareable.from_bytes(Quantizer(kind).process(shareable(), ctx).to_bytes())
+    assert from_shareable(Dequantizer(kind).process(honest, ctx)).data["conv.weight"].dtype == np.float32
+
+
 def test_banks_travel_in_float16_and_the_meter_counts_the_smaller_payload(tmp_path):
     bank = np.random.default_rng(0).normal(size=(256, 32)).astype(np.float32)
     ctx = context(peer_site="site-1", engine=FakeEngine(tmp_path))

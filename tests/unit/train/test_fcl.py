@@ -55,9 +55,10 @@ def test_round_statistics_by_hand():
     assert stats.metrics["remote_features"] == 0
     assert (stats.metrics["bank_filled"], stats.metrics["bank_fill"]) == (8, 0.5)  # 8 of K = 16 slots
     assert 0 < stats.metrics["feature_std"] < 1  # issue 14: the spread of the query features, mean of 2 steps
-    features, partitions = t.export_bank()
-    assert features.shape == (16, 4) and features.dtype == np.float32 and partitions.dtype == np.int64
-    assert sorted(partitions[partitions >= 0].tolist()) == [0] * 4 + [1] * 4  # 8 filled slots, partitions 0 and 1
+    features, partitions = t.export_bank()  # the 8 rows taken in this round, each shared once (issue 45)
+    assert features.shape == (8, 4) and features.dtype == np.float32 and partitions.dtype == np.int64
+    assert sorted(partitions.tolist()) == [0] * 4 + [1] * 4  # partitions 0 and 1
+    assert t.export_bank()[0].shape == (0, 4)
 
 
 def test_max_steps_per_round_caps_the_round():
@@ -78,10 +79,15 @@ def test_the_remote_bank_enters_training_unless_feature_exchange_is_off():
     off_remote.set_remote(*remote())
     c, d = off.train_round(0), off_remote.train_round(0)
     assert d.metrics["remote_features"] == 0 and c.loss == d.loss
+    # each remote row arrives once: the site keeps them in its own FIFO of K = 16 (None: nothing delivered)
     with_remote.set_remote(None)
-    assert with_remote.remote is None
+    assert with_remote.remote[0].shape == (6, 4)
+    with_remote.set_remote(*remote(12))
+    assert with_remote.remote[0].shape == (16, 4) and torch.equal(with_remote.remote[1][-12:], torch.arange(12) % 2)
     with pytest.raises(ValueError, match=r"expected \[M, 4\] and \[M\]"):
         with_remote.set_remote(np.zeros((3, 5), np.float32), np.zeros(3, np.int64))
+    with pytest.raises(ValueError, match="partition ids"):
+        with_remote.set_remote(np.zeros((3, 4), np.float32))
 
 
 def test_should_stop_after_one_step_raises_stop_requested():

@@ -56,7 +56,7 @@ def test_view_batches_order_from_seed_and_epoch_and_step_cap(records):
 
 def test_remote_bank_is_checked_and_stop_is_honoured(records):
     t = make(records, 1, "device-1")
-    with pytest.raises(ValueError, match=r"expected \[R, 8\]"):
+    with pytest.raises(ValueError, match=r"expected \[M, 8\]"):
         t.set_remote(np.zeros((3, 5), np.float32))
     calls = []
 

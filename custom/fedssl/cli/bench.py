@@ -7,9 +7,11 @@ from fedssl.cli import COUNT, NON_NEGATIVE, POSITIVE, SEED, Verb, add_family
 
 
 def _aggregation_args(s) -> None:
-    s.add_argument("--sites", nargs="+", type=COUNT, default=[2, 5, 10, 20], help="numbers of contributions")
-    s.add_argument("--modes", nargs="+", default=["running"], choices=["running", "held"],
-                   help="running = the bundle's aggregator (running sum); held = every model held, then averaged")
+    s.add_argument("--sites", nargs="+", type=COUNT, default=[2, 5, 10, 20, 50], help="numbers of contributions")
+    s.add_argument("--modes", nargs="+", default=["running", "flare"], choices=["running", "flare", "held"],
+                   help="running = the bundle's aggregator (running sum, every check); flare = FLARE's "
+                        "InTimeAccumulateWeightedAggregator on the same contributions; held = every model held, "
+                        "then averaged")
     s.add_argument("--model", default="vit_b16", choices=["vit_b16", "tiny"], help="vit_b16 = 86.6 M parameters")
     s.add_argument("--seed", type=SEED, default=0)
     s.add_argument("--out", default=None, help="write the rows to this JSON file")
@@ -149,8 +151,9 @@ def _fcl_step(a) -> None:
 
 
 VERBS = (
-    Verb("aggregation", "server scaling: time and peak memory of aggregating 2..20 ViT-B/16 contributions "
-                        "(FedAvgAggregator, one process per count)", _aggregation_args, _aggregation),
+    Verb("aggregation", "server scaling: time and peak memory of aggregating 2..50 ViT-B/16 contributions "
+                        "(the bundle's FedAvgAggregator against FLARE's, one process per count)", _aggregation_args,
+         _aggregation),
     Verb("control", "FCL's centralised control (issue 44 H2): one trainer on all sites' data pooled at 1x, 4x, 16x the "
                     "bench pre-training steps, and the federated run, against random init in Table 1 local "
                     "fine-tuning over seeds; JSON, PNG, one verdict per arm and multiplier", _control_args, _control),

@@ -12,7 +12,12 @@ import numpy as np
 import torch
 
 # ContributionError re-exported: every aggregator raises it
-from fedssl.core.untrusted import ContributionError, cast_array
+from fedssl.core.untrusted import ContributionError, cast_array, refuse_non_finite
+
+
+#: values in a scratch chunk (512 KB of float64, within a core's L2 cache): the update norm and the running sum
+#: stream through it instead of a temporary the size of a tensor
+SCRATCH = 1 << 16
 
 
 def to_numpy(v) -> np.ndarray:
@@ -23,7 +28,7 @@ def to_numpy(v) -> np.ndarray:
 
 def check_contribution(
     reference: Mapping[str, object], contribution: Mapping[str, object], site: str, keys: Iterable[str] | None = None,
-    max_update_ratio: float | None = None,
+    max_update_ratio: float | None = None, base_sq: float | None = None,
 ) -> dict[str, np.ndarray]:
     """The contribution's tensors cast to the reference's dtypes, or ContributionError naming the site.
 
@@ -32,7 +37,10 @@ def check_contribution(
     reference dtype *before* any value check (``fedssl.core.untrusted.cast_array``: bool / complex /
     object arrays are refused, a float64 1e300 that overflows float32 is refused as non-finite), must have
     the reference shape, and, with ``max_update_ratio``, the update over all float tensors must satisfy
-    ``||x - g|| <= max_update_ratio * max(||g||, 1)`` so that a site cannot push 1e38 weights.
+    ``||x - g|| <= max_update_ratio * max(||g||, 1)`` so that a site cannot push 1e38 weights.  With the bound,
+    finiteness is read off the update's norm (a NaN or an infinity makes it non-finite; only then is the tensor
+    that holds it looked for), which saves a pass over the model; ``base_sq`` is ``||g||^2`` over the checked
+    keys when the caller has it (an aggregator computes it once a round, :func:`squared_norm`).
     """
     expected = set(reference if keys is None else keys)
     got = set(contribution)
@@ -43,11 +51,15 @@ def check_contribution(
             "the site must run the same model configuration as the server"
         )
     cast: dict[str, np.ndarray] = {}
+    bounded = max_update_ratio is not None
     for k in sorted(expected):
         ref = to_numpy(reference[k])
-        cast[k] = cast_array(contribution[k], ref.dtype, repr(k), site, shape=ref.shape)
-    if max_update_ratio is not None:
-        ratio = update_ratio(reference, cast)
+        cast[k] = cast_array(contribution[k], ref.dtype, repr(k), site, shape=ref.shape, check_finite=not bounded)
+    if bounded:
+        ratio = update_ratio(reference, cast, base_sq)
+        if not np.isfinite(ratio):
+            for k, x in cast.items():  # which tensor: the usual message (an overflowing square is not one of them)
+                refuse_non_finite(x, repr(k), site)
         if not ratio <= max_update_ratio:
             raise ContributionError(
                 f"{site} sent an update of norm {ratio:.3g} x the global model's (bound {max_update_ratio:g}); "
@@ -55,20 +67,41 @@ def check_contribution(
     return cast
 
 
-def update_ratio(reference: Mapping[str, object], contribution: Mapping[str, np.ndarray]) -> float:
-    """``||x - g|| / max(||g||, 1)`` over the float tensors of ``contribution``.
+def squared_norm(reference: Mapping[str, object], keys: Iterable[str]) -> float:
+    """``||g||^2`` over the float tensors among ``keys`` of ``reference``, summed in float64."""
+    total = 0.0
+    for k in keys:
+        g = to_numpy(reference[k])
+        if g.dtype.kind == "f":
+            g = g.ravel()
+            total += float(np.dot(g, g))
+    return total
 
-    Each tensor's squared norm is a BLAS dot product in the tensor's own precision, summed in float64; an
-    update so large that its square overflows gives ``inf`` (and is refused by the caller's bound)."""
-    diff, base = 0.0, 0.0
+
+def update_ratio(reference: Mapping[str, object], contribution: Mapping[str, np.ndarray],
+                 base_sq: float | None = None) -> float:
+    """``||x - g|| / max(||g||, 1)`` over the float tensors of ``contribution`` (``base_sq``: ``||g||^2`` over them,
+    computed here when not given).
+
+    ``x - g`` is formed one cache-sized chunk at a time (no temporary of a tensor) and each chunk's squared norm is
+    a BLAS dot product in the tensor's own precision, summed in float64; a NaN or infinity in ``x``, or an update
+    so large that its square overflows, gives ``inf``."""
+    diff = 0.0
+    scratch: np.ndarray | None = None
     with np.errstate(over="ignore", invalid="ignore"):
         for k, x in contribution.items():
             if x.dtype.kind != "f":
                 continue
             g = to_numpy(reference[k]).astype(x.dtype, copy=False).ravel()
-            d = (x.ravel() - g)
-            diff += float(np.dot(d, d))
-            base += float(np.dot(g, g))
+            xf = x.ravel()
+            if scratch is None or scratch.dtype != x.dtype:
+                scratch = np.empty(SCRATCH, x.dtype)
+            for i in range(0, xf.size, SCRATCH):
+                n = min(SCRATCH, xf.size - i)
+                d = np.subtract(xf[i:i + n], g[i:i + n], out=scratch[:n])
+                diff += float(np.dot(d, d))
+    base = squared_norm(reference, [k for k, x in contribution.items() if x.dtype.kind == "f"]) \
+        if base_sq is None else base_sq
     return float(np.sqrt(diff) / max(np.sqrt(base), 1.0)) if np.isfinite(diff) else float("inf")
 
 
@@ -87,6 +120,7 @@ class RunningAverage:
         self._sum: dict[str, np.ndarray] = {}
         self._dtype: dict[str, np.dtype] = {}
         self._spare: dict[str, np.ndarray] = {}  # last round's float64 buffers, reused by the next round
+        self._scratch = np.empty(SCRATCH, np.float64)  # w * x, one cache-sized chunk at a time
         self.total_weight = 0.0
         self.count = 0
 
@@ -114,9 +148,19 @@ class RunningAverage:
                 out = spare if spare is not None and spare.shape == a.shape else np.empty(a.shape, np.float64)
                 self._sum[k], self._dtype[k] = np.multiply(a, scale, out=out), a.dtype  # 0-d stays an array
             else:
-                self._sum[k] += a * scale
+                self._accumulate(self._sum[k], a, scale)
         self.total_weight += w
         self.count += 1
+
+    def _accumulate(self, acc: np.ndarray, a: np.ndarray, scale: np.float64) -> None:
+        """``acc += a * scale`` in float64, chunk by chunk through a scratch buffer that stays in the CPU cache:
+        no float64 temporary of the tensor, 2.2x faster than the plain expression on a ViT-B (issue 46)."""
+        flat_acc, flat_a = acc.reshape(-1), a.reshape(-1)
+        for i in range(0, flat_a.size, SCRATCH):
+            n = min(SCRATCH, flat_a.size - i)
+            buf = self._scratch[:n]
+            np.multiply(flat_a[i:i + n], scale, out=buf)
+            np.add(flat_acc[i:i + n], buf, out=flat_acc[i:i + n])
 
     def result(self) -> dict[str, np.ndarray]:
         """The weighted mean of every key, in the first contribution's dtypes."""

@@ -50,13 +50,17 @@ def as_count(value: object, what: str, site: str, cap: float, minimum: int = 1) 
     return int(number)
 
 
-def cast_array(value: object, dtype: np.dtype, what: str, site: str, shape: tuple | None = None) -> np.ndarray:
+def cast_array(value: object, dtype: np.dtype, what: str, site: str, shape: tuple | None = None,
+               check_finite: bool = True) -> np.ndarray:
     """``value`` (numpy array, torch tensor or nested list) cast to ``dtype``, refused unless the cast is safe.
 
     Float targets accept float and integer sources (bool, complex, object and strings are refused) and the
     result must be finite: a float64 1e300 cast to float32 becomes inf and is refused here, after the cast.
     Integer targets accept integers only (a float 0.5 would be truncated silently).  ``shape`` (if given)
-    must match exactly.
+    must match exactly.  An array already of ``dtype`` is returned as it is (no copy: an 86.6 M-parameter model
+    arriving at the server costs no second copy, issue 46); callers never write into what they are given.
+    ``check_finite=False`` leaves the finiteness of a float result to the caller (one that computes a norm of it
+    anyway, e.g. :func:`fedssl.core.state_dict.check_contribution`, and calls :func:`refuse_non_finite`).
     """
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().numpy()
@@ -83,10 +87,18 @@ def cast_array(value: object, dtype: np.dtype, what: str, site: str, shape: tupl
     if shape is not None and tuple(arr.shape) != tuple(shape):
         raise ContributionError(f"{site} sent {what} with shape {tuple(arr.shape)}, expected {tuple(shape)}")
     with np.errstate(over="ignore", invalid="ignore"):
-        out = arr.astype(dtype, copy=True)
-    if dtype.kind == "f" and not np.all(np.isfinite(out)):
-        raise ContributionError(f"{site} sent non-finite values in {what} (NaN/Inf, or overflow when cast to {dtype})")
+        out = arr.astype(dtype, copy=False)
+    if check_finite:
+        refuse_non_finite(out, what, site)
     return out
+
+
+def refuse_non_finite(arr: np.ndarray, what: str, site: str) -> None:
+    """ContributionError naming the site unless every value of a float ``arr`` is finite."""
+    # NaN propagates through min and max, and an infinity is one of them: two reductions, no mask of the array
+    if arr.dtype.kind == "f" and arr.size and not (np.isfinite(arr.min()) and np.isfinite(arr.max())):
+        raise ContributionError(f"{site} sent non-finite values in {what} (NaN/Inf, or overflow when cast to "
+                                f"{arr.dtype})")
 
 
 def bounded_json(value: object, what: str, site: str, max_items: int = 4096, max_depth: int = 6,

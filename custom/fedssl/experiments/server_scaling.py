@@ -16,6 +16,9 @@ sum's buffers), the first's are under ``first_round``:
 - ``peak_rss_mb`` and ``extra_rss_mb`` (peak minus the process with the global model and one contribution
   built, before the aggregator saw anything).
 
+``mode="flare"`` feeds the same contributions to FLARE's own ``InTimeAccumulateWeightedAggregator`` (weighted by the
+same counts, sent as ``NUM_STEPS_CURRENT_ROUND``; no cast, no check, a float32 running sum whose result depends on
+the arrival order), the yardstick for the bundle's aggregator with every check on (issue 46).
 ``mode="held"`` measures the former design for comparison: every checked contribution is held until the round
 closes and then averaged (``fedssl.core.state_dict.weighted_average``), which is what makes memory grow with
 the number of sites.  The stand-in engine (:class:`BenchEngine`) only names the run's clients; nothing else of FLARE
@@ -34,8 +37,8 @@ import time
 
 import numpy as np
 
-SITES = (2, 5, 10, 20)
-MODES = ("running", "held")
+SITES = (2, 5, 10, 20, 50)
+MODES = ("running", "flare", "held")
 
 
 #: model name -> timm architecture: the paper-size ViT-B/16 (86.6 M parameters) and a tiny one for tests
@@ -96,8 +99,10 @@ def _max_rss_mb() -> float:
 
 def measure_one(n_sites: int, mode: str = "running", seed: int = 0, model: str = "vit_b16") -> dict:
     """One aggregation of ``n_sites`` ViT-B contributions (run it in a fresh process for a meaningful peak RSS)."""
-    from nvflare.apis.dxo import DXO, DataKind, from_shareable
+    from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
+    from nvflare.apis.event_type import EventType
     from nvflare.apis.fl_constant import ReservedKey
+    from nvflare.app_common.aggregators.intime_accumulate_model_aggregator import InTimeAccumulateWeightedAggregator
     from nvflare.apis.fl_context import FLContext
     from nvflare.app_common.abstract.model import make_model_learnable
     from nvflare.app_common.app_constant import AppConstants
@@ -118,7 +123,7 @@ def measure_one(n_sites: int, mode: str = "running", seed: int = 0, model: str =
     def contribution(i: int):
         """Site i's model: the global model scaled by (1 + i / 1000) (a distinct, bounded update)."""
         s = DXO(DataKind.WEIGHTS, data={k: v * np.float32(1 + i / 1000) for k, v in global_model.items()},
-                meta={"num_samples": 10 + i}).to_shareable()
+                meta={"num_samples": 10 + i, MetaKey.NUM_STEPS_CURRENT_ROUND: 10 + i}).to_shareable()
         s.set_peer_props({ReservedKey.IDENTITY_NAME: sites[i]})
         s.add_cookie(AppConstants.CONTRIBUTION_ROUND, 0)
         return s
@@ -126,14 +131,20 @@ def measure_one(n_sites: int, mode: str = "running", seed: int = 0, model: str =
     probe = contribution(0)  # the baseline holds the global model and one contribution in flight
     del probe
     base_rss = _max_rss_mb()
-    agg, rounds = FedAvgAggregator(weighting="num_samples"), []
+    if mode == "flare":
+        agg = InTimeAccumulateWeightedAggregator(expected_data_kind=DataKind.WEIGHTS)
+        agg.handle_event(EventType.START_RUN, ctx)  # builds its helper
+    else:
+        agg = FedAvgAggregator(weighting="num_samples")
+    rounds = []
     for round_idx in range(2):  # round 0 allocates the running sum; round 1 reuses it, as every later round does
-        agg.reset(ctx)
+        if mode != "flare":  # FLARE's starts a new sum after each aggregate
+            agg.reset(ctx)
         held, accept_s = [], 0.0
         for i in range(n_sites):
             s = contribution(i)
             t0 = time.perf_counter()
-            if mode == "running":
+            if mode in ("running", "flare"):
                 if not agg.accept(s, ctx):
                     raise RuntimeError(f"server scaling: the aggregator refused {sites[i]}")
             else:
@@ -141,7 +152,7 @@ def measure_one(n_sites: int, mode: str = "running", seed: int = 0, model: str =
             accept_s += time.perf_counter() - t0
             del s
         t0 = time.perf_counter()
-        if mode == "running":
+        if mode in ("running", "flare"):
             out = from_shareable(agg.aggregate(ctx)).data
         else:
             out = weighted_average(held, [10 + i for i in range(n_sites)])

@@ -39,7 +39,8 @@ from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.app_event_type import AppEventType
 
 from fedssl.core.checks import require, require_choice
-from fedssl.core.state_dict import ContributionError, RunningAverage, check_contribution, round_key_set
+from fedssl.core.state_dict import (ContributionError, RunningAverage, check_contribution, round_key_set,
+                                    squared_norm)
 from fedssl.core.untrusted import as_count, as_finite_float
 from fedssl.flare.constants import AGGREGATED_SITES, COLLECTED, REFUSAL_PROP, ROUND_PLAN_PROP, ROUND_STATS_PROP
 
@@ -91,11 +92,13 @@ class RoundAggregator(Aggregator):
         self._losses: dict[str, float] = {}
         self._declared: dict[str, int] = {}  # site -> num_samples it declared with its first accepted result
         self._num_rounds: int | None = None
+        self._base_sq: tuple | None = None
 
     def reset(self, fl_ctx: FLContext) -> None:
         self._running.clear()
         self._retained, self._weights, self._losses = {}, {}, {}
         self._held, self.capped = None, {}
+        self._base_sq: tuple | None = None  # (global model, keys) -> ||g||^2, once a round
 
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
         if event_type == AppEventType.ROUND_STARTED:  # fired from the workflow's context, which holds NUM_ROUNDS
@@ -208,6 +211,13 @@ class RoundAggregator(Aggregator):
         if not sites:
             self.system_panic("no valid contribution this round: nothing to aggregate", fl_ctx)
         return sites, n_clients
+
+    def base_sq(self, reference: dict, keys: set) -> float:
+        """``||g||^2`` of the round's global model over ``keys``, computed at the round's first contribution."""
+        tag = (id(reference), frozenset(keys))
+        if self._base_sq is None or self._base_sq[0] != tag:
+            self._base_sq = (tag, squared_norm(reference, keys))
+        return self._base_sq[1]
 
     def _relative_cap(self) -> bool:
         return self.max_weight_ratio > 0 and self.weighting != "uniform"
@@ -351,8 +361,9 @@ class FedAvgAggregator(RoundAggregator):
                 raise ContributionError("no global model in the FL context; the aggregator runs inside "
                                         "ScatterAndGather")
             reference = global_model[ModelLearnableKey.WEIGHTS]
-            data = check_contribution(reference, dxo.data or {}, site, keys=self.round_keys(reference, fl_ctx),
-                                      max_update_ratio=self.max_update_ratio)
+            keys = self.round_keys(reference, fl_ctx)
+            data = check_contribution(reference, dxo.data or {}, site, keys=keys,
+                                      max_update_ratio=self.max_update_ratio, base_sq=self.base_sq(reference, keys))
             weight = self.weight_of(dxo, site)
             items: dict = {}
             for collector in collectors:

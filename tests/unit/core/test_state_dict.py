@@ -48,6 +48,35 @@ def test_running_average_is_order_independent_to_the_last_bit():
     assert np.array_equal(fwd.result()["w"], rev.result()["w"])
 
 
+def test_running_average_chunked_sum_equals_the_plain_float64_sum(monkeypatch):
+    """The sum runs through a cache-sized scratch chunk (issue 46); with a 3-value chunk every tensor spans several
+    chunks and a last partial one, and the result is the plain float64 expression to the last bit."""
+    import fedssl.core.state_dict as sd
+    monkeypatch.setattr(sd, "SCRATCH", 3)
+    rng = np.random.default_rng(1)
+    states = [{"w": rng.normal(size=(4, 5)).astype(np.float32), "n": np.array(i, np.int64)} for i in range(4)]
+    weights = [3, 1, 7, 2]
+    run = sd.RunningAverage()
+    for s, w in zip(states, weights):
+        run.add(s, w)
+    plain = sum(np.float64(w) * s["w"].astype(np.float64) for s, w in zip(states, weights))
+    assert np.array_equal(run.result()["w"], (plain / sum(weights)).astype(np.float32))
+    assert int(run.result()["n"]) == round(sum(w * i for i, w in enumerate(weights)) / sum(weights))
+
+
+def test_a_checked_contribution_of_the_models_dtype_is_not_copied():
+    """86.6 M parameters arrive at the server once: the cast keeps an array already of the model's dtype (issue 46:
+    the copy cost a second model's memory per contribution); another dtype is cast, and nothing is written into."""
+    ref = {"a": np.zeros(3, np.float32), "n": np.zeros((), np.int64)}
+    sent = {"a": np.array([1.0, 2.0, 3.0], np.float32), "n": np.array(4, np.int32)}
+    out = check_contribution(ref, sent, "site-1")
+    assert out["a"] is sent["a"] and sent["a"].tolist() == [1.0, 2.0, 3.0]
+    assert out["n"].dtype == np.int64 and out["n"] is not sent["n"]
+    for bad in (np.nan, np.inf, -np.inf):
+        with pytest.raises(ContributionError, match="non-finite"):
+            check_contribution(ref, {"a": np.array([1.0, bad, 3.0], np.float32), "n": sent["n"]}, "site-1")
+
+
 def test_running_average_clear_starts_afresh_and_reuses_its_buffers():
     run = RunningAverage()
     run.add({"w": np.array([1.0, 3.0], np.float32)}, 1)

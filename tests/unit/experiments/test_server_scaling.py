@@ -13,14 +13,17 @@ def test_one_measurement_aggregates_correctly_and_reports_two_rounds():
             and set(row["first_round"]) == {"accept_s", "aggregate_s", "round_s"})
     held = measure_one(2, "held", model="tiny")
     assert held["mode"] == "held"
+    flare = measure_one(3, "flare", model="tiny")  # FLARE's aggregator, weighted by the same counts, checked the same
+    assert flare["mode"] == "flare" and flare["accept_s"] > 0
 
 
 def test_cli_runs_each_count_in_its_own_process(tmp_path, capsys):
     out = tmp_path / "scaling.json"
     main(["bench", "aggregation", "--model", "tiny", "--sites", "2", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
-    assert [r["sites"] for r in rows] == [2] and rows[0]["peak_rss_mb"] > 0
-    assert "running    2 sites: accept" in capsys.readouterr().out
+    assert [(r["mode"], r["sites"]) for r in rows] == [("running", 2), ("flare", 2)] and rows[0]["peak_rss_mb"] > 0
+    printed = capsys.readouterr().out
+    assert "running    2 sites: accept" in printed and "flare      2 sites: accept" in printed
 
 
 def test_unknown_model_and_mode_are_refused():

@@ -7,6 +7,7 @@ import glob
 import json
 import math
 import os
+import shutil
 import time
 
 import pytest
@@ -14,7 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from fedssl.core.safe_load import safe_load
 from fedssl.data.acdc_synthetic import write_synthetic_acdc
-from fedssl.ops.deploy import LoopbackDeployment
+from fedssl.ops.deploy import SERVER, LoopbackDeployment
 from fedssl.ops.jobs import REPO_ROOT, build_job
 
 pytestmark = pytest.mark.slow
@@ -28,6 +29,23 @@ def data(tmp_path_factory):
     return str(root / "{site}")
 
 
+def start_impostor(d: LoopbackDeployment, kit_of: str, claims: str, folder: str) -> str:
+    """A malicious client over the real mTLS: a copy of ``kit_of``'s startup kit (its certificate and key) started
+    as ``claims``; returns the server log line that refuses it."""
+    shutil.copytree(d.kits[kit_of], folder)
+    d.kits["impostor"], d.orgs["impostor"] = folder, d.orgs[kit_of]  # d.stop() stops it with the rest
+    d._launch("impostor", "nvflare.private.fed.app.client.client_train", ["fed_client.json", f"uid={claims}"])
+    expected = f"authenticated as '{kit_of}' but claimed endpoint '{claims}'"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        with open(os.path.join(d.kits[SERVER], "log.txt"), errors="replace") as f:
+            hit = [line for line in f if expected in line]
+        if hit:
+            return hit[0]
+        time.sleep(1)
+    raise AssertionError(f"the server never refused the impostor ({expected!r})")
+
+
 def test_provisioned_fcl_job_runs_downloads_and_tears_down(data, tmp_path):
     job = build_job(JOB, str(tmp_path / "jobs" / "fcl_acdc"), profile="quick", n_sites=2)
     with LoopbackDeployment(str(tmp_path / "ws"), n_sites=2, data_root=data) as d:
@@ -35,6 +53,10 @@ def test_provisioned_fcl_job_runs_downloads_and_tears_down(data, tmp_path):
         # each site found its data through its own local/fedssl_site.json, not through the job
         with open(os.path.join(d.kits["site-2"], "local", "fedssl_site.json")) as f:
             assert json.load(f)["data_root"].endswith("site-2")
+        # issue 45: site-2's kit started as site-1 is refused at the connection (its certificate names site-2),
+        # keeps retrying while the job runs, and never receives a task or replaces site-1
+        refusal = start_impostor(d, "site-2", "site-1", str(tmp_path / "impostor"))
+        assert "requires identity 'site-1'" in refusal
         r = d.run_job(job, timeout_s=300)
         assert r["status"] == "FINISHED:COMPLETED", r
         ws = os.path.join(r["result_dir"], "workspace")
@@ -43,6 +65,13 @@ def test_provisioned_fcl_job_runs_downloads_and_tears_down(data, tmp_path):
         with open(os.path.join(ws, "summary.json")) as f:
             summary = json.load(f)
         assert [x["aggregated_sites"] for x in summary["rounds"]] == [2, 2]
+        sess = d.session()
+        try:
+            assert sorted(c.name for c in sess.get_connected_client_list()) == ["site-1", "site-2"]
+        finally:
+            sess.close()
+        with open(os.path.join(ws, "log.txt"), errors="replace") as f:
+            assert "already contributed" not in f.read()  # no second site-1 in any round
         assert all(math.isfinite(x["mean_loss"]) for x in summary["rounds"])
         assert summary["communication_per_round"][1]["download"]["features"] > 0
         # the sites' training curves reached the server's TensorBoard folder through FLARE's analytics path

@@ -55,6 +55,13 @@ META_KEYS: dict[str, Any] = {"min_clients": int, "mandatory_clients": list[str],
 RUNNER_KEYS: dict[str, str] = {
     "task_request_interval": "seconds after which a site with no task asks again (FLARE default 2)",
     "heart_beat_timeout": "seconds without a heartbeat after which the server drops a site (FLARE default 60)"}
+#: ``--set rounds.missing_sites=K`` (or a profile's ``"rounds"``): a round goes on without up to K sites (issue 46).
+#: FedAvg-style rounds allow it; these workflows need every site and refuse it, naming why
+NEEDS_EVERY_SITE: dict[str, str] = {
+    "fedssl.flare.federated_vocabulary.FederatedVocabulary": "FedDRA's vocabulary is built from every site's words",
+    "fedssl.flare.surgical_registration.ClassRegistration": "every site registers its classes before round 0",
+    "fedssl.flare.federated_kmeans.FederatedKMeans": "Fed-BEiT's tokenizer k-means averages every site's statistics",
+}
 #: how messages say what JSON values look like (``--set`` values are parsed as JSON)
 JSON_HINT = 'values are JSON: 5, 0.1, true, "text", [1, 2]'
 
@@ -313,8 +320,10 @@ SHAPE = "shape"
 WIRE = "wire"
 #: the part that sets FLARE's server runner settings (``--set runner.task_request_interval=0.2``)
 RUNNER = "runner"
-PARTS = ("meta", SHAPE, WIRE, RUNNER, *CONFIG_FILES)
-SCALAR_PARTS = ("meta", SHAPE, WIRE, RUNNER)  # PART.KEY=VALUE, no component id
+#: the part that lets rounds go on without some sites (``--set rounds.missing_sites=1``)
+ROUNDS = "rounds"
+PARTS = ("meta", SHAPE, WIRE, RUNNER, ROUNDS, *CONFIG_FILES)
+SCALAR_PARTS = ("meta", SHAPE, WIRE, RUNNER, ROUNDS)  # PART.KEY=VALUE, no component id
 
 
 def profile_overrides(profile: dict, job_name: str) -> dict:
@@ -438,6 +447,38 @@ def apply_runner(server: dict, values: dict, where: str) -> None:
         block[key] = value
 
 
+def apply_missing_sites(files: dict[str, dict], rounds: dict, job_name: str) -> None:
+    """``rounds.missing_sites=K``: every round workflow (one with ``num_rounds`` and ``min_clients``) and meta.json's
+    ``min_clients`` need K sites fewer than configured (after ``--sites`` / ``--set``), so a round goes on without a
+    site that is dead, partitioned or too slow (after the workflow's ``wait_time_after_min_received``); a site that
+    comes back gets the next round's task with the current global model.  The paper settings keep every site (K = 0).
+    A job with a workflow of :data:`NEEDS_EVERY_SITE`, a K that leaves fewer than one site, or an unknown key is an
+    error naming the fix."""
+    for key in rounds:
+        if key != "missing_sites":
+            raise ValueError(f"{job_name}: rounds.{key} is unknown; settable: rounds.missing_sites (sites a round may "
+                             "go without, default 0)")
+    k = rounds["missing_sites"]
+    require_int(f"{job_name} (rounds)", "missing_sites", k, 0, "use the number of sites a round may go without, e.g. 1")
+    if k == 0:
+        return
+    for rel, config in files.items():
+        for comp in _components(config):
+            if comp.get("path") in NEEDS_EVERY_SITE:
+                raise ValueError(f"{job_name}: {comp['path'].rsplit('.', 1)[-1]} needs every site "
+                                 f"({NEEDS_EVERY_SITE[comp['path']]}); rounds.missing_sites must be 0 for this job")
+    targets = [(f"{rel}: {c['id']}", c["args"]) for rel, config in files.items() if rel != "meta.json"
+               for c in _components(config) if {"min_clients", "num_rounds"} <= set(c.get("args", {}))]
+    if "min_clients" in files["meta.json"]:
+        targets.append(("meta.json", files["meta.json"]))
+    for where, holder in targets:
+        n = holder["min_clients"]
+        if n - k < 1:
+            raise ValueError(f"{job_name}/{where}: min_clients={n} with rounds.missing_sites={k} leaves no site; "
+                             f"use missing_sites <= {n - 1}")
+        holder["min_clients"] = n - k
+
+
 def parse_set(expr: str) -> tuple[str, str, str, Any]:
     """``client.fcl_trainer.lr=0.1`` -> ("client", "fcl_trainer", "lr", 0.1); ``meta.min_clients=3`` and
     ``shape.image_size=64`` (every component of the job that takes image_size) too.  The value is JSON; text
@@ -454,7 +495,7 @@ def parse_set(expr: str) -> tuple[str, str, str, Any]:
         return parts[0], "", parts[1], value
     if len(parts) != 3 or parts[0] not in CONFIG_FILES:
         raise ValueError(f"--set {expr!r}: expected server.ID.ARG=VALUE, client.ID.ARG=VALUE, shape.ARG=VALUE, "
-                         "wire.KEY=VALUE, runner.KEY=VALUE or meta.KEY=VALUE")
+                         "wire.KEY=VALUE, runner.KEY=VALUE, rounds.missing_sites=K or meta.KEY=VALUE")
     return parts[0], parts[1], parts[2], value
 
 
@@ -594,6 +635,9 @@ def configured_job(job_dir: str, profile: str | None = None, sets: list[str] = (
     files = {"meta.json": _configured_meta(src, job_name, profile, from_profile, from_sets, n_sites)}
     for app in sorted(d for d in os.listdir(src) if os.path.isdir(os.path.join(src, d, "config"))):
         files.update(_configured_app(src, app, job_name, from_profile, from_sets, n_sites))
+    rounds = {**from_profile.get(ROUNDS, {}), **from_sets.get(ROUNDS, {})}
+    if rounds:
+        apply_missing_sites(files, rounds, job_name)
     if (from_profile.get(RUNNER) or from_sets.get(RUNNER)) and \
             not any(k.endswith(CONFIG_FILES["server"]) for k in files):
         raise ValueError(f"{job_name}: runner settings are FLARE server settings, and this job has no "

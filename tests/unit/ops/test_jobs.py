@@ -287,6 +287,30 @@ def test_the_wire_switch_needs_the_meters(tmp_path):
         configured_job(str(job), sets=["wire.weights=float16"])
 
 
+def test_missing_sites_lowers_every_round_workflows_min_clients_and_refuses_where_every_site_is_needed(tmp_path):
+    """Issue 46: a round may go on without up to K sites (a dead, partitioned or frozen one), as a switch; the paper
+    settings keep every site; FedDRA's vocabulary, the surgical class registration and Fed-BEiT's k-means need
+    every site and say so."""
+    files = configured_job(FCL, n_sites=3, sets=["rounds.missing_sites=1"])
+    assert files["meta.json"]["min_clients"] == 2
+    sag = [c for c in files["app/config/config_fed_server.json"]["workflows"] if "num_rounds" in c["args"]]
+    assert [c["args"]["min_clients"] for c in sag] == [2]
+    assert configured_job(FCL, n_sites=3)["meta.json"]["min_clients"] == 3  # K = 0: every site
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"jobs": {"*": {"rounds": {"missing_sites": 2}}}}))
+    assert configured_job(FCL, profile=str(prof), n_sites=5)["meta.json"]["min_clients"] == 3
+    for job, name in (("feddra_retina", "FederatedVocabulary"), ("surgical_cxr", "ClassRegistration"),
+                      ("sslfl_beit_retina", "FederatedKMeans")):
+        with pytest.raises(ValueError, match=f"{job}: {name} needs every site"):
+            configured_job(os.path.join(REPO_ROOT, "jobs", job), sets=["rounds.missing_sites=1"])
+    assert configured_job(os.path.join(REPO_ROOT, "jobs", "feddra_retina"), sets=["rounds.missing_sites=0"])
+    for expr, match in (("rounds.missing_sites=3", r"min_clients=3 with rounds.missing_sites=3 leaves no site"),
+                        ("rounds.missing_sites=-1", "missing_sites=-1"), ("rounds.missing_sites=true", "missing_sites"),
+                        ("rounds.tolerate=1", "rounds.tolerate is unknown; settable: rounds.missing_sites")):
+        with pytest.raises(ValueError, match=match):
+            configured_job(FCL, n_sites=3, sets=[expr])
+
+
 def test_runner_settings_go_to_the_server_config_profile_first_then_set(tmp_path):
     prof = tmp_path / "p.json"
     prof.write_text(json.dumps({"jobs": {"*": {"runner": {"task_request_interval": 0.5, "heart_beat_timeout": 90}}}}))

@@ -58,7 +58,8 @@ class SurgicalAggregator(RoundAggregator):
         """
         Args:
             weighting: backbone FedAvg weights: "uniform" (the paper's public code) or "num_samples" (meta
-                ``num_samples``, training images); the surgical head merge uses the same weights per class.
+                ``num_samples``, training images); the surgical head merge is always the plain mean of eq. 2 over
+                the sites holding each class (issue 47: it used to take the same sample weights).
             head: module name of the class layer (``<head>.weight [C, F]``, ``<head>.bias [C]``).
             max_weight: largest ``num_samples`` a site without a registered size may claim.
             max_update_ratio: largest ``||x - g|| / max(||g||, 1)`` accepted from a site.
@@ -138,8 +139,7 @@ class SurgicalAggregator(RoundAggregator):
             out[wk], out[bk] = merge_heads(
                 {s: (self.retained(s)[wk], self.retained(s)[bk]) for s in sites},
                 {s: reg.classes_of(s) for s in sites}, list(reg.global_classes),
-                global_head=(global_weights[wk], global_weights[bk]),
-                weights=None if self.weighting == "uniform" else dict(self._weights))
+                global_head=(global_weights[wk], global_weights[bk]))  # eq. 2: a plain mean, whatever the weighting
         self.log_info(fl_ctx, f"aggregated {len(sites)}/{n_clients} sites ({reg.method}, backbone {reg.backbone}, "
                               f"{self.weighting} weights): {len(out)} tensors updated")
         self.publish_round_stats(fl_ctx, sites)

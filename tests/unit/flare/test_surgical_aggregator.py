@@ -72,14 +72,16 @@ def test_overlapping_classes_in_different_orders(tmp_path):
     np.testing.assert_allclose(out["classifier.bias"], [1, 4, 7])
 
 
-def test_overlapping_weighted_by_samples_per_class(tmp_path):
+def test_num_samples_weights_the_backbone_and_the_head_merge_stays_the_plain_mean_of_eq_2(tmp_path):
+    """Issue 47: eq. 2 is a plain mean over the sites holding a class; the head merge used to take the sample weights
+    too."""
     reg, ctx = setup(tmp_path, {"site-1": ["A", "B"], "site-2": ["B"]})
     agg = SurgicalAggregator(weighting="num_samples")
     assert send(agg, ctx, "site-1", ["A", "B"], site_state(["A", "B"], [1.0, 2.0], conv=0.0, bn=0.0), n=10)
     assert send(agg, ctx, "site-2", ["B"], site_state(["B"], [6.0], conv=4.0, bn=0.0), n=30)
     out = from_shareable(agg.aggregate(ctx)).data
-    # B = (10 * 2 + 30 * 6) / 40 = 5; conv = 30 * 4 / 40 = 3; A copied (weights renormalised per class)
-    np.testing.assert_allclose(out["classifier.weight"], [[1, 1], [5, 5]])
+    # B = (2 + 6) / 2 = 4 (not (10 * 2 + 30 * 6) / 40 = 5); conv = 30 * 4 / 40 = 3 (weighted); A copied
+    np.testing.assert_allclose(out["classifier.weight"], [[1, 1], [4, 4]])
     np.testing.assert_allclose(out["features.conv0.weight"], [3, 3, 3])
 
 
@@ -98,7 +100,9 @@ def test_identical_class_lists_equal_plain_fedavg(tmp_path, weighting):
     a, b = from_shareable(surgical.aggregate(ctx)).data, from_shareable(fedavg.aggregate(ctx)).data
     assert set(a) == set(b)
     for k in a:
-        np.testing.assert_allclose(a[k], b[k], rtol=0, atol=1e-6)
+        # the head is eq. 2's plain mean under either weighting; the backbone is FedAvg's
+        expected = np.mean([st[k] for st in states.values()], axis=0) if k.startswith("classifier.") else b[k]
+        np.testing.assert_allclose(a[k], expected, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("backbone", ["fedbn", "fedbn_plus"])

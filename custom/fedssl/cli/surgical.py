@@ -47,13 +47,17 @@ def _central_args(c) -> None:
     c.add_argument("--missing-classes", default="negative", choices=["negative", "ignore"],
                    help="a site's unlabelled classes in the pooled data: negatives (paper sec. 2.3 and its public "
                         "code) or ignored (masked out of the loss, as partial loss)")
+    c.add_argument("--bn", default="job", choices=["job", "frozen", "trained"],
+                   help="batch-norm: as the job's backbone switch (frozen under fedbn_plus, the paper's choice and "
+                        "its code's centralised training), or forced")
 
 
 def _central(a) -> None:
     from fedssl.experiments.surgical_central import run_centralised, with_external_test_root
 
     res = run_centralised(a.data_root, a.out, sites=a.sites, profile=a.profile,
-                          sets=with_external_test_root(a.set, a.external_test_root), missing=a.missing_classes)
+                          sets=with_external_test_root(a.set, a.external_test_root), missing=a.missing_classes,
+                          freeze_bn={"job": None, "frozen": True, "trained": False}[a.bn])
     m = res["table"]["mean"]
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     ext = res["table"]["external"]

@@ -133,6 +133,9 @@ def auroc_plot(sites: Mapping[str, dict], path: str, title: str) -> None:
         err = np.array([[v - (per[c]["ci95"] or [v, v])[0], (per[c]["ci95"] or [v, v])[1] - v]
                         if per[c]["auroc"] is not None and per[c]["ci95"] and None not in per[c]["ci95"] else [0.0, 0.0]
                         for c, v in zip(names, vals)]).T
+        # a percentile bootstrap interval need not contain the point estimate (few resamples, few positives):
+        # the bar then shows the side that does, never a negative error (matplotlib refuses one)
+        err = np.maximum(err, 0.0)
         ax.bar(range(len(names)), vals, yerr=err, capsize=2, color="tab:blue", alpha=0.8)
         ax.axhline(0.5, color="grey", lw=0.8, ls="--")
         ax.set_ylim(0, 1.05)

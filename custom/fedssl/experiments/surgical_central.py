@@ -15,9 +15,13 @@ warm-up, epochs, validation and test report), on the pooled training data of eve
   training and validation alike; "ignore": they are unknown (NaN), masked out of the loss and the validation
   metrics (``fedssl.core.multilabel.pool_targets`` / ``labelled``), as FL with partial loss does;
 - schedule: one warm-up (``warmup_epochs``, frozen backbone) then ``num_rounds x local_epochs`` epochs over
-  the pool (each image is seen as often as in a federated run); batch-norm is trained normally (one model,
-  nothing to keep local); ``final_evaluation.model`` "best" keeps the model of the round with the lowest
-  pooled validation BCE, "last" the last one;
+  the pool (each image is seen as often as in a federated run); batch-norm (``freeze_bn``) follows the job's
+  ``class_registration.backbone`` by default: frozen under ``fedbn_plus`` (the paper's choice, and the public
+  code's centralised training, ``src/local.py``, which unfreezes the base model after the warm-up "except
+  BatchNormalization layers": their ImageNet statistics and affine parameters stay; issue 47: it was always
+  trained), trained under ``fedavg`` / ``fedbn``, so that the baseline matches the federated runs it is compared
+  with; True / False force it; ``final_evaluation.model`` "best" keeps the model of the round
+  with the lowest pooled validation BCE, "last" the last one;
 - evaluation: each site's test split with its own classes (mean AUROC over shared / unique classes, bootstrap
   CIs) and the external set with every class, written as ``results.json`` / ``results.md`` / ``auroc.png``
   by the same ``fedssl.eval.surgical_report.write_results`` as the federated runs (method "centralised").
@@ -88,13 +92,16 @@ def job_settings(job: str, out: str, profile: str | None, sets: Sequence[str]) -
         model_args = comps[("server", "model")]["args"]
         rounds = int(comps[("server", "scatter_and_gather")]["args"]["num_rounds"])
         selection = comps[("server", "final_evaluation")]["args"].get("model", "best")
+        backbone = comps[("server", "class_registration")]["args"].get("backbone", "fedavg")
     except KeyError as e:
         raise ValueError(f"{job}: no component {e} in its configs; centralised training reads the surgical_cxr "
-                         "job's cxr_trainer, model, scatter_and_gather and final_evaluation") from None
+                         "job's cxr_trainer, model, scatter_and_gather, final_evaluation and class_registration"
+                         ) from None
     if selection not in MODEL_SELECTIONS:
         raise ValueError(f"final_evaluation.model={selection!r}: centralised training supports "
                          f"{list(MODEL_SELECTIONS)}")
-    return {"args": args, "imagenet_path": model_args.get("imagenet_path"), "rounds": rounds, "selection": selection}
+    return {"args": args, "imagenet_path": model_args.get("imagenet_path"), "rounds": rounds, "selection": selection,
+            "backbone": backbone}
 
 
 def with_external_test_root(sets: Sequence[str] | None, external_test_root: str = "") -> list[str]:
@@ -106,10 +113,13 @@ def with_external_test_root(sets: Sequence[str] | None, external_test_root: str 
 
 
 def run_centralised(data_root: str, out: str, *, sites: Sequence[str] = ("site-1", "site-2"), job: str = JOB,
-                    profile: str | None = None, sets: Sequence[str] = (), missing: str = "negative", say=print) -> dict:
+                    profile: str | None = None, sets: Sequence[str] = (), missing: str = "negative",
+                    freeze_bn: bool | None = None, say=print) -> dict:
     """Train one model on the pooled data of ``sites`` (data under ``data_root``, ``{site}`` = site name) and
     write results.json / results.md / auroc.png in ``out``; returns the results payload (+ ``wall_time_s``).
-    ``missing``: a site's unlabelled classes are "negative" (paper sec. 2.3, default) or "ignore"d (masked)."""
+    ``missing``: a site's unlabelled classes are "negative" (paper sec. 2.3, default) or "ignore"d (masked);
+    ``freeze_bn``: batch-norm frozen (True) or trained (False); None: as the job's backbone (frozen under
+    ``fedbn_plus``)."""
     require_choice("run_centralised", "missing", missing, MISSING_CLASS_RULES)
     from fedssl.flare.site_executor import pick_device
 
@@ -120,6 +130,8 @@ def run_centralised(data_root: str, out: str, *, sites: Sequence[str] = ("site-1
     os.makedirs(out, exist_ok=True)
     cfg = job_settings(job, out, profile, sets)
     args = cfg["args"]
+    if freeze_bn is None:
+        freeze_bn = cfg["backbone"] == "fedbn_plus"
     external = args.pop("external_test_root", "") or ""
     args.pop("data_root", None)
     check_multilabel_args(EXECUTOR_ID, args)
@@ -137,13 +149,16 @@ def run_centralised(data_root: str, out: str, *, sites: Sequence[str] = ("site-1
     head = union_classes(site_classes)
     pooled = {split: PooledDataset([splits[s][split] for s in sites], [site_classes[s] for s in sites],
                                    head, list(sites), missing=missing) for split in ("train", "val")}
-    # one model on the pooled data (the server's initial model): batch-norm trained as usual, nothing kept local
-    central = MultiLabelLocalTrainer(pooled, head, head, method=CENTRAL, backbone="fedavg", site=CENTRAL,
+    # one model on the pooled data (the server's initial model); batch-norm frozen as the public code does (the
+    # trainer's "fedbn_plus" freezing: inference mode, no gradient, re-applied after the warm-up's unfreeze)
+    central = MultiLabelLocalTrainer(pooled, head, head, method=CENTRAL,
+                                     backbone="fedbn_plus" if freeze_bn else "fedavg", site=CENTRAL,
                                      settings=settings, imagenet_path=cfg["imagenet_path"],
                                      device=pick_device(args.get("device", "auto")))
     say(f"centralised: {len(sites)} sites pooled, {len(pooled['train'])} train / {len(pooled['val'])} validation "
         f"images, head over {len(head)} classes; warm-up {settings.warmup_epochs} + {cfg['rounds']} x "
-        f"{settings.local_epochs} epochs, model selection {cfg['selection']}, missing classes: {missing}")
+        f"{settings.local_epochs} epochs, model selection {cfg['selection']}, missing classes: {missing}, "
+        f"batch-norm {'frozen' if freeze_bn else 'trained'}")
     history, best = [], None
     for r in range(cfg["rounds"]):
         stats = central.train_round(r)  # the warm-up first, in round 0
@@ -168,6 +183,7 @@ def run_centralised(data_root: str, out: str, *, sites: Sequence[str] = ("site-1
     payload["wall_time_s"] = round(time.time() - t0, 1)
     payload["history"] = history
     payload["missing_classes"] = missing
+    payload["batchnorm"] = "frozen" if freeze_bn else "trained"
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(payload, f, indent=2)
     return payload

@@ -150,7 +150,7 @@ def run_surgical_demo(out: str, *, rounds: int = 10, n_patients: int = 500, meth
                  f"epochs, quick profile, missing classes {central_missing})")
         res = run_centralised(os.path.join(data, "{site}"), os.path.join(out, "central"), profile="quick",
                               sets=client_sets + [f"server.scatter_and_gather.num_rounds={rounds}"],
-                              missing=central_missing, say=lambda m: None)
+                              missing=central_missing, freeze_bn=backbone == "fedbn_plus", say=lambda m: None)
         row, runs["centralised"] = result_row("centralised", res, rounds, res["wall_time_s"], {"total": 0},
                                               os.path.join(out, "central", "results.md"))
         rows.append(row)

@@ -44,3 +44,14 @@ def test_shared_and_unique_means_by_hand(tmp_path):
     for name in ("results.json", "results.md", "auroc.png"):
         assert os.path.getsize(tmp_path / name) > 0
     assert "| site-1 | global model | 10 | 2 | 0.700 | 0.800 | 0.600 |" in (tmp_path / "results.md").read_text()
+
+
+def test_auroc_plot_draws_an_interval_that_misses_its_point_estimate(tmp_path):
+    """A percentile bootstrap interval need not contain the AUROC (10 resamples, two positives): the plot used to
+    raise (matplotlib refuses a negative error bar) and took the centralised run's results with it."""
+    from fedssl.eval.surgical_report import auroc_plot
+
+    per_class = {"A": {"auroc": 0.9, "ci95": [0.92, 0.97]}, "B": {"auroc": 0.4, "ci95": [0.1, 0.35]},
+                 "C": {"auroc": None, "ci95": None}}
+    auroc_plot({"site-1": {"test": {"per_class": per_class}}}, str(tmp_path / "auroc.png"), "t")
+    assert (tmp_path / "auroc.png").stat().st_size > 0

@@ -92,7 +92,40 @@ def test_tiny_centralised_run_is_evaluated_like_the_federated_runs(tiny_data, tm
     assert ([h["round"] for h in saved["history"]] == [0, 1]
             and all(math.isfinite(h["val_loss"]) for h in saved["history"]))
     assert "round" in saved["model_source"] and res["wall_time_s"] > 0 and saved["missing_classes"] == "negative"
+    assert saved["batchnorm"] == "frozen"  # the job's backbone is fedbn_plus (the paper's)
     assert os.path.isfile(tmp_path / "central" / "results.md") and os.path.isfile(tmp_path / "central" / "auroc.png")
+
+
+def test_centralised_keeps_batchnorm_frozen_as_the_public_code_does(tiny_data, tmp_path, monkeypatch):
+    """Issue 47: the reference's centralised training unfreezes the base model after the warm-up except its
+    BatchNormalization layers; the baseline used to train them.  The running statistics stay the start ones when
+    frozen (the default under the job's fedbn_plus) and move when trained (the default under fedavg)."""
+    import torch
+
+    import fedssl.experiments.surgical_central as sc
+    from fedssl.train.multilabel import build_model
+
+    built = []
+
+    class Recording(sc.MultiLabelLocalTrainer):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            built.append(self)
+
+    monkeypatch.setattr(sc, "MultiLabelLocalTrainer", Recording)
+    sets = ["server.scatter_and_gather.num_rounds=1", "client.cxr_trainer.warmup_epochs=1",
+            "client.cxr_trainer.image_size=32", "client.cxr_trainer.n_bootstrap=10",
+            "client.cxr_trainer.max_steps_per_epoch=1", "client.cxr_trainer.local_epochs=1"]
+    moved = {}
+    for backbone in ("fedbn_plus", "fedavg"):
+        sc.run_centralised(str(tiny_data / "{site}"), str(tmp_path / backbone), profile="quick", say=lambda m: None,
+                           sets=sets + [f"server.class_registration.backbone={backbone}"])
+        model = built[-1].model
+        bn = next(m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d))
+        fresh = build_model(built[-1].head, built[-1].settings, None)
+        bn0 = next(m for m in fresh.modules() if isinstance(m, torch.nn.BatchNorm2d))
+        moved[backbone] = not torch.equal(bn.running_mean, bn0.running_mean)
+    assert moved == {"fedbn_plus": False, "fedavg": True}
 
 
 def test_centralised_refuses_a_missing_site_folder(tiny_data, tmp_path):

@@ -314,6 +314,9 @@ JOB_PARTITIONS = {
     "fedmae_derm": {"dataset": "derm", "split": "iid", "sites": 10, "test_fraction": 0.2},  # FedMAE-KS sec. V-B
     "fedmae_derm_finetune": {"dataset": "derm", "split": "iid", "sites": 10, "test_fraction": 0.2},
     "sslfl_mae_derm": {"dataset": "derm_mel", "split": "dirichlet", "alpha": 0.5, "sites": 5},  # SSL-FL Split-3
+    # SSL-FL sec. IV-A: 9,000 training and 3,000 test images (a quarter held out); Split-3 = alpha 0.5
+    **{j: {"dataset": "retina", "split": "dirichlet", "alpha": 0.5, "sites": 5, "test_fraction": 0.25}
+       for j in ("sslfl_mae_retina", "sslfl_retina_finetune", "sslfl_beit_retina")},
     "sslfl_derm_finetune": {"dataset": "derm_mel", "split": "dirichlet", "alpha": 0.5, "sites": 5},
     "sslfl_mae_covidfl": {"dataset": "covidfl", "release_split": "split_real"},  # SSL-FL's 12 clients
     "sslfl_covidfl_finetune": {"dataset": "covidfl", "release_split": "split_real"},

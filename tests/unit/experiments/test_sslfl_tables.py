@@ -202,7 +202,7 @@ def test_end_to_end_one_split_fedmae_one_round_each(tmp_path):
     """The real simulator on a tiny setting: Split-3 Fed-MAE, 1 round of pre-training and of fine-tuning (profile
     quick, 3 sites). The fine-tuning job from scratch runs in tests/integration; the runner's scratch rows are
     covered with the fake simulator above, so one fine-tuning run is enough here."""
-    settings = st.table_settings("quick", splits=[3], methods=["fedmae"], n_images=160, image_px=32,
+    settings = st.table_settings("quick", splits=[3], methods=["fedmae"], n_images=200, image_px=32,
                                  n_sites=3, min_per_site=4, pretrain_rounds=1, finetune_rounds=1, seeds=[0])
     out = st.run_sslfl_table(str(tmp_path), settings, say=print)
     rows = {(r["method"], r["column"]): r for r in out["rows"]}

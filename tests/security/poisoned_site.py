@@ -2,7 +2,7 @@
 
 ``RecordingFCLExecutor`` is an honest site that also writes what it uploads (``upload_round<r>.npz``: the
 tensors and ``num_samples``) into its run folder, so the test can recompute the honest average bit for bit;
-``PoisonedFCLExecutor`` trains like an honest site and then, in round 0, sends its weights as float64 times 1e300
+``PoisonedFCLExecutor`` trains like an honest site and then, in round 0, sends its float weights as float64 times 1e300
 (which overflows float32: the global model would become inf if accepted); from round 1 on it answers with an
 error return code, as a site that fails (or claims to) does; FLARE's ScatterAndGather stopped the run on that
 unless the job says ``ignore_result_error``.
@@ -35,5 +35,7 @@ class PoisonedFCLExecutor(FCLExecutor):
         dxo = from_shareable(super().train(shareable, fl_ctx, abort_signal))
         if int(shareable.get_header("current_round", 0) or 0) >= 1:
             return make_reply(ReturnCode.EXECUTION_EXCEPTION)
-        poisoned = {k: np.asarray(v, np.float64) * 1e300 + 1e300 for k, v in dxo.data.items()}
+        # every float tensor as float64 1e300 (integer buffers as they are: the attack is the values)
+        poisoned = {k: np.asarray(v, np.float64) * 1e300 + 1e300 if np.asarray(v).dtype.kind == "f" else v
+                    for k, v in dxo.data.items()}
         return DXO(data_kind=dxo.data_kind, data=poisoned, meta=dxo.get_meta_props()).to_shareable()

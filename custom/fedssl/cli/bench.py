@@ -116,6 +116,9 @@ def _control_args(s) -> None:
                    help="centralised pre-training steps, in multiples of one site's steps in the bench run")
     s.add_argument("--federated-multipliers", nargs="+", type=COUNT, default=[1],
                    help="federated pre-training rounds, in multiples of the bench run's")
+    s.add_argument("--resend-multipliers", nargs="*", type=COUNT, default=[],
+                   help="the federated arm with the feature exchange before issue 45 (whole banks re-sent every "
+                        "round), to measure what sending each feature once costs")
     s.add_argument("--seeds", nargs="+", type=SEED, default=[0, 1, 2])
     s.add_argument("--folds", nargs="+", type=NON_NEGATIVE, default=[0], choices=range(5))
     s.add_argument("--first-seed-only", nargs="*", type=COUNT, default=[],
@@ -134,7 +137,7 @@ def _control(a) -> None:
         return
     fcl_control(a.out, multipliers=a.multipliers, seeds=a.seeds, federated_multipliers=a.federated_multipliers,
                 folds=a.folds, size=a.size, device=a.device, first_seed_only=a.first_seed_only, budget_s=a.budget_s,
-                say=say)
+                resend_multipliers=a.resend_multipliers, say=say)
 
 
 def _fcl_step_args(s) -> None:

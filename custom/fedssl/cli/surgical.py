@@ -25,6 +25,8 @@ def _demo_args(s) -> None:
     s.add_argument("--no-central", action="store_true", help="leave out the centralised baseline row")
     s.add_argument("--central-missing", default="negative", choices=["negative", "ignore"],
                    help="centralised baseline: a source's unlabelled classes are negatives (paper) or ignored")
+    s.add_argument("--seeds", nargs="+", type=SEED, default=[0],
+                   help="training seeds (weights, sampling, each site's split; the data stays); 3 for a finding")
     add_threads_argument(s)
 
 
@@ -33,7 +35,8 @@ def _demo(a) -> None:
 
     run_surgical_demo(a.out, rounds=a.rounds, n_patients=a.patients, methods=a.methods, lr=a.lr,
                       local_epochs=a.local_epochs, backbone=a.backbone,
-                      central=not a.no_central, central_missing=a.central_missing, threads=a.threads)
+                      central=not a.no_central, central_missing=a.central_missing, threads=a.threads,
+                      seeds=a.seeds)
 
 
 def _central_args(c) -> None:

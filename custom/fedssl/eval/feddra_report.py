@@ -7,6 +7,8 @@ Pre-training Under Data Heterogeneity", TMLR.
   uniform weight 1/N dashed (the server's lambda; FedAvg would sit on the dashed line).
 - :func:`cosine_per_turn_png`: mean cosine of matched image-text pairs per turn, per method (and site), unmatched
   pairs dashed in the same colour (Fig. 4(d-f); values from :func:`fedssl.eval.retrieval.matched_cosine`).
+- :func:`variants_png`: average and worst-client recall per variant, mean over seeds with the standard error over
+  seeds as error bars and every seed as a dot (the page's figure).
 - :func:`format_table3`: a markdown table in the layout of the paper's Table 3 (ablations) for the bundle's
   variants, then the paper's Table 3 as printed (labelled as the paper's numbers, its own column order).
 - :func:`write_summary`: ``summary.json`` and a flat ``summary.csv`` (``key,value``; nested keys joined by ``.``).
@@ -34,7 +36,7 @@ from fedssl.eval.paper_tables import FEDDRA_SOURCE, FEDDRA_TABLE3, FEDDRA_TABLE3
 from fedssl.eval.report import _json_default
 
 __all__ = ["TABLE3_FLAGS", "TABLE3_METRICS", "lambda_series", "lambda_trajectory_png", "cosine_series",
-           "cosine_per_turn_png", "format_table3", "write_summary"]
+           "cosine_per_turn_png", "variant_stats", "variants_png", "format_table3", "write_summary"]
 
 #: (row key, column header) of the ablation switches, in the paper's order
 TABLE3_FLAGS = (("two_stage", "Two-stage"), ("anchor", "Anchor (global constraint)"), ("dro", "DRO"))
@@ -81,6 +83,50 @@ def _save(fig: Figure, path: str | os.PathLike, title: str) -> str:
     fig.tight_layout()
     fig.savefig(os.fspath(path), dpi=100)
     return os.fspath(path)
+
+
+#: the columns of :func:`variants_png`: (row key, label)
+VARIANT_METRICS = (("avg_R@1", "R@1"), ("worst_R@1", "worst R@1"), ("avg_R@5", "R@5"), ("worst_R@5", "worst R@5"))
+
+
+def variant_stats(rows: Sequence[Mapping[str, Any]], variants: Sequence[str]) -> dict[str, dict[str, dict]]:
+    """Per variant with rows (in ``variants``' order) and metric of :data:`VARIANT_METRICS`: the values in % (one per
+    seed), their mean and the standard error over seeds (sample std / sqrt(seeds); None for one seed)."""
+    out: dict[str, dict[str, dict]] = {}
+    for v in variants:
+        rs = [r for r in rows if r["variant"] == v]
+        if not rs:
+            continue
+        out[v] = {}
+        for key, _ in VARIANT_METRICS:
+            vals = [100.0 * float(r[key]) for r in rs if r.get(key) is not None]
+            out[v][key] = {"values": vals, "mean": float(np.mean(vals)) if vals else None,
+                           "se": float(np.std(vals, ddof=1) / math.sqrt(len(vals))) if len(vals) > 1 else None}
+    return out
+
+
+def variants_png(rows: Sequence[Mapping[str, Any]], variants: Sequence[str], path: str | os.PathLike,
+                 title: str = "") -> str:
+    """Grouped bars of text-to-image recall (%) per metric of :data:`VARIANT_METRICS` and variant (one row per
+    (variant, seed), values as fractions): :func:`variant_stats`' mean over seeds, its standard error over seeds as
+    error bars, each seed a black dot.  Returns ``path``."""
+    stats = variant_stats(rows, variants)
+    require(bool(stats), "variants_png", "rows", len(rows), "give at least one row of the listed variants")
+    fig = Figure(figsize=(7.5, 3.6))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    width = 0.8 / len(stats)
+    for j, (v, per) in enumerate(stats.items()):
+        xs = [i + (j - (len(stats) - 1) / 2) * width for i in range(len(VARIANT_METRICS))]
+        for x, (key, _) in zip(xs, VARIANT_METRICS):
+            ax.plot([x] * len(per[key]["values"]), per[key]["values"], "o", color="black", markersize=2.5, zorder=3)
+        ax.bar(xs, [float("nan") if per[k]["mean"] is None else per[k]["mean"] for k, _ in VARIANT_METRICS],
+               width=width * 0.95, yerr=[per[k]["se"] or 0.0 for k, _ in VARIANT_METRICS], capsize=3, label=v)
+    ax.set_xticks(range(len(VARIANT_METRICS)), [label for _, label in VARIANT_METRICS])
+    ax.set_ylabel("text-to-image recall (%)")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize="small", ncol=len(stats))
+    return _save(fig, path, title)
 
 
 def lambda_trajectory_png(trajectory: Sequence[Mapping[str, Any]], path: str | os.PathLike, title: str = "") -> str:

@@ -23,6 +23,11 @@ epoch, 10 sites x 10 patients x 10 cine frames):
 * ``federated xm``: :func:`fedssl.experiments.evidence.federated_fcl` (in-process FedAvg of the same trainers, feature
   exchange + NS + GSM, no FLARE) over the 10 sites for m x 20 rounds: each site makes m x 500 steps, so the
   federation spends 10x the total compute of ``central xm`` (the same steps per trainer, ten trainers).
+* ``federated-resend xm``: the same federation with the feature exchange before issue 45 (every site re-sends its
+  whole bank every round; each receiver trains with K rows drawn from the others' banks, padded with random unit
+  vectors; :func:`fedssl.experiments.evidence.resent_remote_bank`).  The bundle no longer exchanges this way; the arm
+  measures what sending each feature once costs in accuracy: the report pairs ``federated xm`` against it by
+  (site, fold, seed).
 * ``random``: random init, once per seed, shared by all arms.
 
 Every encoder is fine-tuned with Table 1's local protocol (:func:`fedssl.train.protocol.local_finetune`: each site
@@ -90,7 +95,7 @@ TINY: dict = {
 }
 
 CONTROL_SIZES = {"bench": BENCH, "tiny": TINY}
-ARMS = ("central", "federated")
+ARMS = ("central", "federated", "federated-resend")
 N_LABELLED = (1, 2)
 #: a budget with no end
 _NO_END = 1e9
@@ -195,30 +200,33 @@ def pretrain_central(site_volumes: dict, cfg: dict, seed: int, rounds: int, step
 
 
 def pretrain_federated(site_volumes: dict, cfg: dict, seed: int, rounds: int, steps_per_site_round: Sequence[int],
-                       device: str, say: Callable[[str], None]) -> tuple[dict, dict]:
-    """:func:`federated_fcl` over every site for ``rounds`` rounds; returns (the global state, the record)."""
+                       device: str, say: Callable[[str], None], exchange: str = "once") -> tuple[dict, dict]:
+    """:func:`federated_fcl` over every site for ``rounds`` rounds with the feature ``exchange`` ("once": the
+    bundle's; "resend": before issue 45); returns (the global state, the record)."""
     pre = federated_fcl(site_volumes, {"pretrain": dict(cfg["pretrain"])}, [seed], int(rounds), device, _NO_END,
-                        lambda m: say(f"  federated seed {seed}: {m}"))
+                        lambda m: say(f"  federated ({exchange}) seed {seed}: {m}"), exchange=exchange)
     run = pre["runs"][seed]
     per_site = [int(n) * pre["rounds_done"] for n in steps_per_site_round]
     rec = {k: run[k] for k in ("loss", "loss_local", "feature_std", "remote_features")}
     rec.update(seconds=round(pre["seconds"], 1), build_s=round(pre["build_s"], 1), rounds_done=pre["rounds_done"],
                volumes=sum(len(v) for v in site_volumes.values()), sites=len(site_volumes),
                steps_per_trainer=int(round(float(np.mean(per_site)))), total_steps=int(sum(per_site)),
-               feature_exchange=True)
+               feature_exchange=True, exchange=exchange)
     return {k: v.detach().cpu() for k, v in run["global"].items()}, rec
 
 
 # ---------------------------------------------------------------------------------------------- the run
 def _plan(multipliers: Sequence[int], seeds: Sequence[int], federated_multipliers: Sequence[int],
-          first_seed_only: Sequence[int]) -> list[tuple[str, int | None, int]]:
+          first_seed_only: Sequence[int], resend_multipliers: Sequence[int] = ()) -> list[tuple[str, int | None, int]]:
     """The cells in the order they run: random init of every seed, then the centralised arm by multiplier, then
-    the federated arm, every seed of a multiplier before the next; the multipliers of ``first_seed_only`` run for
-    the first seed only and last (one seed is no finding: the cells that can give a verdict come first)."""
+    the federated arm, then the federated-resend arm, every seed of a multiplier before the next; the multipliers
+    of ``first_seed_only`` run for the first seed only and last (one seed is no finding: the cells that can give a
+    verdict come first)."""
     few = {int(m) for m in first_seed_only}
     cells: list[tuple[str, int | None, int]] = [("random", None, s) for s in seeds]
     for full in (True, False):
-        for arm, ms in (("central", multipliers), ("federated", federated_multipliers)):
+        for arm, ms in (("central", multipliers), ("federated", federated_multipliers),
+                        ("federated-resend", resend_multipliers)):
             cells += [(arm, int(m), s) for m in ms if (int(m) not in few) == full
                       for s in (seeds if full else seeds[:1])]
     return cells
@@ -227,13 +235,14 @@ def _plan(multipliers: Sequence[int], seeds: Sequence[int], federated_multiplier
 def fcl_control(out: str, *, multipliers: Sequence[int] = (1, 4, 16), seeds: Sequence[int] = (0, 1, 2),
                 federated_multipliers: Sequence[int] = (1,), folds: Sequence[int] = (0,), size: str = "bench",
                 device: str = "auto", first_seed_only: Sequence[int] = (), budget_s: float | None = None,
-                say: Callable[[str], None] = print) -> dict:
+                resend_multipliers: Sequence[int] = (), say: Callable[[str], None] = print) -> dict:
     """The centralised control (module docstring): every cell of :func:`_plan` not yet in ``out/control.json``,
     then the report.  ``budget_s``: no cell starts after that many seconds (the cell running then finishes).
     Returns the result (what ``control.json`` holds)."""
     if size not in CONTROL_SIZES:
         raise ValueError(f"size={size!r}: use one of {sorted(CONTROL_SIZES)}")
-    for name, vals in (("multipliers", multipliers), ("federated_multipliers", federated_multipliers)):
+    for name, vals in (("multipliers", multipliers), ("federated_multipliers", federated_multipliers),
+                       ("resend_multipliers", resend_multipliers)):
         if any(int(m) < 1 for m in vals) or len(set(vals)) != len(vals):
             raise ValueError(f"{name}={list(vals)}: give distinct positive integers")
     if not seeds or len(set(seeds)) != len(seeds):
@@ -281,7 +290,7 @@ def fcl_control(out: str, *, multipliers: Sequence[int] = (1, 4, 16), seeds: Seq
         f"{sum(len(v) for v in site_volumes.values())} pooled volumes; federated: {len(sites)} sites, each m x "
         f"{result['base']['steps']} steps ({len(sites)}x the compute of central at the same m)")
     labelled: dict | None = None
-    plan = _plan(multipliers, seeds, federated_multipliers, first_seed_only)
+    plan = _plan(multipliers, seeds, federated_multipliers, first_seed_only, resend_multipliers)
     os.makedirs(os.path.join(out, "encoders"), exist_ok=True)
     for arm, m, seed in plan:
         key = cell_key(arm, m, seed)
@@ -305,7 +314,8 @@ def fcl_control(out: str, *, multipliers: Sequence[int] = (1, 4, 16), seeds: Seq
                 if arm == "central":
                     state, rec = pretrain_central(site_volumes, cfg, seed, rounds, base_spr, device, say)
                 else:
-                    state, rec = pretrain_federated(site_volumes, cfg, seed, rounds, per_site, device, say)
+                    exchange = "resend" if arm == "federated-resend" else "once"
+                    state, rec = pretrain_federated(site_volumes, cfg, seed, rounds, per_site, device, say, exchange)
                 rec.update(rounds=rounds, encoder=os.path.relpath(enc_path, out))
                 torch.save(state, enc_path)
                 cell["pretrain"] = rec
@@ -343,7 +353,7 @@ def _plain(row: dict) -> dict:
 # ---------------------------------------------------------------------------------------------- the report
 def _methods_in(cells: dict) -> list[tuple[str, int | None]]:
     seen = {(c["arm"], c["multiplier"]) for c in cells.values() if c.get("done")}
-    order = {"random": 0, "central": 1, "federated": 2}
+    order = {"random": 0, "central": 1, "federated": 2, "federated-resend": 3}
     return sorted(seen, key=lambda am: (order[am[0]], am[1] or 0))
 
 
@@ -391,8 +401,37 @@ def summarise(result: dict) -> tuple[list[dict], list[str]]:
     return summary, verdicts
 
 
+def exchange_cost(result: dict) -> tuple[list[dict], list[str]]:
+    """What sending each feature once costs (issue 45): per multiplier with both federated arms done, ``federated
+    xm`` minus ``federated-resend xm`` per N, paired by (site, fold, seed) (:func:`paired_against`, SE over seeds);
+    a negative difference is the cost.  Returns the entries and one line per multiplier."""
+    cells = result["cells"]
+    rows = [r for c in cells.values() if c.get("done") for r in c["rows"]]
+    entries, lines = [], []
+    for arm, m in _methods_in(cells):
+        if arm != "federated-resend":
+            continue
+        once, resend = method_name("federated", m), method_name(arm, m)
+        pairs = [p for p in paired_against([r for r in rows if r["method"] in (once, resend)], resend, mode="local")
+                 if p["method"] == once]
+        if not pairs:
+            continue
+        entry = {"multiplier": m, "method": once, "baseline": resend}
+        parts = []
+        for p in pairs:
+            entry[f"N={p['n_labelled']}"] = {"diff": p["diff_mean"], "diff_seed_se": p.get("seed_se"),
+                                             "diff_by_seed": p.get("by_seed"), "pairs": p["pairs"],
+                                             "n_seeds": p["seeds"]}
+            parts.append(verdict_line(f"N={p['n_labelled']}", p["diff_mean"], p.get("seed_se"), int(p["seeds"]),
+                                      "Dice"))
+        entries.append(entry)
+        lines.append(f"{once} (each feature sent once) minus {resend} (whole banks re-sent, before issue 45), "
+                     "Table 1 local: " + "; ".join(parts))
+    return entries, lines
+
+
 def format_table(summary: Sequence[dict]) -> str:
-    head = (f"{'method':<14} {'steps/trainer':>13} {'seeds':>6}  {'Dice N=1':>8} {'diff N=1 (SE seeds)':>20}  "
+    head = (f"{'method':<20} {'steps/trainer':>13} {'seeds':>6}  {'Dice N=1':>8} {'diff N=1 (SE seeds)':>20}  "
             f"{'Dice N=2':>8} {'diff N=2 (SE seeds)':>20}")
     lines = [head, "-" * len(head)]
     for e in summary:
@@ -407,7 +446,7 @@ def format_table(summary: Sequence[dict]) -> str:
                 diff = ""
             cols.append(f"{dice:>8} {diff:>20}")
         steps = str(e.get("steps_per_trainer", "-"))
-        lines.append(f"{e['method']:<14} {steps:>13} {len(e['seeds']):>6}  " + "  ".join(cols))
+        lines.append(f"{e['method']:<20} {steps:>13} {len(e['seeds']):>6}  " + "  ".join(cols))
     return "\n".join(lines)
 
 
@@ -418,7 +457,9 @@ def control_report(out: str, *, say: Callable[[str], None] = print) -> dict:
     with open(path, encoding="utf-8") as f:
         result = json.load(f)
     summary, verdicts = summarise(result)
-    result["summary"], result["verdicts"] = summary, verdicts
+    cost, cost_lines = exchange_cost(result)
+    verdicts = verdicts + cost_lines
+    result["summary"], result["verdicts"], result["exchange_cost"] = summary, verdicts, cost
     result["table"] = format_table(summary)
     pre_lines = []
     for e in summary:
@@ -446,18 +487,18 @@ def plot_control(result: dict, path: str) -> str:
 
     summary = [e for e in result["summary"] if e["arm"] != "random"]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6), squeeze=False)
-    colours = {"central": "#3b75af", "federated": "#c4622d"}
+    colours = {"central": "#3b75af", "federated": "#c4622d", "federated-resend": "#7a7a7a"}
     for ax, n in zip(axes[0][:2], N_LABELLED):
         for arm in ARMS:
             pts = sorted((e["steps_per_trainer"], e[f"N={n}"]) for e in summary
                          if e["arm"] == arm and "diff" in e[f"N={n}"] and "steps_per_trainer" in e)
             if not pts:
                 continue
-            xs = [p[0] * (1.06 if arm == "federated" else 1.0) for p in pts]  # apart where both arms sit
+            xs = [p[0] * {"federated": 1.06, "federated-resend": 1.12}.get(arm, 1.0) for p in pts]  # apart
             ys = [p[1]["diff"] for p in pts]
             err = [p[1]["diff_seed_se"] or 0.0 for p in pts]
             ax.errorbar(xs, ys, yerr=err, color=colours[arm], marker="s", capsize=3,
-                        label=f"{arm}" + (" (steps per site)" if arm == "federated" else ""))
+                        label=f"{arm}" + (" (steps per site)" if arm != "central" else ""))
             for x, p in zip(xs, pts):
                 _seed_points(ax, x, list(p[1]["diff_by_seed"].values()))
         ax.axhline(0.0, color="grey", linestyle="--", linewidth=1)
@@ -480,7 +521,7 @@ def plot_control(result: dict, path: str) -> str:
     ax.set_xscale("log")
     ax.set_xlabel("round")
     ax.set_ylabel("local contrastive loss")
-    ax.set_title("pre-training (blue central, orange federated)")
+    ax.set_title("pre-training (blue central, orange federated, grey re-sent banks)")
     ax.legend(fontsize=8)
     fig.suptitle(f"FCL centralised control ({result['settings']['size']}, folds {result['settings']['folds']})",
                  fontsize=9)

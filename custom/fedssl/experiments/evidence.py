@@ -207,12 +207,46 @@ class _DeviceAverage:
         return out
 
 
+#: how the in-process federation exchanges features: "once" = the bundle's (each row leaves its site once, the
+#: receiver keeps a FIFO; issue 45), "resend" = the exchange before issue 45, kept as a control arm only
+EXCHANGES = ("once", "resend")
+
+
+def resent_remote_bank(banks: dict[str, tuple[np.ndarray, np.ndarray]], site: str, rows: int,
+                       rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """The remote bank of the exchange before issue 45, to measure what the defence costs (``fedssl bench control
+    --resend-multipliers``): every site re-sent its WHOLE bank every round, and a receiver's remote bank was replaced
+    by exactly ``rows`` rows: at most ``N - 1`` real rows per filled row it shared, drawn from the others' filled
+    rows, the rest random unit vectors with partition id -1 (negatives only).  The bundle no longer sends this
+    (rows linkable across rounds, padding that shows the others' fill)."""
+    dim = next(iter(banks.values()))[0].shape[1]
+    pooled = [banks[name] for name in sorted(banks) if name != site]
+    f = np.concatenate([b[0] for b in pooled], axis=0) if pooled else np.zeros((0, dim), np.float32)
+    p = np.concatenate([b[1] for b in pooled], axis=0) if pooled else np.zeros((0,), np.int64)
+    f, p = f[p >= 0], p[p >= 0]
+    own = int(np.sum(banks[site][1] >= 0)) if site in banks else 0
+    take = rng.permutation(f.shape[0])[: min(rows, own * len(pooled))]
+    f, p = f[take], p[take]
+    pad = rows - f.shape[0]
+    if pad > 0:
+        noise = rng.standard_normal((pad, dim))
+        noise /= np.maximum(np.linalg.norm(noise, axis=1, keepdims=True), 1e-12)
+        f = np.concatenate([f, noise.astype(np.float32)], axis=0)
+        p = np.concatenate([p, np.full(pad, -1, np.int64)], axis=0)
+        order = rng.permutation(rows)
+        f, p = f[order], p[order]
+    return f.astype(np.float32, copy=False), p.astype(np.int64, copy=False)
+
+
 def federated_fcl(site_volumes: dict, size: dict, seeds: Sequence[int], rounds: int | Callable[[float], int],
-                  device: str, budget_s: float, say: Callable[[str], None]) -> dict:
+                  device: str, budget_s: float, say: Callable[[str], None], exchange: str = "once") -> dict:
     """FCL pre-training of every seed, interleaved round by round (see the module docstring).  ``rounds``: a count,
     or a function of the seconds left that chooses it once every trainer is built (before any step, so the
-    learning-rate schedule is the chosen count's from the first step).  Returns per seed the global state (on the
-    device) and the curves; stops when ``budget_s`` (wall seconds from the call) is spent and says so."""
+    learning-rate schedule is the chosen count's from the first step).  ``exchange``: one of :data:`EXCHANGES`.
+    Returns per seed the global state (on the device) and the curves; stops when ``budget_s`` (wall seconds from
+    the call) is spent and says so."""
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange={exchange!r}: use one of {list(EXCHANGES)}")
     deadline = time.time() + budget_s
     sites = sorted(site_volumes)
     runs = {}
@@ -243,10 +277,14 @@ def federated_fcl(site_volumes: dict, size: dict, seeds: Sequence[int], rounds: 
                     tr.model.load_state_dict(run["global"])
                 if run["banks"] is not None:
                     rng = np.random.default_rng([run["secret"], r, zlib.crc32(site.encode())])
-                    tr.set_remote(*remote_bank_for(run["banks"], site, tr.settings.bank_size, rng))
+                    if exchange == "once":
+                        tr.set_remote(*remote_bank_for(run["banks"], site, tr.settings.bank_size, rng))
+                    else:  # the receiver trained with the delivered bank as it came, replaced every round
+                        f, p = resent_remote_bank(run["banks"], site, tr.settings.bank_size, rng)
+                        tr.remote = (torch.from_numpy(f), torch.from_numpy(p))
                 stats = tr.train_round(r)
                 avg.add(tr.model.state_dict(), stats.samples)
-                banks[site] = tr.export_bank()
+                banks[site] = tr.export_bank() if exchange == "once" else tr.bank.export()
                 losses.append(stats.loss)
                 local.append(stats.metrics["loss_local"])
                 spread.append(stats.metrics["feature_std"])

@@ -39,7 +39,7 @@ from fedssl.core.dro import chi2_divergence
 from fedssl.data.vlp import VLPDataset, VLPRecord, load_covidx, load_manifest, load_mimic_vlp, load_rsna_pneumonia, \
     write_client_manifests
 from fedssl.data.vocab import build_wordpiece_vocab, make_tokenizer, merge_word_counts, site_word_counts
-from fedssl.eval.feddra_report import cosine_per_turn_png, format_table3, lambda_trajectory_png
+from fedssl.eval.feddra_report import cosine_per_turn_png, format_table3, lambda_trajectory_png, variants_png
 from fedssl.eval.retrieval import client_summary
 from fedssl.experiments.environment import DEFAULT_THREADS
 from fedssl.experiments.fcl_finetune import load_global_state
@@ -332,13 +332,17 @@ def per_client_lines(results: Sequence[Mapping[str, Any]], seed: int) -> list[st
 
 
 def paired_worst(rows: Sequence[Mapping[str, Any]], a: str, b: str, key: str = "worst_R@1") -> dict | None:
-    """``a - b`` of ``key`` paired by seed: mean, std, n, and whether the mean exceeds the spread."""
+    """``a - b`` of ``key`` paired by seed: mean, std, the standard error over seeds (sample std / sqrt(n); None for
+    one seed), the per-seed differences, n, and whether the mean exceeds the spread."""
     by = {(r["variant"], r["seed"]): r[key] for r in rows}
-    diffs = [by[(a, s)] - by[(b, s)] for (v, s) in by if v == a and (b, s) in by]
-    if not diffs:
+    per = {s: by[(a, s)] - by[(b, s)] for (v, s) in by if v == a and (b, s) in by}
+    if not per:
         return None
+    diffs = list(per.values())
     m, sd = float(np.mean(diffs)), float(np.std(diffs))
-    return {"diff": m, "std": sd, "n": len(diffs), "beyond_spread": bool(len(diffs) > 1 and abs(m) > sd)}
+    se = float(np.std(diffs, ddof=1) / np.sqrt(len(diffs))) if len(diffs) > 1 else None
+    return {"diff": m, "std": sd, "se": se, "by_seed": {int(s): float(d) for s, d in sorted(per.items())},
+            "n": len(diffs), "beyond_spread": bool(len(diffs) > 1 and abs(m) > sd)}
 
 
 def run(out: str, variants: Sequence[str] = ("fedavg", "feddra"), seeds: Sequence[int] = (0, 1, 2),
@@ -373,6 +377,8 @@ def run(out: str, variants: Sequence[str] = ("fedavg", "feddra"), seeds: Sequenc
                                   f"DRO weights per turn ({r['variant']}, seed {r['seed']})")
     cos = [{"turn": c["turn"], "method": r["variant"], "matched": c["matched"], "unmatched": c["unmatched"]}
            for r in results if r["seed"] == seeds[0] for c in r["cosine_per_turn"]]
+    variants_png(rows, variants, os.path.join(out, "recall.png"),
+                 f"FedDRA variants, seeds {', '.join(str(s) for s in sorted({r['seed'] for r in rows}))}")
     if cos:
         cosine_per_turn_png(cos, os.path.join(out, "cosine_per_turn.png"), "matched image-text cosine (held-out pairs)")
     # a comparison of fewer than three seeds is not a finding: said under the table
@@ -391,8 +397,10 @@ def run(out: str, variants: Sequence[str] = ("fedavg", "feddra"), seeds: Sequenc
         if v:
             verdict = ("one seed: no spread" if v["n"] < 2 else
                        "beyond the spread" if v["beyond_spread"] else "within the spread")
-            lines.append(f"{name}: {100 * v['diff']:+.1f} +- {100 * v['std']:.1f} points over {v['n']} seed(s), "
-                         f"{verdict}")
+            se = "" if v["se"] is None else f" (SE {100 * v['se']:.1f})"
+            per = " / ".join(f"{100 * d:+.1f}" for d in v["by_seed"].values())
+            lines.append(f"{name}: {100 * v['diff']:+.1f} +- {100 * v['std']:.1f}{se} points over {v['n']} seed(s) "
+                         f"[{per}], {verdict}")
     if note:
         lines.append(note)
     lines.append(f"\nwall time {format_duration(time.time() - t0)}")

@@ -3,6 +3,7 @@
 import csv
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -155,3 +156,24 @@ def test_write_summary_json_and_flat_csv(tmp_path):
     with open(paths["csv"], newline="") as f:
         assert list(csv.reader(f)) == [["key", "value"], ["full.avg_R@1", "0.3"], ["full.per_seed", "[0.2, 0.4]"],
                                        ["n_clients", "5"]]
+
+
+def test_variant_stats_and_figure_by_hand(tmp_path):
+    """R@1 0.10 / 0.20 / 0.30 over three seeds: mean 20 %, SE 10 / sqrt(3); one seed: no error bar; a variant with
+    no row is left out and no row at all is refused."""
+    from fedssl.eval.feddra_report import VARIANT_METRICS, variant_stats, variants_png
+
+    rows = [{"variant": "fedavg", "seed": s, "avg_R@1": r, "worst_R@1": r / 2, "avg_R@5": 0.5, "worst_R@5": None}
+            for s, r in ((0, 0.1), (1, 0.2), (2, 0.3))]
+    rows.append({"variant": "feddra", "seed": 0, "avg_R@1": 0.4, "worst_R@1": 0.2, "avg_R@5": 0.6, "worst_R@5": 0.3})
+    stats = variant_stats(rows, ["feddra", "no_dro", "fedavg"])
+    assert list(stats) == ["feddra", "fedavg"] and set(stats["fedavg"]) == {k for k, _ in VARIANT_METRICS}
+    assert stats["fedavg"]["avg_R@1"]["values"] == pytest.approx([10.0, 20.0, 30.0])
+    assert stats["fedavg"]["avg_R@1"]["mean"] == pytest.approx(20.0)
+    assert stats["fedavg"]["avg_R@1"]["se"] == pytest.approx(10.0 / 3 ** 0.5)
+    assert stats["fedavg"]["worst_R@5"] == {"values": [], "mean": None, "se": None}
+    assert stats["feddra"]["worst_R@1"] == {"values": [pytest.approx(20.0)], "mean": pytest.approx(20.0), "se": None}
+    path = variants_png(rows, ["fedavg", "feddra"], tmp_path / "recall.png", "t")
+    assert os.path.getsize(path) > 1000
+    with pytest.raises(ValueError, match="rows"):
+        variants_png(rows, ["no_dro"], tmp_path / "none.png")

@@ -18,14 +18,14 @@ from fedssl.experiments import control
 from fedssl.experiments.fcl_finetune import protocol_settings
 from fedssl.ops.jobs import load_profile
 
-MULTIPLIERS, SEEDS, FEDERATED = (1, 2), (0, 1), (1,)
+MULTIPLIERS, SEEDS, FEDERATED, RESEND = (1, 2), (0, 1), (1,), (1,)
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("control"))
     result = control.fcl_control(out, multipliers=MULTIPLIERS, seeds=SEEDS, federated_multipliers=FEDERATED,
-                                 size="tiny", device="cpu", say=lambda m: None)
+                                 resend_multipliers=RESEND, size="tiny", device="cpu", say=lambda m: None)
     return out, result
 
 
@@ -38,20 +38,21 @@ def test_rows_cover_every_arm_multiplier_and_seed(run):
     out, result = run
     data = _json(out)
     n_sites = control.TINY["data"]["n_sites"]
-    want = {("random", None)} | {("central", m) for m in MULTIPLIERS} | {("federated", m) for m in FEDERATED}
+    want = {("random", None)} | {("central", m) for m in MULTIPLIERS} | {("federated", m) for m in FEDERATED} \
+        | {("federated-resend", m) for m in RESEND}
     assert {(c["arm"], c["multiplier"]) for c in data["cells"].values()} == want
     assert all(c["done"] for c in data["cells"].values())
     assert len(data["cells"]) == len(want) * len(SEEDS)
     rows = data["rows"]
     assert len(rows) == len(want) * len(SEEDS) * n_sites * len(control.N_LABELLED)
-    methods = {"random", "central x1", "central x2", "federated x1"}
+    methods = {"random", "central x1", "central x2", "federated x1", "federated-resend x1"}
     assert {r["method"] for r in rows} == methods
     for method in methods:
         assert sorted({r["seed"] for r in rows if r["method"] == method}) == list(SEEDS)
         assert sorted({r["n_labelled"] for r in rows if r["method"] == method}) == [1, 2]
     assert {r["mode"] for r in rows} == {"local"} and {r["fold"] for r in rows} == {0}
     assert os.path.isfile(os.path.join(out, "control.png"))
-    assert len(result["verdicts"]) == len(want) - 1  # one per arm and multiplier
+    assert len(result["verdicts"]) == len(want) - 1 + len(RESEND)  # one per arm and multiplier, one per cost
     assert result["chance_loss_local"] == pytest.approx(math.log(control.TINY["pretrain"]["bank_size"] + 1))
 
 
@@ -130,7 +131,7 @@ def test_summary_on_known_rows():
 def test_second_call_resumes_without_retraining(run, monkeypatch):
     out, first = run
     encoders = sorted(os.listdir(os.path.join(out, "encoders")))
-    assert len(encoders) == len(SEEDS) * (len(MULTIPLIERS) + len(FEDERATED))
+    assert len(encoders) == len(SEEDS) * (len(MULTIPLIERS) + len(FEDERATED) + len(RESEND))
     mtimes = {e: os.stat(os.path.join(out, "encoders", e)).st_mtime_ns for e in encoders}
 
     def boom(*a, **k):
@@ -140,7 +141,7 @@ def test_second_call_resumes_without_retraining(run, monkeypatch):
     monkeypatch.setattr(control, "pretrain_federated", boom)
     monkeypatch.setattr(control, "local_finetune", boom)
     again = control.fcl_control(out, multipliers=MULTIPLIERS, seeds=SEEDS, federated_multipliers=FEDERATED,
-                                size="tiny", device="cpu", say=lambda m: None)
+                                resend_multipliers=RESEND, size="tiny", device="cpu", say=lambda m: None)
     assert {e: os.stat(os.path.join(out, "encoders", e)).st_mtime_ns for e in encoders} == mtimes
     assert again["rows"] == first["rows"] and again["verdicts"] == first["verdicts"]
 
@@ -212,7 +213,56 @@ def test_bench_is_the_bench_profile():
 
 
 def test_plan_runs_the_cells_that_can_give_a_verdict_first():
-    plan = control._plan((1, 4, 16), (0, 1, 2), (1,), first_seed_only=(16,))
+    plan = control._plan((1, 4, 16), (0, 1, 2), (1,), first_seed_only=(16,), resend_multipliers=(1,))
     assert plan == [("random", None, 0), ("random", None, 1), ("random", None, 2), ("central", 1, 0),
                     ("central", 1, 1), ("central", 1, 2), ("central", 4, 0), ("central", 4, 1), ("central", 4, 2),
-                    ("federated", 1, 0), ("federated", 1, 1), ("federated", 1, 2), ("central", 16, 0)]
+                    ("federated", 1, 0), ("federated", 1, 1), ("federated", 1, 2), ("federated-resend", 1, 0),
+                    ("federated-resend", 1, 1), ("federated-resend", 1, 2), ("central", 16, 0)]
+
+
+def test_the_resend_arm_trains_with_whole_padded_banks_and_the_cost_is_paired_against_it(run):
+    """The control arm of issue 45: the pre-defence exchange delivers K rows (padded) every round, the bundle's
+    only what the others shared since; the cost line is ``federated - federated-resend`` paired by site and seed."""
+    out, result = run
+    data = _json(out)
+    k = control.TINY["pretrain"]["bank_size"]
+    for s in SEEDS:
+        resend = data["cells"][control.cell_key("federated-resend", 1, s)]["pretrain"]
+        once = data["cells"][control.cell_key("federated", 1, s)]["pretrain"]
+        assert resend["exchange"] == "resend" and once["exchange"] == "once"
+        assert resend["remote_features"][0] == 0 and set(resend["remote_features"][1:]) == {k}
+        assert all(0 < n < k for n in once["remote_features"][1:])
+    rows = data["rows"]
+    (cost,) = result["exchange_cost"]
+    assert (cost["method"], cost["baseline"]) == ("federated x1", "federated-resend x1")
+    for n in control.N_LABELLED:
+        per_seed = []
+        for s in SEEDS:
+            base = {r["site"]: r["dice"] for r in rows if r["method"] == "federated-resend x1" and r["seed"] == s
+                    and r["n_labelled"] == n}
+            mine = {r["site"]: r["dice"] for r in rows if r["method"] == "federated x1" and r["seed"] == s
+                    and r["n_labelled"] == n}
+            per_seed.append(np.mean([mine[x] - base[x] for x in sorted(base)]))
+        assert cost[f"N={n}"]["diff"] == pytest.approx(float(np.mean(per_seed)), abs=1e-12)
+    assert sum("minus federated-resend x1" in v for v in result["verdicts"]) == 1
+
+
+def test_exchange_cost_on_known_rows():
+    """federated x1 is behind the resend arm by 0.1 at seed 0 and 0.3 at seed 1: a cost of 0.2, SE 0.1."""
+    def rows(method, seed, dice):
+        return [{"method": method, "mode": "local", "n_labelled": n, "fold": 0, "site": site, "seed": seed,
+                 "dice": dice + (0.05 if site == "site-2" else 0.0)} for n in (1, 2) for site in ("site-1", "site-2")]
+
+    cells = {}
+    for seed, cost in ((0, 0.1), (1, 0.3)):
+        for arm, dice in (("federated", 0.5 - cost), ("federated-resend", 0.5)):
+            method = f"{arm} x1"
+            cells[f"{method} seed {seed}"] = {"arm": arm, "multiplier": 1, "seed": seed, "method": method,
+                                              "done": True, "rows": rows(method, seed, dice)}
+    entries, lines = control.exchange_cost({"cells": cells})
+    (e,) = entries
+    assert e["N=1"]["diff"] == pytest.approx(-0.2) and e["N=2"]["diff_seed_se"] == pytest.approx(0.1)
+    assert e["N=1"]["diff_by_seed"] == {"0": pytest.approx(-0.1), "1": pytest.approx(-0.3)}
+    assert len(lines) == 1 and lines[0].count("-0.200 (Dice; SE 0.100 over 2 seeds)") == 2
+    del cells["federated-resend x1 seed 0"], cells["federated-resend x1 seed 1"]
+    assert control.exchange_cost({"cells": cells}) == ([], [])

@@ -4,6 +4,7 @@ values, the in-process server average against FLARE's, and the FCL part end to e
 
 import json
 import math
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -162,3 +163,23 @@ def test_federation_starts_every_site_from_the_last_global_and_shuttles_the_bank
             if sd == seed and r == 1:
                 last.add(state, n)
         assert all(torch.equal(run["global"][k], v) for k, v in last.result().items())
+
+
+def test_resent_remote_bank_is_the_exchange_before_issue_45():
+    """The control arm's delivery, by hand: three sites; site-1 filled 2 rows, so it gets at most 2 x (3 - 1) = 4
+    real rows of the others' 5 filled ones, and 4 padding rows (unit vectors, partition -1) to make K = 8."""
+    d = 3
+    banks = {"site-1": (np.ones((4, d), np.float32), np.array([0, 1, -1, -1])),
+             "site-2": (np.full((4, d), 2.0, np.float32), np.array([2, 3, 2, -1])),
+             "site-3": (np.full((3, d), 3.0, np.float32), np.array([1, 1, -1]))}
+    f, p = ev.resent_remote_bank(banks, "site-1", 8, np.random.default_rng(0))
+    assert f.shape == (8, d) and p.shape == (8,) and f.dtype == np.float32 and p.dtype == np.int64
+    real = p >= 0
+    assert int(real.sum()) == 4 and set(np.unique(f[real][:, 0])) <= {2.0, 3.0}
+    pool = Counter([2, 3, 2, 1, 1])  # the other sites' filled rows' partitions
+    assert not Counter(p[real].tolist()) - pool
+    assert np.allclose(np.linalg.norm(f[~real], axis=1), 1.0)
+    f2, p2 = ev.resent_remote_bank(banks, "site-1", 3, np.random.default_rng(0))
+    assert f2.shape == (3, d) and (p2 >= 0).all()  # K below the real rows: no padding
+    with pytest.raises(ValueError, match="exchange='both'"):
+        ev.federated_fcl({}, ev.FCL_SIZES["tiny"], (0,), 1, "cpu", 1.0, lambda m: None, exchange="both")

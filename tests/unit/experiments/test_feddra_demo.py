@@ -44,6 +44,10 @@ def test_rows_and_the_paired_verdict_by_hand():
     v = fd.paired_worst(rows, "feddra", "fedavg")
     assert v["diff"] == pytest.approx(0.1) and v["n"] == 3 and v["std"] == pytest.approx(0.0816, abs=1e-3)
     assert v["beyond_spread"] is True
+    # differences 0.2 / 0.0 / 0.1: sample std 0.1, SE 0.1 / sqrt(3)
+    assert v["by_seed"] == {0: pytest.approx(0.2), 1: pytest.approx(0.0), 2: pytest.approx(0.1)}
+    assert v["se"] == pytest.approx(0.1 / 3 ** 0.5)
+    assert fd.paired_worst(rows[:1] + rows[3:4], "feddra", "fedavg")["se"] is None
 
 
 def test_the_baselines_run_and_a_rerun_resumes(tmp_path, monkeypatch):

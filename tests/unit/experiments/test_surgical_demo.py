@@ -79,3 +79,72 @@ def test_demo_records_its_threads_and_says_its_one_seed_comparison_is_not_a_find
     assert note in open(tmp_path / "surgical_demo.md").read()
     config = json.load(open(tmp_path / "run_config.json"))
     assert config["threads"] == 2 and config["methods"] == ["vanilla", "partial_loss"] and config["seeds"] == [0]
+
+
+def test_over_seeds_pairs_surgical_with_every_method_by_seed():
+    """By hand: surgical 0.80 / 0.90 and vanilla 0.70 / 0.75 at seeds 0 / 1: surgical - vanilla = 0.10 / 0.15,
+    mean 0.125, SE std([0.10, 0.15]) / sqrt(2) = 0.025; a column undefined in one run is left out of its mean."""
+    from fedssl.experiments.surgical_demo import METRICS, over_seeds, seeds_table
+
+    def row(method, seed, v, ext=0.6):
+        return {"method": method, "seed": seed, "mean_auroc": v, "shared_auroc": v, "unique_auroc": v,
+                "external_auroc": ext}
+
+    rows = [row("surgical", 0, 0.80), row("vanilla", 0, 0.70, None), row("surgical", 1, 0.90), row("vanilla", 1, 0.75)]
+    summary, diffs = over_seeds(rows)
+    assert [e["method"] for e in summary] == ["surgical", "vanilla"] and summary[0]["seeds"] == [0, 1]
+    assert summary[0]["mean_auroc"]["mean"] == pytest.approx(0.85)
+    assert summary[0]["mean_auroc"]["se"] == pytest.approx(0.05)
+    assert summary[1]["external_auroc"] == {"mean": 0.6, "se": None, "by_seed": {1: 0.6}}
+    (d,) = diffs
+    assert (d["method"], d["minus"]) == ("surgical", "vanilla")
+    assert d["mean_auroc"]["mean"] == pytest.approx(0.125) and d["mean_auroc"]["se"] == pytest.approx(0.025)
+    assert d["mean_auroc"]["by_seed"] == {0: pytest.approx(0.10), 1: pytest.approx(0.15)}
+    assert d["external_auroc"]["by_seed"] == {1: pytest.approx(0.0)}
+    text = seeds_table(summary, diffs)
+    assert "0.850 +- 0.050" in text and "+0.125 +- 0.025" in text and len(METRICS) == 4
+
+
+def test_demo_over_three_seeds_sets_each_seed_pairs_them_and_draws_the_figure(tmp_path, monkeypatch, capsys):
+    """Faked simulator: every run gets its seed's switches, the seed-0 runs are reused by a second call, the note
+    goes away at three seeds and the figure is written."""
+    from fedssl.experiments import surgical_demo as sd
+
+    calls = []
+
+    def simulate(job, workspace, **kw):
+        calls.append((workspace, kw["sets"]))
+        os.makedirs(os.path.join(workspace, "server", "simulate_job"))
+        open(os.path.join(workspace, "server", "simulate_job", "results.json"), "w").write("{}")
+        return {"workspace": workspace, "simulator_wall_time_s": 1.0, "bytes_per_site_per_round": {"total": 1500}}
+
+    def fake_row(method, res, rounds, wall, sent, md):
+        seed = int(md.split(os.sep)[0].removeprefix("seed"))
+        v = (0.8 if method == "surgical" else 0.7) + 0.01 * seed
+        return ({"method": method, "mean_auroc": v, "shared_auroc": v, "unique_auroc": v, "external_auroc": v,
+                 "external_shared": v, "external_unique": v, "external_min_class": v, "rounds": rounds,
+                 "wall_time_s": wall, "kb_per_site_round": 1.5},
+                {"global_classes": ["A"], "site_test_per_class": {"A": v}, "external_per_class": {"A": v}})
+
+    monkeypatch.setattr(sd, "write_demo_data", lambda data, n: os.makedirs(os.path.join(data, "mimic")))
+    monkeypatch.setattr(sd, "run_simulation", simulate)
+    monkeypatch.setattr(sd, "result_row", fake_row)
+    try:
+        sd.run_surgical_demo(str(tmp_path), rounds=1, methods=("surgical", "vanilla"), central=False, seeds=(0,))
+        assert len(calls) == 2
+        report = sd.run_surgical_demo(str(tmp_path), rounds=1, methods=("surgical", "vanilla"), central=False,
+                                      seeds=(0, 1, 2))
+    finally:
+        torch.set_num_threads(1)
+    assert len(calls) == 6  # seed 0 was already there
+    for ws, sets in calls:
+        seed = int(os.path.basename(os.path.dirname(ws)).removeprefix("seed"))
+        assert {f"server.model.seed={seed}", f"server.persistor.seed={seed}",
+                f"client.cxr_trainer.seed={seed}"} <= set(sets)
+    assert report["seeds_note"] is None and report["seeds"] == [0, 1, 2]
+    (d,) = report["differences"]
+    assert d["mean_auroc"]["mean"] == pytest.approx(0.1) and d["mean_auroc"]["se"] == pytest.approx(0.0, abs=1e-12)
+    assert os.path.getsize(tmp_path / "surgical_demo.png") > 1000
+    assert "surgical - vanilla" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="seeds="):
+        sd.run_surgical_demo(str(tmp_path), seeds=(1, 1))

@@ -376,3 +376,22 @@ def test_surgical_job_names_one_imagenet_checkpoint_for_server_and_sites():
     trainer = next(c for c in comps["client"] if c["id"] == "cxr_trainer")
     assert model["args"]["imagenet_path"] == trainer["args"]["imagenet_path"] == ""
     assert next(c for c in comps["server"] if c["id"] == "persistor")["path"].endswith("SurgicalModelPersistor")
+
+
+#: the SSL-FL fine-tuning jobs, which carry rui-yan/SSL-FL's Fed-MAE regularisation (issue 47)
+SSLFL_FINETUNE = ("sslfl_retina_finetune", "sslfl_derm_finetune", "sslfl_covidfl_finetune")
+
+
+@pytest.mark.parametrize("profile", ["quick", "bench"])
+@pytest.mark.parametrize("job", SSLFL_FINETUNE)
+def test_quick_and_bench_fine_tune_sslfl_without_the_reference_regularisation(job, profile, tmp_path):
+    """The jobs (paper profile) set label smoothing 0.1, mixup 0.8 and CutMix 1.0; the quick profile (and bench,
+    which extends it) switch them off, so that the demo's and the bench tables' fine-tuning stays the step their
+    numbers were measured with (quick.json's description says why)."""
+    out = build_job(os.path.join(JOBS_DIR, job), str(tmp_path / job), profile=profile, n_sites=3)
+    with open(os.path.join(out, "app", "config", "config_fed_client.json")) as f:
+        args = [c["executor"]["args"] for c in json.load(f)["executors"] if c["executor"]["id"] == "cls_trainer"][0]
+    assert (args["label_smoothing"], args["mixup_alpha"], args["cutmix_alpha"], args["erasing_prob"]) == (0, 0, 0, 0)
+    with open(os.path.join(JOBS_DIR, job, "app", "config", "config_fed_client.json")) as f:
+        job_args = [c["executor"]["args"] for c in json.load(f)["executors"]][0]
+    assert (job_args["label_smoothing"], job_args["mixup_alpha"], job_args["cutmix_alpha"]) == (0.1, 0.8, 1.0)

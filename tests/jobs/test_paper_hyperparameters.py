@@ -26,7 +26,10 @@ Not pinned, because the paper does not state them (the job's value is the bundle
   COVID-FL's fine-tuning lr (sec. IV-B.4 "base learning rate 3e-3" at batch 64: 3e-3 as an absolute rate, or
   the code's blr x 64/256 = 7.5e-4).
   The reference scripts differ from the paper in places (Retina MAE blr 2e-3 x 128/256 = 1e-3, BEiT lr 2e-3,
-  BEiT mask 0.5, MAE warm-up 40): the paper's values are pinned.
+  BEiT mask 0.5, MAE warm-up 40): the paper's values are pinned.  The fine-tuning regularisation (label smoothing,
+  mixup, CutMix, random erasing) is not in the paper at all: it is pinned in ``SSLFL_REFERENCE_PINS`` against the
+  reference code (issue 47), and so is Fed-BEiT's network (relative position bias, layer scale:
+  ``BEIT_REFERENCE_PINS``).
 - FedMAE-KS: pre-training rounds (sec. V-B gives none; FedCLF's 100 of sec. V-A may or may not carry over),
   weight decay, warm-up and decoder ("we follow the training setup described in MAE [18]"),
   fine-tuning warm-up / layer decay / min lr, the model-selection metric (only "selected on the validation set").
@@ -339,6 +342,57 @@ SSLFL_PINS = [
     Pin("sslfl_covidfl_finetune", "server", "scatter_and_gather", "min_clients", 12, COVID),
 ]
 
+# The fine-tuning regularisation SSL-FL's paper does not state (sec. IV-B.2 lists crop, rotation and flip only), pinned
+# against its reference code (issue 47): rui-yan/SSL-FL at commit 69c3388, Fed-MAE's fine-tuning.  The scripts
+# code/fed_mae/script/retina/retina_split1_ssl.sh and code/fed_mae/script/covidfl/covidfl_{split,central}_ssl.sh pass
+# "--reprob 0.25 --mixup 0.8 --cutmix 1.0" (line 66 of each); the rest are the argparse defaults of
+# code/fed_mae/run_class_finetune_FedAvg.py 79-104 (--smoothing 0.1, --remode pixel, --recount 1, --cutmix_minmax
+# None, --mixup_prob 1.0, --mixup_switch_prob 0.5, --mixup_mode batch); code/util/FedAvg_utils.py 214-232 builds
+# timm's Mixup with label_smoothing=args.smoothing and the loss SoftTargetCrossEntropy.  Random erasing: the flag is
+# parsed, but the fine-tuning transform (code/util/datasets.py build_transform 146-187, the only one
+# DatasetFLFinetune uses, code/util/data_utils.py 95) has no RandomErasing, so the reference never erases: prob 0.
+# No Derm script exists; both Fed-MAE scripts agree, and the Derm job takes their values.  Fed-BEiT's scripts
+# (code/fed_beit/script/retina/*.sh) pass no --mixup / --cutmix: a Fed-BEiT fine-tuning sets both alphas to 0.
+REF_FT = "rui-yan/SSL-FL fed_mae"
+REF_SH = {"sslfl_retina_finetune": "script/retina/retina_split1_ssl.sh:66",
+          "sslfl_covidfl_finetune": "script/covidfl/covidfl_split_ssl.sh:66",
+          "sslfl_derm_finetune": "retina + covidfl scripts:66 (no Derm script)"}
+REF_PY = "run_class_finetune_FedAvg.py"
+SSLFL_REFERENCE_PINS = [
+    pin for job, sh in REF_SH.items() for pin in (
+        Pin(job, "client", "cls_trainer", "label_smoothing", 0.1, f"{REF_FT} {REF_PY}:79 --smoothing default 0.1"),
+        Pin(job, "client", "cls_trainer", "mixup_alpha", 0.8, f"{REF_FT} {sh} --mixup 0.8"),
+        Pin(job, "client", "cls_trainer", "cutmix_alpha", 1.0, f"{REF_FT} {sh} --cutmix 1.0"),
+        Pin(job, "client", "cls_trainer", "cutmix_minmax", None, f"{REF_FT} {REF_PY}:97 --cutmix_minmax None"),
+        Pin(job, "client", "cls_trainer", "mixup_prob", 1.0, f"{REF_FT} {REF_PY}:99 --mixup_prob 1.0"),
+        Pin(job, "client", "cls_trainer", "mixup_switch_prob", 0.5, f"{REF_FT} {REF_PY}:101 --mixup_switch_prob 0.5"),
+        Pin(job, "client", "cls_trainer", "mixup_mode", "batch", f"{REF_FT} {REF_PY}:103 --mixup_mode batch"),
+        Pin(job, "client", "cls_trainer", "erasing_prob", 0.0,
+            f"{REF_FT} {sh} --reprob 0.25, never applied: util/datasets.py build_transform 146-187"),
+        Pin(job, "client", "cls_trainer", "erasing_mode", "pixel", f"{REF_FT} {REF_PY}:85 --remode pixel"),
+        Pin(job, "client", "cls_trainer", "erasing_count", 1, f"{REF_FT} {REF_PY}:87 --recount 1"),
+    )
+]
+
+# SSL-FL's Fed-BEiT network, which the paper does not state ("BEiT [21]"), from its reference code (issue 47):
+# rui-yan/SSL-FL commit 69c3388.  Fine-tuning a Fed-BEiT encoder is the fine-tuning job with the Fed-BEiT overrides
+# of fedssl.experiments.sslfl_demo (test_fed_beit_fine_tuning_follows_the_reference_code).
+SSLFL_REF = "rui-yan/SSL-FL 69c3388 code/fed_beit/"
+BEIT_PT = SSLFL_REF + ("run_beit_pretrain_FedAvg.py 45-47, 152: --rel_pos_bias default true -> use_shared_rel_pos_bias"
+                       " (one table for every block)")
+BEIT_FT = SSLFL_REF + ("run_class_finetune_FedAvg.py 44-46, 213: use_rel_pos_bias (a table per block); "
+                       "code/util/FedAvg_utils.py 79-86: each a copy of the pre-training's shared table")
+BEIT_LS = SSLFL_REF + "script/retina/retina_split1_ssl.sh 43, 65: --layer_scale_init_value 0.1"
+BEIT_REFERENCE_PINS = [
+    Pin("sslfl_beit_retina", "client", "mim_trainer", "rel_pos_bias", "shared", BEIT_PT),
+    Pin("sslfl_beit_retina", "server", "model", "rel_pos_bias", "shared", BEIT_PT),
+    Pin("sslfl_beit_retina", "server", "model", "layer_scale", 0.1, BEIT_LS),
+    # the fine-tuning jobs as written fine-tune a Fed-MAE encoder: timm's ViT (code/fed_mae/models_vit.py)
+    *[Pin(job, part, comp, "rel_pos_bias", "none", "rui-yan/SSL-FL code/fed_mae/models_vit.py: no relative bias")
+      for job in ("sslfl_retina_finetune", "sslfl_derm_finetune", "sslfl_covidfl_finetune")
+      for part, comp in (("client", "cls_trainer"), ("server", "model"))],
+]
+
 # ---------------------------------------------------------------- FedMAE-KS (seed 001, sec. IV-D and V-B)
 VB = "FedMAE-KS sec.V-B Training details"
 VBD = "FedMAE-KS sec.V-B Datasets and federated setting"
@@ -543,6 +597,30 @@ def test_fcl_network_constants_follow_the_reference_code(name):
 @pytest.mark.parametrize("pin", SSLFL_PINS, ids=_ids(SSLFL_PINS))
 def test_sslfl_paper_settings(pin):
     check(pin)
+
+
+@pytest.mark.parametrize("pin", SSLFL_REFERENCE_PINS, ids=_ids(SSLFL_REFERENCE_PINS))
+def test_sslfl_finetuning_regularisation_follows_the_reference_code(pin):
+    check(pin)
+
+
+@pytest.mark.parametrize("pin", BEIT_REFERENCE_PINS, ids=_ids(BEIT_REFERENCE_PINS))
+def test_sslfl_fed_beit_follows_the_reference_code(pin):
+    check(pin)
+
+
+def test_fed_beit_fine_tuning_follows_the_reference_code(tmp_path):
+    """The fine-tuning job with the Fed-BEiT overrides (the demo's and the retina table's): BEiT's layer scale and one
+    relative position bias table per block, on the server's model and the sites' trainer alike (BEIT_FT, BEIT_LS)."""
+    from fedssl.experiments.sslfl_demo import VARIANTS
+    from fedssl.ops.jobs import build_job, component_specs, job_configs
+
+    v = VARIANTS["fedbeit"]
+    out = build_job(os.path.join(JOBS_DIR, v["finetune"]), str(tmp_path / "ft"), sets=v["finetune_sets"])
+    comps = {c["id"]: c["args"] for _, cfg in job_configs(out) for c in component_specs(cfg)}
+    for comp in ("model", "cls_trainer"):
+        assert comps[comp]["rel_pos_bias"] == "per_layer", (comp, BEIT_FT)
+        assert comps[comp]["layer_scale"] == 0.1, (comp, BEIT_LS)
 
 
 @pytest.mark.parametrize("pin", FEDMAE_PINS, ids=_ids(FEDMAE_PINS))

@@ -172,6 +172,8 @@ def _vit_opts(s) -> None:
     s.add_argument("--dataset", default="retina", choices=list(SSLFL_DATASETS))
     s.add_argument("--tiny", action="store_true", help="tiny ViT (32 px, patch 4, width 48, depth 2) on CPU")
     s.add_argument("--layer-scale", type=POSITIVE, default=None, help="0.1 for a Fed-BEiT encoder")
+    s.add_argument("--rel-pos-bias", default=None, choices=["none", "per_layer", "shared"],
+                   help="BEiT's relative position bias: per_layer for a Fed-BEiT encoder (default: none)")
     s.add_argument("--device", default=None)
 
 
@@ -180,7 +182,7 @@ def _settings(a) -> dict:
 
     return local_settings(a.tiny, **{key: getattr(a, key, None)
                                      for key in ("epochs", "lr", "label_fraction", "val_fraction", "device",
-                                                 "layer_scale")})
+                                                 "layer_scale", "rel_pos_bias")})
 
 
 def _finetune_args(s) -> None:

@@ -49,7 +49,7 @@ def _build(method: str, size: str, mask_ratio: float, device: torch.device, amp:
         return trainer, None
     if method == "beit":
         vocab = TINY_VOCAB if size == "tiny" else int(vocab_size)
-        model = BEiTViT(**vit, vocab_size=vocab)
+        model = BEiTViT(**vit, vocab_size=vocab, rel_pos_bias="shared")  # as jobs/sslfl_beit_retina
         tok = PatchTokenizer(random_codebook(vocab, model.patch_size, torch.Generator().manual_seed(0)),
                              model.patch_size)
         trainer = MIMTrainer(model, "beit", lr=1.5e-3, mask_ratio=mask_ratio, tokenizer=tok, device=device, amp=amp,

@@ -28,6 +28,12 @@ Per pre-trained method:
 :func:`diagnose_acdc` (U-Net encoders: FCL, FedMoCo, FCLOpt, FedBYOL ...) and :func:`diagnose_vit` (Fed-MAE /
 Fed-BEiT) return a JSON-able dict; :func:`format_diagnostics` turns a list of them into the text block printed under
 a table.
+
+Loss health (issue 44, H4): :func:`pretraining_health` reads a pre-training's rounds against the chance level of its
+loss (:mod:`fedssl.core.chance`, from the method's own settings: :func:`health_settings`, :func:`job_health_settings`)
+and the ``1 / sqrt(D)`` spread reference.  A pre-training whose loss never falls below chance, or whose feature
+spread collapses, failed: the table runners mark its rows (:data:`FAILED_MARK`, :func:`failure_record`,
+:func:`failure_footer`, :func:`failed_verdict`) instead of reporting its numbers as the method's result.
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ from typing import Any
 
 import torch
 
+from fedssl.core.chance import infonce_chance, nt_xent_chance, uniform_chance
+from fedssl.core.fedclf import ROTATIONS
+from fedssl.core.spread import uniform_reference
 from fedssl.core.weight_scale import compare_kernels, summarise
 from fedssl.data.images import ImageDataset, ImageRecord
 from fedssl.data.volume import Volume
@@ -47,6 +56,8 @@ from fedssl.eval.features import unet_discrimination, unet_position_knn, unet_sp
 from fedssl.models.unet import (ENCODER_MODULES, NORMS, BYOLUNetEncoder, ContrastiveNet, MoCoUNetEncoder,
                                 UNetEncoder, contrastive_net_like, encoder_state_from_global)
 from fedssl.models.vit import ViTClassifier, load_pretrained_encoder
+from fedssl.ops.jobs import component_specs, configured_job
+from fedssl.train.mim import IMAGE_CHANNELS, mim_chance_loss
 from fedssl.train.probe import frozen_encoder_probe, linear_probe
 from fedssl.train.segmentation import init_unet
 
@@ -93,6 +104,201 @@ def pretraining_rounds(summary_path: str) -> list[dict]:
             if isinstance(values, dict):
                 row.update({k: float(v) for k, v in values.items() if _number(v)})
         out.append(row)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ loss health (H4)
+
+#: the mark of a failed pre-training after its method's label in a table
+FAILED_MARK = "[failed pre-training]"
+
+
+def pretraining_health(rounds: Sequence[Mapping[str, Any]], *, chance: float | None = None,
+                       chance_what: str = "chance", dim: int | None = None, loss_key: str = "loss") -> dict:
+    """Did a pre-training learn?  From its per-round records (:func:`pretraining_rounds`):
+
+    * loss: ``failed`` when ``loss_key`` (FCL: ``loss_local``, the total adds the remote term) is at or above
+      chance in every round that recorded it: ``chance`` (``chance_what`` names it, e.g. ``"ln(K+1), K = 1024"``),
+      or the round's own ``chance_<loss_key>`` where the run recorded one (the trainer's exact count, e.g. FedCLF's
+      negatives); no chance level (BYOL, ``chance`` None): not checked;
+    * spread: ``failed`` when the last recorded ``feature_std`` is below ``COLLAPSE_FRACTION`` of the ``1 / sqrt(D)``
+      reference, ``D = dim`` (None: not checked).
+
+    Returns ``failed``, ``reasons`` (one line per failed check; ``["no rounds recorded"]`` without rounds, not a
+    failure), ``notes`` (checks that did not apply) and the numbers used: ``loss_key``, ``min_loss`` and its
+    ``min_loss_round`` and ``chance`` (the round where the loss came closest below / least above chance),
+    ``chance_what``, ``final_spread``, ``spread_round``, ``spread_reference``, ``collapse_below``."""
+    if not rounds:
+        return {"failed": False, "reasons": ["no rounds recorded"], "notes": [], "loss_key": loss_key,
+                "chance": chance, "chance_what": chance_what}
+    checks = [_loss_check(rounds, chance, chance_what, loss_key), _spread_check(rounds, dim)]
+    reasons = [c.pop("reason") for c in checks if "reason" in c]
+    notes = [c.pop("note") for c in checks if "note" in c]
+    return {"failed": bool(reasons), "reasons": reasons, "notes": notes, **checks[0], **checks[1]}
+
+
+def _loss_check(rounds: Sequence[Mapping[str, Any]], chance: float | None, what: str, key: str) -> dict:
+    """The loss against chance; ``reason`` when it never fell below, ``note`` when it could not be checked."""
+    out: dict[str, Any] = {"loss_key": key, "chance": chance, "chance_what": what}
+    seen = [(r["round"], float(r[key]), r.get(f"chance_{key}", chance)) for r in rounds if _number(r.get(key))]
+    if not seen:
+        return {**out, "note": f"no {key} recorded: the loss is not checked against chance"}
+    scored = [s for s in seen if s[2] is not None]
+    if not scored:
+        rnd, low, _ = min(seen, key=lambda s: s[1])
+        return {**out, "min_loss": low, "min_loss_round": rnd, "note": f"{what}: the loss is not checked"}
+    rnd, low, level = min(scored, key=lambda s: s[1] - s[2])
+    recorded = level != chance
+    out.update(min_loss=low, min_loss_round=rnd, chance=float(level),
+               chance_what="chance recorded by the run" if recorded else what)
+    if all(loss >= c for _, loss, c in scored):
+        out["reason"] = (f"loss never below chance: min {key} {low:.3f} (round {rnd}) vs {out['chance_what']} = "
+                         f"{level:.3f}")
+    return out
+
+
+def _spread_check(rounds: Sequence[Mapping[str, Any]], dim: int | None) -> dict:
+    """The last recorded feature spread against ``COLLAPSE_FRACTION / sqrt(dim)``; ``reason`` when below."""
+    last = next((r for r in reversed(rounds) if _number(r.get("feature_std"))), None)
+    if dim is None or last is None:
+        why = "no feature dimension given" if dim is None else "no feature spread recorded"
+        return {"final_spread": None if last is None else float(last["feature_std"]),
+                "note": f"{why}: the spread is not checked for collapse"}
+    reference = uniform_reference(int(dim))
+    out = {"final_spread": float(last["feature_std"]), "spread_round": last["round"], "spread_reference": reference,
+           "collapse_below": COLLAPSE_FRACTION * reference}
+    if out["final_spread"] < out["collapse_below"]:
+        out["reason"] = (f"feature spread collapsed: {out['final_spread']:.4f} (round {last['round']}) < "
+                         f"{COLLAPSE_FRACTION:g} x 1/sqrt({dim}) = {out['collapse_below']:.4f}")
+    return out
+
+
+def _fcl_health(a: Mapping[str, Any]) -> dict:
+    """FCL, FedMoCo, Local CL (:class:`fedssl.train.fcl.FCLSettings`): the local term of eq. 3 against Q', the K =
+    ``bank_size`` negatives negative sampling draws (:func:`fedssl.core.memory_bank.sample_negatives`; the local bank
+    alone holds K, so Q' has K rows; without negative sampling and with feature exchange Q holds more and the run's
+    recorded chance is the exact one); D = ``proj_dim``, the query features' spread."""
+    k = int(a["bank_size"])
+    return {"chance": infonce_chance(k), "chance_what": f"ln(K+1), K = {k}", "loss_key": "loss_local",
+            "dim": int(a["proj_dim"])}
+
+
+def _byol_health(a: Mapping[str, Any]) -> dict:
+    """FedBYOL, FCLOpt and its PTNU / DP variants (:class:`fedssl.train.byol.BYOLSettings`): no negatives, no chance
+    level (a collapsed BYOL reaches loss 0); D = ``proj_dim``, the online projections' spread."""
+    return {"chance": None, "chance_what": "BYOL has no negatives, no chance level", "loss_key": "loss",
+            "dim": int(a["proj_dim"])}
+
+
+def _mim_health(a: Mapping[str, Any]) -> dict:
+    """Fed-MAE / Fed-BEiT (:class:`fedssl.train.mim.MIMSettings`, :func:`fedssl.train.mim.mim_chance_loss`): MAE
+    with ``norm_pix_loss`` (d - 1) / d, d = ``patch_size``^2 x 3 (without it the chance is the data's patch
+    variance: none); BEiT ln(V), V = ``vocab_size``; D = ``embed_dim``, the spread of the encoder's mean-pooled
+    tokens."""
+    chance = mim_chance_loss(a["method"], a["patch_size"], a["norm_pix_loss"], a["vocab_size"])
+    if a["method"] == "beit":
+        what = f"ln(V), V = {int(a['vocab_size'])}"
+    elif chance is None:
+        what = "MAE without norm_pix_loss has no chance level from its settings"
+    else:
+        what = f"(d-1)/d, d = {int(a['patch_size']) ** 2 * IMAGE_CHANNELS}"
+    return {"chance": chance, "chance_what": what, "loss_key": "loss", "dim": int(a["embed_dim"])}
+
+
+def _fedclf_health(a: Mapping[str, Any]) -> dict:
+    """FedCLF and its baselines (:class:`fedssl.train.fedclf.FedCLFSettings`): MoCo ln(K+1), K = ``bank_size``
+    (Q_CL holds the K local features with queue "none" / "fe"; with "fe_neg" the remote bank, at most K: the run's
+    recorded chance is the exact one); SimCLR ln(2B-1), B = ``batch_size``; rotation ln 4; D = ``proj_dim``."""
+    method, dim = a["method"], int(a["proj_dim"])
+    if method == "simclr":
+        b = int(a["batch_size"])
+        return {"chance": nt_xent_chance(b), "chance_what": f"ln(2B-1), B = {b}", "loss_key": "loss", "dim": dim}
+    if method == "rotation":
+        return {"chance": uniform_chance(ROTATIONS), "chance_what": f"ln({ROTATIONS}) rotations", "loss_key": "loss",
+                "dim": dim}
+    k = int(a["bank_size"])
+    return {"chance": infonce_chance(k), "chance_what": f"ln(K+1), K = {k}", "loss_key": "loss", "dim": dim}
+
+
+#: pre-training trainer component id (as the jobs name it) -> its loss-health settings from its arguments
+HEALTH_SETTINGS: dict[str, Callable[[Mapping[str, Any]], dict]] = {
+    "fcl_trainer": _fcl_health, "byol_trainer": _byol_health, "mim_trainer": _mim_health,
+    "fedclf_trainer": _fedclf_health}
+
+
+def health_settings(trainer: str, args: Mapping[str, Any]) -> dict:
+    """The keyword arguments of :func:`pretraining_health` (``chance``, ``chance_what``, ``loss_key``, ``dim``) for
+    the pre-training trainer component ``trainer`` (:data:`HEALTH_SETTINGS`) with its job arguments ``args``."""
+    if trainer not in HEALTH_SETTINGS:
+        raise ValueError(f"trainer={trainer!r} has no loss-health settings; use one of {sorted(HEALTH_SETTINGS)}")
+    return HEALTH_SETTINGS[trainer](args)
+
+
+def job_health_settings(job_dir: str, profile: str | None, sets: Sequence[str], trainer: str) -> dict:
+    """:func:`health_settings` of the ``trainer`` component of the pre-training job ``job_dir`` as ``profile`` and
+    ``sets`` configure it (:func:`fedssl.ops.jobs.configured_job`: what the simulator runs)."""
+    files = configured_job(job_dir, profile, list(sets))
+    specs = component_specs(files["app/config/config_fed_client.json"])
+    found = [c for c in specs if c.get("id") == trainer]
+    if not found:
+        raise ValueError(f"{job_dir}: no client component {trainer!r}; the loss health needs the pre-training trainer")
+    return health_settings(trainer, found[0]["args"])
+
+
+def health_text(h: Mapping[str, Any]) -> str:
+    """One line: the failed checks' reasons, or ok with the loss against chance and the final spread."""
+    if h["reasons"]:
+        head = ("FAILED pre-training: " if h["failed"] else "") + "; ".join(h["reasons"])
+    else:
+        parts = []
+        if h.get("min_loss") is not None and h.get("chance") is not None:
+            parts.append(f"min {h['loss_key']} {h['min_loss']:.3f} vs {h['chance_what']} = {h['chance']:.3f}")
+        if h.get("collapse_below") is not None:
+            parts.append(f"final spread {h['final_spread']:.4f} >= {h['collapse_below']:.4f}")
+        head = "ok" + (f" ({'; '.join(parts)})" if parts else "")
+    return head + "".join(f"; {n}" for n in h.get("notes", ()))
+
+
+def failure_record(per_unit: Mapping[str, Mapping[str, Any]]) -> dict:
+    """``{unit: health}`` of a table row (unit: ``"seed 1"``, ``"Split-3 seed 0"``) -> the fields the row carries:
+    ``pretraining_failed``, ``pretraining_failed_at`` (the units that failed) and ``pretraining_reasons``."""
+    failed = [u for u, h in per_unit.items() if h["failed"]]
+    return {"pretraining_failed": bool(failed), "pretraining_failed_at": failed,
+            "pretraining_reasons": {u: list(per_unit[u]["reasons"]) for u in failed}}
+
+
+def failed_mark(failed_at: Sequence[str], units: Sequence[str]) -> str:
+    """What follows a method's label: "" (no failed pre-training), ``" [failed pre-training]"`` (every one of its
+    ``units`` failed) or ``" [failed pre-training: seed 1]"`` (those that did)."""
+    if not failed_at:
+        return ""
+    if set(failed_at) >= set(units):
+        return f" {FAILED_MARK}"
+    return f" {FAILED_MARK[:-1]}: {', '.join(failed_at)}]"
+
+
+def failure_footer(per_label: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> list[str]:
+    """``{label: {unit: health}}`` -> one line under the table per failed pre-training, naming its reasons."""
+    return [f"{FAILED_MARK} {label} {unit}: {'; '.join(h['reasons'])}" for label, per_unit in per_label.items()
+            for unit, h in per_unit.items() if h["failed"]]
+
+
+def failed_verdict(line: str, label: str, failed_at: Sequence[str], units: Sequence[str]) -> str:
+    """A verdict line comparing ``label`` with random init: unchanged when no pre-training of it failed, else its
+    conclusion (after ``" -> "``) says the pre-training failed and the difference is not the method's result."""
+    if not failed_at:
+        return line
+    where = "" if set(failed_at) >= set(units) else f" at {', '.join(failed_at)} of {len(units)}"
+    head = line.split(" -> ")[0]
+    return f"{head} -> not {label}'s result: its pre-training failed{where} ({FAILED_MARK} below)"
+
+
+def mark_lines(lines: Sequence[str], marks: Mapping[str, str]) -> list[str]:
+    """Lines that start with a marked label and ``" minus "`` (paired differences) get the label's mark."""
+    out = []
+    for line in lines:
+        label = next((m for m in marks if marks[m] and line.startswith(f"{m} minus ")), None)
+        out.append(line if label is None else label + marks[label] + line[len(label):])
     return out
 
 
@@ -218,7 +424,8 @@ def _discrimination_summary(disc: Mapping[str, Mapping[str, Any]]) -> dict:
 def _vit(settings: Mapping[str, Any], init: object) -> ViTClassifier:
     model = ViTClassifier(2, image_size=settings["image_size"], patch_size=settings["patch_size"],
                           embed_dim=settings["embed_dim"], depth=settings["depth"], num_heads=settings["num_heads"],
-                          drop_path_rate=0.0, seed=settings.get("seed", 0), layer_scale=settings.get("layer_scale"))
+                          drop_path_rate=0.0, seed=settings.get("seed", 0), layer_scale=settings.get("layer_scale"),
+                          rel_pos_bias=settings.get("rel_pos_bias", "none"))
     if not (isinstance(init, str) and init == "random"):
         load_pretrained_encoder(model, init)
     return model
@@ -237,7 +444,8 @@ def diagnose_vit(method: str, summary_path: str | None, encoder_state: object,
     model, random_model = _vit(s, encoder_state), _vit(s, "random")
     probe_kw = dict(dataset=s["dataset"], image_size=s["image_size"], patch_size=s["patch_size"],
                     embed_dim=s["embed_dim"], depth=s["depth"], num_heads=s["num_heads"],
-                    layer_scale=s.get("layer_scale"), label_fraction=label_fraction,
+                    layer_scale=s.get("layer_scale"), rel_pos_bias=s.get("rel_pos_bias", "none"),
+                    label_fraction=label_fraction,
                     val_fraction=s.get("val_fraction", 0.1), seed=s.get("seed", 0), device=device)
     spread, random_spread, rows, random_rows = {}, {}, [], []
     for site in sorted(site_records):
@@ -331,9 +539,10 @@ def _probe_line(p: Mapping[str, Any]) -> str:
 
 
 def verdict(d: Mapping[str, Any]) -> str:
-    """One line: collapse first (spread below ``COLLAPSE_FRACTION`` of the reference; the random encoder's spread
-    beside it, since a random encoder's pooled features can sit as low), then the probe comparison."""
-    parts = []
+    """One line: a failed pre-training first (``d["health"]``, :func:`pretraining_health`), then collapse (spread
+    below ``COLLAPSE_FRACTION`` of the reference; the random encoder's spread beside it, since a random encoder's
+    pooled features can sit as low), then the probe comparison."""
+    parts = ["pre-training failed (loss health above)"] if (d.get("health") or {}).get("failed") else []
     s, proj = d.get("spread"), d.get("projection_spread")
     for what, sp in (("encoder", s), ("projection", proj)):
         if sp and sp["value"] < COLLAPSE_FRACTION * sp["reference"]:
@@ -349,10 +558,11 @@ def verdict(d: Mapping[str, Any]) -> str:
 
 
 def format_diagnostics(diags: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> str:
-    """The text block printed under a table: per method, the loss terms at the first / middle / last round, the bank
-    fill at the last round, the feature spread against a random encoder and 1/sqrt(D), the projection's instance
-    discrimination against its start and chance, the slice-position kNN, the encoder's kernels against
-    the random encoder's (norm ratio, cosine, relative change), the probe, and a verdict."""
+    """The text block printed under a table: per method, the loss terms at the first / middle / last round, its loss
+    health (``d["health"]`` where the runner attached one), the bank fill at the last round, the feature spread
+    against a random encoder and 1/sqrt(D), the projection's instance discrimination against its start and chance,
+    the slice-position kNN, the encoder's kernels against the random encoder's (norm ratio, cosine, relative
+    change), the probe, and a verdict."""
     items = [diags] if isinstance(diags, Mapping) else list(diags)
     lines = ["Diagnostics (issue 14: loss terms, bank fill, feature spread (0 = collapse), instance discrimination, "
              "slice position, encoder kernels vs their start, frozen-encoder probe)"]
@@ -360,7 +570,8 @@ def format_diagnostics(diags: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -
         lines.append(f"  {d['method']}:")
         rounds = d.get("rounds") or []
         probe = _probe_line(d["probe"]) if d.get("probe") else None
-        body = [_loss_line(rounds), _bank_line(rounds), _spread_line(d),
+        body = [_loss_line(rounds), _when(d, "health", lambda h: f"loss health: {health_text(h)}"),
+                _bank_line(rounds), _spread_line(d),
                 _when(d, "discrimination", _discrimination_text),
                 _when(d, "position", _position_text), _when(d, "weight_scale", _scale_text), probe]
         lines += [f"    {x}" for x in body if x]

@@ -60,7 +60,17 @@ from fedssl.experiments.fcl_finetune import (
     protocol_settings,
     site_folders,
 )
-from fedssl.experiments.diagnostics import diagnose_acdc, format_diagnostics
+from fedssl.experiments.diagnostics import (
+    diagnose_acdc,
+    failed_mark,
+    failed_verdict,
+    failure_footer,
+    failure_record,
+    format_diagnostics,
+    job_health_settings,
+    mark_lines,
+    pretraining_health,
+)
 from fedssl.experiments.table7 import JOBS, ROWS
 from fedssl.experiments.environment import DEFAULT_THREADS
 from fedssl.experiments.table_runner import (
@@ -385,7 +395,8 @@ def run_fcl_tables(out: str, *, tables: Sequence[int] = TABLES, methods: Sequenc
             data_root=data_root, n_sites=n_sites, profile=profile, rounds=rounds, seed=seed_of(key)),
         store, say=say, label="pre-training (FLARE simulator, one run at a time)", threads=threads)))
     inits = {(m, sd): pre.get((m, sd)) for m in methods for sd in seeds}
-    diag_text = _diagnostics(out, pre, store, data_root=data_root, settings=settings, say=say, threads=threads)
+    diag_text, health = _diagnostics(out, pre, store, data_root=data_root, settings=settings, say=say,
+                                     profile=profile, threads=threads)
     written = {}
     for table in tables:
         used = table_folds(profile, table, folds)
@@ -405,7 +416,7 @@ def run_fcl_tables(out: str, *, tables: Sequence[int] = TABLES, methods: Sequenc
                       label=label, threads=threads)
         rows, shown = stored_rows(store, table, n_labelled, used, seeds)
         written[table] = _write(out, table, rows, shown, n_labelled, used, seeds, profile, settings,
-                                stored_pretraining(store, shown, seeds), say)
+                                stored_pretraining(store, shown, seeds), say, health)
         if diag_text:
             say(diag_text)
     say(f"FCL tables {tables} done in {time.time() - t0:.0f} s; files under {out}")
@@ -451,11 +462,21 @@ def diagnose_one(method: str, pretrained: dict, *, data_root: str, settings: dic
                                     seed=seed))
 
 
-def _diagnostics(out: str, pre: dict, store: CellStore, *, data_root: str, settings: dict, say,
-                 threads: int | None = None) -> str:
+@functools.lru_cache(maxsize=32)
+def loss_health_settings(method: str, profile: str) -> dict:
+    """The loss-health settings of ``method``'s pre-training (:func:`fedssl.experiments.diagnostics.health_settings`
+    of its job's trainer at ``profile``: FCL / FedMoCo / Local CL ``loss_local`` against ln(K+1), K the trainer's
+    ``bank_size``; the BYOL family spread only; D its ``proj_dim``)."""
+    job, sets = PRETRAINED[method]
+    return job_health_settings(os.path.join(JOBS, job), profile, sets, TRAINER_IDS[job])
+
+
+def _diagnostics(out: str, pre: dict, store: CellStore, *, data_root: str, settings: dict, say, profile: str,
+                 threads: int | None = None) -> tuple[str, dict]:
     """Diagnostics cells (one per pre-trained method, resumable like every cell); the diagnostics of every
-    method finished in this folder are written to ``out/diagnostics.{json,txt}`` and returned as the text printed
-    under every table."""
+    method finished in this folder, each with its loss health (:func:`~fedssl.experiments.diagnostics.
+    pretraining_health` of its rounds at ``profile``'s job settings), are written to ``out/diagnostics.{json,txt}``;
+    returns the text printed under every table and the health per (method, seed)."""
     cells = [seeded({"stage": "diagnostics", "method": m}, sd) for m, sd in pre]
     if cells:
         run_cells(cells, lambda key: diagnose_one(key["method"], pre[(key["method"], seed_of(key))],
@@ -465,20 +486,44 @@ def _diagnostics(out: str, pre: dict, store: CellStore, *, data_root: str, setti
     # time), in the paper's method order, seeds ascending
     found = [r for r in store.results() if r["key"].get("stage") == "diagnostics"]
     found.sort(key=lambda r: (ALL_METHODS.index(r["key"]["method"]), seed_of(r["key"])))
-    diags = [r["result"] for r in found]
+    health = {(r["key"]["method"], seed_of(r["key"])): pretraining_health(
+        r["result"].get("rounds") or [], **loss_health_settings(r["key"]["method"], profile)) for r in found}
+    diags = [dict(r["result"], health=health[(r["key"]["method"], seed_of(r["key"]))]) for r in found]
     if not diags:
-        return ""
+        return "", health
     text = format_diagnostics(diags)
     with open(os.path.join(out, "diagnostics.json"), "w") as f:
         json.dump(diags, f, indent=2)
     with open(os.path.join(out, "diagnostics.txt"), "w") as f:
         f.write(text + "\n")
-    return text
+    return text, health
+
+
+def seed_health(health: dict, method: str, seeds) -> dict[str, dict]:
+    """``{"seed <s>": health}`` of ``method``'s pre-trainings at ``seeds`` (those diagnosed)."""
+    return {f"seed {int(sd)}": health[(method, int(sd))] for sd in seeds if (method, int(sd)) in health}
+
+
+def marked_rows(table: int, rows: Sequence[dict], covered: dict, health: dict) -> tuple[list[dict], dict]:
+    """:func:`summary_rows` with each row's failure record (:func:`~fedssl.experiments.diagnostics.failure_record`
+    of its seeds) and, on every row of a method with a failed pre-training at a seed it covers, its ``mark``;
+    and the marks by method."""
+    marks = {}
+    for m, sds in covered.items():
+        per = seed_health(health, m, sds)
+        marks[m] = failed_mark(failure_record(per)["pretraining_failed_at"], list(per))
+    out = []
+    for r in summary_rows(table, rows):
+        r.update(failure_record(seed_health(health, r["method"], r["by_seed"])))
+        out.append(dict(r, mark=marks[r["method"]]) if marks.get(r["method"]) else r)
+    return out, marks
 
 
 def _write(out: str, table: int, rows: list[dict], methods, n_labelled, folds, seeds, profile: str,
-           settings: dict, inits: dict, say) -> dict:
-    mode = FCL_TABLE_MODES[table]
+           settings: dict, inits: dict, say, health: dict | None = None) -> dict:
+    """One table's files; ``health``: (method, seed) -> its pre-training's loss health (a failed one is marked in
+    the rows, the verdict, the paired differences and a line per seed under the table)."""
+    mode, health = FCL_TABLE_MODES[table], health or {}
     several = len(seeds) > 1
     if table == 3:
         over = "folds (each seed-averaged first)" if several else "folds"
@@ -501,21 +546,26 @@ def _write(out: str, table: int, rows: list[dict], methods, n_labelled, folds, s
     if len({tuple(v) for v in covered.values()}) > 1:  # e.g. a method added at seed 0 only to a seeds run
         notes.append("seeds finished per method (a row averages only these): "
                      + ", ".join(f"{m} {v}" for m, v in covered.items()))
+    table_rows, marks = marked_rows(table, rows, covered, health)
     if "random" in methods and "FCL" in methods and mode != "centralised":
-        notes.append(pretraining_verdict(rows, "FCL", mode=mode))
+        fcl = seed_health(health, "FCL", covered["FCL"])
+        notes.append(failed_verdict(pretraining_verdict(rows, "FCL", mode=mode), "FCL",
+                                    failure_record(fcl)["pretraining_failed_at"], list(fcl)))
     paired, footer = paired_against(rows, "random", mode=mode), []
     if paired:
         unit = PAIR_UNITS[mode] + (("seed",) if several else ())
         unit = f"({', '.join(unit)}) pairs" if len(unit) > 1 else f"{unit[0]}s"
         footer = [f"paired against random init over {unit}: mean difference (standard error), pairs ahead",
-                  *format_paired(paired, "random").splitlines()]
+                  *mark_lines(format_paired(paired, "random").splitlines(), marks)]
+    footer += failure_footer({m: seed_health(health, m, covered[m]) for m in methods})
     few = few_seeds_note(covered)  # the rows (and their paired differences) of fewer than three seeds
     if few:
         footer.append(few)
     extra = {"folds": list(folds), "seeds": list(seeds), "mode": mode, "profile": profile, "settings": settings,
              "pretraining": {m: v for m, v in inits.items() if v is not None}, "paired_against_random": paired,
+             "pretraining_health": {m: seed_health(health, m, covered[m]) for m in methods if m != "random"},
              "cell_rows": rows}
-    paths = write_table(out, f"table{table}", summary_rows(table, rows),
+    paths = write_table(out, f"table{table}", table_rows,
                         paper=fcl_paper_rows(table, methods, n_labelled),
                         paper_source=FCL_SOURCE.format(table=table), title=title, notes=notes, extra=extra,
                         footer=footer)

@@ -48,6 +48,17 @@ from fedssl.data.fedclf_devices import build_devices, load_device
 from fedssl.data.fedclf_synthetic import SOURCES, write_synthetic_derm_sources
 from fedssl.eval.paper_tables import FEDCLF_SOURCE, fedclf_paper_rows
 from fedssl.eval.report import format_paired, paired_against, paired_difference
+from fedssl.experiments.diagnostics import (
+    failed_mark,
+    failed_verdict,
+    failure_footer,
+    failure_record,
+    health_text,
+    job_health_settings,
+    mark_lines,
+    pretraining_health,
+    pretraining_rounds,
+)
 from fedssl.experiments.environment import DEFAULT_THREADS
 from fedssl.experiments.fcl_finetune import load_global_state
 from fedssl.experiments.table_runner import few_seeds_note, plain_json, run_cells, start_run, write_table
@@ -372,6 +383,43 @@ def pretrain_diagnostics(out: str, methods: Sequence[str], seeds: Sequence[int])
     return diag
 
 
+def loss_health_settings(s: dict, method: str, seed: int) -> dict:
+    """The loss-health settings of ``method``'s pre-training at training seed ``seed``
+    (:func:`fedssl.experiments.diagnostics.health_settings` of ``fedclf_trainer`` as the run configures it: MoCo
+    ln(K+1) with K its ``bank_size``, SimCLR ln(2B-1), rotation ln 4; D its ``proj_dim``)."""
+    sets = [*_job_sets(s, "pretrain", seed), *METHODS[method]["sets"]]
+    return job_health_settings(os.path.join(REPO_ROOT, "jobs", PRETRAIN_JOB), s["profile"], sets, "fedclf_trainer")
+
+
+def pretraining_health_of(out: str, s: dict) -> dict[tuple[str, int], dict]:
+    """(method, training seed) -> the loss health (:func:`~fedssl.experiments.diagnostics.pretraining_health`) of
+    every pre-training of the run whose summary.json exists."""
+    health = {}
+    for m in s["methods"]:
+        for seed in s["seeds"]:
+            path = os.path.join(_pretrain_workspace(out, m, seed), "server", "simulate_job", "summary.json")
+            if METHODS[m]["sets"] is not None and os.path.isfile(path):
+                health[(m, seed)] = pretraining_health(pretraining_rounds(path), **loss_health_settings(s, m, seed))
+    return health
+
+
+def _seed_health(health: Mapping, method: str, seeds) -> dict[str, dict]:
+    return {f"seed {int(sd)}": health[(method, int(sd))] for sd in seeds if (method, int(sd)) in health}
+
+
+def mark_rows(rows: list[dict], values: Mapping, health: Mapping) -> tuple[list[dict], dict[str, str]]:
+    """Each row with its failure record (its seeds; :func:`~fedssl.experiments.diagnostics.failure_record`) and, on
+    every row of a method with a failed pre-training at a seed the table holds, the method's ``mark``; and the marks
+    by label."""
+    keys = {METHODS[m]["label"]: m for m in METHODS}
+    marks = {}
+    for m in {m for m, _ in values}:
+        per = _seed_health(health, m, {sd for (mm, _), by_seed in values.items() if mm == m for sd in by_seed})
+        marks[METHODS[m]["label"]] = failed_mark(failure_record(per)["pretraining_failed_at"], sorted(per))
+    out = [{**r, **failure_record(_seed_health(health, keys[r["method"]], r["seeds"]))} for r in rows]
+    return [dict(r, mark=marks[r["method"]]) if marks.get(r["method"]) else r for r in out], marks
+
+
 def diagnostics_text(diag: Mapping[str, dict]) -> str:
     def fmt(vals, digits):
         return " / ".join("-" if v is None else f"{v:.{digits}f}" for v in vals)
@@ -381,12 +429,24 @@ def diagnostics_text(diag: Mapping[str, dict]) -> str:
         lines.append(f"  {METHODS[d['method']]['label']} seed {d['seed']}: rounds {fmt(d['rounds'], 0)}: loss "
                      f"{fmt(d['loss'], 3)}; feature spread {fmt(d['feature_spread'], 3)}"
                      + ("" if d["queue_remote_fraction"] is None else
-                        f"; remote share of the negative queue {d['queue_remote_fraction']:.2f}"))
+                        f"; remote share of the negative queue {d['queue_remote_fraction']:.2f}")
+                     + (f"; loss health: {health_text(d['health'])}" if d.get("health") else ""))
     return "\n".join(lines)
 
 
-def write_tables(out: str, s: dict, results: Mapping, say: Callable[[str], None]) -> dict:
-    written = {}
+def health_verdict(values: Mapping, table: str, health: Mapping) -> str:
+    """:func:`verdict`, saying FedCLF's pre-training failed (at which of the table's seeds) where it did."""
+    seeds = {sd for (m, _), by_seed in values.items() if m == "fedclf" for sd in by_seed}
+    per = _seed_health(health, "fedclf", seeds)
+    return failed_verdict(verdict(values, table), METHODS["fedclf"]["label"],
+                          failure_record(per)["pretraining_failed_at"], sorted(per))
+
+
+def write_tables(out: str, s: dict, results: Mapping, say: Callable[[str], None],
+                 health: Mapping | None = None) -> dict:
+    """Tables I / II (recall, precision) and Fig. 6; ``health``: (method, seed) -> its pre-training's loss health (a
+    failed one is marked in the rows, the verdict, the paired differences and a line per seed under the table)."""
+    written, health = {}, health or {}
     for table, stage, roman in ((1, "local", "I"), (2, "federated", "II")):
         values = per_device(results, stage)
         if table not in s["tables"] or not values:
@@ -395,31 +455,38 @@ def write_tables(out: str, s: dict, results: Mapping, say: Callable[[str], None]
         notes = [f"profile {s['profile']}; {stage} fine-tuning; mean +- std over the {N_DEVICES} devices' test sets"
                  + (f", each device's averaged over training seeds {seeds} first" if len(seeds) > 1 else
                     f", training seed {seeds[0]}") + f"; split seed {s['split_seed']} (the labelled images)",
-                 verdict(values, f"Table {roman}")]
+                 health_verdict(values, f"Table {roman}", health)]
         few = seeds_note(values)
+        failed = failure_footer({METHODS[m]["label"]: _seed_health(health, m, seeds) for m in s["methods"]})
         for metric in METRICS:
             name = f"table{roman}_{metric}"
             paired, footer = paired_footer(values, stage, metric)
-            written[name] = write_table(out, name, summary_rows(values, f"Table {roman}", metric),
+            rows, marks = mark_rows(summary_rows(values, f"Table {roman}", metric), values, health)
+            footer = mark_lines(footer, marks) + failed
+            written[name] = write_table(out, name, rows,
                                         title=f"FedCLF Table {roman}: {stage} fine-tuning, mean {metric} (%)",
                                         paper=_paper(roman, metric, s["methods"]),
                                         paper_source=FEDCLF_SOURCE.format(table=f"Table {roman}"),
                                         score=f"{metric} (%)", notes=notes, digits=2,
                                         footer=footer + ([few] if few else []),
                                         extra={"seeds": seeds, "split_seed": s["split_seed"],
-                                               "paired_against_random": paired})
+                                               "paired_against_random": paired, "pretraining_health": {
+                                                   METHODS[m]["label"]: _seed_health(health, m, seeds)
+                                                   for m in s["methods"] if METHODS[m]["sets"] is not None}})
             with open(written[name]["txt"]) as f:
                 say(f.read().rstrip())
         fig = {k: v for k, v in values.items() if METHODS[k[0]].get("fig6") and k[1] == 0.1}
         if stage == "federated" and fig:
-            rows = summary_rows(fig, "Fig. 6", "recall")
+            rows, _ = mark_rows(summary_rows(fig, "Fig. 6", "recall"), fig, health)
             paper = [{**r, "method": next(METHODS[m]["label"] for m in METHODS if METHODS[m].get("fig6")
                                           == r["method"])}
                      for r in fedclf_paper_rows("Fig6")]
             few = seeds_note(fig)
+            failed_fig = failure_footer({METHODS[m]["label"]: _seed_health(health, m, seeds) for m in METHODS
+                                         if any(k[0] == m for k in fig)})
             written["fig6"] = write_table(out, "fig6_recall", rows, title="FedCLF Fig. 6: ablation, federated L=10%",
                                           paper=paper, paper_source=FEDCLF_SOURCE.format(table="Fig. 6"),
-                                          score="recall (%)", digits=2, footer=[few] if few else [],
+                                          score="recall (%)", digits=2, footer=failed_fig + ([few] if few else []),
                                           extra={"seeds": seeds, "split_seed": s["split_seed"]})
     return written
 
@@ -449,8 +516,11 @@ def run_fedclf_tables(out: str, settings: dict, *, data_root: str | None = None,
         rows = run_cells(cells, lambda key: federated_one(key, out, devices, settings, pretrained, simulate), store,
                          say=say, label="Table II cells (federated fine-tuning, FLARE simulator)", threads=threads)
         results.update({("federated", k["method"], k["fraction"], k["seed"], None): r for k, r in zip(cells, rows)})
-    written = write_tables(out, settings, results, say)
+    health = pretraining_health_of(out, settings)
+    written = write_tables(out, settings, results, say, health)
     diag = pretrain_diagnostics(out, settings["methods"], settings["seeds"])
+    for d in diag.values():
+        d["health"] = health.get((d["method"], d["seed"]))
     if diag:
         with open(os.path.join(out, "diagnostics.json"), "w") as f:
             json.dump(plain_json(diag), f, indent=2)

@@ -109,8 +109,11 @@ VARIANTS: dict[str, dict] = {
                "finetune": "sslfl_retina_finetune", "finetune_sets": [], "split": "dirichlet"},
     "fedbeit": {"label": "Fed-BEiT", "dataset": "retina", "pretrain": "sslfl_beit_retina",
                 "finetune": "sslfl_retina_finetune",
-                # BEiT's layer scale
-                "finetune_sets": ["server.model.layer_scale=0.1", "client.cls_trainer.layer_scale=0.1"],
+                # BEiT's layer scale, and its fine-tuning's relative position bias: one table per block, each a copy
+                # of the pre-training's shared table (rui-yan/SSL-FL code/fed_beit/run_class_finetune_FedAvg.py
+                # use_rel_pos_bias, code/util/FedAvg_utils.py; fedssl.models.vit.load_encoder_state)
+                "finetune_sets": ["server.model.layer_scale=0.1", "client.cls_trainer.layer_scale=0.1",
+                                  "server.model.rel_pos_bias=per_layer", "client.cls_trainer.rel_pos_bias=per_layer"],
                 "split": "dirichlet"},
     "fedmae_ks": {"label": "FedMAE-KS", "dataset": "derm", "pretrain": "fedmae_derm",
                   "finetune": "fedmae_derm_finetune",

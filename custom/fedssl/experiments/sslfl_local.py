@@ -28,7 +28,8 @@ from fedssl.train.classifier_loop import ClassifierTrainer
 
 #: settings of local fine-tuning (paper: the federated fine-tuning recipe with epochs for rounds)
 PAPER_LOCAL = {"image_size": 224, "patch_size": 16, "embed_dim": 768, "depth": 12, "num_heads": 12,
-               "drop_path_rate": 0.1, "layer_scale": None, "lr": 3e-3, "batch_size": 256, "epochs": 100, "warmup": 5,
+               "drop_path_rate": 0.1, "layer_scale": None, "rel_pos_bias": "none", "lr": 3e-3, "batch_size": 256,
+               "epochs": 100, "warmup": 5,
                "min_lr": 1e-6, "weight_decay": 0.05, "layer_decay": 0.65, "label_fraction": 1.0, "val_fraction": 0.1,
                "eval_batch_size": 256, "select_metric": "accuracy", "seed": 0, "device": "cpu"}
 
@@ -54,7 +55,7 @@ def _model_for(settings: Mapping, n_classes: int, pretrained_path: str, imagenet
     return FineTuneViT(num_classes=n_classes, image_size=settings["image_size"], patch_size=settings["patch_size"],
                        embed_dim=settings["embed_dim"], depth=settings["depth"], num_heads=settings["num_heads"],
                        drop_path_rate=settings["drop_path_rate"], layer_scale=settings["layer_scale"],
-                       pretrained_path=pretrained_path,
+                       rel_pos_bias=settings.get("rel_pos_bias", "none"), pretrained_path=pretrained_path,
                        imagenet_path=imagenet_path, seed=settings["seed"])
 
 

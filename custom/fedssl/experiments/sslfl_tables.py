@@ -43,7 +43,16 @@ from fedssl.data.images import load_image_records
 from fedssl.data.site_config import site_folders
 from fedssl.eval.paper_tables import SSLFL_SOURCE, sslfl_paper_rows
 from fedssl.eval.report import accuracy_verdict
-from fedssl.experiments.diagnostics import diagnose_vit, format_diagnostics
+from fedssl.experiments.diagnostics import (
+    diagnose_vit,
+    failed_mark,
+    failed_verdict,
+    failure_footer,
+    failure_record,
+    format_diagnostics,
+    job_health_settings,
+    pretraining_health,
+)
 from fedssl.experiments.sslfl_demo import VARIANTS, balance_retina
 from fedssl.experiments.environment import DEFAULT_THREADS
 from fedssl.experiments.table_runner import CellStore, begin_run, few_seeds_note, plain_json, run_cells, write_table
@@ -191,7 +200,8 @@ def vit_settings(settings: dict, method: str, seed: int = 0) -> dict:
     files = configured_job(os.path.join(REPO_ROOT, "jobs", FINETUNE_JOB), settings["profile"],
                            [*METHODS[method]["finetune_sets"], *_seed_sets("finetune", method, seed)])
     trainer = next(c for c in component_specs(files["app/config/config_fed_client.json"]) if c["id"] == "cls_trainer")
-    return {**{k: trainer["args"][k] for k in VIT_KEYS}, "label_fraction": trainer["args"]["label_fraction"]}
+    return {**{k: trainer["args"][k] for k in VIT_KEYS}, "label_fraction": trainer["args"]["label_fraction"],
+            "rel_pos_bias": trainer["args"].get("rel_pos_bias", "none")}
 
 
 def diagnostics_cells(settings: dict) -> list[dict]:
@@ -215,10 +225,46 @@ def diagnose_cell(key: dict, out: str, settings: dict, parts: dict, store: CellS
     return plain_json(d)
 
 
-def table_verdicts(settings: dict, results: dict) -> list[str]:
+def loss_health_settings(method: str, settings: dict) -> dict:
+    """The loss-health settings of ``method``'s pre-training (:func:`fedssl.experiments.diagnostics.health_settings`
+    of its job's ``mim_trainer`` at the table's profile: Fed-MAE (d-1)/d with d = patch_size^2 x 3 on norm-pix
+    targets, Fed-BEiT ln(vocab_size); D = embed_dim)."""
+    job = os.path.join(REPO_ROOT, "jobs", METHODS[method]["pretrain"])
+    return job_health_settings(job, settings["profile"], [], "mim_trainer")
+
+
+def diagnostics_health(settings: dict, keys: list[dict], diags: list[dict]) -> dict:
+    """(method, split, seed) -> the loss health of that pre-training (its diagnostics' rounds)."""
+    kw = {m: loss_health_settings(m, settings) for m in {k["method"] for k in keys}}
+    return {(k["method"], k["split"], k["seed"]): pretraining_health(d.get("rounds") or [], **kw[k["method"]])
+            for k, d in zip(keys, diags)}
+
+
+def _unit_health(health: dict, method: str, splits, seeds) -> dict[str, dict]:
+    """``{"Split-<s> seed <d>": health}`` of ``method``'s pre-trainings at ``splits`` x ``seeds`` (those diagnosed)."""
+    return {f"Split-{sp} seed {sd}": health[(method, sp, sd)] for sp in splits for sd in seeds
+            if (method, sp, sd) in health}
+
+
+def mark_rows(settings: dict, rows: list[dict], health: dict) -> list[dict]:
+    """Each row with its failure record (its split's seeds; :func:`~fedssl.experiments.diagnostics.failure_record`)
+    and, on every row of a method with a failed pre-training, the method's ``mark`` naming where it failed."""
+    keys = {METHODS[m]["label"]: m for m in settings["methods"]}
+    out = []
+    for r in rows:
+        m, split = keys[r["method"]], int(r["column"].removeprefix("Split"))
+        every = _unit_health(health, m, settings["splits"], settings["seeds"])
+        mark = failed_mark(failure_record(every)["pretraining_failed_at"], list(every))
+        per = {f"seed {sd}": health[(m, split, int(sd))] for sd in r["by_seed"] if (m, split, int(sd)) in health}
+        out.append({**r, **failure_record(per), **({"mark": mark} if mark else {})})
+    return out
+
+
+def table_verdicts(settings: dict, results: dict, health: dict | None = None) -> list[str]:
     """Per split and seed, one :func:`~fedssl.eval.report.accuracy_verdict` line per pre-trained method against ViT
-    scratch on the same test set (none where scratch or the method has not run)."""
-    lines = []
+    scratch on the same test set (none where scratch or the method has not run); where ``health`` ((method, split,
+    seed) -> loss health) says that pre-training failed, the line says so instead of its conclusion."""
+    lines, health = [], health or {}
     for seed in settings["seeds"]:
         for split in settings["splits"]:
             base = results.get(("scratch", split, seed))
@@ -228,9 +274,11 @@ def table_verdicts(settings: dict, results: dict) -> list[str]:
                 r = results.get((method, split, seed))
                 if method == "scratch" or r is None or r.get("accuracy") is None or not r.get("n_test"):
                     continue
-                lines.append(f"Split-{split}, seed {seed}: " + accuracy_verdict(
-                    METHODS[method]["label"], r["accuracy"], METHODS["scratch"]["label"], base["accuracy"],
-                    int(r["n_test"])))
+                label, unit = METHODS[method]["label"], [f"Split-{split} seed {seed}"]
+                h = health.get((method, split, seed))
+                line = f"Split-{split}, seed {seed}: " + accuracy_verdict(
+                    label, r["accuracy"], METHODS["scratch"]["label"], base["accuracy"], int(r["n_test"]))
+                lines.append(failed_verdict(line, label, unit if h and h["failed"] else [], unit))
     return lines
 
 
@@ -303,7 +351,9 @@ def run_sslfl_table(out: str, settings: dict, say: Callable[[str], None] = print
     diag_keys = diagnostics_cells(settings)
     diags = run_cells(diag_keys, lambda key: diagnose(key, out, settings, parts, store), store, say=say,
                       label="diagnostics (spread, linear probe)", threads=threads) if diag_keys else []
-    rows = summary_rows(settings, results)
+    health = diagnostics_health(settings, diag_keys, diags)
+    diags = [dict(d, health=health[(k["method"], k["split"], k["seed"])]) for k, d in zip(diag_keys, diags)]
+    rows = mark_rows(settings, summary_rows(settings, results), health)
     n_seeds = len(settings["seeds"])
     notes = [f"synthetic retina: {settings['n_images']} images written ({settings['image_px']} px), balanced subset, "
              f"{settings['n_sites']} sites, Dirichlet alpha "
@@ -311,13 +361,15 @@ def run_sslfl_table(out: str, settings: dict, say: Callable[[str], None] = print
              "accuracy (%) of the validation-selected global model, mean"
              + (f" +- std over n={n_seeds} seeds" if n_seeds > 1 else " of n=1 seed (no std)"),
              "numbers are not comparable with the paper's in absolute terms (tiny ViT, synthetic data); the paper's "
-             "block is its Table II", *table_verdicts(settings, results)]
+             "block is its Table II", *table_verdicts(settings, results, health)]
     extra = {"settings": settings, "cells": [{"key": k, "result": r} for k, r in zip(fine, done)],
              "diagnostics": diags, "wall_time_s": round(time.time() - t0, 1)}
     few = seeds_note(settings, results)
+    failed = failure_footer({METHODS[m]["label"]: _unit_health(health, m, settings["splits"], settings["seeds"])
+                             for m in settings["methods"]})
     paths = write_table(out, "sslfl_retina_table", rows, title="SSL-FL retina table (Table II): test accuracy (%)",
                         paper=paper_rows(settings), paper_source=PAPER_SOURCE, score="accuracy (%)", notes=notes,
-                        extra=extra, digits=2, footer=[few] if few else [])
+                        extra=extra, digits=2, footer=failed + ([few] if few else []))
     diag_text = format_diagnostics(diags) if diags else ""
     if diag_text:
         with open(paths["txt"], "a") as f:

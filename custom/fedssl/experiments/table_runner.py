@@ -520,10 +520,17 @@ def _ordered(rows: Sequence[Mapping], field: str) -> list:
     return out
 
 
-def _text_block(rows: Sequence[Mapping], methods: Sequence[str], columns: Sequence[str], digits: int) -> list[str]:
+def _marks(rows: Sequence[Mapping]) -> dict[str, str]:
+    """method -> the mark its rows carry (``row["mark"]``, e.g. ``" [failed pre-training]"``), shown after its label
+    in the bundle's block and the plot's legend; the paper's block matches rows by the unmarked label."""
+    return {r["method"]: r["mark"] for r in rows if r.get("mark")}
+
+
+def _text_block(rows: Sequence[Mapping], methods: Sequence[str], columns: Sequence[str], digits: int,
+                marks: Mapping[str, str] | None = None) -> list[str]:
     cells = {(r["method"], r["column"]): _cell_text(r["mean"], r.get("std"), digits) for r in rows}
     header = ["Method"] + list(columns)
-    body = [[m] + [cells.get((m, c), "-") for c in columns] for m in methods]
+    body = [[m + (marks or {}).get(m, "")] + [cells.get((m, c), "-") for c in columns] for m in methods]
     widths = [max(len(row[i]) for row in [header] + body) for i in range(len(header))]
 
     def line(row: Sequence[str]) -> str:
@@ -539,7 +546,7 @@ def format_paper_table(rows: Sequence[Mapping], *, title: str, paper: Sequence[M
     paper's numbers for the same methods and columns in a separate block labelled ``paper (<paper_source>)``, then
     the ``footer`` lines (what reads against the table, e.g. paired differences)."""
     methods, columns = _ordered(rows, "method"), _ordered(rows, "column")
-    lines = [title, *notes, "", "bundle (measured here)"] + _text_block(rows, methods, columns, digits)
+    lines = [title, *notes, "", "bundle (measured here)"] + _text_block(rows, methods, columns, digits, _marks(rows))
     if paper:
         lines += ["", f"paper ({paper_source})"] + _text_block(paper, methods, columns, digits)
     if footer:
@@ -583,7 +590,7 @@ def plot_table(rows: Sequence[Mapping], path: str, *, title: str, paper: Sequenc
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    methods, columns = _ordered(rows, "method"), _ordered(rows, "column")
+    methods, columns, marks = _ordered(rows, "method"), _ordered(rows, "column"), _marks(rows)
     colours = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     fig = Figure(figsize=(6.5, 4.5))
     FigureCanvasAgg(fig)
@@ -596,7 +603,7 @@ def plot_table(rows: Sequence[Mapping], path: str, *, title: str, paper: Sequenc
         bars = [error_bar(r) for r in pts]
         kinds.update(kind for _, kind in bars)
         ax.errorbar([xs[r["column"]] + dx for r in pts], [r["mean"] for r in pts], yerr=[b for b, _ in bars],
-                    marker="o", capsize=3, color=colour, label=method)
+                    marker="o", capsize=3, color=colour, label=method + marks.get(method, ""))
         for r in pts:
             values = seed_values(r)
             if len(values) >= 2:
@@ -631,8 +638,9 @@ def write_table(out_dir: str | os.PathLike, name: str, rows: Sequence[Mapping[st
     ``rows``: summary rows ``{"table", "method", "column", "mean", "std", "n"}`` (``column`` e.g. ``"N=1"`` or
     ``"Split-3"``; ``n`` = how many sites / folds the mean and std are over).  ``paper``: the paper's rows in the
     same form (``std`` None where the paper gives none), labelled ``paper (<paper_source>)`` in the text and
-    marked ``source = "paper"`` in the CSV.  ``notes`` print under the title, ``footer`` under the tables.  Returns
-    ``{"json", "csv", "txt", "png"}`` paths."""
+    marked ``source = "paper"`` in the CSV.  A row's ``mark`` (e.g. ``" [failed pre-training]"``) follows its
+    method's label in the bundle's block and the plot's legend.  ``notes`` print under the title, ``footer``
+    under the tables.  Returns ``{"json", "csv", "txt", "png"}`` paths."""
     if not rows:
         raise ValueError(f"write_table {name}: no rows to write")
     if paper and not paper_source:

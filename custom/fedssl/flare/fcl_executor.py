@@ -16,8 +16,9 @@ initial one).  Each site's own final encoder is its checkpoint ``fcl_client_stat
 ``fedssl fcl export-unet`` turns into a U-Net initialisation.
 
 Every result carries, under the ``summary_record`` meta, bounded counts for the run summary: volumes, steps of
-the round, filled bank slots, their fraction, the bank size and ``feature_std``, the round's mean spread of the
-normalised query features (0 = collapse; :mod:`fedssl.core.spread`) -- no feature, no name.
+the round, filled bank slots, their fraction, the bank size, ``feature_std``, the round's mean spread of the
+normalised query features (0 = collapse; :mod:`fedssl.core.spread`), and ``chance_loss_local``, the chance level of
+the local loss term the trainer measured (ln(K + 1) of its negatives) -- no feature, no name.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ class FCLExecutor(TrainerExecutor):
         m = stats.metrics
         meta: dict = {SITE_RECORD_META: {"volumes": stats.samples, "steps_per_round": stats.steps,
                                          "bank_filled": m["bank_filled"], "bank_fill": m["bank_fill"],
-                                         "bank_size": self.bank_size, "feature_std": m["feature_std"]}}
+                                         "bank_size": self.bank_size, "feature_std": m["feature_std"],
+                                         **{k: m[k] for k in ("chance_loss_local",) if k in m}}}
         if self.exchanges_features:  # FedMoCo and Local CL: no feature leaves the site
             meta[BANK_FEATURES], meta[BANK_PARTITIONS] = self.trainer.export_bank()
         return meta

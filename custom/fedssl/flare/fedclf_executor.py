@@ -12,7 +12,8 @@ names; the device keeps them in its remote FIFO.
 
 Local CL (``federated=false``) exchanges nothing and needs ``queue="none"``; the server then runs its aggregator
 with ``exclude_patterns=["*"]`` and ``collectors=[]``.  Each result carries, under the ``summary_record`` meta,
-bounded counts (images, steps, bank fill, feature spread, remote fraction of ``Q_CL``): no feature, no name.
+bounded counts (images, steps, bank fill, feature spread, remote fraction of ``Q_CL``, the loss's chance level the
+trainer reports): no feature, no name.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from fedssl.flare.trainer_executor import TrainerExecutor
 from fedssl.train.fedclf import FedCLFLocalTrainer, FedCLFSettings
 
 #: the site records the summary keeps (bounded numbers only)
-RECORD_KEYS = ("bank_filled", "bank_fill", "feature_std", "queue_remote_fraction", "rotation_accuracy")
+RECORD_KEYS = ("bank_filled", "bank_fill", "feature_std", "queue_remote_fraction", "rotation_accuracy", "chance_loss")
 
 
 class FedCLFExecutor(TrainerExecutor):

@@ -4,7 +4,8 @@ FedMAE-KS (Wu et al., "Federated Self-Supervised Learning for Dermatological Dis
 Task ``train`` (TrainerExecutor's round protocol): load the global auto-encoder (keys a PartialModelExclusion held
 back and listed in the meta ``excluded_keys`` keep this site's values) -> :class:`fedssl.train.mim.MIMLocalTrainer`
 -> the weights with ``num_samples`` = |D_k| and the mean loss; the summary record carries the round's feature spread
-(``feature_std``, :mod:`fedssl.core.spread`) and, for Fed-BEiT, its tokenizer's description.
+(``feature_std``, :mod:`fedssl.core.spread`), the loss's chance level the trainer reports (``chance_loss``, where
+it has one) and, for Fed-BEiT, its tokenizer's description.
 
 Fed-BEiT tokenizer: ``tokenizer_path`` names a local codebook / TorchScript dVAE encoder; "" means the codebook
 learnt by the FederatedKMeans workflow before pre-training: the site answers ``kmeans_init`` (the means of its
@@ -79,10 +80,9 @@ class MIMExecutor(TrainerExecutor):
         return trainer
 
     def result_meta(self, stats: RoundStats, dxo: DXO, fl_ctx: FLContext) -> dict:
-        """The summary record: the round's feature spread (a bounded number: the run summary averages it over
-        the sites per round) and, for Fed-BEiT, the tokenizer's description."""
-        spread = stats.metrics.get("feature_std")
-        record = {} if spread is None else {"feature_std": spread}
+        """The summary record: the round's feature spread and the loss's chance level (bounded numbers: the run
+        summary averages them over the sites per round) and, for Fed-BEiT, the tokenizer's description."""
+        record = {k: stats.metrics[k] for k in ("feature_std", "chance_loss") if stats.metrics.get(k) is not None}
         if self.method == "beit":
             record["tokenizer"] = self.trainer.tokenizer_description
         return {SITE_RECORD_META: record} if record else {}

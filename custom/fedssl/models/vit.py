@@ -7,13 +7,14 @@ Dermatological Disease Diagnosis" section IV), built from timm's VisionTransform
   (SSL-FL (Yan et al., IEEE TMI 2023) eq. 4).
 * :class:`BEiTViT` - BEiT (Bao et al. 2022): the embeddings of masked patches are replaced by a learnable
   mask embedding, the encoder sees all tokens, a linear head predicts the visual-token id of each masked
-  patch (SSL-FL (Yan et al., IEEE TMI 2023) eq. 3).  Learned absolute position embeddings instead of BEiT's
-  shared relative position bias (SSL-FL's BEiT scripts: ``--rel_pos_bias``, no ``--abs_pos_emb``), on purpose
-  (issue 13 item 12): every pre-training here (Fed-BEiT, Fed-MAE, FedMAE-KS) and the ImageNet / scratch baselines
-  then share one encoder, a plain timm ViT that loads 1:1 into one :class:`ViTClassifier`, so the fine-tuning
-  comparisons of SSL-FL's tables differ only in the pre-training (the encoder of a Fed-BEiT run also
-  fine-tunes with the same classifier, layer_scale 0.1).  This is a documented departure from the reference
-  code, like the federated k-means codebook that stands in for the unavailable DALL-E tokenizer.
+  patch (SSL-FL (Yan et al., IEEE TMI 2023) eq. 3).  ``rel_pos_bias`` adds BEiT's relative position bias
+  (issue 47): SSL-FL's Fed-BEiT pre-trains with ONE table shared by every block (rui-yan/SSL-FL
+  ``code/fed_beit/run_beit_pretrain_FedAvg.py``: ``--rel_pos_bias`` default true, passed as
+  ``use_shared_rel_pos_bias``) and fine-tunes with one table per block (``run_class_finetune_FedAvg.py``:
+  ``use_rel_pos_bias``), each initialised from the shared one (``code/util/FedAvg_utils.py``); jobs/sslfl_beit_retina
+  sets ``"shared"``, the Fed-BEiT fine-tuning ``"per_layer"`` (:func:`load_encoder_state` copies the table).  The
+  learned absolute position embedding is kept (the reference code has none: ``--abs_pos_emb`` default false), so
+  the encoder's keys stay those of every other pre-training here.
 * :class:`ViTClassifier` - the fine-tuning network: the same encoder, average-pooled patch tokens ->
   ``fc_norm`` -> linear ``head`` (SSL-FL (Yan et al., IEEE TMI 2023) section III-D).
 
@@ -26,7 +27,11 @@ Self-Supervised Learning for Dermatological Disease Diagnosis" select tensors by
 * MAE decoder: ``decoder.embed.*`` ("decoder projection", the linear projection at the decoder's input,
   encoder width -> decoder width), ``decoder.mask_token``, ``decoder.pos_embed``, ``decoder.blocks.*``,
   ``decoder.norm.*``, ``decoder.pred.*`` (decoder width -> p*p*3 pixels),
-* BEiT: ``mask_token``, ``lm_head.*``; classifier: ``fc_norm.*``, ``head.*``.
+* BEiT: ``mask_token``, ``lm_head.*``; classifier: ``fc_norm.*``, ``head.*``,
+* relative position bias (:class:`RelativePositionBias`, ``rel_pos_bias`` not "none"): the shared table
+  ``encoder.rel_pos_bias.relative_position_bias_table``, or per block
+  ``encoder.blocks.<i>.attn.rel_pos_bias.relative_position_bias_table`` (``[(2H-1)(2W-1)+3, heads]``; the index
+  that maps token pairs to its rows is a non-persistent buffer: never in a state dict, never averaged).
 
 The classifier has no ``encoder.norm``: with average pooling the final norm is replaced by ``fc_norm``
 (MAE and BEiT fine-tuning code), so a pre-trained ``encoder.norm`` is reported as ignored.
@@ -34,6 +39,7 @@ The classifier has no ``encoder.norm``: with average pooling the final norm is r
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Mapping
 
@@ -54,6 +60,24 @@ TINY_DECODER: dict = {"decoder_embed_dim": 32, "decoder_depth": 1, "decoder_num_
 TINY_VOCAB = 64
 
 POS_EMBED_TYPES = ("sincos", "learned")
+
+#: the relative position bias of the encoder's self-attention (BEiT, Bao et al. 2022): "none" (plain ViT: Fed-MAE,
+#: scratch, ImageNet), "shared" (one table for every block: SSL-FL's Fed-BEiT pre-training), "per_layer" (a table per
+#: block: SSL-FL's Fed-BEiT fine-tuning)
+REL_POS_BIAS = ("none", "shared", "per_layer")
+#: the shared table's key in a pre-training global model
+SHARED_REL_POS_TABLE = "encoder.rel_pos_bias.relative_position_bias_table"
+_TABLE = "relative_position_bias_table"
+
+
+def check_rel_pos_bias(rel_pos_bias: object, what: str = "ViT") -> str:
+    """``rel_pos_bias`` is one of :data:`REL_POS_BIAS`; the message names argument, value and fix."""
+    if not (isinstance(rel_pos_bias, str) and rel_pos_bias in REL_POS_BIAS):
+        raise ValueError(
+            f"{what}: argument rel_pos_bias={rel_pos_bias!r} is invalid; use one of {list(REL_POS_BIAS)} (\"none\": "
+            "plain ViT, Fed-MAE; \"shared\": Fed-BEiT pre-training; \"per_layer\": Fed-BEiT fine-tuning)"
+        )
+    return rel_pos_bias
 
 
 def check_vit_args(image_size: int, patch_size: int, embed_dim: int, num_heads: int, what: str = "ViT") -> int:
@@ -90,6 +114,96 @@ def sincos_pos_embed(embed_dim: int, grid_h: int, grid_w: int, cls_token: bool =
     return emb.float().unsqueeze(0)
 
 
+def relative_position_index(grid_h: int, grid_w: int) -> torch.Tensor:
+    """BEiT's index of the relative position bias table for the ``1 + grid_h * grid_w`` tokens (class token first,
+    patches in row-major order), ``[1 + L, 1 + L]`` (query, key), into a table of ``T = (2 grid_h - 1)(2 grid_w - 1)
+    + 3`` rows: patch ``(r, c)`` attending to patch ``(r', c')`` reads row ``(r - r' + grid_h - 1) * (2 grid_w - 1)
+    + (c - c' + grid_w - 1)`` (one row per relative offset), the class token attending to a patch row ``T - 3``, a
+    patch attending to the class token ``T - 2``, the class token to itself ``T - 1``."""
+    rows, cols = torch.meshgrid(torch.arange(grid_h), torch.arange(grid_w), indexing="ij")
+    r, c = rows.reshape(-1), cols.reshape(-1)
+    offsets = (r[:, None] - r[None, :] + grid_h - 1) * (2 * grid_w - 1) + (c[:, None] - c[None, :] + grid_w - 1)
+    size = (2 * grid_h - 1) * (2 * grid_w - 1) + 3
+    index = torch.empty(r.numel() + 1, r.numel() + 1, dtype=torch.long)
+    index[1:, 1:] = offsets
+    index[0, :] = size - 3  # class token -> patch
+    index[:, 0] = size - 2  # patch -> class token
+    index[0, 0] = size - 1  # class token -> class token
+    return index
+
+
+class RelativePositionBias(nn.Module):
+    """A learnable bias per head and relative offset, added to the attention logits (BEiT, Bao et al. 2022):
+    ``relative_position_bias_table [(2H-1)(2W-1)+3, heads]``, zero at the start (as BEiT's code), read through
+    :func:`relative_position_index` (a non-persistent buffer); ``forward()`` -> ``[heads, 1 + L, 1 + L]``."""
+
+    def __init__(self, grid: tuple[int, int], num_heads: int):
+        super().__init__()
+        self.grid, self.num_heads = (int(grid[0]), int(grid[1])), int(num_heads)
+        index = relative_position_index(*self.grid)
+        self.relative_position_bias_table = nn.Parameter(
+            torch.zeros((2 * self.grid[0] - 1) * (2 * self.grid[1] - 1) + 3, self.num_heads))
+        self.register_buffer("relative_position_index", index, persistent=False)
+
+    def forward(self) -> torch.Tensor:
+        n = self.relative_position_index.shape[0]
+        bias = self.relative_position_bias_table[self.relative_position_index.reshape(-1)]  # [n*n, heads]
+        return bias.reshape(n, n, self.num_heads).permute(2, 0, 1).contiguous()
+
+
+class ViTEncoder(VisionTransformer):
+    """timm's VisionTransformer with BEiT's relative position bias as an option (``rel_pos_bias``, one of
+    :data:`REL_POS_BIAS`): "shared" adds one :class:`RelativePositionBias` (``rel_pos_bias``) to the logits of every
+    block, "per_layer" gives each block's attention its own (``blocks.<i>.attn.rel_pos_bias``); "none" is timm's ViT
+    unchanged.  The bias enters timm's attention as its additive ``attn_mask`` (scaled dot-product attention adds a
+    float mask to ``q k^T / sqrt(d)`` before the softmax).  Run the blocks through :meth:`run_blocks` (or
+    :meth:`forward_features`): a block called on its own does not see the bias."""
+
+    def __init__(self, rel_pos_bias: str = "none", **kwargs):
+        check_rel_pos_bias(rel_pos_bias, "ViTEncoder")
+        super().__init__(**kwargs)
+        self.rel_pos_bias_type = rel_pos_bias
+        grid, heads = tuple(self.patch_embed.grid_size), kwargs["num_heads"]
+        if rel_pos_bias != "none" and "attn_mask" not in inspect.signature(type(self.blocks[0]).forward).parameters:
+            raise ValueError(f"ViTEncoder: rel_pos_bias={rel_pos_bias!r} needs a timm whose Block.forward takes "
+                             "attn_mask (1.0.31 is tested); upgrade timm or use rel_pos_bias=\"none\"")
+        self.rel_pos_bias = RelativePositionBias(grid, heads) if rel_pos_bias == "shared" else None
+        if rel_pos_bias == "per_layer":
+            for blk in self.blocks:
+                blk.attn.rel_pos_bias = RelativePositionBias(grid, heads)
+
+    def attention_biases(self) -> list[torch.Tensor | None]:
+        """The additive bias of each block's attention logits, ``[1, heads, 1 + L, 1 + L]`` (None: no bias)."""
+        if self.rel_pos_bias_type == "none":
+            return [None] * len(self.blocks)
+        if self.rel_pos_bias is not None:
+            return [self.rel_pos_bias().unsqueeze(0)] * len(self.blocks)  # the one shared table, computed once
+        return [blk.attn.rel_pos_bias().unsqueeze(0) for blk in self.blocks]
+
+    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """The transformer blocks over the tokens ``[B, 1 + L, D]``, each with its relative position bias."""
+        if self.rel_pos_bias_type == "none":
+            return self.blocks(x)
+        for blk, bias in zip(self.blocks, self.attention_biases()):
+            x = blk(x, attn_mask=bias)
+        return x
+
+    def forward_features(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                         is_causal: bool = False) -> torch.Tensor:
+        if self.rel_pos_bias_type == "none":
+            return super().forward_features(x, attn_mask=attn_mask, is_causal=is_causal)
+        if attn_mask is not None or is_causal:
+            raise ValueError("ViTEncoder: attn_mask / is_causal do not combine with a relative position bias")
+        x = self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
+        return self.norm(self.run_blocks(x))
+
+    def forward_intermediates(self, *args, **kwargs):
+        if self.rel_pos_bias_type != "none":
+            raise NotImplementedError("ViTEncoder: timm's forward_intermediates skips the relative position bias; "
+                                      "use forward_features")
+        return super().forward_intermediates(*args, **kwargs)
+
+
 def _vit_encoder(
     image_size: int,
     patch_size: int,
@@ -101,9 +215,12 @@ def _vit_encoder(
     layer_scale: float | None = None,
     final_norm: bool = True,
     fix_init: bool = False,
-) -> VisionTransformer:
-    """A timm ViT without head: state-dict keys cls_token, pos_embed, patch_embed.proj.*, blocks.*, norm.*."""
-    return VisionTransformer(
+    rel_pos_bias: str = "none",
+) -> ViTEncoder:
+    """A timm ViT without head: state-dict keys cls_token, pos_embed, patch_embed.proj.*, blocks.*, norm.* (and the
+    relative position bias tables of ``rel_pos_bias``)."""
+    return ViTEncoder(
+        rel_pos_bias=rel_pos_bias,
         img_size=image_size,  # timm's name
         patch_size=patch_size,
         in_chans=3,
@@ -250,7 +367,9 @@ class MAEViT(nn.Module):
 
 class BEiTViT(nn.Module):
     """BEiT masked image modelling: ``forward(imgs, bool_masked_pos [B, L])`` -> logits ``[n_masked, vocab]``
-    (masked positions in row-major order, sample by sample, as ``token_ids[bool_masked_pos]``)."""
+    (masked positions in row-major order, sample by sample, as ``token_ids[bool_masked_pos]``).
+    ``rel_pos_bias``: see :class:`ViTEncoder` (SSL-FL's Fed-BEiT pre-training: "shared"; the default "none" keeps
+    the plain ViT)."""
 
     def __init__(
         self,
@@ -264,20 +383,22 @@ class BEiTViT(nn.Module):
         mlp_ratio: float = 4.0,
         drop_path_rate: float = 0.1,
         layer_scale: float | None = 0.1,
+        rel_pos_bias: str = "none",
     ):
         super().__init__()
         grid = check_vit_args(image_size, patch_size, embed_dim, num_heads, "BEiTViT")
         if not (isinstance(vocab_size, int) and vocab_size >= 2):
             raise ValueError(f"BEiTViT: vocab_size={vocab_size!r} must be an integer >= 2 (DALL-E: 8192)")
+        check_rel_pos_bias(rel_pos_bias, "BEiTViT")
         self.image_size, self.patch_size, self.embed_dim, self.depth, self.num_heads = (
             image_size, patch_size, embed_dim, depth, num_heads)
         self.vocab_size, self.seed, self.mlp_ratio = vocab_size, seed, mlp_ratio
-        self.drop_path_rate, self.layer_scale = drop_path_rate, layer_scale
+        self.drop_path_rate, self.layer_scale, self.rel_pos_bias = drop_path_rate, layer_scale, rel_pos_bias
         self.grid_size = (grid, grid)
         self.num_patches = grid * grid
         with seeded(seed):
             self.encoder = _vit_encoder(image_size, patch_size, embed_dim, depth, num_heads, mlp_ratio,
-                                        drop_path_rate, layer_scale, fix_init=True)
+                                        drop_path_rate, layer_scale, fix_init=True, rel_pos_bias=rel_pos_bias)
             self.mask_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
             self.lm_head = nn.Linear(embed_dim, vocab_size)
             with torch.no_grad():  # BEiT: truncated normal 0.02 for tokens and linear layers
@@ -296,7 +417,7 @@ class BEiTViT(nn.Module):
         w = bool_masked_pos.to(device=x.device, dtype=x.dtype).unsqueeze(-1)
         x = x * (1.0 - w) + self.mask_token.expand(b, n, -1) * w
         x = torch.cat([enc.cls_token.expand(b, -1, -1), x], dim=1) + enc.pos_embed
-        x = enc.norm(enc.blocks(enc.pos_drop(x)))
+        x = enc.norm(enc.run_blocks(enc.pos_drop(x)))
         return x[:, 1:]
 
     def forward(self, imgs: torch.Tensor, bool_masked_pos: torch.Tensor) -> torch.Tensor:
@@ -306,7 +427,9 @@ class BEiTViT(nn.Module):
 
 class ViTClassifier(nn.Module):
     """Fine-tuning ViT: encoder (keys ``encoder.*``, no final norm) -> mean of the patch tokens -> ``fc_norm``
-    -> ``head``.  ``layer_scale`` must equal the pre-training encoder's (BEiTViT default 0.1, MAE none)."""
+    -> ``head``.  ``layer_scale`` must equal the pre-training encoder's (BEiTViT default 0.1, MAE none);
+    ``rel_pos_bias`` (:class:`ViTEncoder`): "none" for a Fed-MAE / ImageNet / scratch encoder, "per_layer" for a
+    Fed-BEiT one (SSL-FL's fine-tuning; :func:`load_encoder_state` copies a shared table into every block)."""
 
     def __init__(
         self,
@@ -320,19 +443,22 @@ class ViTClassifier(nn.Module):
         seed: int | None = 0,
         mlp_ratio: float = 4.0,
         layer_scale: float | None = None,
+        rel_pos_bias: str = "none",
     ):
         super().__init__()
         grid = check_vit_args(image_size, patch_size, embed_dim, num_heads, "ViTClassifier")
         if not (isinstance(num_classes, int) and not isinstance(num_classes, bool) and num_classes >= 2):
             raise ValueError(f"ViTClassifier: num_classes={num_classes!r} must be an integer >= 2")
+        check_rel_pos_bias(rel_pos_bias, "ViTClassifier")
         self.num_classes, self.image_size, self.patch_size, self.embed_dim, self.depth, self.num_heads = (
             num_classes, image_size, patch_size, embed_dim, depth, num_heads)
         self.drop_path_rate, self.seed, self.mlp_ratio, self.layer_scale = drop_path_rate, seed, mlp_ratio, layer_scale
+        self.rel_pos_bias = rel_pos_bias
         self.grid_size = (grid, grid)
         self.num_patches = grid * grid
         with seeded(seed):
             self.encoder = _vit_encoder(image_size, patch_size, embed_dim, depth, num_heads, mlp_ratio,
-                                        drop_path_rate, layer_scale, final_norm=False)
+                                        drop_path_rate, layer_scale, final_norm=False, rel_pos_bias=rel_pos_bias)
             self.fc_norm = LayerNorm(embed_dim)
             self.head = nn.Linear(embed_dim, num_classes)
             with torch.no_grad():
@@ -380,32 +506,76 @@ def read_state_dict(path: str) -> dict:
         raise ValueError(f"{path} is not a state dict of tensors: {e}") from None
 
 
+def _rel_pos_tables(source: str, own: Mapping[str, torch.Tensor],
+                    given: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], str]:
+    """Match the relative position bias tables of a pre-trained encoder (``given``) to the classifier's (``own``):
+    a shared table is copied into every block's when the classifier has one per block (BEiT's and SSL-FL's
+    fine-tuning, rui-yan/SSL-FL ``code/util/FedAvg_utils.py``); tables the checkpoint lacks stay at their zero start
+    (no bias, as BEiT's non-strict load).  Returns the adapted ``given`` and what was done, in words."""
+    own_tables = sorted(k for k in own if k.startswith("encoder.") and k.endswith(_TABLE))
+    given_tables = sorted(k for k in given if k.endswith(_TABLE))
+    if not given_tables:
+        return given, "none in the checkpoint" + (": the tables start at zero" if own_tables else "")
+    if not own_tables:
+        raise ValueError(
+            f"{source}: the pre-trained encoder has a relative position bias ({given_tables[0]}) but the classifier "
+            "has none; build it with rel_pos_bias=\"per_layer\" (Fed-BEiT fine-tuning) and the pre-training's "
+            "layer_scale (0.1)")
+    shared_given, shared_own = SHARED_REL_POS_TABLE in given, SHARED_REL_POS_TABLE in own
+    if shared_given and not shared_own:  # shared -> per layer: one copy per block
+        table, want = given.pop(SHARED_REL_POS_TABLE), own[own_tables[0]]
+        if tuple(table.shape) != tuple(want.shape):
+            raise ValueError(
+                f"{source}: {SHARED_REL_POS_TABLE!r} has shape {tuple(table.shape)} but the classifier's tables "
+                f"expect {tuple(want.shape)} ((2H-1)(2W-1)+3 rows x heads); use the pre-training image_size / "
+                "patch_size / num_heads")
+        extra = sorted(k for k in given if k.endswith(_TABLE))
+        if extra:
+            raise ValueError(f"{source}: the encoder has both a shared and per-block relative position bias "
+                             f"({extra[0]}); pass the global model of one pre-training run")
+        for k in own_tables:
+            given[k] = table.clone()
+        return given, f"shared table copied into {len(own_tables)} blocks"
+    if not shared_given and shared_own:
+        raise ValueError(
+            f"{source}: the pre-trained encoder has one relative position bias table per block ({given_tables[0]}) "
+            "but the classifier one shared table; build the classifier with rel_pos_bias=\"per_layer\"")
+    return given, f"{len(given_tables)} table{'s' if len(given_tables) > 1 else ''} loaded"
+
+
 def load_encoder_state(classifier: nn.Module, state: Mapping[str, object], source: str = "state dict") -> dict:
     """Load the ``encoder.*`` tensors of ``state`` 1:1 into ``classifier`` (every encoder key by name and
-    shape; ``encoder.pos_embed`` is resampled when only the patch grid differs).
+    shape; ``encoder.pos_embed`` is resampled when only the patch grid differs).  Relative position bias
+    (:class:`ViTEncoder`): a pre-training's shared table (``encoder.rel_pos_bias.relative_position_bias_table``) is
+    copied into every block's table of a ``rel_pos_bias="per_layer"`` classifier, as BEiT's fine-tuning does; a
+    checkpoint without tables (Fed-MAE, ImageNet) leaves the classifier's at zero (no bias).
 
-    Returns ``{"loaded": n, "missing": [...], "ignored": [...]}``: missing = classifier keys left at their
-    initial value (``fc_norm.*``, ``head.*``), ignored = keys of ``state`` not used (decoder, BEiT head,
-    ``encoder.norm.*``).  Raises ValueError naming ``source`` if no encoder key is present, the encoder
-    architectures differ (keys) or a shape differs.
+    Returns ``{"loaded": n, "missing": [...], "ignored": [...], "rel_pos_bias": "..."}``: missing = classifier keys
+    left at their initial value (``fc_norm.*``, ``head.*``, tables the checkpoint lacks), ignored = keys of
+    ``state`` not used (decoder, BEiT head, ``encoder.norm.*``), rel_pos_bias = what was done with the tables.
+    Raises ValueError naming ``source`` if no encoder key is present, the encoder architectures differ (keys,
+    relative position bias) or a shape differs.
     """
     own = classifier.state_dict()
     own_enc = [k for k in own if k.startswith("encoder.")]
-    given = {k: torch.as_tensor(v) for k, v in state.items() if k.startswith("encoder.")}
+    given = {k: torch.as_tensor(v) for k, v in state.items()
+             if k.startswith("encoder.") and not k.endswith("relative_position_index")}
     if not given:
         raise ValueError(
             f"{source}: no 'encoder.*' key matches the classifier (first keys: {sorted(state)[:3]}); pass the "
             "global model of a Fed-MAE / Fed-BEiT pre-training run"
         )
+    given, rel_pos = _rel_pos_tables(source, own, given)
     unexpected = sorted(k for k in given if k not in own and not k.startswith("encoder.norm."))
-    missing_enc = sorted(k for k in own_enc if k not in given)
+    missing_enc = sorted(k for k in own_enc if k not in given and not k.endswith(_TABLE))
     if unexpected or missing_enc:
         raise ValueError(
             f"{source}: the pre-trained encoder does not match the classifier (unexpected {unexpected[:4]}, "
             f"missing {missing_enc[:4]}); build the classifier with the pre-training depth, embed_dim and "
             "layer_scale (BEiTViT uses layer_scale 0.1)"
         )
-    for k in own_enc:
+    loaded = [k for k in own_enc if k in given]
+    for k in loaded:
         v = given[k]
         if k == "encoder.pos_embed" and v.dim() == 3 and v.shape[-1] == own[k].shape[-1] and v.shape != own[k].shape:
             gh, gw = classifier.encoder.patch_embed.grid_size
@@ -413,14 +583,16 @@ def load_encoder_state(classifier: nn.Module, state: Mapping[str, object], sourc
         if tuple(v.shape) != tuple(own[k].shape):
             raise ValueError(
                 f"{source}: {k!r} has shape {tuple(v.shape)} but the classifier expects {tuple(own[k].shape)}; "
-                "use the pre-training image_size / patch_size / embed_dim"
+                "use the pre-training image_size / patch_size / embed_dim / num_heads"
             )
         own[k] = v.to(own[k].dtype)
     classifier.load_state_dict(own)
+    copied = SHARED_REL_POS_TABLE not in own and rel_pos.startswith("shared table copied")
     return {
-        "loaded": len(own_enc),
-        "missing": sorted(k for k in own if not k.startswith("encoder.")),
-        "ignored": sorted(k for k in state if k not in own),
+        "loaded": len(loaded),
+        "missing": sorted(k for k in own if k not in given),
+        "ignored": sorted(k for k in state if k not in own and not (k == SHARED_REL_POS_TABLE and copied)),
+        "rel_pos_bias": rel_pos,
     }
 
 
@@ -443,17 +615,23 @@ def load_imagenet_weights(classifier: nn.Module, path: str) -> dict:
 
 
 __all__ = [
+    "REL_POS_BIAS",
+    "SHARED_REL_POS_TABLE",
     "TINY_DECODER",
     "TINY_VIT",
     "TINY_VOCAB",
     "BEiTViT",
     "MAEDecoder",
     "MAEViT",
+    "RelativePositionBias",
     "ViTClassifier",
+    "ViTEncoder",
+    "check_rel_pos_bias",
     "encoder_state",
     "load_encoder_state",
     "load_imagenet_weights",
     "load_pretrained_encoder",
     "read_state_dict",
+    "relative_position_index",
     "sincos_pos_embed",
 ]

@@ -33,7 +33,13 @@ from fedssl.core.safe_load import safe_load
 from fedssl.core.checks import require, require_int
 from fedssl.core.classification import HEAD_STEPS
 from fedssl.core.digest import file_sha256
-from fedssl.models.vit import ViTClassifier, encoder_state, load_imagenet_weights, load_pretrained_encoder
+from fedssl.models.vit import (
+    REL_POS_BIAS,
+    ViTClassifier,
+    encoder_state,
+    load_imagenet_weights,
+    load_pretrained_encoder,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +50,7 @@ IMAGENET_FIX = ('set "imagenet_path" in the args of the server\'s "model" compon
 
 
 def check_vit_args(component: str, image_size, patch_size, embed_dim, depth, num_heads, drop_path_rate,
-                   layer_scale=None) -> None:
+                   layer_scale=None, rel_pos_bias="none") -> None:
     """The ViT shape arguments every fine-tuning component shares (message names argument, value and fix)."""
     require_int(component, "patch_size", patch_size, 1, "use a positive patch size (paper: 16)")
     require(isinstance(image_size, int) and not isinstance(image_size, bool) and image_size >= patch_size
@@ -60,17 +66,24 @@ def check_vit_args(component: str, image_size, patch_size, embed_dim, depth, num
     require(layer_scale is None or (isinstance(layer_scale, (int, float)) and not isinstance(layer_scale, bool)
                                     and layer_scale > 0), component, "layer_scale", layer_scale,
             "use null (Fed-MAE encoder) or the pre-training layer scale (Fed-BEiT: 0.1)")
+    require(isinstance(rel_pos_bias, str) and rel_pos_bias in REL_POS_BIAS, component, "rel_pos_bias", rel_pos_bias,
+            f"use one of {list(REL_POS_BIAS)}: \"none\" for a Fed-MAE / ImageNet / scratch encoder, \"per_layer\" "
+            "to fine-tune a Fed-BEiT encoder (SSL-FL's run_class_finetune_FedAvg.py), \"shared\" as Fed-BEiT "
+            "pre-trains")
 
 
 class FineTuneViT(ViTClassifier):
     def __init__(self, num_classes: int = 2, image_size: int = 224, patch_size: int = 16, embed_dim: int = 768,
                  depth: int = 12, num_heads: int = 12, drop_path_rate: float = 0.1, layer_scale: float | None = None,
-                 pretrained_path: str = "", imagenet_path: str = "", seed: int = 0):
+                 pretrained_path: str = "", imagenet_path: str = "", seed: int = 0, rel_pos_bias: str = "none"):
         """
         Args:
             num_classes: classes of the task (retina 2, derm 8, covidfl 3).
             image_size, patch_size, embed_dim, depth, num_heads, drop_path_rate: the ViT (paper: ViT-B/16 at 224).
             layer_scale: null for a Fed-MAE encoder, 0.1 for a Fed-BEiT encoder (BEiTViT's layer scale).
+            rel_pos_bias: BEiT's relative position bias: "none" for a Fed-MAE / ImageNet / scratch encoder,
+                "per_layer" for a Fed-BEiT encoder (SSL-FL's fine-tuning: one table per block, each a copy of the
+                pre-training's shared table), see ``fedssl.models.vit.ViTEncoder``.
             pretrained_path: a pre-training global model (``FL_global_model.pt`` of jobs/sslfl_mae_retina,
                 jobs/sslfl_beit_retina, jobs/fedmae_derm), or an exported encoder; "" = no MIM pre-training.
             imagenet_path: a local timm ViT state dict (ImageNet weights, e.g. ``vit_base_patch16_224``; optional,
@@ -80,14 +93,16 @@ class FineTuneViT(ViTClassifier):
         """
         name = type(self).__name__
         require_int(name, "num_classes", num_classes, 2, "use the number of classes of the task (retina: 2)")
-        check_vit_args(name, image_size, patch_size, embed_dim, depth, num_heads, drop_path_rate, layer_scale)
+        check_vit_args(name, image_size, patch_size, embed_dim, depth, num_heads, drop_path_rate, layer_scale,
+                       rel_pos_bias)
         require(isinstance(pretrained_path, str), name, "pretrained_path", pretrained_path, 'use a path or ""')
         require(isinstance(imagenet_path, str), name, "imagenet_path", imagenet_path, 'use a path or ""')
         for arg, path in (("pretrained_path", pretrained_path), ("imagenet_path", imagenet_path)):
             require(not path or os.path.isfile(path), name, arg, path,
                     "the file does not exist on this machine; give the path of the checkpoint here, or \"\"")
         super().__init__(num_classes, image_size=image_size, patch_size=patch_size, embed_dim=embed_dim, depth=depth,
-                         num_heads=num_heads, drop_path_rate=drop_path_rate, seed=seed, layer_scale=layer_scale)
+                         num_heads=num_heads, drop_path_rate=drop_path_rate, seed=seed, layer_scale=layer_scale,
+                         rel_pos_bias=rel_pos_bias)
         self.register_buffer(HEAD_STEPS, torch.zeros((), dtype=torch.long))
         self.num_classes = num_classes
         self.image_size = image_size
@@ -97,6 +112,7 @@ class FineTuneViT(ViTClassifier):
         self.num_heads = num_heads
         self.drop_path_rate = drop_path_rate
         self.layer_scale = layer_scale
+        self.rel_pos_bias = rel_pos_bias
         self.pretrained_path = pretrained_path
         self.imagenet_path = imagenet_path
         self.seed = seed

@@ -9,7 +9,8 @@ optional FedProx against the received weights); ``samples`` = labelled images |D
 fine-tuning aggregation by labelled images).  ``evaluate("val" | "test")`` = classification metrics of the
 current model; a model whose head was never trained is refused.
 
-Data-side randomness (validation split, labelled subset, augmentation, batch order) uses the site's seed
+Data-side randomness (validation split, labelled subset, augmentation, batch order; mixup / CutMix / random erasing
+from the trainer's own generator of (site seed, step count)) uses the site's seed
 ``fedssl.core.seeds.site_seed(seed, site)``, so sites draw independently; the model's initial weights use the job
 seed (every site builds the same model, and the server's broadcast replaces it anyway).  Drop path draws from the
 global generators: each epoch runs in the owned global RNG of (site seed, step count) (in
@@ -42,6 +43,7 @@ from fedssl.data.images import (
     train_val_split,
 )
 from fedssl.data.loading import loader_options
+from fedssl.data.mixup import BatchAugment
 from fedssl.models.vit_classifier import FineTuneViT, check_vit_args
 from fedssl.train.classifier_loop import ClassifierTrainer
 
@@ -58,12 +60,27 @@ class ClassifierSettings:
         test set).
     image_size, patch_size, embed_dim, depth, num_heads, drop_path_rate, layer_scale: the ViT (must match the
         server's model component; layer_scale null for Fed-MAE / scratch, 0.1 for a Fed-BEiT encoder).
+    rel_pos_bias: BEiT's relative position bias of the ViT, as the server's model component: "none" (Fed-MAE /
+        ImageNet / scratch encoder) or "per_layer" (a Fed-BEiT encoder: SSL-FL's fine-tuning, one table per block).
     lr, min_lr, warmup_rounds, weight_decay: AdamW with warm-up then cosine, indexed by round.
     batch_size, local_epochs: local training per round (SSL-FL: 1 epoch).
     label_fraction: labelled fraction of the training pool, per class (SSL-FL: 0.1, 0.3, 0.7, 1.0).
     val_fraction: fraction of the site's pool held out (stratified) for validation / model selection.
     fedprox_mu: 0 = FedAvg; SSL-FL's FedProx baseline uses 0.001.
-    label_smoothing: cross-entropy label smoothing (0 = none).
+    label_smoothing: label smoothing s of the training targets: ``1 - s + s / K`` on the true class, ``s / K`` on the
+        others (0 = none; SSL-FL's fine-tuning scripts: 0.1, ``--smoothing`` default).
+    mixup_alpha, cutmix_alpha, cutmix_minmax, mixup_prob, mixup_switch_prob, mixup_mode: mixup / CutMix of every
+        training batch with itself reversed (:mod:`fedssl.data.mixup`): per batch, mixed with probability
+        ``mixup_prob``; CutMix instead of mixup with probability ``mixup_switch_prob`` when both alphas are > 0;
+        ``lam ~ Beta(alpha, alpha)``; CutMix's lam corrected to the pasted box's area; ``cutmix_minmax`` [min, max]
+        draws the box's sides instead (null = from lam); ``mixup_mode`` "batch" only.  The loss is then the
+        soft-target cross-entropy against the mixed, label-smoothed targets.  0 / 0 / null = off (the defaults).
+        SSL-FL's Fed-MAE fine-tuning scripts: 0.8, 1.0, null, 1.0, 0.5, "batch"; its Fed-BEiT scripts: mixing off.
+    erasing_prob, erasing_mode, erasing_count: random erasing of each training image on the normalised tensor
+        (timm's RandomErasing: probability, fill "pixel" / "rand" / "const", boxes per image); 0 = off (the default
+        and SSL-FL's jobs: the reference parses ``--reprob 0.25`` but its fine-tuning transform never applies it).
+        Every draw of these augmentations comes from the trainer's own generator, seeded from the site's seed and
+        the step count (:class:`fedssl.train.classifier_loop.ClassifierTrainer`).  Evaluation never augments.
     layer_decay: layer-wise lr decay (SSL-FL's fine-tuning scripts: 0.65; 1.0 = one lr for all layers).
     max_steps_per_epoch: cap on optimiser steps per local epoch (0 = full epoch).
     eval_batch_size: batch size of validation and test passes.
@@ -86,6 +103,7 @@ class ClassifierSettings:
     num_heads: int = 12
     drop_path_rate: float = 0.1
     layer_scale: float | None = None
+    rel_pos_bias: str = "none"
     lr: float = 3e-3
     batch_size: int = 256
     local_epochs: int = 1
@@ -96,6 +114,15 @@ class ClassifierSettings:
     val_fraction: float = 0.1
     fedprox_mu: float = 0.0
     label_smoothing: float = 0.0
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
+    cutmix_minmax: list[float] | None = None
+    mixup_prob: float = 1.0
+    mixup_switch_prob: float = 0.5
+    mixup_mode: str = "batch"
+    erasing_prob: float = 0.0
+    erasing_mode: str = "pixel"
+    erasing_count: int = 1
     layer_decay: float = 0.65
     max_steps_per_epoch: int = 0
     eval_batch_size: int = 256
@@ -111,7 +138,7 @@ class ClassifierSettings:
             require(isinstance(getattr(self, arg), str), name, arg, getattr(self, arg),
                     "use a path string ({site} allowed) or \"\"")
         check_vit_args(name, self.image_size, self.patch_size, self.embed_dim, self.depth, self.num_heads,
-                       self.drop_path_rate, self.layer_scale)
+                       self.drop_path_rate, self.layer_scale, self.rel_pos_bias)
         lr, min_lr = self.lr, self.min_lr
         require(isinstance(lr, (int, float)) and lr > 0, name, "lr", lr, "use a positive learning rate (paper: 3e-3)")
         require(isinstance(min_lr, (int, float)) and 0 <= min_lr < lr, name, "min_lr", min_lr, "use 0 <= min_lr < lr")
@@ -132,7 +159,9 @@ class ClassifierSettings:
         require(isinstance(mu, (int, float)) and mu >= 0, name, "fedprox_mu", mu,
                 "use 0 (FedAvg) or a positive mu (paper's FedProx: 0.001)")
         ls = self.label_smoothing
-        require(isinstance(ls, (int, float)) and 0 <= ls < 1, name, "label_smoothing", ls, "use a value in [0, 1)")
+        require(isinstance(ls, (int, float)) and not isinstance(ls, bool) and 0 <= ls < 1, name, "label_smoothing", ls,
+                "use a value in [0, 1) (0 = none; SSL-FL's fine-tuning scripts: 0.1)")
+        self.batch_augment().check(name)
         decay = self.layer_decay
         require(isinstance(decay, (int, float)) and not isinstance(decay, bool) and 0 < decay <= 1, name,
                 "layer_decay", decay, "use a factor in (0, 1] (paper: 0.65; 1.0 = no decay)")
@@ -145,6 +174,15 @@ class ClassifierSettings:
         device = self.device
         require(isinstance(device, str) and device.split(":")[0] in ("auto", "cpu", "cuda"), name, "device", device,
                 'use "auto", "cpu" or "cuda[:N]"')
+
+    def batch_augment(self) -> BatchAugment:
+        """The mixup / CutMix / random-erasing settings as the trainer's :class:`BatchAugment` (``.active`` False when
+        all are off)."""
+        return BatchAugment(
+            mixup_alpha=self.mixup_alpha, cutmix_alpha=self.cutmix_alpha, cutmix_minmax=self.cutmix_minmax,
+            mixup_prob=self.mixup_prob,
+            mixup_switch_prob=self.mixup_switch_prob, mixup_mode=self.mixup_mode, erasing_prob=self.erasing_prob,
+            erasing_mode=self.erasing_mode, erasing_count=self.erasing_count)
 
 
 class ClassifierLocalTrainer:
@@ -175,15 +213,23 @@ class ClassifierLocalTrainer:
         self.test_set: ImageDataset | None = None
         model = FineTuneViT(num_classes=len(self.classes), image_size=s.image_size, patch_size=s.patch_size,
                             embed_dim=s.embed_dim, depth=s.depth, num_heads=s.num_heads,
-                            drop_path_rate=s.drop_path_rate, layer_scale=s.layer_scale, seed=s.seed).to(device)
+                            drop_path_rate=s.drop_path_rate, layer_scale=s.layer_scale, seed=s.seed,
+                            rel_pos_bias=s.rel_pos_bias).to(device)
+        augment = s.batch_augment()
         self.trainer = ClassifierTrainer(
             model, lr=s.lr, total_rounds=num_rounds, warmup_rounds=min(s.warmup_rounds, num_rounds), min_lr=s.min_lr,
             weight_decay=s.weight_decay, fedprox_mu=s.fedprox_mu, label_smoothing=s.label_smoothing,
-            layer_decay=s.layer_decay, device=device, seed=data_seed, amp=s.amp)
+            layer_decay=s.layer_decay, device=device, seed=data_seed, amp=s.amp, batch_augment=augment)
+        regularisation = ", ".join(
+            [f"label smoothing {s.label_smoothing:g}"] * (s.label_smoothing > 0)
+            + [f"mixup {s.mixup_alpha:g} / CutMix {s.cutmix_alpha:g} (p {s.mixup_prob:g}, switch "
+               f"{s.mixup_switch_prob:g})"] * augment.mixing
+            + [f"random erasing {s.erasing_prob:g} ({s.erasing_mode} x {s.erasing_count})"] * (s.erasing_prob > 0))
         #: one line for the site's log
         self.summary = (f"{len(records)} images -> {len(train)} training pool, {len(val)} validation; "
                         f"{len(labelled)} labelled ({s.label_fraction:g}) per class "
-                        f"{class_histogram(labelled, len(self.classes))}; device {self.trainer.device}")
+                        f"{class_histogram(labelled, len(self.classes))}; device {self.trainer.device}"
+                        + (f"; {regularisation}" if regularisation else ""))
 
     @property
     def model(self) -> FineTuneViT:

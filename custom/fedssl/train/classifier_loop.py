@@ -2,7 +2,9 @@
 any FLARE type; the metrics and the head guard it feeds are in :mod:`fedssl.core.classification`.
 
 ``ClassifierTrainer``: AdamW (beta 0.9, 0.999), weight decay 0.05, learning rate warmed up then cosine-decayed,
-indexed by (fractional) round as in SSL-FL; cross-entropy with optional label smoothing; optional FedProx
+indexed by (fractional) round as in SSL-FL; cross-entropy with optional label smoothing; optional mixup / CutMix and
+random erasing of each training batch (:class:`fedssl.data.mixup.BatchAugment`, SSL-FL's Fed-MAE fine-tuning recipe),
+then the soft-target cross-entropy against the mixed, smoothed targets; optional FedProx
 proximal term (Li et al., MLSys 2020; SSL-FL (Yan et al., IEEE TMI 2023) sec. IV-F) ``mu/2 ||w - w_t||^2`` against the
 weights received this round (``set_global``).  The model must carry a ``head_steps`` buffer: the trainer counts every
 optimiser step that updated the classification head in it, so a checkpoint tells whether its head was ever trained
@@ -22,7 +24,9 @@ from fedssl.core.classification import HEAD_STEPS
 from fedssl.core.rng import owned_global_rng
 from fedssl.core.schedule import warmup_cosine
 from fedssl.core.seeds import derived_seed
+from fedssl.core.soft_targets import mixed_targets, soft_target_cross_entropy
 from fedssl.core.trainer import MixedPrecision
+from fedssl.data.mixup import BatchAugment
 
 
 def fedprox_term(model: nn.Module, global_params: Mapping[str, torch.Tensor], mu: float) -> torch.Tensor:
@@ -74,6 +78,7 @@ class ClassifierTrainer:
         device: torch.device | str = "cpu",
         seed: int = 0,
         amp: bool = False,
+        batch_augment: BatchAugment | None = None,
     ):
         """
         Args:
@@ -96,7 +101,15 @@ class ClassifierTrainer:
             amp: the forward pass in bfloat16 autocast on GPUs that support it
                 (:class:`fedssl.core.trainer.MixedPrecision`; nothing on a CPU); the loss is float32.
             seed: the site's data seed; with the step count it seeds each round's owned global RNG (drop path,
-                dropout; :func:`fedssl.core.rng.owned_global_rng`).
+                dropout; :func:`fedssl.core.rng.owned_global_rng`) and the round's batch-augmentation generator.
+            batch_augment: mixup / CutMix / random erasing of every training batch (None, or one with everything
+                off: none, and the step is what it was without it).  Its draws come from a ``torch.Generator`` the
+                trainer seeds at the start of each round from ``derived_seed(seed, "batch_augment", step)``, so a
+                round is reproducible, a restarted client draws what the uninterrupted one would have, and no
+                global generator is touched.  With mixing on, the loss is the soft-target cross-entropy against
+                ``mixed_targets(y, K, lam, label_smoothing)`` (also for a batch the draw left unmixed, ``lam`` 1, as
+                timm's ``SoftTargetCrossEntropy`` in the reference); with mixing off, ``F.cross_entropy`` with
+                ``label_smoothing``.  Evaluation never augments.
         """
         if not isinstance(getattr(model, HEAD_STEPS, None), torch.Tensor):
             raise ValueError(f"{type(model).__name__} has no {HEAD_STEPS!r} buffer; register one "
@@ -110,6 +123,10 @@ class ClassifierTrainer:
                              f"warmup_rounds={warmup_rounds}, fedprox_mu={fedprox_mu}, "
                              f"label_smoothing={label_smoothing}, layer_decay={layer_decay}, "
                              f"milestones={list(milestones)}, gamma={gamma}")
+        if batch_augment is not None:
+            batch_augment.check(type(self).__name__)
+        #: None when nothing is on: the training step is then exactly the one without batch augmentation
+        self.batch_augment = batch_augment if batch_augment is not None and batch_augment.active else None
         self.device = torch.device(device)
         self.model = model.to(self.device)
         self.precision = MixedPrecision(self.device, amp)
@@ -164,6 +181,9 @@ class ClassifierTrainer:
             raise ValueError("FedProx needs the round's global weights: call set_global() before train_round()")
         model = self.model.train()
         losses = []
+        generator = None
+        if self.batch_augment is not None:
+            generator = torch.Generator().manual_seed(derived_seed(self.seed, "batch_augment", self.step))
         for i, (x, y) in enumerate(batches):
             if (max_steps and i >= max_steps) or (abort is not None and abort()):
                 break
@@ -171,9 +191,16 @@ class ClassifierTrainer:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr * g["lr_scale"]
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            lam = None
+            if generator is not None:
+                x, lam = self.batch_augment(x, generator)
             with self.precision.autocast():
                 logits = model(x)
-            loss = F.cross_entropy(logits.float(), y, label_smoothing=self.label_smoothing)
+            if lam is None:
+                loss = F.cross_entropy(logits.float(), y, label_smoothing=self.label_smoothing)
+            else:
+                targets = mixed_targets(y, logits.shape[1], lam, self.label_smoothing)
+                loss = soft_target_cross_entropy(logits.float(), targets)
             if self.fedprox_mu > 0:
                 loss = loss + fedprox_term(model, self._global, self.fedprox_mu)
             if not torch.isfinite(loss):

@@ -31,6 +31,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from fedssl.core.chance import infonce_chance
 from fedssl.core.checks import require, require_amp, require_choice, require_int, require_workers
 from fedssl.core.fcl_loss import fcl_loss_terms, paired_local_positives
 from fedssl.core.memory_bank import FeatureBank, sample_negatives
@@ -222,7 +223,8 @@ class FCLLocalTrainer(Pretrainer):
         n_remote = 0 if remote is None else int(remote[0].shape[0])  # the FIFO's filled rows
         metrics = {"loss_local": out["loss_local"], "loss_remote": out["loss_remote"], "lr": out["lr_end"],
                    "lr_end": out["lr_end"], "remote_features": n_remote, "bank_filled": out["bank_filled"],
-                   "bank_fill": out["bank_filled"] / self.bank.capacity, "feature_std": out["feature_std"]}
+                   "bank_fill": out["bank_filled"] / self.bank.capacity, "feature_std": out["feature_std"],
+                   "chance_loss_local": out["chance_loss_local"]}
         return RoundStats(loss=out["loss"], steps=out["steps"], samples=len(self.dataset), metrics=metrics, curve=curve)
 
     def train_batches(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], steps_per_round: int,
@@ -230,8 +232,10 @@ class FCLLocalTrainer(Pretrainer):
                       progress: Callable[[int, float], None] | None = None) -> dict:
         """The loop of one local epoch.  ``batches`` yields ``(x [V,S,1,H,W], part [V,S])``; ``remote`` is the
         exchanged bank ``(features [M,D], partitions [M])`` or None (always None with feature exchange off).
-        Returns loss statistics and ``feature_std``, the spread of the batch's query features averaged over the
-        steps (0 = collapse, see :mod:`fedssl.core.spread`).  Runs in the owned global RNG of (data seed, round)."""
+        Returns loss statistics, ``feature_std``, the spread of the batch's query features averaged over the
+        steps (0 = collapse, see :mod:`fedssl.core.spread`), and ``chance_loss_local``, the chance level of the local
+        term, ln(K + 1) for the K negatives each step drew (:func:`fedssl.core.chance.infonce_chance`), averaged
+        over the steps.  Runs in the owned global RNG of (data seed, round)."""
         with owned_global_rng(derived_seed(self.data_seed, "fcl_round", round_idx), self.device):
             return self._train_batches(batches, steps_per_round, round_idx, remote, progress)
 
@@ -243,6 +247,7 @@ class FCLLocalTrainer(Pretrainer):
         self.model.momentum.train()  # the key network normalises by its own batch, as MoCo's code on one device
         losses: list[float] = []
         terms: list[tuple[float, float]] = []
+        chances: list[float] = []
         spread = SpreadMeter()
         for step, (x, part) in enumerate(batches):
             v, n_part = int(x.shape[0]), int(x.shape[1])
@@ -279,6 +284,7 @@ class FCLLocalTrainer(Pretrainer):
             self.bank.enqueue(k.detach().cpu(), part.detach().cpu())
             losses.append(float(loss.item()))
             terms.append((float(loss_local.item()), float(loss_remote.item())))
+            chances.append(infonce_chance(int(neg.shape[0])))
             if progress is not None:
                 progress(step, losses[-1])
         if not losses:
@@ -286,7 +292,7 @@ class FCLLocalTrainer(Pretrainer):
         n = len(losses)
         return {"loss": sum(losses) / n, "loss_local": sum(t[0] for t in terms) / n,
                 "loss_remote": sum(t[1] for t in terms) / n, "steps": n, "lr_end": lr, "bank_filled": self.bank.filled,
-                "feature_std": spread.mean}
+                "feature_std": spread.mean, "chance_loss_local": sum(chances) / n}
 
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),

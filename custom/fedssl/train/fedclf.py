@@ -37,9 +37,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedssl.core.chance import infonce_chance, nt_xent_chance, uniform_chance
 from fedssl.core.checks import require, require_amp, require_choice, require_int, require_workers
-from fedssl.core.fedclf import (METHODS, QUEUE_MODES, NegativeQueue, info_nce, initial_queue, nt_xent, queue_update,
-                                rotated_batch)
+from fedssl.core.fedclf import (METHODS, QUEUE_MODES, ROTATIONS, NegativeQueue, info_nce, initial_queue, nt_xent,
+                                queue_update, rotated_batch)
 from fedssl.core.memory_bank import FeatureBank
 from fedssl.core.rng import owned_global_rng
 from fedssl.core.schedule import cosine_lr
@@ -241,7 +242,9 @@ class FedCLFLocalTrainer(Pretrainer):
         """One local epoch over ``batches`` of two augmented views ``(v1 [B, 3, S, S], v2 [B, 3, S, S])`` (rotation
         uses ``v1``); ``remote``: ``Q_r [R, D]`` (unit features) or None.  Returns the mean loss, steps, the final
         lr, the bank fill, ``feature_std`` (0 = collapse), the ``Q_CL`` size and its remote fraction at the end
-        (MoCo), or the rotation accuracy.  Runs in the owned global RNG of (data seed, ``round_idx``)."""
+        (MoCo), or the rotation accuracy, and ``chance_loss``: the loss's chance level averaged over the steps
+        (:mod:`fedssl.core.chance`: MoCo ln(|Q_CL| + 1), SimCLR ln(2B - 1), rotation ln 4).  Runs in the owned global
+        RNG of (data seed, ``round_idx``)."""
         with owned_global_rng(derived_seed(self.data_seed, "fedclf_round", round_idx), self.device):
             return self._train_batches(batches, steps_per_round, round_idx, remote, progress)
 
@@ -293,17 +296,20 @@ class FedCLFLocalTrainer(Pretrainer):
             self.model.momentum.train()
             remote = self.bank.features.clone() if remote is None else remote.detach().to(torch.float32).cpu()
             queue = self.queue = initial_queue(s.queue, self.bank, remote)
-        losses, accuracies, spread, lr = [], [], SpreadMeter(), s.lr
+        losses, accuracies, chances, spread, lr = [], [], [], SpreadMeter(), s.lr
         for step, (v1, v2) in enumerate(batches):
             lr = cosine_lr(s.lr, (round_idx * steps_per_round + step) / (self.num_rounds * steps_per_round))
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
             v1, v2 = v1.to(self.device, non_blocking=True), v2.to(self.device, non_blocking=True)
             if s.method == "moco":
+                chances.append(infonce_chance(len(queue)))
                 loss = self._moco_step(v1, v2, queue, remote, spread)
             elif s.method == "simclr":
+                chances.append(nt_xent_chance(int(v1.shape[0])))
                 loss = self._simclr_step(v1, v2, spread)
             else:
+                chances.append(uniform_chance(ROTATIONS))
                 loss, acc = self._rotation_step(v1)
                 accuracies.append(acc)
             losses.append(float(loss.item()))
@@ -311,7 +317,8 @@ class FedCLFLocalTrainer(Pretrainer):
                 progress(step, losses[-1])
         if not losses:
             raise ValueError("no training batch in this round: the device has fewer images than one batch")
-        out = {"loss": sum(losses) / len(losses), "steps": len(losses), "lr_end": lr}
+        out = {"loss": sum(losses) / len(losses), "steps": len(losses), "lr_end": lr,
+               "chance_loss": sum(chances) / len(chances)}
         if s.method == "moco":
             out.update(bank_filled=self.bank.filled, queue_size=len(queue), queue_remote_fraction=queue.remote_fraction)
         if spread.mean is not None:

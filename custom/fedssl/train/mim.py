@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from fedssl.core.chance import norm_pix_mae_chance, uniform_chance
 from fedssl.core.checks import require, require_amp, require_choice, require_int, require_workers
 from fedssl.core.seeds import site_seed
 from fedssl.core.tokenizer import (
@@ -47,6 +48,20 @@ from fedssl.models.vit_classifier import check_vit_args
 from fedssl.train.mim_loop import METHODS, MIMTrainer
 
 
+#: the channels of a ViT's input patches (fedssl.models.vit builds every ViT with in_chans=3): MAE's target per patch
+#: holds patch_size^2 x 3 values
+IMAGE_CHANNELS = 3
+
+
+def mim_chance_loss(method: str, patch_size: int, norm_pix_loss: bool, vocab_size: int) -> float | None:
+    """The chance level of the pre-training loss (:mod:`fedssl.core.chance`): BEiT ln(V), V = ``vocab_size``; MAE on
+    per-patch normalised targets (d - 1) / d, d = ``patch_size``^2 x 3; MAE on raw pixels None (the patch mean's
+    loss is the data's patch variance, not a property of the settings)."""
+    if method == "beit":
+        return uniform_chance(int(vocab_size))
+    return norm_pix_mae_chance(int(patch_size) ** 2 * IMAGE_CHANNELS) if norm_pix_loss else None
+
+
 def _positive_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
@@ -61,6 +76,9 @@ class MIMSettings:
     dataset: "retina", "derm" or "covidfl" (the layout of the site folder, see fedssl.data.images).
     data_root: the site's folder; "" = site config / FEDSSL_DATA_ROOT; ``{site}`` is replaced.
     image_size, patch_size, embed_dim, depth, num_heads: the ViT encoder (ViT-B/16 at 224).
+    rel_pos_bias: BEiT's relative position bias of the encoder (``fedssl.models.vit.ViTEncoder``): "none" (MAE, whose
+        encoder sees only the visible patches, has none), "shared" (one table for every block: SSL-FL's Fed-BEiT
+        pre-training, rui-yan/SSL-FL code/fed_beit/run_beit_pretrain_FedAvg.py) or "per_layer" (BEiT only).
     decoder_embed_dim, decoder_depth, decoder_num_heads: MAE's lightweight decoder (512 / 8 / 16).
     norm_pix_loss: MAE target = per-patch normalised pixels (as SSL-FL's and MAE's public scripts).
     vocab_size: BEiT's number of visual tokens (= codebook size K; DALL-E 8192).
@@ -107,6 +125,7 @@ class MIMSettings:
     embed_dim: int = 768
     depth: int = 12
     num_heads: int = 12
+    rel_pos_bias: str = "none"
     decoder_embed_dim: int = 512
     decoder_depth: int = 8
     decoder_num_heads: int = 16
@@ -137,7 +156,10 @@ class MIMSettings:
         require_choice(name, "dataset", self.dataset, DATASETS)
         require(isinstance(self.data_root, str), name, "data_root", self.data_root, 'use a path string or ""')
         # the encoder's shape: the same checks as every ViT component (no drop path in pre-training)
-        check_vit_args(name, self.image_size, self.patch_size, self.embed_dim, self.depth, self.num_heads, 0.0)
+        check_vit_args(name, self.image_size, self.patch_size, self.embed_dim, self.depth, self.num_heads, 0.0,
+                       rel_pos_bias=self.rel_pos_bias)
+        require(self.method == "beit" or self.rel_pos_bias == "none", name, "rel_pos_bias", self.rel_pos_bias,
+                'use "none" for method "mae" (its encoder sees only the visible patches); "shared" is Fed-BEiT\'s')
         decoder_num_heads = self.decoder_num_heads
         require_int(name, "decoder_num_heads", decoder_num_heads, 1, "use a positive number of heads (MAE: 16)")
         dec_dim = self.decoder_embed_dim
@@ -225,13 +247,15 @@ def site_tokenizer(site: str, tokenizer_path: str, codebook_path: str, vocab_siz
 
 def build_mim_model(method: str, image_size: int, patch_size: int, embed_dim: int, depth: int, num_heads: int,
                     decoder_embed_dim: int, decoder_depth: int, decoder_num_heads: int, norm_pix_loss: bool,
-                    vocab_size: int, seed: int) -> torch.nn.Module:
+                    vocab_size: int, seed: int, rel_pos_bias: str = "none") -> torch.nn.Module:
     common = dict(image_size=image_size, patch_size=patch_size, embed_dim=embed_dim, depth=depth,
                   num_heads=num_heads, seed=seed)
     if method == "mae":
+        if rel_pos_bias != "none":
+            raise ValueError(f"build_mim_model: rel_pos_bias={rel_pos_bias!r} is BEiT's; use \"none\" for MAE")
         return MAEViT(**common, decoder_embed_dim=decoder_embed_dim, decoder_depth=decoder_depth,
                       decoder_num_heads=decoder_num_heads, norm_pix_loss=norm_pix_loss)
-    return BEiTViT(**common, vocab_size=vocab_size)
+    return BEiTViT(**common, vocab_size=vocab_size, rel_pos_bias=rel_pos_bias)
 
 
 class MIMLocalTrainer:
@@ -257,7 +281,7 @@ class MIMLocalTrainer:
             tokenizer, self.tokenizer_description = site_tokenizer(site, s.tokenizer_path, codebook_path, s.vocab_size)
         model = build_mim_model(s.method, s.image_size, s.patch_size, s.embed_dim, s.depth, s.num_heads,
                                 s.decoder_embed_dim, s.decoder_depth, s.decoder_num_heads, s.norm_pix_loss,
-                                s.vocab_size, s.seed)
+                                s.vocab_size, s.seed, s.rel_pos_bias)
         self.trainer = MIMTrainer(model, s.method, lr=self.peak_lr, weight_decay=s.weight_decay,
                                   betas=(0.9, float(s.adam_beta2)),
                                   warmup_rounds=s.warmup_rounds, total_rounds=num_rounds, mask_ratio=s.mask_ratio,
@@ -293,10 +317,12 @@ class MIMLocalTrainer:
                     yield imgs
 
         loss = self.trainer.train_round(round_batches(), round_idx, steps_per_round=steps)
-        last = self.trainer.last_stats
+        last, s = self.trainer.last_stats, self.settings
+        chance = mim_chance_loss(s.method, s.patch_size, s.norm_pix_loss, s.vocab_size)
         return RoundStats(loss=loss, steps=steps, samples=len(self.dataset),
                           metrics={"lr_peak": self.peak_lr, "lr": last["lr_end"], "kept_local": list(self.kept_local),
-                                   "feature_std": last["feature_std"]},
+                                   "feature_std": last["feature_std"],
+                                   **({} if chance is None else {"chance_loss": chance})},
                           curve=[{"loss": x, "lr": lr} for x, lr in zip(last["losses"], last["lrs"])])
 
     def evaluate(self, split: str = "val") -> dict[str, Any]:

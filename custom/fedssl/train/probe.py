@@ -153,6 +153,7 @@ def fit_logistic(x: torch.Tensor, y: torch.Tensor, n_classes: int, *, steps: int
 
 def linear_probe(records: Sequence[ImageRecord], init: object, *, dataset: str, site: str = "", image_size: int,
                  patch_size: int, embed_dim: int, depth: int, num_heads: int, layer_scale: float | None = None,
+                 rel_pos_bias: str = "none",
                  label_fraction: float = 1.0, val_fraction: float = 0.1,
                  test_records: Sequence[ImageRecord] | None = None, steps: int = 300, batch_size: int = 64,
                  seed: int = 0, device: str | torch.device = "cpu", method: str = "") -> dict:
@@ -171,7 +172,8 @@ def linear_probe(records: Sequence[ImageRecord], init: object, *, dataset: str, 
                          "linear probe needs both (raise val_fraction or pass test_records)")
     classes = class_names(dataset)
     model = ViTClassifier(len(classes), image_size=image_size, patch_size=patch_size, embed_dim=embed_dim,
-                          depth=depth, num_heads=num_heads, drop_path_rate=0.0, seed=seed, layer_scale=layer_scale)
+                          depth=depth, num_heads=num_heads, drop_path_rate=0.0, seed=seed, layer_scale=layer_scale,
+                          rel_pos_bias=rel_pos_bias)
     if not (isinstance(init, str) and init == "random"):
         load_pretrained_encoder(model, init)
     model.requires_grad_(False)

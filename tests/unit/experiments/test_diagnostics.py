@@ -4,6 +4,8 @@ block from a hand-made dict, and small end-to-end runs of diagnose_acdc / diagno
 from __future__ import annotations
 
 import json
+import math
+import os
 
 import numpy as np
 import pytest
@@ -16,10 +18,19 @@ from fedssl.experiments.diagnostics import (
     _scale_text,
     diagnose_acdc,
     diagnose_vit,
+    failed_mark,
+    failed_verdict,
+    failure_footer,
+    failure_record,
     format_diagnostics,
+    health_settings,
+    job_health_settings,
+    mark_lines,
+    pretraining_health,
     pretraining_rounds,
     verdict,
 )
+from fedssl.ops.jobs import REPO_ROOT
 from fedssl.models.unet import TINY_FEATURES, BYOLUNetEncoder, MoCoUNetEncoder, encoder_state_from_global
 from fedssl.models.vit import TINY_DECODER, TINY_VIT, MAEViT
 
@@ -214,3 +225,148 @@ def test_slice_position_of_the_encoder_against_the_random_encoder():
     assert pa["per_site"]["site-2"] == pytest.approx(unet_position_knn(enc, vols["site-2"], k=5))
     line = next(s for s in format_diagnostics([a]).splitlines() if "slice position" in s and "vote" in s)
     assert f": {pa['encoder']:.3f} vs random encoder {pa['random']:.3f} (chance about 0.25)" in line
+
+
+# ------------------------------------------------------------------------------------------------ loss health (H4)
+
+#: ln(K+1) of a 1024-entry bank: 6.9324
+LN_1025 = math.log(1025)
+
+
+def fcl_rounds(local, spread=None):
+    """FCL rounds: ``loss_local`` per round (the total adds a remote term of 3), ``feature_std`` where given."""
+    return [{"round": r, "loss": x + 3.0, "loss_local": x, **({} if spread is None else {"feature_std": spread[r]})}
+            for r, x in enumerate(local)]
+
+
+FCL_KW = dict(chance=LN_1025, chance_what="ln(K+1), K = 1024", dim=32, loss_key="loss_local")
+
+
+def test_a_loss_never_below_chance_is_a_failed_pretraining():
+    h = pretraining_health(fcl_rounds([7.2, 7.0, 6.95]), **FCL_KW)
+    assert h["failed"] is True
+    assert h["reasons"] == ["loss never below chance: min loss_local 6.950 (round 2) vs ln(K+1), K = 1024 = 6.932"]
+    assert (h["min_loss"], h["min_loss_round"], h["chance"]) == (6.95, 2, pytest.approx(LN_1025))
+    # at chance is not below it: a loss that only reaches ln(K+1) has learnt nothing
+    assert pretraining_health(fcl_rounds([7.2, LN_1025]), **FCL_KW)["failed"] is True
+
+
+def test_a_loss_below_chance_once_is_not_a_failure():
+    h = pretraining_health(fcl_rounds([7.2, 6.9, 7.1]), **FCL_KW)
+    assert h["failed"] is False and h["reasons"] == [] and h["min_loss"] == 6.9 and h["min_loss_round"] == 1
+    # the total (local + remote 3) is above chance throughout; the local term is the one against ln(K+1)
+    assert pretraining_health(fcl_rounds([7.2, 6.9]), chance=LN_1025, loss_key="loss")["failed"] is True
+
+
+def test_a_round_recorded_chance_is_the_one_that_round_is_held_to():
+    rounds = fcl_rounds([6.0, 5.0])
+    for r in rounds:
+        r["chance_loss_local"] = 4.0  # e.g. fewer negatives than the settings' K: the trainer's own count
+    h = pretraining_health(rounds, **FCL_KW)
+    assert h["failed"] is True and h["chance"] == 4.0 and "vs chance recorded by the run = 4.000" in h["reasons"][0]
+    rounds[1]["chance_loss_local"] = 5.5
+    assert pretraining_health(rounds, **FCL_KW)["failed"] is False
+
+
+def test_the_chance_level_a_run_summary_recorded_reaches_the_health(tmp_path):
+    """The trainers report ``chance_loss_local`` / ``chance_loss`` in their summary record; RunSummary averages it
+    over the sites per round (``site_record_means``), :func:`pretraining_rounds` reads it."""
+    summary = {"rounds": [{"round": r, "mean_loss": 9.0, "loss_terms": {"loss_local": 5.0},
+                           "site_record_means": {"chance_loss_local": 4.5, "feature_std": 0.1}} for r in range(2)]}
+    rounds = pretraining_rounds(write(tmp_path, summary))
+    assert rounds[0]["chance_loss_local"] == 4.5
+    h = pretraining_health(rounds, **FCL_KW)  # 5.0 is below the settings' ln 1025 but not below the recorded 4.5
+    assert h["failed"] is True and h["chance"] == 4.5 and h["chance_what"] == "chance recorded by the run"
+
+
+def test_a_collapsed_spread_is_a_failed_pretraining():
+    limit = 0.1 / math.sqrt(32)  # COLLAPSE_FRACTION x 1/sqrt(D)
+    h = pretraining_health(fcl_rounds([6.0, 5.0], spread=[0.1, 0.004]), **FCL_KW)
+    assert h["failed"] is True and h["final_spread"] == 0.004 and h["spread_round"] == 1
+    assert h["reasons"] == [f"feature spread collapsed: 0.0040 (round 1) < 0.1 x 1/sqrt(32) = {limit:.4f}"]
+    assert h["collapse_below"] == pytest.approx(limit) and h["spread_reference"] == pytest.approx(1 / math.sqrt(32))
+    # the final spread counts, an early dip does not; at the limit is not below it
+    assert pretraining_health(fcl_rounds([6.0, 5.0], spread=[0.004, 0.1]), **FCL_KW)["failed"] is False
+    assert pretraining_health(fcl_rounds([6.0, 5.0], spread=[0.1, limit]), **FCL_KW)["failed"] is False
+    both = pretraining_health(fcl_rounds([7.0, 7.0], spread=[0.1, 0.004]), **FCL_KW)
+    assert [r.split(":")[0] for r in both["reasons"]] == ["loss never below chance", "feature spread collapsed"]
+
+
+def test_byol_has_no_chance_level_only_the_spread_check():
+    kw = health_settings("byol_trainer", {"proj_dim": 32})
+    assert kw == {"chance": None, "chance_what": "BYOL has no negatives, no chance level", "loss_key": "loss",
+                  "dim": 32}
+    rounds = [{"round": r, "loss": 4.0, "feature_std": s} for r, s in enumerate([0.2, 0.1])]
+    h = pretraining_health(rounds, **kw)
+    assert h["failed"] is False and h["min_loss"] == 4.0
+    assert h["notes"] == ["BYOL has no negatives, no chance level: the loss is not checked"]
+    rounds[-1]["feature_std"] = 0.001
+    assert pretraining_health(rounds, **kw)["reasons"][0].startswith("feature spread collapsed: 0.0010")
+
+
+def test_no_rounds_is_not_a_failure_and_says_so():
+    h = pretraining_health([], **FCL_KW)
+    assert h["failed"] is False and h["reasons"] == ["no rounds recorded"]
+    # rounds without the loss term or the spread: nothing to fail on, each check says why it did not apply
+    h = pretraining_health([{"round": 0, "loss": 9.0}], **FCL_KW)
+    assert h["failed"] is False and h["notes"] == ["no loss_local recorded: the loss is not checked against chance",
+                                                   "no feature spread recorded: the spread is not checked for collapse"]
+
+
+def test_chance_levels_from_each_trainers_job_settings():
+    def job(name, sets=()):
+        trainer = {"fcl_acdc": "fcl_trainer", "fclopt_acdc": "byol_trainer", "fedclf_derm": "fedclf_trainer"}
+        return job_health_settings(os.path.join(REPO_ROOT, "jobs", name), "bench", list(sets),
+                                   trainer.get(name, "mim_trainer"))
+
+    # bench: FCL bank 1024, projection 32 (the quick profile's shape); MoCo / Local CL are the same trainer
+    assert job("fcl_acdc") == {"chance": pytest.approx(LN_1025), "chance_what": "ln(K+1), K = 1024",
+                               "loss_key": "loss_local", "dim": 32}
+    assert job("fclopt_acdc")["chance"] is None and job("fclopt_acdc")["dim"] == 32
+    # 4 x 4 RGB patches, norm-pix targets: (48 - 1) / 48; BEiT's 64 visual tokens; D = embed_dim 48
+    mae, beit = job("sslfl_mae_retina"), job("sslfl_beit_retina")
+    assert (mae["chance"], mae["chance_what"], mae["dim"]) == (pytest.approx(47 / 48), "(d-1)/d, d = 48", 48)
+    assert (beit["chance"], beit["chance_what"]) == (pytest.approx(math.log(64)), "ln(V), V = 64")
+    assert job("sslfl_mae_retina", ["client.mim_trainer.norm_pix_loss=false"])["chance"] is None
+    # FedCLF bench: K = 256, batch 16, projection 128
+    assert job("fedclf_derm")["chance"] == pytest.approx(math.log(257)) and job("fedclf_derm")["dim"] == 128
+    simclr = job("fedclf_derm", ["client.fedclf_trainer.method=simclr", "client.fedclf_trainer.queue=none"])
+    assert (simclr["chance"], simclr["chance_what"]) == (pytest.approx(math.log(31)), "ln(2B-1), B = 16")
+    rotation = job("fedclf_derm", ["client.fedclf_trainer.method=rotation", "client.fedclf_trainer.queue=none"])
+    assert rotation["chance"] == pytest.approx(math.log(4))
+    with pytest.raises(ValueError, match="no loss-health settings"):
+        health_settings("cls_trainer", {})
+
+
+def test_failure_marks_verdicts_and_footer_lines():
+    bad = pretraining_health(fcl_rounds([7.0]), **FCL_KW)
+    good = pretraining_health(fcl_rounds([6.0]), **FCL_KW)
+    per = {"seed 0": good, "seed 1": bad}
+    assert failure_record(per) == {"pretraining_failed": True, "pretraining_failed_at": ["seed 1"],
+                                   "pretraining_reasons": {"seed 1": bad["reasons"]}}
+    assert failure_record({"seed 0": good})["pretraining_failed"] is False
+    assert failed_mark(["seed 1"], list(per)) == " [failed pre-training: seed 1]"
+    assert failed_mark(["seed 0", "seed 1"], list(per)) == " [failed pre-training]"
+    assert failed_mark([], list(per)) == ""
+    assert failure_footer({"FCL": per}) == [f"[failed pre-training] FCL seed 1: {bad['reasons'][0]}"]
+    line = "FCL vs random, local fine-tuning at N=1: +0.050 +- 0.010 Dice over 2 seeds -> pre-training helped"
+    assert failed_verdict(line, "FCL", ["seed 1"], list(per)) == (
+        "FCL vs random, local fine-tuning at N=1: +0.050 +- 0.010 Dice over 2 seeds -> not FCL's result: its "
+        "pre-training failed at seed 1 of 2 ([failed pre-training] below)")
+    assert failed_verdict(line, "FCL", ["seed 0", "seed 1"], list(per)).endswith(
+        "-> not FCL's result: its pre-training failed ([failed pre-training] below)")
+    assert failed_verdict(line, "FCL", [], list(per)) == line
+    assert mark_lines(["FCL minus random: N=1 +0.05", "FCLOpt minus random: N=1 +0.01"], {"FCL": " [x]"}) == [
+        "FCL [x] minus random: N=1 +0.05", "FCLOpt minus random: N=1 +0.01"]
+
+
+def test_the_diagnostics_block_shows_the_loss_health_and_the_verdict_leads_with_a_failure():
+    d = dict(hand_made(spread=0.05), health=pretraining_health(fcl_rounds([7.0]), **FCL_KW))
+    lines = format_diagnostics([d]).splitlines()
+    assert ("    loss health: FAILED pre-training: loss never below chance: min loss_local 7.000 (round 0) vs "
+            "ln(K+1), K = 1024 = 6.932; no feature spread recorded: the spread is not checked for collapse") in lines
+    assert lines[-1] == ("    verdict: pre-training failed (loss health above); frozen encoder beats random by "
+                         "+0.041 Dice")
+    d["health"] = pretraining_health(fcl_rounds([6.0], spread=[0.1]), **FCL_KW)
+    assert ("    loss health: ok (min loss_local 6.000 vs ln(K+1), K = 1024 = 6.932; final spread 0.1000 >= 0.0177)"
+            in format_diagnostics([d]).splitlines())

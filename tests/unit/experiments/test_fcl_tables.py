@@ -159,6 +159,48 @@ def test_methods_added_one_command_at_a_time_end_up_in_one_table(monkeypatch, tm
     assert any(s.startswith("Diagnostics") and "FedMoCo" in s and "FCL" in s for s in said)
 
 
+class FailingFakes(Fakes):
+    """FCL's local loss per round by seed: seed 0 dips below ln(1025) = 6.932 (the bench bank, K = 1024), seed 1
+    never does (a failed pre-training)."""
+
+    LOCAL = {0: [7.0, 6.5], 1: [7.2, 7.0]}
+
+    def diagnose_one(self, method, pretrained, *, data_root, settings, seed=0):
+        d = super().diagnose_one(method, pretrained, data_root=data_root, settings=settings, seed=seed)
+        return dict(d, rounds=[{"round": r, "loss": x + 2.0, "loss_local": x} for r, x in enumerate(self.LOCAL[seed])])
+
+
+def test_a_failed_pretraining_is_marked_in_the_table_its_rows_verdict_and_paired_lines(monkeypatch, tmp_path,
+                                                                                       data_root):
+    out = tmp_path / "out"
+    paths = _run(monkeypatch, FailingFakes(), out, data_root, n_labelled=[1], folds=[0], seeds=[0, 1], tables=[1])
+    text = open(paths[1]["txt"]).read()
+    bundle, paper = text.split("bundle (measured here)")[1].split("paper (")
+    assert [ln.split("  ")[0] for ln in bundle.splitlines()[3:5]] == ["random", "FCL [failed pre-training: seed 1]"]
+    assert any(ln.startswith("FCL  ") for ln in paper.splitlines())  # the paper's row keeps the plain label
+    reason = "loss never below chance: min loss_local 7.000 (round 1) vs ln(K+1), K = 1024 = 6.932"
+    assert f"[failed pre-training] FCL seed 1: {reason}" in paper.splitlines()
+    assert "FCL [failed pre-training: seed 1] minus random: N=1 +0.050" in text
+    assert ("Dice over 2 seeds (each the mean over its sites) -> not FCL's result: its pre-training failed at seed 1 "
+            "of 2 ([failed pre-training] below)") in text and "-> pre-training" not in text
+    data = json.loads(open(paths[1]["json"]).read())
+    rows = {r["method"]: r for r in data["rows"]}
+    assert rows["FCL"]["pretraining_failed"] is True and rows["FCL"]["pretraining_failed_at"] == ["seed 1"]
+    assert rows["FCL"]["pretraining_reasons"] == {"seed 1": [reason]}
+    assert rows["FCL"]["mark"] == " [failed pre-training: seed 1]" and rows["FCL"]["mean"] is not None  # kept
+    assert rows["random"]["pretraining_failed"] is False and "mark" not in rows["random"]
+    assert data["extra"]["pretraining_health"]["FCL"]["seed 0"]["failed"] is False
+    diags = json.loads((out / "diagnostics.json").read_text())
+    assert [d["health"]["failed"] for d in diags] == [False, True]
+    # the table of seed 1 alone: every pre-training it holds failed
+    paths = _run(monkeypatch, FailingFakes(), out, data_root, n_labelled=[1], folds=[0], seeds=[1], tables=[1])
+    text = open(paths[1]["txt"]).read()
+    assert "\nFCL [failed pre-training]  " in text and "its pre-training failed ([failed pre-training] below)" in text
+    # seed 0 alone: nothing failed, nothing marked
+    paths = _run(monkeypatch, FailingFakes(), out, data_root, n_labelled=[1], folds=[0], seeds=[0], tables=[1])
+    assert "failed" not in open(paths[1]["txt"]).read()
+
+
 def test_interrupted_run_resumes_without_rerunning_finished_cells(monkeypatch, tmp_path, data_root):
     first = Fakes(fail_at=5)
     with pytest.raises(RuntimeError, match="killed"):

@@ -208,6 +208,46 @@ def test_three_seeds_pool_rows_and_pair_by_seed_with_the_standard_error_over_see
     assert all("not a finding" not in open(written[n]["txt"]).read() for n in ("tableI_recall", "tableII_recall"))
 
 
+class FailingSimulator(FakeSimulator):
+    """FakeSimulator whose seed-1 pre-trainings never get below ln(257) = 5.549 (the bench bank, K = 256): their
+    loss stays at 6.0, their spread healthy."""
+
+    def __call__(self, job_dir, workspace, *, n_sites, data_root, profile, sets, echo):
+        out = super().__call__(job_dir, workspace, n_sites=n_sites, data_root=data_root, profile=profile, sets=sets,
+                               echo=echo)
+        if job_dir.endswith(ft.PRETRAIN_JOB) and _set(sets, "server.model.seed") == "1":
+            rounds = [{"round": r, "mean_loss": 6.0, "site_record_means": {"feature_std": 0.1}} for r in range(3)]
+            with open(os.path.join(workspace, "server", "simulate_job", "summary.json"), "w") as f:
+                json.dump({"rounds": rounds}, f)
+        return out
+
+
+def test_a_failed_pretraining_is_marked_in_the_tables_rows_verdict_and_paired_lines(tmp_path, fake_local):
+    s = ft.table_settings("bench", methods=["random", "fedclf"], fractions=[0.1], tables=[1], local={"epochs": 1},
+                          seeds=[0, 1])
+    lines = []
+    written = ft.run_fedclf_tables(str(tmp_path / "out"), s, data_root=str(tmp_path), say=lines.append,
+                                   simulate=FailingSimulator())
+    text = open(written["tableI_recall"]["txt"]).read()
+    bundle, paper = text.split("bundle (measured here)")[1].split("paper (")
+    assert [ln.split("  ")[0] for ln in bundle.splitlines()[3:5]] == [
+        "Random Init.", "FedCLF [failed pre-training: seed 1]"]
+    assert any(ln.startswith("FedCLF  ") for ln in paper.splitlines())  # the paper's row keeps the plain label
+    reason = "loss never below chance: min loss 6.000 (round 0) vs ln(K+1), K = 256 = 5.549"
+    assert f"[failed pre-training] FedCLF seed 1: {reason}" in paper.splitlines()
+    assert "FedCLF [failed pre-training: seed 1] minus Random Init.: L=10% +7.00" in text
+    assert ("over 2 seeds (each the mean over its devices) -> not FedCLF's result: its pre-training failed at seed 1 "
+            "of 2 ([failed pre-training] below)") in text and "-> pre-training" not in text
+    rows = {r["method"]: r for r in json.load(open(written["tableI_precision"]["json"]))["rows"]}
+    assert rows["FedCLF"]["pretraining_failed"] is True and rows["FedCLF"]["pretraining_failed_at"] == ["seed 1"]
+    assert rows["FedCLF"]["pretraining_reasons"] == {"seed 1": [reason]} and rows["FedCLF"]["mean"] is not None
+    assert rows["Random Init."]["pretraining_failed"] is False and "mark" not in rows["Random Init."]
+    diag = open(written["diagnostics"]["txt"]).read()
+    assert f"FedCLF seed 1: rounds 0 / 1 / 2: loss 6.000 / 6.000 / 6.000; feature spread 0.100 / 0.100 / 0.100; " \
+           f"loss health: FAILED pre-training: {reason}" in diag
+    assert "FedCLF seed 0: rounds" in diag and "loss health: ok (min loss 4.000 vs ln(K+1), K = 256 = 5.549" in diag
+
+
 def test_seeds_add_to_a_folder_but_another_split_seed_is_refused(tmp_path, fake_local):
     out = str(tmp_path / "out")
     s = ft.table_settings("bench", methods=["random", "fedclf"], fractions=[0.1], tables=[2], seeds=[0])

@@ -131,6 +131,45 @@ def test_resume_after_a_failed_cell_runs_only_the_unfinished_cells(tmp_path):
         ("sslfl_mae_retina", "split1"), (st.FINETUNE_JOB, "split1"), (st.FINETUNE_JOB, "split1")]
 
 
+class FailingDiagnose(FakeDiagnose):
+    """Fed-MAE's loss per round: Split-2 dips below (d-1)/d = 47/48 = 0.979 (4 x 4 RGB patches, norm-pix targets,
+    the bench profile), Split-3 never does (a failed pre-training)."""
+
+    LOSS = {2: [1.0, 0.9], 3: [1.0, 0.99]}
+
+    def __call__(self, key, out, settings, parts, store):
+        d = super().__call__(key, out, settings, parts, store)
+        return dict(d, rounds=[{"round": r, "loss": x} for r, x in enumerate(self.LOSS[key["split"]])])
+
+
+def test_a_failed_pretraining_is_marked_in_the_table_its_rows_and_its_verdict(tmp_path):
+    settings = st.table_settings("bench", splits=[2, 3], methods=["scratch", "fedmae"], seeds=[0], **TINY)
+    out = st.run_sslfl_table(str(tmp_path), settings, say=lambda m: None, simulate=FakeSimulator(),
+                             diagnose=FailingDiagnose())
+    text = open(out["paths"]["txt"]).read()
+    bundle, paper = text.split("bundle (measured here)")[1].split("paper (")
+    assert [ln.split("  ")[0] for ln in bundle.splitlines()[3:5]] == [
+        "ViT scratch", "Fed-MAE [failed pre-training: Split-3 seed 0]"]
+    assert any(ln.startswith("Fed-MAE  ") for ln in paper.splitlines())  # the paper's row keeps the plain label
+    reason = "loss never below chance: min loss 0.990 (round 1) vs (d-1)/d, d = 48 = 0.979"
+    assert f"[failed pre-training] Fed-MAE Split-3 seed 0: {reason}" in paper.splitlines()
+    # Split-2's verdict stands; Split-3's says the pre-training failed instead of its conclusion
+    assert "Split-2, seed 0: Fed-MAE vs ViT scratch: test accuracy +0.125" in text
+    assert "images, one seed) -> pre-training within the spread" in text.split("Split-2, seed 0:")[1].splitlines()[0]
+    split3 = text.split("Split-3, seed 0: ")[1].splitlines()[0]
+    assert split3.endswith("-> not Fed-MAE's result: its pre-training failed ([failed pre-training] below)")
+    with open(out["paths"]["json"]) as f:
+        rows = {(r["method"], r["column"]): r for r in json.load(f)["rows"]}
+    assert rows[("Fed-MAE", "Split3")]["pretraining_failed"] is True and rows[("Fed-MAE", "Split3")]["mean"] == 75.0
+    assert rows[("Fed-MAE", "Split3")]["pretraining_reasons"] == {"seed 0": [reason]}
+    assert rows[("Fed-MAE", "Split2")]["pretraining_failed"] is False
+    assert rows[("Fed-MAE", "Split2")]["mark"] == " [failed pre-training: Split-3 seed 0]"  # the label's mark
+    assert rows[("ViT scratch", "Split3")]["pretraining_failed"] is False and "mark" not in rows[("ViT scratch",
+                                                                                                   "Split3")]
+    assert [d["health"]["failed"] for d in out["diagnostics"]] == [False, True]
+    assert "loss health: FAILED pre-training: " + reason in text  # the diagnostics block under the table
+
+
 def test_table_files_carry_the_paper_numbers_beside_and_std_over_seeds(tmp_path):
     settings = st.table_settings("bench", splits=[1, 3], methods=["scratch"], seeds=[0, 1], **TINY)
     accs = iter([0.5, 0.75, 0.6, 0.7])  # split 1 seed 0, split 3 seed 0, split 1 seed 1, split 3 seed 1
@@ -175,6 +214,9 @@ def test_diagnostics_vit_is_the_finetuning_jobs_at_the_profile():
                                     "scratch"), st.vit_settings(st.table_settings("bench"), "fedbeit")
     assert (scratch["image_size"], scratch["patch_size"], scratch["embed_dim"], scratch["depth"]) == (32, 4, 48, 2)
     assert scratch["layer_scale"] is None and beit["layer_scale"] == 0.1  # BEiT's layer scale in its fine-tuning
+    # BEiT fine-tunes with a bias table per block (initialised from the pre-training's shared one): the diagnostics'
+    # ViT must be built the same way, or loading the Fed-BEiT encoder is refused
+    assert scratch["rel_pos_bias"] == "none" and beit["rel_pos_bias"] == "per_layer"
     assert scratch["dataset"] == "retina" and scratch["label_fraction"] == 1.0
     assert st.vit_settings(st.table_settings("bench"), "fedmae", seed=3)["seed"] == 3
 

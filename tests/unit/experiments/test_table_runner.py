@@ -245,6 +245,21 @@ def test_the_figure_draws_each_seed_and_says_what_its_bars_are(tmp_path, monkeyp
     assert saved[0].axes[0].get_ylabel() == "dice (error bars: std)"
 
 
+def test_a_rows_mark_follows_its_label_in_the_bundle_block_and_the_legend_not_in_the_papers(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, dpi=None: saved.append(fig))
+    rows = [dict(r, mark=" [failed pre-training]") if r["method"] == "FCL" else r for r in ROWS]
+    paths = write_table(tmp_path, "t", rows, title="T", paper=PAPER, paper_source="FCL, Table 1")
+    bundle, paper = open(paths["txt"]).read().split("paper (FCL, Table 1)")
+    assert "FCL [failed pre-training]  0.450 +- 0.000  0.620 +- 0.020" in bundle
+    assert "random                     0.300 +- 0.100" in bundle
+    assert "FCL     0.506 +- 0.056  -" in paper  # matched by the plain label
+    legend = [t.get_text() for t in saved[0].axes[0].get_legend().get_texts()]
+    assert {"random", "FCL [failed pre-training]", "FCL (paper)"} <= set(legend) and "FCL" not in legend
+
+
 def test_write_table_without_paper_has_no_paper_block_and_paper_needs_a_source(tmp_path):
     paths = write_table(tmp_path, "t", ROWS, title="T")
     assert "paper (" not in open(paths["txt"]).read()

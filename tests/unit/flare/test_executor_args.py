@@ -104,3 +104,30 @@ def test_the_arguments_are_the_settings_fields_and_a_typo_is_refused(module, cls
     assert ex.settings == settings_class() and all(getattr(ex, k) == v for k, v in fields.items() if k != "classes")
     with pytest.raises(TypeError, match=rf"^{cls}: unknown argument seeed; it accepts .*\bseed\b"):
         executor(seeed=1)
+
+
+# issue 47: SSL-FL's fine-tuning regularisation, checked when FLARE builds the executor from the job's JSON
+@pytest.mark.parametrize("kw, message", [
+    ({"label_smoothing": 1.0}, "label_smoothing=1.0 is invalid; use a value in [0, 1) (0 = none; SSL-FL's "
+                               "fine-tuning scripts: 0.1)"),
+    ({"mixup_alpha": -1}, "mixup_alpha=-1 is invalid; use 0 (off) or a positive Beta alpha (SSL-FL's Fed-MAE "
+                          "fine-tuning scripts: 0.8)"),
+    ({"cutmix_alpha": None}, "cutmix_alpha=None is invalid; use 0 (off) or a positive Beta alpha"),
+    ({"cutmix_minmax": [0.2]}, "cutmix_minmax=[0.2] is invalid; use null (box size from lam, the reference's) or "
+                               "[min, max] with 0 < min < max <= 1"),
+    ({"mixup_prob": 2}, "mixup_prob=2 is invalid; use a probability in [0, 1] (reference: 1.0)"),
+    ({"mixup_switch_prob": -0.5}, "mixup_switch_prob=-0.5 is invalid; use a probability in [0, 1] (reference: 0.5)"),
+    ({"mixup_mode": "pair"}, "mixup_mode='pair' is invalid; use \"batch\""),
+    ({"erasing_prob": 1.25}, "erasing_prob=1.25 is invalid; use a probability in [0, 1]"),
+    ({"erasing_mode": "noise"}, "erasing_mode='noise' is invalid; use one of ['pixel', 'rand', 'const']"),
+    ({"erasing_count": 0}, "erasing_count=0 is invalid; use a positive number of boxes per erased image"),
+])
+def test_classifier_executor_checks_the_regularisation(kw, message):
+    import re
+
+    from fedssl.flare.classifier_executor import ClassifierExecutor
+
+    with pytest.raises(ValueError, match="^" + re.escape(f"ClassifierExecutor: argument {message}")):
+        ClassifierExecutor(**kw)
+    ok = ClassifierExecutor(mixup_alpha=0.8, cutmix_alpha=1.0, cutmix_minmax=[0.2, 0.8], label_smoothing=0.1)
+    assert ok.cutmix_minmax == [0.2, 0.8] and ok.settings.batch_augment().mixing

@@ -1,6 +1,7 @@
 """FCLExecutor on tiny synthetic ACDC: one real train task, checkpoint resume, and bad data per site."""
 
 import json
+import math
 import os
 
 import numpy as np
@@ -155,6 +156,8 @@ def test_pretraining_reads_every_cine_frame_and_reports_bounded_counts(data, tmp
     record = out.get_meta_prop(SITE_RECORD_META)
     (logged,) = [json.loads(line) for line in open(tmp_path / "fcl_metrics.jsonl")]
     assert record.pop("feature_std") == logged["feature_std"] and 0 < logged["feature_std"] < 1
+    # issue 44: the local term's chance level, ln(K + 1) of the K = 32 negatives each step drew
+    assert record.pop("chance_loss_local") == logged["chance_loss_local"] == pytest.approx(math.log(33))
     assert record == {"volumes": 16, "steps_per_round": 2, "bank_filled": 16, "bank_fill": 0.5, "bank_size": 32}
     (tmp_path / "ed_es").mkdir()
     ed_es = FCLExecutor(data_root=data, frames="ed_es", **dict(ARGS, max_steps_per_round=0))

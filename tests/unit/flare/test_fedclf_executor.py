@@ -4,6 +4,7 @@ reaching the queue, Local CL's empty upload, and the refusals of a bad configura
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -58,16 +59,20 @@ def test_fedclf_uploads_its_bank_and_trains_on_remote_negatives_only(device, tmp
     assert record["queue_remote_fraction"] == 1.0 and record["bank_filled"] == 12 and record["images"] == 12
     metrics = [json.loads(line) for line in open(tmp_path / "fedclf_metrics.jsonl")]
     assert metrics[0]["remote_features"] == 10 and metrics[0]["queue_size"] == 10
+    # issue 44: the loss's chance level, ln(|Q_CL| + 1) of the 10 remote negatives (not the bank's K = 16)
+    assert record["chance_loss"] == metrics[0]["chance_loss"] == pytest.approx(math.log(11))
 
 
-@pytest.mark.parametrize("switch", [{"queue": "none"}, {"method": "simclr", "queue": "none"},
-                                    {"method": "rotation", "queue": "none"}])
-def test_without_feature_exchange_no_feature_leaves_the_device(device, tmp_path, switch):
+@pytest.mark.parametrize("switch, chance", [({"queue": "none"}, math.log(17)),  # MoCo: ln(K + 1), K = 16
+                                            ({"method": "simclr", "queue": "none"}, math.log(7)),  # ln(2B - 1), B = 4
+                                            ({"method": "rotation", "queue": "none"}, math.log(4))])
+def test_without_feature_exchange_no_feature_leaves_the_device(device, tmp_path, switch, chance):
     ex = FedCLFExecutor(data_root=device, **{**ARGS, **switch})
     out = run(ex, tmp_path, task(switch.get("method", "moco"), remote=np.eye(8, dtype=np.float32)))
     assert out.get_meta_prop(BANK_FEATURES) is None and out.data  # weights, no bank
     metrics = [json.loads(line) for line in open(tmp_path / "fedclf_metrics.jsonl")]
     assert metrics[0]["remote_features"] == 0  # a remote bank that arrives anyway is not used
+    assert out.get_meta_prop(SITE_RECORD_META)["chance_loss"] == pytest.approx(chance)  # issue 44
 
 
 def test_local_cl_uploads_nothing(device, tmp_path):

@@ -2,6 +2,7 @@
 client restarts, and the Fed-BEiT tokenizer tasks (local codebook and the federated k-means exchanges)."""
 
 import json
+import math
 import os
 
 import numpy as np
@@ -105,8 +106,10 @@ def test_mae_train_task_returns_weights_image_count_and_loss(data, tmp_path):
     assert os.path.isfile(tmp_path / "mim_client_state.pt")
     (m,) = metrics(tmp_path)
     assert m["round"] == 0 and m["steps"] == 2 and m["num_samples"] == N_IMAGES and m["kept_local"] == []
-    # issue 14 item 4: the summary record carries the round's feature spread, as the trainer measured it
-    assert out.get_meta_prop(SITE_RECORD_META) == {"feature_std": m["feature_std"]} and 0 < m["feature_std"] < 1
+    # issue 14 item 4: the summary record carries the round's feature spread, as the trainer measured it; issue 44:
+    # and the loss's chance level, MAE on norm-pix targets of 4 x 4 x 3 values: 47 / 48
+    assert out.get_meta_prop(SITE_RECORD_META) == {"feature_std": m["feature_std"], "chance_loss": 47 / 48}
+    assert 0 < m["feature_std"] < 1 and m["chance_loss"] == 47 / 48
 
 
 def test_full_epochs_when_steps_are_not_capped(data, tmp_path):
@@ -168,7 +171,8 @@ def test_beit_with_a_local_tokenizer_reports_it(data, tmp_path):
     out = from_shareable(run(ex, tmp_path, task(global_weights("beit"))))
     assert np.isfinite(out.get_meta_prop("loss")) and out.get_meta_prop("num_samples") == N_IMAGES
     record = out.get_meta_prop(SITE_RECORD_META)
-    assert record == {"tokenizer": f"local: {path}", "feature_std": metrics(tmp_path)[-1]["feature_std"]}
+    assert record == {"tokenizer": f"local: {path}", "feature_std": metrics(tmp_path)[-1]["feature_std"],
+                      "chance_loss": math.log(VOCAB)}  # uniform over the 16 visual tokens
     # asked for federated k-means, it answers with its local tokenizer (the server then skips the workflow)
     init = from_shareable(run(ex, tmp_path, kmeans_task({}), KMEANS_INIT))
     assert init.data == {} and init.get_meta_prop(LOCAL_TOKENIZER_KEY) == f"local: {path}"
@@ -215,7 +219,8 @@ def test_beit_federated_tokenizer_tasks_then_training(data, tmp_path, caplog):
     out = from_shareable(run(ex2, tmp_path, task(global_weights("beit"))))
     assert np.isfinite(out.get_meta_prop("loss"))
     assert out.get_meta_prop(SITE_RECORD_META) == {"tokenizer": desc,
-                                                   "feature_std": metrics(tmp_path)[-1]["feature_std"]}
+                                                   "feature_std": metrics(tmp_path)[-1]["feature_std"],
+                                                   "chance_loss": math.log(VOCAB)}
 
 
 def test_kmeans_tasks_are_refused_by_mismatched_sites(data, tmp_path, caplog):

@@ -152,3 +152,32 @@ def test_loader_workers_give_the_same_round_and_evaluation(data, loader_workers)
     assert loader_workers and set(loader_workers) == {2}  # only the workers=2 trainer built DataLoaders
     with pytest.raises(ValueError, match="workers=-2"):
         trainer(records, workers=-2)
+
+
+#: rui-yan/SSL-FL's Fed-MAE fine-tuning recipe, as the SSL-FL fine-tuning jobs set it (issue 47)
+RECIPE = dict(label_smoothing=0.1, mixup_alpha=0.8, cutmix_alpha=1.0, cutmix_minmax=None, mixup_prob=1.0,
+              mixup_switch_prob=0.5, mixup_mode="batch", erasing_prob=0.0, erasing_mode="pixel", erasing_count=1)
+
+
+def test_the_reference_recipe_reaches_the_trainer_and_repeats_per_site(data):
+    """The settings build the trainer's BatchAugment (off by default); a round with mixup / CutMix is reproducible
+    from (seed, site), another site draws other mixes, and the site's log line names the regularisation."""
+    records, _ = data
+    assert trainer(records).trainer.batch_augment is None  # the defaults: off, the step as before issue 47
+    a, b = trainer(records, max_steps_per_epoch=2, **RECIPE), trainer(records, max_steps_per_epoch=2, **RECIPE)
+    aug = a.trainer.batch_augment
+    assert aug is not None and aug.mixing and (aug.mixup_alpha, aug.cutmix_alpha, aug.erasing_prob) == (0.8, 1.0, 0.0)
+    assert "label smoothing 0.1, mixup 0.8 / CutMix 1 (p 1, switch 0.5)" in a.summary
+    sa, sb = a.train_round(0), b.train_round(0)
+    assert sa.loss == sb.loss and all(torch.equal(v, b.global_state()[k]) for k, v in a.global_state().items())
+    plain = trainer(records, max_steps_per_epoch=2, label_smoothing=0.1)
+    assert plain.train_round(0).loss != sa.loss
+    # another site: its own split, its own mixes (the model starts from the same weights)
+    c = trainer(records, site="site-2", max_steps_per_epoch=2, **RECIPE)
+    assert c.train_round(0).loss != sa.loss
+
+
+def test_cutmix_minmax_from_json_is_a_list(data):
+    t = trainer(data[0], max_steps_per_epoch=1, **{**RECIPE, "cutmix_minmax": [0.2, 0.8]})
+    assert t.trainer.batch_augment.cutmix_minmax == [0.2, 0.8]
+    assert math.isfinite(t.train_round(0).loss)

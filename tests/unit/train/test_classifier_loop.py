@@ -1,14 +1,19 @@
 """FedProx gradient; the fine-tuning trainer (schedule, FedProx, restart, head counter, layer-wise lr decay,
-bfloat16 forward)."""
+bfloat16 forward, mixup / CutMix / random erasing with soft targets)."""
 
+import copy
 import math
 
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from fedssl.core.classification import UntrainedHeadError, evaluate, head_steps, require_trained_head
+from fedssl.core.seeds import derived_seed
+from fedssl.core.soft_targets import mixed_targets, soft_target_cross_entropy
 from fedssl.core.trainer import MixedPrecision
+from fedssl.data.mixup import BatchAugment
 from fedssl.train.classifier_loop import ClassifierTrainer, fedprox_term
 
 from tests.unit.core.test_mixed_precision import BF16, float32, layer_dtypes
@@ -165,3 +170,110 @@ def test_classifier_forward_runs_in_bfloat16_with_a_float32_loss():
     x, y = torch.randn(8, 2), torch.randint(0, 2, (8,))
     loss = tr.train_round([(x, y)], 0, 1)
     assert seen and set(seen) == {BF16} and math.isfinite(loss) and float32(model)
+
+
+# ---------------------------------------------------------------- mixup / CutMix / random erasing (issue 47)
+#: rui-yan/SSL-FL's Fed-MAE fine-tuning recipe (mixup 0.8, CutMix 1.0, per batch), random erasing on to exercise it
+RECIPE = BatchAugment(mixup_alpha=0.8, cutmix_alpha=1.0, cutmix_minmax=None, mixup_prob=1.0, mixup_switch_prob=0.5,
+                      mixup_mode="batch", erasing_prob=0.25, erasing_mode="pixel", erasing_count=1)
+OFF = BatchAugment(mixup_alpha=0.0, cutmix_alpha=0.0, cutmix_minmax=None, mixup_prob=1.0, mixup_switch_prob=0.5,
+                   mixup_mode="batch", erasing_prob=0.0, erasing_mode="pixel", erasing_count=1)
+
+
+class TinyImageClassifier(nn.Module):
+    def __init__(self, c=3):
+        super().__init__()
+        self.encoder = nn.Linear(3 * 8 * 8, 8)
+        self.head = nn.Linear(8, c)
+        self.register_buffer("head_steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        return self.head(torch.relu(self.encoder(x.flatten(1))))
+
+
+def images(n=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def test_off_is_the_old_training_step_bit_for_bit():
+    """With every augmentation off, a round is the loop as it was before issue 47, written out here by hand:
+    F.cross_entropy with label smoothing, AdamW, the head counter."""
+    x, y = separable()
+
+    def trained(**kw):
+        torch.manual_seed(0)
+        model = TinyClassifier()
+        trainer = make_trainer(model, label_smoothing=0.1, seed=3, **kw)
+        losses = [trainer.train_round(batches(x, y), r, n_steps=4) for r in range(2)]
+        return model.state_dict(), losses
+
+    torch.manual_seed(0)
+    model = TinyClassifier()
+    trainer = make_trainer(model, label_smoothing=0.1, seed=3)
+    old_losses = []
+    for r in range(2):
+        step_losses = []
+        for i, (xb, yb) in enumerate(batches(x, y)):
+            for g in trainer.optimizer.param_groups:
+                g["lr"] = trainer.lr_at(r + i / 4) * g["lr_scale"]
+            loss = F.cross_entropy(model(xb).float(), yb, label_smoothing=0.1)
+            trainer.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            trainer.optimizer.step()
+            model.head_steps.add_(1)
+            step_losses.append(float(loss.detach()))
+        old_losses.append(sum(step_losses) / len(step_losses))
+    by_hand = model.state_dict()
+    for kw in ({}, {"batch_augment": None}, {"batch_augment": OFF}):
+        weights, losses = trained(**kw)
+        assert losses == old_losses, kw
+        assert all(torch.equal(weights[k], by_hand[k]) for k in by_hand), kw
+    assert make_trainer(TinyClassifier(), batch_augment=OFF).batch_augment is None
+
+
+def test_the_loss_is_the_soft_target_cross_entropy_of_the_augmented_batch():
+    """The first step by hand: the trainer's generator is seeded from (seed, "batch_augment", step 0); the batch is
+    erased then mixed; the targets are mixed and label-smoothed (0.1 over 3 classes)."""
+    x, y = images()
+    for seed in range(4):
+        torch.manual_seed(0)
+        model = TinyImageClassifier()
+        before = copy.deepcopy(model)
+        trainer = make_trainer(model, label_smoothing=0.1, seed=seed, batch_augment=RECIPE)
+        trainer.train_round([(x, y)], 0, n_steps=1)
+        g = torch.Generator().manual_seed(derived_seed(seed, "batch_augment", 0))
+        xa, lam = RECIPE(x, g)
+        assert lam is not None and not torch.equal(xa, x)
+        expected = soft_target_cross_entropy(before(xa).float(), mixed_targets(y, 3, lam, 0.1))
+        assert trainer.last_losses == [float(expected.detach())]
+        plain = F.cross_entropy(before(x), y, label_smoothing=0.1)
+        assert float(plain.detach()) != trainer.last_losses[0]
+
+
+def test_augmented_runs_repeat_and_restart_identically_and_sites_draw_apart():
+    x, y = images()
+
+    def run(resume: bool, seed: int = 0):
+        torch.manual_seed(0)
+        model = TinyImageClassifier()
+        trainer = make_trainer(model, label_smoothing=0.1, seed=seed, batch_augment=RECIPE)
+        trainer.train_round(batches(x, y, bs=8), 0, n_steps=4)
+        if resume:
+            state, weights = trainer.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
+            model = TinyImageClassifier()
+            model.load_state_dict(weights)
+            trainer = make_trainer(model, label_smoothing=0.1, seed=seed, batch_augment=RECIPE)
+            trainer.load_state_dict(state)
+        trainer.train_round(batches(x, y, bs=8), 1, n_steps=4)
+        return model.state_dict()
+
+    a, b, c, other = run(False), run(False), run(True), run(False, seed=1)
+    assert all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
+    assert not all(torch.equal(a[k], other[k]) for k in a)
+
+
+def test_the_trainer_checks_its_augmentation_at_construction():
+    bad = BatchAugment(**{**RECIPE.__dict__, "mixup_alpha": -1.0})
+    with pytest.raises(ValueError, match=r"^ClassifierTrainer: argument mixup_alpha=-1.0 is invalid; use 0 \(off\)"):
+        make_trainer(TinyImageClassifier(), batch_augment=bad)

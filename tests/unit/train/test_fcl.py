@@ -55,6 +55,7 @@ def test_round_statistics_by_hand():
     assert stats.metrics["remote_features"] == 0
     assert (stats.metrics["bank_filled"], stats.metrics["bank_fill"]) == (8, 0.5)  # 8 of K = 16 slots
     assert 0 < stats.metrics["feature_std"] < 1  # issue 14: the spread of the query features, mean of 2 steps
+    assert stats.metrics["chance_loss_local"] == pytest.approx(math.log(17))  # issue 44: ln(K + 1), K = 16
     features, partitions = t.export_bank()  # the 8 rows taken in this round, each shared once (issue 45)
     assert features.shape == (8, 4) and features.dtype == np.float32 and partitions.dtype == np.int64
     assert sorted(partitions.tolist()) == [0] * 4 + [1] * 4  # partitions 0 and 1
@@ -197,6 +198,16 @@ def hand_batches(n, v=2, s=2, hw=32, seed=0):
     g = torch.Generator().manual_seed(seed)
     for _ in range(n):
         yield torch.rand(v, s, 1, hw, hw, generator=g), torch.arange(s).repeat(v, 1)
+
+
+def test_the_chance_level_counts_the_negatives_each_step_drew():
+    """Issue 44: without negative sampling the remote features join the K local ones: ln(16 + 5 + 1); with it,
+    Q' is K = 16 draws: ln 17."""
+    remote = F.normalize(torch.randn(5, 4, generator=torch.Generator().manual_seed(0)), dim=1).numpy()
+    for sample, k in ((False, 21), (True, 16)):
+        t = trainer(negative_sampling=sample)
+        t.set_remote(remote, np.zeros(5, dtype=np.int64))
+        assert t.train_round(0).metrics["chance_loss_local"] == pytest.approx(math.log(k + 1))
 
 
 def make(**kw):

@@ -43,6 +43,7 @@ def test_round_is_one_epoch_of_full_batches_and_reports_the_queue(records):
     m = stats.metrics
     assert m["remote_features"] == 6 and m["queue_remote_fraction"] == 1.0 and m["queue_size"] == 6
     assert m["bank_filled"] == 16 and m["bank_fill"] == 1.0 and 0 < m["feature_std"] < 1
+    assert m["chance_loss"] == pytest.approx(math.log(7))  # issue 44: ln(|Q_CL| + 1), the 6 remote negatives
 
 
 def test_view_batches_order_from_seed_and_epoch_and_step_cap(records):
@@ -79,6 +80,8 @@ def test_baselines_exchange_no_bank_and_train(records, method):
     stats = t.train_round(0)
     assert "queue_size" not in stats.metrics and stats.steps == 4
     assert ("rotation_accuracy" in stats.metrics) == (method == "rotation")
+    # issue 44: NT-Xent of 2 x 4 views ln(2B - 1) = ln 7; 4 rotations ln 4
+    assert stats.metrics["chance_loss"] == pytest.approx(math.log(7 if method == "simclr" else 4))
 
 
 def test_sites_draw_differently_and_restart_resumes(records):

@@ -2,6 +2,8 @@
 one step, the restart state round trip, the knowledge-split loading rules, the Fed-BEiT tokenizer and the
 site's k-means answers."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,7 @@ from fedssl.core.trainer import StopRequested
 from fedssl.data.image_synthetic import write_synthetic_images
 from fedssl.data.images import ImageDataset, load_image_records
 from fedssl.models.vit import TINY_DECODER, TINY_VIT, MAEViT
-from fedssl.train.mim import KMeansPatches, MIMLocalTrainer, MIMSettings, peak_lr
+from fedssl.train.mim import KMeansPatches, MIMLocalTrainer, MIMSettings, mim_chance_loss, peak_lr
 
 torch.set_num_threads(1)
 
@@ -96,7 +98,8 @@ def test_round_is_capped_and_reports_image_count_and_lr(records):
     assert stats.steps == 2 and t.trainer.step == 2 and stats.samples == N_IMAGES and np.isfinite(stats.loss)
     spread = stats.metrics.pop("feature_std")  # issue 14: the round's feature spread, 1/sqrt(48) = 0.144 if uniform
     assert spread == t.trainer.last_stats["feature_std"] and 0 < spread < 1
-    assert stats.metrics == {"lr_peak": 1e-3, "lr": pytest.approx(0.5e-3), "kept_local": []}
+    # issue 44: the chance level of MAE on norm-pix targets of 4 x 4 x 3 values, (48 - 1) / 48
+    assert stats.metrics == {"lr_peak": 1e-3, "lr": pytest.approx(0.5e-3), "kept_local": [], "chance_loss": 47 / 48}
     assert [p["lr"] for p in stats.curve] == pytest.approx([0.0, 0.5e-3])  # one point per step
     assert stats.loss == pytest.approx(sum(p["loss"] for p in stats.curve) / 2)
     full = mae(records, max_steps_per_round=0, local_epochs=2)
@@ -229,3 +232,10 @@ def test_loader_workers_give_the_same_round(records, loader_workers):
     assert loader_workers and set(loader_workers) == {2}  # only the workers=2 trainer built DataLoaders
     with pytest.raises(ValueError, match="workers=-1"):
         mae(records, workers=-1)
+
+
+def test_chance_level_of_each_mim_loss():
+    assert mim_chance_loss("mae", 4, True, VOCAB) == 47 / 48  # 4 x 4 RGB patches, normalised per patch
+    assert mim_chance_loss("mae", 16, True, VOCAB) == 767 / 768
+    assert mim_chance_loss("beit", 4, True, VOCAB) == pytest.approx(math.log(VOCAB))  # uniform over V tokens
+    assert mim_chance_loss("mae", 4, False, VOCAB) is None  # raw pixels: the data's variance, not a setting's

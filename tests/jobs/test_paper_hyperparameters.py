@@ -16,7 +16,10 @@ Not pinned, because the paper does not state them (the job's value is the bundle
   first level (only "initial number of channels 48" is stated), the U-Net's normalisation and projection head
   (pinned in ``REFERENCE_PINS`` against the reference code FCL builds on, Chaitanya et al. 2020), local epochs per
   round of *federated fine-tuning* (1 is stated for pre-training only), the fold and N of this job within the
-  stated sets.
+  stated sets.  FedRotation / FedSimCLR (sec. 5 "Baselines" names them and their citations only): their heads and
+  augmentations (fedssl.train.fcl_baselines: RotNet's linear head on the pooled features and crop + horizontal
+  flip, SimCLR's views through the job's projection head); they run at the job's stated settings
+  (``BASELINE_PINS``).
 - SSL-FL: AdamW weight decay (0.05 in rui-yan/SSL-FL's scripts), local epochs E (Algorithm 1 leaves it symbolic;
   scripts: E_epoch 1), MAE decoder size and norm_pix_loss (MAE defaults), BEiT vocabulary size (DALL-E: 8192),
   gradient clipping, fine-tuning layer decay (0.65), drop path, min lr, fine-tuning warm-up (scripts: 5), the
@@ -39,7 +42,9 @@ Not pinned, because the paper does not state them (the job's value is the bundle
   bootstrap count.
 - FedDRA: gamma (the authors' code: 0.01 x the steps of a turn), the stage-1 steps (the code: 20), the
   temperature (the code: 0.07), the MIMIC batch size (stated as a range, 288-388; the job uses 288), AdamW weight
-  decay, the held-out fraction for v_i.
+  decay, the held-out fraction for v_i.  The downstream classification's optimiser, lr, epochs, batch and whether
+  the encoder is frozen (the paper: "fine-tune [...] with an additional linear layer") are pinned in
+  ``FEDDRA_FINETUNE_REFERENCE_PINS`` against MGCA's fine-tuner, the protocol the paper follows.
 """
 
 from __future__ import annotations
@@ -526,6 +531,30 @@ FEDDRA_PINS = [
     Pin("feddra_retina", "client", "feddra_trainer", "colour", "rgb", OPH + ": colour fundus photographs"),
 ]
 
+# FedDRA's downstream few-shot classification (RSNA, COVIDx): not a job, the settings of
+# fedssl.train.vlp_finetune.few_shot_finetune.  The paper states the fractions and the linear layer; what it omits
+# comes from MGCA's fine-tuner, the protocol it follows ("Following (Wang et al., 2022)", sec. 5.1.1) and the code
+# base its repository is built on (BioMed-AI-Lab-U-Michgan/TMLR_FedDRA README: "built our repository based on MGCA").
+FT = "fedssl.train.vlp_finetune.FewShotFinetuneSettings"
+FTP = "FedDRA sec.5.1.1 (1) / A.1.2"
+FEDDRA_FINETUNE_PINS = [
+    (FT, "fractions", (0.01, 0.1), FTP + ": 'with an additional linear layer on 1%, 10% percentage of the training "
+     "dataset'"),
+]
+MG = "MGCA code (HKU-MedAI/MGCA, Wang et al. NeurIPS 2022)"
+FEDDRA_FINETUNE_REFERENCE_PINS = [
+    (FT, "train_encoder", False, MG + " models/ssl_finetuner.py: backbone requires_grad False, features under no_grad"),
+    (FT, "epochs", 50, MG + " models/mgca/mgca_finetuner.py: args.max_epochs = 50"),
+    (FT, "batch_size", 48, MG + " models/mgca/mgca_finetuner.py: --batch_size default 48"),
+    (FT, "lr", 5e-4, MG + " models/ssl_finetuner.py: learning_rate 5e-4"),
+    (FT, "betas", (0.9, 0.999), MG + " models/ssl_finetuner.py: AdamW betas (0.9, 0.999)"),
+    (FT, "weight_decay", 1e-6, MG + " models/ssl_finetuner.py: weight_decay 1e-6"),
+    (FT, "dropout", 0.0, MG + " models/ssl_finetuner.py: dropout 0.0, no hidden layer"),
+    (FT, "patience", 10, MG + " models/mgca/mgca_finetuner.py: EarlyStopping(monitor='val_loss', patience=10)"),
+    (FT, "crop_scale", 256 / 224, MG + " datasets/transforms.py: imsize 256, RandomCrop / CenterCrop 224"),
+    (FT, "drop_last", True, MG + " datasets/data_module.py: train loader drop_last=True"),
+]
+
 # ---------------------------------------------------------------- constants the job JSON cannot set
 CODE_PINS = [
     ("fedssl.train.fcl.FCLSettings", "sgd_momentum", 0.9, TD + ": SGD momentum 0.9"),
@@ -594,6 +623,59 @@ def test_fcl_network_constants_follow_the_reference_code(name):
     assert matches(getattr(unet, name), value), f"fedssl.models.unet.{name} = {getattr(unet, name)!r} ({cite})"
 
 
+#: FCL sec. 5 "Baselines": FedRotation and FedSimCLR are the FCL job (jobs/fcl_acdc) with another ``objective``
+#: (fedssl.experiments.fcl_tables.BASELINES); the paper states no setting of their own, so they run at sec. 5
+#: "Training details" -- (component, argument, paper value, where)
+BASELINE_PINS = [
+    ("fcl_trainer", "batch_size", 32, TD + ": batch size 32"),
+    ("fcl_trainer", "lr", 0.05, TD + ": lr 0.05 cosine"),
+    ("fcl_trainer", "max_steps_per_round", 0, TD + ": 1 local epoch per round (0 = full)"),
+    ("fcl_trainer", "n_partitions", 4, TD + ": 4 partitions per volume (the slices FCL trains on)"),
+    ("fcl_trainer", "features[0]", 48, FS + ": U-Net initial channels 48"),
+    ("fcl_trainer", "federated", True, "FCL sec.5 Baselines: combined with FedAvg"),
+    ("fcl_trainer", "feature_exchange", False, "FCL sec.5 Baselines: FedAvg only, no feature exchange"),
+    ("model", "features[0]", 48, FS + ": U-Net initial channels 48"),
+    ("aggregator", "weighting", "num_samples", "FedAvg (McMahan 2017), n_c/n"),
+    ("scatter_and_gather", "num_rounds", 200, TD + ": 200 rounds"),
+    ("scatter_and_gather", "min_clients", 10, FS + ": 10 clients, active fraction 1.0"),
+]
+SIMCLR_TAU = ("fcl_trainer", "tau", 0.1, TD + ": temperature 0.1 for contrastive loss (SimCLR's NT-Xent)")
+
+
+def _baseline_cases() -> list[tuple[str, str, tuple]]:
+    cases = []
+    for m, o in (("FedRotation", "rotation"), ("FedSimCLR", "simclr")):
+        own = [("fcl_trainer", "objective", o, "FCL sec.5 Baselines: " + m),
+               ("model", "objective", o, "FCL sec.5 Baselines: " + m)] + ([SIMCLR_TAU] if o == "simclr" else [])
+        cases += [(m, o, pin) for pin in [*BASELINE_PINS, *own]]
+    return cases
+
+
+@pytest.mark.parametrize("method, objective, pin", _baseline_cases(),
+                         ids=[f"{m}:{p[0]}.{p[1]}={p[2]!r} [{p[3]}]" for m, _, p in _baseline_cases()])
+def test_fcl_baselines_run_at_the_papers_training_details(method, objective, pin):
+    from fedssl.experiments.fcl_tables import BASELINES
+    from fedssl.ops.jobs import configured_job
+
+    (sets,) = [sets for name, _, sets in BASELINES if name == method]
+    files = configured_job(os.path.join(JOBS_DIR, "fcl_acdc"), None, sets)  # the paper profile: the job as it is
+    comp, arg, paper, cite = pin
+    specs = [c for rel, cfg in files.items() if rel != "meta.json" for c in components(cfg) if c.get("id") == comp]
+    assert len(specs) == 1, f"expected one component {comp!r}"
+    name, _, index = arg.partition("[")
+    value = effective_args(specs[0])[name]
+    value = value[int(index.rstrip("]"))] if index else value
+    assert matches(value, paper), f"{method}: {comp}.{arg} = {value!r}, paper: {paper!r} ({cite})"
+
+
+def test_fedrotation_predicts_four_rotations():
+    """Gidaris et al. (ICLR 2018), FCL sec. 5 "Baselines" Rotation: the 0, 90, 180 and 270 degree rotations."""
+    from fedssl.core.fedclf import ROTATIONS
+    from fedssl.models.unet import RotationNet
+
+    assert ROTATIONS == 4 and RotationNet([4, 4, 8, 8, 16, 4]).classifier.out_features == 4
+
+
 @pytest.mark.parametrize("pin", SSLFL_PINS, ids=_ids(SSLFL_PINS))
 def test_sslfl_paper_settings(pin):
     check(pin)
@@ -623,6 +705,24 @@ def test_fed_beit_fine_tuning_follows_the_reference_code(tmp_path):
         assert comps[comp]["layer_scale"] == 0.1, (comp, BEIT_LS)
 
 
+# SSL-FL's ViT scratch row (issue 47): sec. IV-C "The federated fine-tuning process is run for 1000 communication
+# rounds for models trained from random initialization, and 100 rounds for the others" (Table IV's T column: 1000 /
+# 100).  The reference agrees: rui-yan/SSL-FL 69c3388 code/fed_beit/script/retina/retina_split1_scratch.sh line 18
+# FT_EPOCHS=1000 vs retina_split1_imnet.sh line 20 and retina_split1_ssl.sh line 48 FT_EPOCHS=100 (each
+# --max_communication_rounds), both with --warmup_epochs 5 and lr 3e-3 (scratch.sh line 35 / imnet.sh line 37).
+# The job folder holds the pre-trained rows' 100 (SSLFL_PINS); the table runner gives scratch its 10 x.
+SCRATCH_FT = "SSL-FL sec.IV-C: 1000 rounds from random init, 100 for the others; retina_split1_scratch.sh:18"
+
+
+def test_sslfl_table_fine_tunes_scratch_for_1000_rounds_and_the_pretrained_rows_for_100():
+    from fedssl.experiments import sslfl_tables as st
+
+    s = st.table_settings("paper")
+    rounds = {m: st.finetune_rounds(s, m) for m in st.METHODS}
+    assert rounds == {"scratch": 1000, "fedmae": 100, "fedbeit": 100}, SCRATCH_FT
+    assert st.PAPER_SCRATCH_ROUNDS_RATIO == 10, SCRATCH_FT
+
+
 @pytest.mark.parametrize("pin", FEDMAE_PINS, ids=_ids(FEDMAE_PINS))
 def test_fedmae_ks_paper_settings(pin):
     check(pin)
@@ -641,6 +741,46 @@ def test_surgical_paper_settings(pin):
 @pytest.mark.parametrize("pin", FEDDRA_PINS, ids=_ids(FEDDRA_PINS))
 def test_feddra_paper_settings(pin):
     check(pin)
+
+
+def _setting_ids(pins: list[tuple]) -> list[str]:
+    return [f"{p.rpartition('.')[2]}.{a}={v!r} [{c}]" for p, a, v, c in pins]
+
+
+def _check_setting(path: str, attr: str, paper: Any, cite: str) -> None:
+    module, _, name = path.rpartition(".")
+    value = inspect.signature(getattr(importlib.import_module(module), name)).parameters[attr].default
+    assert matches(value, paper), f"{path}.{attr} = {value!r}, paper / reference: {paper!r} ({cite})"
+
+
+@pytest.mark.parametrize("path,attr,paper,cite", FEDDRA_FINETUNE_PINS, ids=_setting_ids(FEDDRA_FINETUNE_PINS))
+def test_feddra_finetune_paper_settings(path, attr, paper, cite):
+    _check_setting(path, attr, paper, cite)
+
+
+@pytest.mark.parametrize("path,attr,paper,cite", FEDDRA_FINETUNE_REFERENCE_PINS,
+                         ids=_setting_ids(FEDDRA_FINETUNE_REFERENCE_PINS))
+def test_feddra_finetune_follows_the_reference_code(path, attr, paper, cite):
+    _check_setting(path, attr, paper, cite)
+
+
+def test_feddra_finetune_defaults_are_these_settings():
+    """few_shot_finetune without settings runs FEDDRA_FINETUNE, the dataclass's defaults (the pinned values)."""
+    from fedssl.train.vlp_finetune import FEDDRA_FINETUNE, FewShotFinetuneSettings
+
+    assert FEDDRA_FINETUNE == FewShotFinetuneSettings()
+
+
+def test_feddra_finetune_head_is_one_linear_layer():
+    """FedDRA sec.5.1.1 (1): 'an additional linear layer' (RSNA: MGCA's one logit; COVIDx: one per class)."""
+    import torch
+
+    from fedssl.train.vlp_finetune import FEDDRA_FINETUNE, _Run
+
+    for n_classes, n_out in ((2, 1), (3, 3)):
+        run = _Run("pin", torch.nn.Identity(), None, n_classes, FEDDRA_FINETUNE, torch.Generator(), torch.device("cpu"))
+        head = run.make_head(8)
+        assert type(head) is torch.nn.Linear and (head.in_features, head.out_features) == (8, n_out)
 
 
 @pytest.mark.parametrize("pin", SEG3D_PINS, ids=_ids(SEG3D_PINS))

@@ -3,7 +3,8 @@
 Two entry points:
 
 * :func:`augment_views` - contrastive view augmentation (random resized crop, flips,
-  brightness/contrast jitter) used to make the query / key views of a slice during pre-training.
+  brightness/contrast jitter) used to make the query / key views of a slice during pre-training;
+  :func:`augment_rotation_view` is the same without the vertical flip, for rotation prediction (FedRotation).
 * :func:`augment_segmentation` - joint image/label augmentation (flips, rotation +-15 deg,
   scaling 0.9-1.1, image-only brightness/contrast jitter) used during fine-tuning.
 
@@ -21,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["augment_views", "augment_segmentation"]
+__all__ = ["augment_views", "augment_rotation_view", "augment_segmentation"]
 
 # Parameter ranges (kept as module constants so callers / tests can refer to them).
 VIEW_CROP_SCALE: tuple[float, float] = (0.7, 1.0)
@@ -62,14 +63,15 @@ def _jitter(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return ((x - mean) * contrast + mean + brightness).clamp_(0.0, 1.0)
 
 
-def augment_views(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def augment_views(x: torch.Tensor, generator: torch.Generator, *, vertical_flip: bool = True) -> torch.Tensor:
     """Contrastive view augmentation of a batch of single-channel images.
 
     Each sample independently gets:
 
     1. a random resized crop covering 70-100 % of the image area (aspect ratio in [3/4, 4/3],
        random position fully inside the image), resampled bilinearly back to ``H x W``;
-    2. a random horizontal flip and a random vertical flip (p = 0.5 each);
+    2. a random horizontal flip and (``vertical_flip``) a random vertical flip (p = 0.5 each; without it the
+       vertical flip's draw is still made, so the other draws stay the same);
     3. contrast jitter x0.8-1.2 around the sample mean and brightness jitter +-0.2;
     4. clamping to [0, 1].
 
@@ -79,6 +81,7 @@ def augment_views(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         x: float tensor ``[N, 1, H, W]`` with values in [0, 1] (CPU or CUDA).
         generator: the :class:`torch.Generator` (normally a CPU generator) that drives every
             random choice; the same generator state gives the same output.
+        vertical_flip: false = no vertical flip (:func:`augment_rotation_view`).
 
     Returns:
         float tensor ``[N, 1, H, W]`` in [0, 1] on ``x.device`` with ``x.dtype``.
@@ -99,6 +102,8 @@ def augment_views(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     cy = _uniform(n, -1.0, 1.0, generator) * (1.0 - frac_h)
     flip_x = _flip_signs(n, generator)
     flip_y = _flip_signs(n, generator)
+    if not vertical_flip:
+        flip_y = torch.ones_like(flip_y)
 
     theta = torch.zeros(n, 2, 3, dtype=torch.float64, device=generator.device)
     theta[:, 0, 0] = frac_w * flip_x
@@ -110,6 +115,17 @@ def augment_views(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     grid = F.affine_grid(theta, [n, 1, h, w], align_corners=False)
     out = F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
     return _jitter(out, generator)
+
+
+def augment_rotation_view(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """:func:`augment_views` without the vertical flip: the augmentation of rotation prediction (FedRotation).
+
+    A horizontal and a vertical flip together are a 180 degree rotation, so with both flips in the augmentation
+    an image rotated by r and the flipped image rotated by r + 180 degrees are the same picture under two labels:
+    rotations 0 / 180 and 90 / 270 could not be told apart.  With the horizontal flip alone every (flip, rotation)
+    pair gives another picture, as in RotNet's own training (Gidaris et al. 2018; gidariss/FeatureLearningRotNet
+    ``dataloader.py``: random crop and ``RandomHorizontalFlip`` only)."""
+    return augment_views(x, generator, vertical_flip=False)
 
 
 def augment_segmentation(

@@ -177,7 +177,17 @@ def _fcl_health(a: Mapping[str, Any]) -> dict:
     """FCL, FedMoCo, Local CL (:class:`fedssl.train.fcl.FCLSettings`): the local term of eq. 3 against Q', the K =
     ``bank_size`` negatives negative sampling draws (:func:`fedssl.core.memory_bank.sample_negatives`; the local bank
     alone holds K, so Q' has K rows; without negative sampling and with feature exchange Q holds more and the run's
-    recorded chance is the exact one); D = ``proj_dim``, the query features' spread."""
+    recorded chance is the exact one); D = ``proj_dim``, the query features' spread.  The baselines of the same job
+    (``objective``, :mod:`fedssl.train.fcl_baselines`): FedSimCLR ln(2B-1), B = ``batch_size`` slices, D =
+    ``proj_dim``; FedRotation ln 4 (no feature spread recorded: D None)."""
+    objective = a.get("objective", "fcl")
+    if objective == "simclr":
+        b = int(a["batch_size"])
+        return {"chance": nt_xent_chance(b), "chance_what": f"ln(2B-1), B = {b}", "loss_key": "loss",
+                "dim": int(a["proj_dim"])}
+    if objective == "rotation":
+        return {"chance": uniform_chance(ROTATIONS), "chance_what": f"ln({ROTATIONS}) rotations", "loss_key": "loss",
+                "dim": None}
     k = int(a["bank_size"])
     return {"chance": infonce_chance(k), "chance_what": f"ln(K+1), K = {k}", "loss_key": "loss_local",
             "dim": int(a["proj_dim"])}

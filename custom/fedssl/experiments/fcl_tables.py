@@ -10,8 +10,10 @@ Cells (one :class:`~fedssl.experiments.table_runner.CellStore` at ``out/cells.js
 resumes where it stopped):
 
 - pre-training, one FLARE simulator run per pre-trained method: the overrides of :data:`fedssl.experiments.table7.ROWS`
-  (FedMoCo, FCL, FedBYOL, FCLOpt, FCLOpt-PTNU, FCLOpt-PTNU-DP) and Local CL (:data:`LOCAL_CL`: FCL with
-  ``federated=false``, nothing exchanged or aggregated).  "random" is not pre-trained.
+  (FedMoCo, FCL, FedBYOL, FCLOpt, FCLOpt-PTNU, FCLOpt-PTNU-DP), Local CL (:data:`LOCAL_CL`: FCL with
+  ``federated=false``, nothing exchanged or aggregated) and the baselines FedRotation and FedSimCLR
+  (:data:`BASELINES`: ``jobs/fcl_acdc`` with another ``objective``, FedAvg of the encoder and head, no feature
+  exchanged).  "random" is not pre-trained.
 - Table 1: one cell per (method, N, fold, site), the site fine-tuning alone (``local_finetune`` for that site).
   Local CL fine-tunes each site from that site's own encoder (``<workspace>/site-k/<run>/fcl_client_state.pt``).
 - Table 2: one cell per (method, N, fold): federated fine-tuning (``jobs/fcl_acdc_finetune`` in the simulator, as
@@ -86,7 +88,8 @@ from fedssl.ops.jobs import load_profile
 from fedssl.ops.simulate import run_simulation, server_run_dir
 from fedssl.train.protocol import centralised_finetune, local_finetune
 
-ALL_METHODS = tuple(FCL_METHODS)  # random, Local CL, FedMoCo, FedBYOL, FCL, FCLOpt, FCLOpt-PTNU, FCLOpt-PTNU-DP
+#: random, Local CL, FedRotation, FedSimCLR, FedMoCo, FedBYOL, FCL, FCLOpt, FCLOpt-PTNU, FCLOpt-PTNU-DP
+ALL_METHODS = tuple(FCL_METHODS)
 TABLES = (1, 2, 3)
 DEFAULT_FOLDS = (0, 1, 2, 3, 4)
 #: Local CL (FCL sec. 5.1 baseline; README, FCL section): FCL pre-training with nothing exchanged or aggregated
@@ -96,7 +99,14 @@ LOCAL_CL = ("Local CL", "fcl_acdc", ["client.fcl_trainer.federated=false", 'serv
 LOCAL_CL_SHARED = "site-1"
 LOCAL_CL_NOTE = (f"Local CL: local fine-tuning starts from each site's own encoder; federated and centralised "
                  f"fine-tuning from {LOCAL_CL_SHARED}'s (no shared model exists)")
-PRETRAINED = {name: (job, sets) for name, job, sets in [*ROWS, LOCAL_CL]}
+#: FCL sec. 5 "Baselines": FedRotation (rotation prediction, Gidaris et al. 2018) and FedSimCLR (Chen et al. 2020)
+#: "combined with FedAvg for pre-training the encoder": the FCL job with another objective on the server's model and
+#: the sites' trainer (``shape.objective``, :mod:`fedssl.train.fcl_baselines`), no feature exchange, nothing collected
+#: besides the weights; every other setting is the job's (sec. 5 "Training details")
+BASELINES = [(name, "fcl_acdc", [f"shape.objective={objective}", "client.fcl_trainer.feature_exchange=false",
+                                 "server.aggregator.collectors=[]"])
+             for name, objective in (("FedRotation", "rotation"), ("FedSimCLR", "simclr"))]
+PRETRAINED = {name: (job, sets) for name, job, sets in [*ROWS, LOCAL_CL, *BASELINES]}
 
 
 def _slug(method: str) -> str:
@@ -466,7 +476,8 @@ def diagnose_one(method: str, pretrained: dict, *, data_root: str, settings: dic
 def loss_health_settings(method: str, profile: str) -> dict:
     """The loss-health settings of ``method``'s pre-training (:func:`fedssl.experiments.diagnostics.health_settings`
     of its job's trainer at ``profile``: FCL / FedMoCo / Local CL ``loss_local`` against ln(K+1), K the trainer's
-    ``bank_size``; the BYOL family spread only; D its ``proj_dim``)."""
+    ``bank_size``; FedSimCLR ``loss`` against ln(2B-1), FedRotation against ln 4; the BYOL family spread only; D its
+    ``proj_dim``)."""
     job, sets = PRETRAINED[method]
     return job_health_settings(os.path.join(JOBS, job), profile, sets, TRAINER_IDS[job])
 

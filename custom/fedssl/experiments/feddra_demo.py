@@ -48,6 +48,7 @@ from fedssl.models.vlp import VisionLanguageModel
 from fedssl.ops.jobs import REPO_ROOT
 from fedssl.ops.simulate import global_model_path, run_simulation, server_run_dir
 from fedssl.train.feddra import FedDRALocalTrainer, FedDRASettings
+from fedssl.train.vlp_finetune import few_shot_finetune
 from fedssl.train.vlp_probe import few_shot_probe
 
 JOB = os.path.join(REPO_ROOT, "jobs", "feddra_mimic")
@@ -145,7 +146,9 @@ def ood_sets(data: str) -> dict[str, tuple[list, list]]:
 
 
 def probe(model: VisionLanguageModel, data: str, fractions: Sequence[float], seed: int) -> dict[str, dict]:
-    """Few-shot linear probes of the frozen image encoder (accuracy, AUROC) on each OOD set."""
+    """On each OOD set: the few-shot logistic-regression probe of the frozen image encoder (accuracy, AUROC) under
+    the fraction, and FedDRA's own protocol, a linear layer fine-tuned on the frozen encoder as MGCA's fine-tuner
+    (:func:`fedssl.train.vlp_finetune.few_shot_finetune`, the same labelled subset) under ``"<fraction>_ft"``."""
     model.eval()
 
     def features(x: torch.Tensor) -> torch.Tensor:
@@ -157,6 +160,9 @@ def probe(model: VisionLanguageModel, data: str, fractions: Sequence[float], see
         tr, te = (_Labelled(items, model.image_size, model.in_chans) for items in (train, test))
         res = few_shot_probe(features, tr, te, fractions=list(fractions), seed=seed, train_labels=tr.labels)
         out[name] = {k: {m: v[m] for m in ("accuracy", "auroc") if m in v} for k, v in res.items()}
+        ft = few_shot_finetune(model, tr, te, dataset=name, seed=seed, fractions=tuple(fractions),
+                               train_labels=tr.labels, features="image_features")
+        out[name].update({f"{k}_ft": {m: v[m] for m in ("accuracy", "auroc") if m in v} for k, v in ft.items()})
     return out
 
 

@@ -12,6 +12,8 @@ FLARE simulator at the profile's settings (``bench`` by default):
 * fine-tuning cells: jobs/sslfl_retina_finetune per method, split and seed, from the split's pre-trained global
   model (Fed-BEiT with BEiT's layer scale 0.1) or from random initialisation (ViT scratch); the test accuracy is
   that of the global model selected on the sites' validation splits (FinalEvaluation's ``test_metrics.json``).
+  ViT scratch fine-tunes for ``scratch_rounds_ratio`` times the pre-trained rows' rounds (:func:`finetune_rounds`;
+  SSL-FL sec. IV-C: 1,000 rounds from random initialisation, 100 for the others), stated under the table.
 
 * diagnostics cells (issue 14 item 4): per pre-training, the loss per round, the spread of the encoder's mean-pooled
   patch tokens against a random ViT's and a linear probe of both on each site's labelled images
@@ -55,7 +57,15 @@ from fedssl.experiments.diagnostics import (
 )
 from fedssl.experiments.sslfl_demo import VARIANTS, balance_retina
 from fedssl.experiments.environment import DEFAULT_THREADS
-from fedssl.experiments.table_runner import CellStore, begin_run, few_seeds_note, plain_json, run_cells, write_table
+from fedssl.experiments.table_runner import (
+    CellStore,
+    begin_run,
+    few_seeds_note,
+    plain_json,
+    read_run_config,
+    run_cells,
+    write_table,
+)
 from fedssl.ops.jobs import REPO_ROOT, component_specs, configured_job, load_profile
 from fedssl.ops.simulate import run_simulation
 
@@ -75,12 +85,22 @@ SELECTORS = ("splits", "methods", "seeds")
 #: method -> its row label in :data:`fedssl.eval.paper_tables.SSLFL_METHODS` (SSL-FL Table II)
 PAPER_LABELS = {"scratch": "scratch", "fedmae": "Fed-MAE", "fedbeit": "Fed-BEiT"}
 PAPER_SOURCE = SSLFL_SOURCE.format(table="II") + " (ViT-B, 9,000 Kaggle DR images)"
+#: ViT scratch's fine-tuning rounds as a multiple of the pre-trained rows' (issue 47).  SSL-FL sec. IV-C: "The
+#: federated fine-tuning process is run for 1000 communication rounds for models trained from random initialization,
+#: and 100 rounds for the others" (Table IV's T column: 1000 vs 100).  rui-yan/SSL-FL (commit 69c3388):
+#: code/fed_beit/script/retina/retina_split1_scratch.sh line 18 FT_EPOCHS=1000 against retina_split1_imnet.sh line
+#: 20 / retina_split1_ssl.sh line 48 FT_EPOCHS=100, passed as --max_communication_rounds; the rest of the scratch
+#: script's fine-tuning is the ImageNet one's (lr 3e-3, batch 64, --warmup_epochs 5, E_epoch 1).  Only the rounds
+#: scale: the cosine decay spans every round (code/util/misc.py cosine_scheduler; here the trainer's schedule
+#: length is the workflow's num_rounds), the warm-up stays 5 rounds.
+PAPER_SCRATCH_ROUNDS_RATIO = 10
 #: the table's settings when the profile's "tables": {"sslfl": {...}} leaves them out (the demo's data size);
-#: ``pretrain_rounds`` / ``finetune_rounds`` None = the profile's job settings
+#: ``pretrain_rounds`` / ``finetune_rounds`` None = the profile's job settings; ``scratch_rounds_ratio``: see
+#: :data:`PAPER_SCRATCH_ROUNDS_RATIO` (every profile's, the paper's and bench's included, unless one sets it)
 #: test_fraction: SSL-FL sec. IV-A holds out 3,000 of 12,000 retina images
 DEFAULTS = {"n_images": 2800, "image_px": 40, "difficulty": None, "n_sites": 5, "test_fraction": 0.25,
             "min_per_site": 10, "splits": [1, 2, 3], "methods": ["scratch", "fedmae", "fedbeit"], "seeds": [0, 1, 2],
-            "pretrain_rounds": None, "finetune_rounds": None}
+            "pretrain_rounds": None, "finetune_rounds": None, "scratch_rounds_ratio": PAPER_SCRATCH_ROUNDS_RATIO}
 
 
 def table_settings(profile: str = "bench", **overrides) -> dict:
@@ -105,7 +125,32 @@ def table_settings(profile: str = "bench", **overrides) -> dict:
     for name in ("pretrain_rounds", "finetune_rounds"):
         if s[name] is not None:
             require_int("sslfl tables", name, s[name], 1, "use a positive integer, or null for the profile's rounds")
+    require_int("sslfl tables", "scratch_rounds_ratio", s["scratch_rounds_ratio"], 1,
+                f"use a positive integer: ViT scratch's fine-tuning rounds over the pre-trained rows' (paper "
+                f"{PAPER_SCRATCH_ROUNDS_RATIO}: 1,000 vs 100; 1 = the same rounds)")
     return s
+
+
+def finetune_rounds(settings: dict, method: str) -> int:
+    """The fine-tuning rounds of ``method``'s cells: the table's ``finetune_rounds`` (None: the fine-tuning job's
+    ``scatter_and_gather.num_rounds`` at the table's profile), times ``scratch_rounds_ratio`` for ViT scratch (the
+    method without pre-training)."""
+    rounds = settings["finetune_rounds"]
+    if rounds is None:
+        files = configured_job(os.path.join(REPO_ROOT, "jobs", FINETUNE_JOB), settings["profile"], [])
+        workflow = next(c for c in component_specs(files["app/config/config_fed_server.json"])
+                        if c["id"] == "scatter_and_gather")
+        rounds = int(workflow["args"]["num_rounds"])
+    return rounds * (1 if METHODS[method]["pretrain"] else settings["scratch_rounds_ratio"])
+
+
+def rounds_line(settings: dict) -> str:
+    """The line under the table that gives ViT scratch's fine-tuning rounds next to the pre-trained rows'."""
+    ratio = settings["scratch_rounds_ratio"]
+    pre = [m for m in METHODS if METHODS[m]["pretrain"]]
+    return (f"fine-tuning rounds: {METHODS['scratch']['label']} {finetune_rounds(settings, 'scratch')}, "
+            f"{' / '.join(METHODS[m]['label'] for m in pre)} {finetune_rounds(settings, pre[0])} (scratch_rounds_ratio "
+            f"{ratio}; SSL-FL sec. IV-C: 1,000 from random initialisation vs 100, ratio {PAPER_SCRATCH_ROUNDS_RATIO})")
 
 
 def pretrain_cells(settings: dict) -> list[dict]:
@@ -163,7 +208,11 @@ def run_cell(key: dict, out: str, settings: dict, parts: dict, store: CellStore,
     common = dict(n_sites=n, data_root=os.path.join(parts[(seed, key["split"])], "{site}"),
                   profile=settings["profile"], echo=False)
     rounds = [f"server.scatter_and_gather.min_clients={n}"]
-    if settings[f"{stage}_rounds"] is not None:
+    if stage == "finetune" and not METHODS[method]["pretrain"]:
+        # ViT scratch: scratch_rounds_ratio x the pre-trained rows' rounds; the sites' lr schedule (warm-up, then
+        # cosine to the last round) takes its length from the workflow's num_rounds, the warm-up rounds stay
+        rounds.append(f"server.scatter_and_gather.num_rounds={finetune_rounds(settings, method)}")
+    elif settings[f"{stage}_rounds"] is not None:
         rounds.append(f"server.scatter_and_gather.num_rounds={settings[f'{stage}_rounds']}")
     if stage == "pretrain":
         run = simulate(os.path.join(REPO_ROOT, "jobs", METHODS[method]["pretrain"]), _workspace(out, key),
@@ -323,6 +372,18 @@ def seeds_note(settings: dict, results: dict) -> str | None:
     return few_seeds_note({k: v for k, v in covered.items() if v})
 
 
+def check_scratch_ratio_recorded(out: str, settings: dict) -> None:
+    """Refuse a folder whose ``run_config.json`` predates ``scratch_rounds_ratio`` (its ViT scratch cells were
+    fine-tuned for the pre-trained rows' rounds, ratio 1) with one line; a recorded ratio other than this run's is
+    refused by :func:`~fedssl.experiments.table_runner.begin_run`'s settings check like any setting."""
+    fix = "use another --out"
+    config = read_run_config(out, fix)
+    if config is not None and "scratch_rounds_ratio" not in config:
+        raise ValueError(f"{os.path.join(out, 'run_config.json')}: the cells in {out} were computed before "
+                         "scratch_rounds_ratio was recorded, ViT scratch fine-tuned for the pre-trained rows' rounds "
+                         f"(ratio 1; now {settings['scratch_rounds_ratio']}); {fix}")
+
+
 def run_sslfl_table(out: str, settings: dict, say: Callable[[str], None] = print, simulate=run_simulation,
                     diagnose=diagnose_cell, threads: int = DEFAULT_THREADS) -> dict:
     """Run (or resume) the table's cells into ``out`` and write ``sslfl_retina_table.{json,csv,txt,png}`` (the
@@ -332,6 +393,7 @@ def run_sslfl_table(out: str, settings: dict, say: Callable[[str], None] = print
     t0 = time.time()
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
+    check_scratch_ratio_recorded(out, settings)
     begin_run(out, {k: v for k, v in settings.items() if k not in SELECTORS}, threads=threads, say=say)
     store = CellStore(os.path.join(out, "cells.jsonl"))
     parts = {}
@@ -362,14 +424,16 @@ def run_sslfl_table(out: str, settings: dict, say: Callable[[str], None] = print
              + (f" +- std over n={n_seeds} seeds" if n_seeds > 1 else " of n=1 seed (no std)"),
              "numbers are not comparable with the paper's in absolute terms (tiny ViT, synthetic data); the paper's "
              "block is its Table II", *table_verdicts(settings, results, health)]
-    extra = {"settings": settings, "cells": [{"key": k, "result": r} for k, r in zip(fine, done)],
+    extra = {"settings": settings, "finetune_rounds": {METHODS[m]["label"]: finetune_rounds(settings, m)
+                                                       for m in settings["methods"]},
+             "cells": [{"key": k, "result": r} for k, r in zip(fine, done)],
              "diagnostics": diags, "wall_time_s": round(time.time() - t0, 1)}
     few = seeds_note(settings, results)
     failed = failure_footer({METHODS[m]["label"]: _unit_health(health, m, settings["splits"], settings["seeds"])
                              for m in settings["methods"]})
     paths = write_table(out, "sslfl_retina_table", rows, title="SSL-FL retina table (Table II): test accuracy (%)",
                         paper=paper_rows(settings), paper_source=PAPER_SOURCE, score="accuracy (%)", notes=notes,
-                        extra=extra, digits=2, footer=failed + ([few] if few else []))
+                        extra=extra, digits=2, footer=[rounds_line(settings), *failed, *([few] if few else [])])
     diag_text = format_diagnostics(diags) if diags else ""
     if diag_text:
         with open(paths["txt"], "a") as f:

@@ -1,7 +1,10 @@
 """Client executor for FCL pre-training (FCL (Wu et al., MedIA 2022) section 3) and its switches (FedMoCo, Local CL,
-ablations).
+ablations, and the FedRotation / FedSimCLR baselines of sec. 5 "Baselines").
 
-The math is :class:`fedssl.train.fcl.FCLLocalTrainer`, the round protocol
+The math is :class:`fedssl.train.fcl.FCLLocalTrainer` (``objective="fcl"``) or, for ``objective`` "rotation" /
+"simclr", :class:`fedssl.train.fcl_baselines.FedRotationTrainer` / ``FedSimCLRTrainer``
+(:func:`fedssl.train.fcl_baselines.trainer_class`; they exchange no feature and upload the whole model); the round
+protocol
 :class:`fedssl.flare.trainer_executor.TrainerExecutor`.  Per round: load the global model (Local CL: only before
 the site's first local round), hand the remote bank of the download to the trainer, train one local epoch,
 upload the main + momentum networks, the sample count and (feature exchange) the local bank.  Only unlabelled
@@ -32,7 +35,11 @@ from fedssl.data.acdc import load_site
 from fedssl.flare.constants import BANK_FEATURES, BANK_PARTITIONS, REMOTE_FEATURES, REMOTE_PARTITIONS, SITE_RECORD_META
 from fedssl.flare.site_executor import pick_device
 from fedssl.flare.trainer_executor import TrainerExecutor
-from fedssl.train.fcl import FCLLocalTrainer, FCLSettings
+from fedssl.train.fcl import FCLSettings
+from fedssl.train.fcl_baselines import trainer_class
+
+#: the site records the summary keeps (bounded numbers only), those the round's trainer reports
+RECORD_KEYS = ("bank_filled", "bank_fill", "feature_std", "chance_loss_local", "chance_loss", "rotation_accuracy")
 
 
 class FCLExecutor(TrainerExecutor):
@@ -52,15 +59,15 @@ class FCLExecutor(TrainerExecutor):
         """Feature exchange in effect: requested and federated (Local CL exchanges nothing)."""
         return self.settings.exchanges_features
 
-    def build_trainer(self, fl_ctx: FLContext, num_rounds: int) -> FCLLocalTrainer:
+    def build_trainer(self, fl_ctx: FLContext, num_rounds: int):
         site = self.site_name(fl_ctx)
         volumes = load_site(self.resolve_root(self.data_root, fl_ctx), with_labels=False, site=site,
                             target_spacing=self.target_spacing, image_size=self.image_size, frames=self.frames)
-        trainer = FCLLocalTrainer(volumes, self.settings, num_rounds=num_rounds, device=pick_device(self.device),
-                                  site=site)
+        trainer = trainer_class(self.objective)(volumes, self.settings, num_rounds=num_rounds,
+                                                device=pick_device(self.device), site=site)
         steps = trainer.dataset.n_batches(trainer.volumes_per_batch, self.max_steps_per_round)
         self.log_info(fl_ctx, f"{site}: {len(volumes)} unlabelled volumes (frames {self.frames}), {steps} steps per "
-                              f"round, device {trainer.device}")
+                              f"round, objective {self.objective} ({type(trainer).__name__}), device {trainer.device}")
         if not self.federated:
             self.log_info(fl_ctx, f"{site}: Local CL: no feature exchange, no upload; the server's aggregator must "
                                   'run with exclude_patterns=["*"] and collectors=[]')
@@ -69,27 +76,31 @@ class FCLExecutor(TrainerExecutor):
     def receive(self, dxo: DXO, fl_ctx: FLContext, round_idx: int) -> dict:
         """The global model (Local CL: only before the site's first local round) and the remote bank."""
         extra = super().receive(dxo, fl_ctx, round_idx) if self.federated or self.last_round < 0 else {}
-        features = dxo.get_meta_prop(REMOTE_FEATURES) if self.exchanges_features else None
-        self.trainer.set_remote(features, dxo.get_meta_prop(REMOTE_PARTITIONS))
+        if self.exchanges_features:
+            self.trainer.set_remote(dxo.get_meta_prop(REMOTE_FEATURES), dxo.get_meta_prop(REMOTE_PARTITIONS))
         return extra
 
     def result_state(self, stats: RoundStats, dxo: DXO) -> dict:
-        """The main + momentum networks; Local CL uploads no weight."""
+        """The whole model (FCL: main + momentum networks); Local CL uploads no weight."""
         return super().result_state(stats, dxo) if self.federated else {}
 
     def result_meta(self, stats: RoundStats, dxo: DXO, fl_ctx: FLContext) -> dict:
         """The summary record (bounded counts) and, with feature exchange, the rows the bank took in this round."""
-        m = stats.metrics
-        meta: dict = {SITE_RECORD_META: {"volumes": stats.samples, "steps_per_round": stats.steps,
-                                         "bank_filled": m["bank_filled"], "bank_fill": m["bank_fill"],
-                                         "bank_size": self.bank_size, "feature_std": m["feature_std"],
-                                         **{k: m[k] for k in ("chance_loss_local",) if k in m}}}
+        record = {"volumes": stats.samples, "steps_per_round": stats.steps,
+                  **{k: stats.metrics[k] for k in RECORD_KEYS if k in stats.metrics}}
+        if self.objective == "fcl":
+            record["bank_size"] = self.bank_size
+        meta: dict = {SITE_RECORD_META: record}
         if self.exchanges_features:  # FedMoCo and Local CL: no feature leaves the site
             meta[BANK_FEATURES], meta[BANK_PARTITIONS] = self.trainer.export_bank()
         return meta
 
     def describe_round(self, stats: RoundStats) -> str:
         m = stats.metrics
+        if self.objective != "fcl":
+            return ", ".join([f"loss {stats.loss:.4f} (chance {m['chance_loss']:.4f})", f"{stats.steps} steps",
+                              *[f"{k.replace('_', ' ')} {m[k]:.3f}" for k in ("rotation_accuracy", "feature_std")
+                                if k in m]])
         return (f"loss {stats.loss:.4f} (local {m['loss_local']:.4f} + remote {m['loss_remote']:.4f}; "
                 f"{stats.steps} steps, {m['remote_features']} remote features, bank {m['bank_filled']}/"
                 f"{self.bank_size} filled, feature spread {m['feature_std']:.3f})")

@@ -35,6 +35,7 @@ from monai.networks.nets import BasicUNet
 from torch import nn
 
 from fedssl.core.checks import require
+from fedssl.core.fedclf import ROTATIONS
 from fedssl.models.seeding import seeded
 
 #: Paper setting: standard U-Net, first level 48 channels, doubling per level (Ronneberger et al.).
@@ -59,6 +60,10 @@ BN_EPS = 1e-3
 #: mean 0 / variance 1 while a pre-trained encoder's is its pre-training's: an artefact in favour of pre-training).
 #: PyTorch's default 0.1 leaves 0.9^140 = 4e-7: converged, as in the reference at its length.
 BN_MOMENTUM = 0.1
+#: the ACDC pre-training objectives of :class:`MoCoUNetEncoder` (FCL sec. 5 "Baselines"): "fcl" (MoCo's networks:
+#: FCL, FedMoCo, Local CL; the default), "rotation" (FedRotation, Gidaris et al. 2018), "simclr" (FedSimCLR, Chen et
+#: al. 2020)
+OBJECTIVES: tuple[str, ...] = ("fcl", "rotation", "simclr")
 #: the width of the reference's projection head: flatten -> dense 1024 (ReLU, no bias) -> dense 128 (no activation,
 #: no bias), models.py 155-158
 FLATTEN_HIDDEN = 1024
@@ -88,6 +93,12 @@ def require_head(component: str, head: object) -> None:
     require(head in HEADS, component, "head", head,
             "use \"flatten\" (the reference code's flatten -> 1024 -> proj_dim) or \"grid\" (2 x 2 average pool "
             "-> C4 -> proj_dim)")
+
+
+def require_objective(component: str, objective: object) -> None:
+    require(objective in OBJECTIVES, component, "objective", objective,
+            f"use one of {list(OBJECTIVES)} (FCL / FedMoCo / Local CL, FedRotation, FedSimCLR), set with "
+            "shape.objective so that the server's model and the sites agree")
 
 
 def require_image_size(component: str, image_size: object) -> None:
@@ -317,12 +328,42 @@ def contrastive_net_like(state: Mapping[str, object], normalize: bool = True) ->
     return net
 
 
-class MoCoUNetEncoder(nn.Module):
-    """The FCL global model: MoCo main network and momentum network (FCL (Wu et al., MedIA 2022), Fig. 2).
+class RotationNet(nn.Module):
+    """FedRotation's network (FCL (Wu et al., MedIA 2022) sec. 5 "Baselines": Rotation, Gidaris et al., ICLR 2018):
+    the U-Net encoder (``encoder.*``, the same modules as :class:`ContrastiveNet`'s, so fine-tuning loads it
+    unchanged) and a linear classifier of the 4 rotations (``classifier.*``) on the globally average-pooled
+    bottleneck, as RotNet's own head (gidariss/FeatureLearningRotNet ``architectures/NetworkInNetwork.py``:
+    ``GlobalAveragePooling`` then ``nn.Linear(nChannels, num_classes)``, with a bias).  ``forward``: the rotation
+    logits ``[B, 4]``."""
 
-    Both are federated (FedAvg by sample count of main *and* momentum encoders, SPEC "FCL"), so the
-    FLARE persistor holds this whole module: keys ``main.*`` and ``momentum.*``, BatchNorm running statistics
-    included (``norm="batch"``).  ``norm``, ``head``, ``image_size``: :class:`ContrastiveNet`'s.
+    def __init__(self, features: Sequence[int] = PAPER_FEATURES, in_channels: int = 1, *, norm: str = NORMS[0]):
+        super().__init__()
+        self.encoder = UNetEncoder(features, in_channels, norm=norm)
+        self.classifier = nn.Linear(self.encoder.out_channels, ROTATIONS)
+        self.norm = norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.encoder(x)  # [B, C4, H/16, W/16]
+        return self.classifier(h.mean(dim=(2, 3)))  # [B, 4]
+
+
+class MoCoUNetEncoder(nn.Module):
+    """The ACDC pre-training global model: by default (``objective="fcl"``) FCL's MoCo main network and momentum
+    network (FCL (Wu et al., MedIA 2022), Fig. 2); the baselines of sec. 5 "Baselines" that share the job
+    (:data:`OBJECTIVES`) hold only what they train, under ``main.*``:
+
+    * ``"fcl"`` (FCL, FedMoCo, Local CL): ``main.*`` and ``momentum.*``, two :class:`ContrastiveNet`;
+    * ``"simclr"`` (FedSimCLR): ``main.*``, one :class:`ContrastiveNet` (encoder + projection head), no momentum
+      network;
+    * ``"rotation"`` (FedRotation): ``main.*``, a :class:`RotationNet` (encoder + 4-way rotation classifier).
+
+    ``main.encoder.*`` is the U-Net encoder in every case (:func:`encoder_state_from_global`), built first from the
+    same seed, so every objective starts from the same encoder.
+
+    Both networks of ``"fcl"`` are federated (FedAvg by sample count of main *and* momentum encoders, SPEC "FCL"),
+    so the FLARE persistor holds this whole module, BatchNorm running statistics included (``norm="batch"``).
+    ``norm``, ``head``, ``image_size``: :class:`ContrastiveNet`'s (``"rotation"`` has no projection head: ``head``
+    and ``proj_dim`` are not used).
 
     Batch normalisation and MoCo's key encoder: MoCo v1 (He et al. 2020, sec. 3.3) shuffles the key batch across
     GPUs so that a query's batch statistics differ from its key's; on one device that shuffle permutes the batch
@@ -336,20 +377,26 @@ class MoCoUNetEncoder(nn.Module):
 
     def __init__(self, features: Sequence[int] = PAPER_FEATURES, proj_dim: int = 128, in_channels: int = 1,
                  seed: int | None = 0, *, norm: str = NORMS[0], head: str = HEADS[0],
-                 image_size: int = PAPER_IMAGE_SIZE):
+                 image_size: int = PAPER_IMAGE_SIZE, objective: str = OBJECTIVES[0]):
         super().__init__()
+        require_objective(type(self).__name__, objective)
         self.features = list(features)
         self.proj_dim = proj_dim
         self.in_channels = in_channels
         self.seed = seed
-        self.norm, self.head, self.image_size = norm, head, image_size
+        self.norm, self.head, self.image_size, self.objective = norm, head, image_size, objective
         shape = dict(norm=norm, head=head, image_size=image_size)
         with seeded(seed):
-            self.main = ContrastiveNet(features, proj_dim, in_channels, **shape)
-            self.momentum = ContrastiveNet(features, proj_dim, in_channels, **shape)
-        self.momentum.load_state_dict(self.main.state_dict())
-        for p in self.momentum.parameters():
-            p.requires_grad_(False)
+            if objective == "rotation":
+                self.main = RotationNet(features, in_channels, norm=norm)
+            else:
+                self.main = ContrastiveNet(features, proj_dim, in_channels, **shape)
+            if objective == "fcl":
+                self.momentum = ContrastiveNet(features, proj_dim, in_channels, **shape)
+        if objective == "fcl":
+            self.momentum.load_state_dict(self.main.state_dict())
+            for p in self.momentum.parameters():
+                p.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.main(x)

@@ -11,6 +11,8 @@ global structural matching (GSM, eqs. 4-5), each a switch.  ``plain_moco`` repla
 positives (sec. 3.2) by MoCo's own positive, the other augmented view of the same slice (He et al., 2020), and
 turns GSM off: with FE off that is FedMoCo, the "Without FE" row of Table 6 (its numbers equal FedMoCo's in
 Tables 1 and 7).  ``federated=false`` is Local CL: no exchange at all (the executor uploads nothing).
+``objective`` "rotation" / "simclr" are the FedRotation / FedSimCLR baselines of sec. 5 "Baselines" on the same data
+and U-Net encoder, trained by :mod:`fedssl.train.fcl_baselines` (one trainer per method; the settings stay here).
 
 What crosses the wire besides the model: the remote bank (the other sites' features, in through
 :meth:`FCLLocalTrainer.set_remote`) and this site's bank (out through :meth:`FCLLocalTrainer.export_bank`).
@@ -45,7 +47,8 @@ from fedssl.data.acdc import PartitionSampleDataset
 from fedssl.data.loading import loader_options
 from fedssl.data.transforms import augment_views
 from fedssl.data.volume import Volume
-from fedssl.models.unet import HEADS, NORMS, PAPER_FEATURES, MoCoUNetEncoder, require_unet_args
+from fedssl.models.unet import (HEADS, NORMS, OBJECTIVES, PAPER_FEATURES, MoCoUNetEncoder, require_objective,
+                                require_unet_args)
 from fedssl.train.pretraining import Pretrainer
 
 
@@ -63,9 +66,17 @@ class FCLSettings:
         which FCL builds) or "instance" (MONAI's default); head: "flatten" (default: the reference's flatten ->
         1024 -> proj_dim) or "grid" (2 x 2 pooled); see :mod:`fedssl.models.unet`.  Fine-tuning must use the
         same norm.
+    objective: "fcl" (MoCo: FCL, FedMoCo, Local CL, :class:`FCLLocalTrainer`), "rotation" (FedRotation: 4-way
+        rotation prediction, Gidaris et al. 2018, :class:`fedssl.train.fcl_baselines.FedRotationTrainer`) or
+        "simclr" (FedSimCLR: NT-Xent over the batch's two views at ``tau``, Chen et al. 2020,
+        :class:`fedssl.train.fcl_baselines.FedSimCLRTrainer`); FCL sec. 5 "Baselines" pre-trains the same encoder
+        with FedAvg.  "rotation" and "simclr" exchange no feature (``feature_exchange`` must be false) and use none
+        of the MoCo settings (``momentum``, ``bank_size``, ``negative_sampling``, ``structural_matching``,
+        ``plain_moco``); the server's model must have the same objective (``shape.objective``).
     batch_size: 2D images per mini-batch (= volumes per batch x n_partitions; 32 = 8 x 4).
     lr: SGD (momentum :attr:`sgd_momentum`, weight decay :attr:`weight_decay`), cosine decay over all rounds.
-    tau: the temperature; momentum: m of the momentum encoder; bank_size: K of the local bank.
+    tau: the temperature (MoCo's InfoNCE, SimCLR's NT-Xent); momentum: m of the momentum encoder; bank_size: K of
+        the local bank.
     feature_exchange / negative_sampling / structural_matching: FE / NS / GSM (Table 6).
     plain_moco: true = MoCo's positive (the other view of the same slice), no partition positives, no GSM.
         FedMoCo and Table 6 "Without FE" = plain_moco true + feature_exchange false.
@@ -91,6 +102,7 @@ class FCLSettings:
     norm: str = NORMS[0]
     head: str = HEADS[0]
     proj_dim: int = 128
+    objective: str = OBJECTIVES[0]
     batch_size: int = 32
     lr: float = 0.05
     tau: float = 0.1
@@ -126,6 +138,10 @@ class FCLSettings:
         for flag in ("feature_exchange", "negative_sampling", "structural_matching", "plain_moco", "federated",
                      "channels_last"):
             require(isinstance(getattr(self, flag), bool), name, flag, getattr(self, flag), "use true or false")
+        require_objective(name, self.objective)
+        require(self.objective == "fcl" or not self.feature_exchange, name, "feature_exchange", self.feature_exchange,
+                f"objective={self.objective!r} exchanges no feature (FedAvg of the weights only, FCL sec. 5 "
+                "'Baselines'): set feature_exchange=false and server.aggregator.collectors=[]")
         require_int(name, "max_steps_per_round", self.max_steps_per_round, 0,
                     "use 0 (full epoch) or a positive step count")
         require_amp(name, self.amp)
@@ -138,6 +154,26 @@ class FCLSettings:
     def exchanges_features(self) -> bool:
         """Feature exchange in effect: requested and federated (Local CL exchanges nothing)."""
         return self.feature_exchange and self.federated
+
+
+def require_settings_objective(component: str, settings: FCLSettings, objective: str) -> None:
+    """A trainer of ``objective`` refuses settings of another objective, naming where its trainer is."""
+    require(settings.objective == objective, component, "objective", settings.objective,
+            f"{component} trains objective {objective!r}; build the trainer of {settings.objective!r} with "
+            "fedssl.train.fcl_baselines.trainer_class")
+
+
+def site_partitions(s: FCLSettings, volumes: Iterable, site: str) -> tuple[int, PartitionSampleDataset, int]:
+    """A site's pre-training data as every ACDC pre-training trainer draws it: (its data seed ``site_seed(seed,
+    site)``, the partition-sampling dataset of its volumes, volumes per batch = batch_size / n_partitions).  Raises
+    ValueError when the site's volumes cannot fill one batch."""
+    volumes = list(volumes)
+    data_seed = site_seed(s.seed, site)
+    per_batch = s.batch_size // s.n_partitions
+    if len(volumes) < per_batch:
+        raise ValueError(f"{site or 'this site'}: {len(volumes)} volumes cannot fill one batch of {per_batch} "
+                         "volumes; lower batch_size")
+    return data_seed, PartitionSampleDataset(volumes, s.n_partitions, seed=data_seed), per_batch
 
 
 class FCLLocalTrainer(Pretrainer):
@@ -158,16 +194,12 @@ class FCLLocalTrainer(Pretrainer):
                  device: str | torch.device = "cpu", site: str = "",
                  augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor] = augment_views):
         settings.check(type(self).__name__)
+        require_settings_objective(type(self).__name__, settings, "fcl")
         require(num_rounds > 0, type(self).__name__, "num_rounds", num_rounds,
                 "use the job's number of rounds (paper: 200)")
-        s, volumes = settings, list(volumes)
+        s = settings
         self.settings, self.num_rounds, self.workers = s, int(num_rounds), int(s.workers)
-        self.data_seed = site_seed(s.seed, site)
-        self.dataset = PartitionSampleDataset(volumes, s.n_partitions, seed=self.data_seed)
-        self.volumes_per_batch = s.batch_size // s.n_partitions
-        if len(volumes) < self.volumes_per_batch:
-            raise ValueError(f"{site or 'this site'}: {len(volumes)} volumes cannot fill one batch of "
-                             f"{self.volumes_per_batch} volumes; lower batch_size")
+        self.data_seed, self.dataset, self.volumes_per_batch = site_partitions(s, volumes, site)
         self.device = torch.device(device)
         self.model = MoCoUNetEncoder(s.features, s.proj_dim, norm=s.norm, head=s.head,
                                      image_size=s.image_size).to(self.device)

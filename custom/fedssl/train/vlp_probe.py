@@ -2,10 +2,11 @@
 
 FedDRA (Shuai, Wu, Tang & Shen, TMLR): "We fine-tune our pre-trained model with an additional linear layer on 1%,
 10% percentage of the training dataset, and evaluate the classification accuracy" (RSNA Pneumonia, 2 classes;
-COVIDx, 3 classes).  The paper does not say whether the encoder is updated.  Here it is **frozen**: a linear probe
-(multinomial logistic regression, :func:`fedssl.train.probe.fit_logistic`: full-batch Adam, seeded) on the encoder's
-standardised image features.  That measures what pre-training put in the features, not what fine-tuning adds, so
-numbers are comparable across pre-training variants but not one-to-one with the paper's.
+COVIDx, 3 classes).  Here the encoder is **frozen** and the head is a logistic-regression probe
+(multinomial, :func:`fedssl.train.probe.fit_logistic`: full-batch Adam, seeded) on the encoder's standardised image
+features: cheap, and it measures what pre-training put in the features.  The paper's own protocol (the MGCA
+fine-tuner it follows: a linear layer on the frozen encoder, mini-batch AdamW lr 5e-4, batch 48, 50 epochs) is
+:func:`fedssl.train.vlp_finetune.few_shot_finetune`, on the same labelled subsets (:func:`few_shot_subset`).
 
 - :func:`few_shot_subset`: the labelled fraction, stratified per class (at least one image of every class);
   subsets of one seed are nested (the 1 % subset lies inside the 10 % one).
@@ -29,7 +30,8 @@ from fedssl.core.checks import require, require_int
 from fedssl.eval.auroc import auroc
 from fedssl.train.probe import fit_logistic
 
-__all__ = ["few_shot_subset", "extract_features", "linear_probe", "few_shot_probe", "fraction_key"]
+__all__ = ["few_shot_subset", "extract_features", "linear_probe", "few_shot_probe", "fraction_key",
+           "classification_scores"]
 
 
 def _labels_1d(component: str, arg: str, labels) -> np.ndarray:
@@ -142,11 +144,18 @@ def linear_probe(train_x, train_y, test_x, test_y, n_classes: int, epochs: int =
     head = fit_logistic((xs - mean) / std, ys, n_classes, steps=epochs, lr=lr, weight_decay=weight_decay, seed=seed)
     with torch.no_grad():
         probs = torch.softmax(head((xt - mean) / std).double(), dim=1).numpy()
-    y = yt.numpy()
+    return {**classification_scores(probs, yt.numpy(), n_classes), "n_train": int(xs.shape[0]),
+            "n_test": int(xt.shape[0])}
+
+
+def classification_scores(probs: np.ndarray, y: np.ndarray, n_classes: int) -> dict:
+    """``{"accuracy", "balanced_accuracy" (mean recall over the classes present in ``y``), "auroc" (see
+    :func:`_macro_auroc`)}`` of class probabilities ``probs [N, n_classes]`` (prediction: the arg max) against the
+    labels ``y [N]``; shared by the probe and :func:`fedssl.train.vlp_finetune.few_shot_finetune`."""
     pred = probs.argmax(axis=1)
     recalls = [float((pred[y == c] == c).mean()) for c in np.unique(y)]
     return {"accuracy": float((pred == y).mean()), "balanced_accuracy": float(np.mean(recalls)),
-            "auroc": _macro_auroc(probs, y, n_classes), "n_train": int(xs.shape[0]), "n_test": int(xt.shape[0])}
+            "auroc": _macro_auroc(probs, y, n_classes)}
 
 
 def fraction_key(fraction: float) -> str:

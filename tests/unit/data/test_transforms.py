@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedssl.data.transforms import augment_segmentation, augment_views
+from fedssl.data.transforms import augment_rotation_view, augment_segmentation, augment_views
 
 
 def _gen(seed: int = 0) -> torch.Generator:
@@ -53,6 +53,26 @@ def test_augment_views_consumes_generator() -> None:
     a = augment_views(x, g)
     b = augment_views(x, g)  # advanced generator -> different views
     assert not torch.equal(a, b)
+
+
+def _top_brighter(out: torch.Tensor) -> torch.Tensor:
+    h = out.shape[-2] // 2
+    return out[:, 0, :h].mean(dim=(1, 2)) > out[:, 0, h:].mean(dim=(1, 2))
+
+
+def test_rotation_views_never_flip_vertically_and_keep_the_other_draws() -> None:
+    """FedRotation's augmentation: no vertical flip (with the horizontal one it would be a 180 degree rotation), so
+    a slice bright on top stays bright on top in every view, where augment_views turns some upside down; crop,
+    horizontal flip and jitter are the same draws (a left-right symmetric image: the same views where
+    augment_views did not flip vertically)."""
+    x = torch.zeros(64, 1, 32, 32)
+    x[:, :, :16] = 1.0
+    x[:, :, :8, :] = 0.5  # not symmetric top-bottom, symmetric left-right
+    rotation, views = augment_rotation_view(x, _gen(5)), augment_views(x, _gen(5))
+    assert bool(_top_brighter(rotation).all())
+    upright = _top_brighter(views)
+    assert 0 < int(upright.sum()) < 64  # augment_views flips some
+    assert torch.allclose(rotation[upright], views[upright], atol=1e-6)
 
 
 def test_augment_views_rejects_bad_shape() -> None:

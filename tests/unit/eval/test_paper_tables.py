@@ -28,6 +28,12 @@ def _cell(rows, method, column):
     (2, "FedMoCo", 2, (0.675, 0.053)),
     (3, "FCL", 1, (0.575, 0.113)),  # FCL Table 3
     (3, "FedBYOL", 8, (0.805, 0.021)),
+    (1, "FedRotation", 1, (0.357, 0.058)),  # sec. 5 "Baselines", Rotation (Gidaris et al., 2018) with FedAvg
+    (1, "FedSimCLR", 8, (0.765, 0.033)),
+    (2, "FedRotation", 2, (0.627, 0.074)),
+    (2, "FedSimCLR", 4, (0.788, 0.014)),
+    (3, "FedRotation", 4, (0.686, 0.056)),
+    (3, "FedSimCLR", 1, (0.287, 0.030)),
 ])
 def test_fcl_values_typed_from_the_paper(table, method, n, expected):
     assert _cell(fcl_paper_rows(table), method, f"N={n}") == expected
@@ -38,7 +44,7 @@ def test_every_fcl_method_has_all_four_n_in_every_table():
     for table in (1, 2, 3):
         for name, values in FCL_TABLES[table].items():
             assert len(values) == len(FCL_N) == 4, (table, name)
-        assert len(fcl_paper_rows(table)) == 8 * 4
+        assert len(fcl_paper_rows(table)) == 10 * 4
 
 
 def test_sslfl_values_typed_from_the_paper():

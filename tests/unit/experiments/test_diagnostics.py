@@ -334,6 +334,13 @@ def test_chance_levels_from_each_trainers_job_settings():
     assert (simclr["chance"], simclr["chance_what"]) == (pytest.approx(math.log(31)), "ln(2B-1), B = 16")
     rotation = job("fedclf_derm", ["client.fedclf_trainer.method=rotation", "client.fedclf_trainer.queue=none"])
     assert rotation["chance"] == pytest.approx(math.log(4))
+    # FCL's FedRotation / FedSimCLR (the fcl_acdc job with another objective; bench batch 16 slices): the total loss
+    # against ln 4 (no feature spread recorded) / ln(2 x 16 - 1)
+    off = ["client.fcl_trainer.feature_exchange=false", "server.aggregator.collectors=[]"]
+    assert job("fcl_acdc", ["shape.objective=rotation", *off]) == {
+        "chance": pytest.approx(math.log(4)), "chance_what": "ln(4) rotations", "loss_key": "loss", "dim": None}
+    assert job("fcl_acdc", ["shape.objective=simclr", *off]) == {
+        "chance": pytest.approx(math.log(31)), "chance_what": "ln(2B-1), B = 16", "loss_key": "loss", "dim": 32}
     with pytest.raises(ValueError, match="no loss-health settings"):
         health_settings("cls_trainer", {})
 

@@ -92,7 +92,7 @@ def test_cell_counts_per_table():
     assert len(table_cells(2, METHODS, [1, 2], [0, 1], SITES)) == 8
     assert len(table_cells(3, METHODS, [1, 2], [0, 1], SITES)) == 8
     assert pretrain_cells(METHODS) == [{"stage": "pretrain", "method": "FCL"}]  # random is not pre-trained
-    assert len(pretrain_cells(fcl_tables.ALL_METHODS)) == 7
+    assert len(pretrain_cells(fcl_tables.ALL_METHODS)) == 9
 
 
 def test_run_calls_each_stage_once_per_cell_and_writes_the_tables(monkeypatch, tmp_path, data_root):
@@ -273,6 +273,27 @@ def test_seeds_repeat_every_cell_pair_runs_of_one_seed_and_give_the_spread_over_
 
 def test_every_pretraining_job_has_a_trainer_for_the_seed_override():
     assert {job for job, _ in fcl_tables.PRETRAINED.values()} <= set(fcl_tables.TRAINER_IDS)
+
+
+def test_fedrotation_and_fedsimclr_rows_are_the_fcl_job_with_another_objective(tmp_path):
+    """FCL Table 1's baselines (sec. 5 "Baselines"): the objective on the server's model and the sites' trainer, no
+    feature exchange, no bank collector; the rows bind to the job (with the seed override) and sit after Local CL as
+    in the paper's tables; the loss health reads each against its own chance level."""
+    from fedssl.ops.jobs import build_job, component_specs, job_configs
+
+    assert fcl_tables.ALL_METHODS[:4] == ("random", "Local CL", "FedRotation", "FedSimCLR")
+    for method, objective, chance in (("FedRotation", "rotation", np.log(4)), ("FedSimCLR", "simclr", np.log(31))):
+        job, sets = fcl_tables.PRETRAINED[method]
+        assert job == "fcl_acdc" and sets == [f"shape.objective={objective}",
+                                              "client.fcl_trainer.feature_exchange=false",
+                                              "server.aggregator.collectors=[]"]
+        out = build_job(os.path.join(fcl_tables.JOBS, job), str(tmp_path / method), profile="quick",
+                        sets=sets + fcl_tables.seed_sets("fcl_trainer", 1), n_sites=2)
+        comps = {c["id"]: c["args"] for _, cfg in job_configs(out) for c in component_specs(cfg)}
+        assert comps["model"]["objective"] == comps["fcl_trainer"]["objective"] == objective
+        assert comps["fcl_trainer"]["feature_exchange"] is False and comps["aggregator"]["collectors"] == []
+        health = fcl_tables.loss_health_settings(method, "quick")  # quick: batch 16 slices
+        assert health["loss_key"] == "loss" and health["chance"] == pytest.approx(chance)
 
 
 def test_seed_overrides_reach_the_jobs(monkeypatch, tmp_path):

@@ -58,6 +58,11 @@ def test_the_baselines_run_and_a_rerun_resumes(tmp_path, monkeypatch):
         assert sorted(cell["clients"]) == ["site-1", "site-2"]
         assert all(0 <= m["R@1"] <= m["R@5"] <= 1 for m in cell["clients"].values())
         assert set(cell["probe"]) == {"rsna", "covidx"}
+        for per in cell["probe"].values():  # the probe and the paper's fine-tuned linear layer, per fraction
+            probes = {k for k in per if not k.endswith("_ft")}
+            assert probes and {f"{k}_ft" for k in probes} == set(per) - probes
+            assert all(0 <= per[f"{k}_ft"]["accuracy"] <= 1 for k in probes)
+    assert all(any(k.endswith("_ft_acc") for k in row) for row in report["rows"])
     monkeypatch.setattr(fd, "run_local", lambda *a, **k: pytest.fail("a finished cell was run again"))
     again = fd.run(out, variants=["decentralised", "centralised"], seeds=[0], settings=TINY)
     assert again["rows"] == report["rows"]

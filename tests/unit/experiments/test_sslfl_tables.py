@@ -131,6 +131,94 @@ def test_resume_after_a_failed_cell_runs_only_the_unfinished_cells(tmp_path):
         ("sslfl_mae_retina", "split1"), (st.FINETUNE_JOB, "split1"), (st.FINETUNE_JOB, "split1")]
 
 
+def _num_rounds(sets: list[str]) -> list[int]:
+    """The num_rounds overrides among a simulator call's ``--set`` overrides."""
+    return [int(x.rsplit("=", 1)[1]) for x in sets if x.startswith("server.scatter_and_gather.num_rounds=")]
+
+
+def _schedule(sets: list[str], profile: str = "bench") -> dict:
+    """What the sites' lr schedule is built from in a fine-tuning cell's job: the workflow's num_rounds (the
+    trainer's schedule length, from the round headers) and the trainer's lr / warm-up / min_lr."""
+    files = st.configured_job(os.path.join(st.REPO_ROOT, "jobs", st.FINETUNE_JOB), profile, sets)
+    comps = {c["id"]: c["args"] for name in ("app/config/config_fed_server.json", "app/config/config_fed_client.json")
+             for c in st.component_specs(files[name])}
+    cls = comps["cls_trainer"]
+    return {"num_rounds": comps["scatter_and_gather"]["num_rounds"], "lr": cls["lr"],
+            "warmup_rounds": cls["warmup_rounds"], "min_lr": cls["min_lr"]}
+
+
+def test_scratch_fine_tunes_ratio_times_the_pretrained_rows_rounds_and_says_so(tmp_path):
+    """Issue 47: SSL-FL sec. IV-C fine-tunes from random initialisation for 1,000 rounds and the pre-trained models for
+    100; the table's scratch cells get scratch_rounds_ratio (10 at bench) x the pre-trained cells' rounds, the same
+    warm-up and lr, and the cosine decay over all of their rounds; the ratio and both round counts are recorded."""
+    from fedssl.core.schedule import warmup_cosine
+
+    settings = st.table_settings("bench", splits=[3], seeds=[0], **TINY)
+    assert settings["scratch_rounds_ratio"] == 10
+    sim = FakeSimulator()
+    out = st.run_sslfl_table(str(tmp_path), settings, say=lambda m: None, simulate=sim, diagnose=FakeDiagnose())
+    fine = {os.path.basename(c["workspace"]).split("_")[1]: c["sets"] for c in sim.calls
+            if c["job"] == st.FINETUNE_JOB}
+    assert _num_rounds(fine["scratch"]) == [600]  # bench fine-tunes 60 rounds: 10 x 60
+    assert _num_rounds(fine["fedmae"]) == _num_rounds(fine["fedbeit"]) == []  # the profile's 60, untouched
+    assert all(_num_rounds(c["sets"]) == [] for c in sim.calls if c["job"] != st.FINETUNE_JOB)  # pre-training too
+    scratch, pre = _schedule(fine["scratch"]), _schedule(fine["fedmae"])
+    assert (scratch["num_rounds"], pre["num_rounds"]) == (600, 60)
+    # only the rounds scale: lr 3e-3 and 5 warm-up rounds as the pre-trained rows (the reference's scratch and
+    # ImageNet scripts both pass --warmup_epochs 5 --lr 3e-3); the decay spans the scratch run's 600 rounds
+    assert {k: v for k, v in scratch.items() if k != "num_rounds"} == {k: v for k, v in pre.items()
+                                                                         if k != "num_rounds"}
+    assert scratch["warmup_rounds"] == 5 and scratch["lr"] == 0.003
+
+    def lr(sched, at):
+        return warmup_cosine(at, sched["lr"], sched["warmup_rounds"], sched["num_rounds"], sched["min_lr"])
+
+    assert lr(pre, 60) == pre["min_lr"] and lr(scratch, 60) > 0.95 * scratch["lr"] and lr(scratch, 600) == 1e-6
+    # recorded: the settings (run_config.json, the JSON) and both round counts, in the JSON and under the table
+    with open(tmp_path / "run_config.json") as f:
+        assert json.load(f)["scratch_rounds_ratio"] == 10
+    with open(out["paths"]["json"]) as f:
+        extra = json.load(f)["extra"]
+    assert extra["settings"]["scratch_rounds_ratio"] == 10
+    assert extra["finetune_rounds"] == {"ViT scratch": 600, "Fed-MAE": 60, "Fed-BEiT": 60}
+    under = open(out["paths"]["txt"]).read().split("paper (SSL-FL")[1]
+    assert ("fine-tuning rounds: ViT scratch 600, Fed-MAE / Fed-BEiT 60 (scratch_rounds_ratio 10; SSL-FL sec. IV-C: "
+            "1,000 from random initialisation vs 100, ratio 10)") in under.splitlines()
+
+
+def test_scratch_ratio_scales_the_tables_own_rounds_and_is_checked():
+    s = st.table_settings("bench", finetune_rounds=7, scratch_rounds_ratio=3)
+    assert [st.finetune_rounds(s, m) for m in ("scratch", "fedmae", "fedbeit")] == [21, 7, 7]
+    assert st.finetune_rounds(st.table_settings("bench", scratch_rounds_ratio=1), "scratch") == 60
+    # the paper's ratio wherever no profile sets another: the paper profile, bench and quick (4 -> 40)
+    assert [st.table_settings(p)["scratch_rounds_ratio"] for p in ("paper", "bench", "quick")] == [10, 10, 10]
+    assert st.finetune_rounds(st.table_settings("quick"), "scratch") == 40
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="scratch_rounds_ratio=.*use a positive integer"):
+            st.table_settings("bench", scratch_rounds_ratio=bad)
+
+
+def test_a_folder_of_another_scratch_ratio_is_refused_in_one_line(tmp_path):
+    settings = st.table_settings("bench", splits=[3], methods=["scratch"], seeds=[0], **TINY)
+    st.run_sslfl_table(str(tmp_path), settings, say=lambda m: None, simulate=FakeSimulator(), diagnose=FakeDiagnose())
+    again = FakeSimulator()
+    with pytest.raises(ValueError) as e:
+        st.run_sslfl_table(str(tmp_path), {**settings, "scratch_rounds_ratio": 1}, say=lambda m: None,
+                           simulate=again)
+    assert "scratch_rounds_ratio=10 (now 1)" in str(e.value) and "\n" not in str(e.value)
+    # a folder written before the ratio was recorded ran scratch at the pre-trained rows' rounds: refused too
+    path = tmp_path / "run_config.json"
+    config = json.loads(path.read_text())
+    del config["scratch_rounds_ratio"]
+    path.write_text(json.dumps(config))
+    with pytest.raises(ValueError) as e:
+        st.run_sslfl_table(str(tmp_path), settings, say=lambda m: None, simulate=again)
+    assert str(e.value) == (f"{path}: the cells in {tmp_path} were computed before scratch_rounds_ratio was "
+                            "recorded, ViT scratch fine-tuned for the pre-trained rows' rounds (ratio 1; now 10); "
+                            "use another --out")
+    assert again.calls == []
+
+
 class FailingDiagnose(FakeDiagnose):
     """Fed-MAE's loss per round: Split-2 dips below (d-1)/d = 47/48 = 0.979 (4 x 4 RGB patches, norm-pix targets,
     the bench profile), Split-3 never does (a failed pre-training)."""

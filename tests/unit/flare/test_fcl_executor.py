@@ -239,9 +239,49 @@ def test_the_arguments_are_the_settings_declared_once():
 
     params = inspect.signature(FCLExecutor).parameters
     fields = {f.name: f.default for f in dataclasses.fields(FCLSettings)}
-    assert {k: p.default for k, p in params.items()} == fields and len(fields) == 25
+    assert {k: p.default for k, p in params.items()} == fields and len(fields) == 26
     ex = FCLExecutor(lr=0.1, features=[4, 4, 8, 8, 16, 4])
     assert ex.lr == 0.1 and ex.features == [4, 4, 8, 8, 16, 4]
     assert ex.settings == FCLSettings(lr=0.1, features=[4, 4, 8, 8, 16, 4])
     with pytest.raises(TypeError, match=r"FCLExecutor: unknown arguments bank, lrr; it accepts .*bank_size"):
         FCLExecutor(lrr=0.1, bank=5)
+
+
+@pytest.mark.parametrize("method, trainer, chance", [("FedRotation", "FedRotationTrainer", math.log(4)),
+                                                     ("FedSimCLR", "FedSimCLRTrainer", math.log(15))])
+def test_fedrotation_and_fedsimclr_are_switches_of_the_job(data, tmp_path, method, trainer, chance):
+    """FCL sec. 5 "Baselines": the table runner's overrides of jobs/fcl_acdc (shape.objective, no feature exchange,
+    no bank collector), built as the simulator builds them, reach the server's model and the sites' trainer; a round
+    trains the objective's trainer and uploads its whole model (the server's keys), no bank, and the summary record
+    carries the loss's chance level (ln 4; ln(2B - 1), B = 8 slices) but no bank counts."""
+    from fedssl.experiments.fcl_tables import PRETRAINED, JOBS
+    from fedssl.ops.jobs import build_job, component_specs, job_configs
+
+    job, sets = PRETRAINED[method]
+    tiny = ["shape.features=[4, 4, 8, 8, 16, 4]", "shape.proj_dim=8", "shape.image_size=32",
+            "client.fcl_trainer.batch_size=8", "client.fcl_trainer.max_steps_per_round=2",
+            "client.fcl_trainer.target_spacing=4.0", "client.fcl_trainer.device=\"cpu\""]
+    out = build_job(os.path.join(JOBS, job), str(tmp_path / "job"), sets=list(sets) + tiny)
+    comps = {c["id"]: c for _, cfg in job_configs(out) for c in component_specs(cfg)}
+    assert comps["aggregator"]["args"]["collectors"] == []
+    server = MoCoUNetEncoder(**comps["model"]["args"])
+    ex = FCLExecutor(**dict(comps["fcl_trainer"]["args"], data_root=data))
+    weights = {k: v.numpy() for k, v in server.state_dict().items()}
+    s = DXO(DataKind.WEIGHTS, data=weights).to_shareable()
+    s.set_header("current_round", 0)
+    s.set_header("num_rounds", 2)
+    (tmp_path / "site").mkdir()
+    out = from_shareable(run(ex, tmp_path / "site", s))
+    assert type(ex.trainer).__name__ == trainer and ex.trainer.settings.objective == server.objective
+    assert set(out.data) == set(weights) and out.get_meta_prop("bank_features") is None
+    record = out.get_meta_prop(SITE_RECORD_META)
+    assert record["chance_loss"] == pytest.approx(chance) and record["steps_per_round"] == 2
+    assert not {"bank_filled", "bank_size", "chance_loss_local"} & set(record)
+
+
+def test_a_baseline_objective_with_feature_exchange_is_refused(data):
+    with pytest.raises(ValueError, match="FCLExecutor: argument feature_exchange=True is invalid; "
+                                         "objective='rotation' exchanges no feature"):
+        FCLExecutor(data_root=data, objective="rotation", **ARGS)
+    with pytest.raises(ValueError, match="argument objective='rot' is invalid"):
+        FCLExecutor(data_root=data, objective="rot", feature_exchange=False, **ARGS)

@@ -521,7 +521,7 @@ def plot_control(result: dict, path: str) -> str:
     ax.set_xscale("log")
     ax.set_xlabel("round")
     ax.set_ylabel("local contrastive loss")
-    ax.set_title("pre-training (blue central, orange federated, grey re-sent banks)")
+    ax.set_title("pre-training loss (blue central, orange once, grey re-sent)", fontsize=9)
     ax.legend(fontsize=8)
     fig.suptitle(f"FCL centralised control ({result['settings']['size']}, folds {result['settings']['folds']})",
                  fontsize=9)

@@ -511,6 +511,15 @@ def test_float_gt_with_non_integer_labels_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ACDCDataError, match="label values 4 are not ACDC classes") as exc:
         load_patient(tmp_path, "patient007", **kwargs)
     _assert_names(exc, gt, "site-4")
+    # Integer files: values that a uint8 cast would wrap onto a class (256 -> background, 257 and -255 -> RV) are
+    # checked before any cast (issue 45).
+    for bad_value in (256, 257, -255):
+        bad = lab.astype(np.int16)
+        bad[0, 0, 0] = bad_value
+        _save_nifti(gt, bad, zooms)
+        with pytest.raises(ACDCDataError, match=f"label values {bad_value} are not ACDC classes") as exc:
+            load_patient(tmp_path, "patient007", **kwargs)
+        _assert_names(exc, gt, "site-4")
     # preprocess_volume itself refuses rather than rounds.
     with pytest.raises(ValueError, match="non-integer"):
         preprocess_volume(np.zeros((4, 4, 1)), (1.0, 1.0), target_spacing=1.0, image_size=4,

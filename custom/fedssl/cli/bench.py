@@ -3,7 +3,7 @@ bytes the wire switches save against the score they cost."""
 
 from __future__ import annotations
 
-from fedssl.cli import COUNT, NON_NEGATIVE, POSITIVE, SEED, Verb, add_family
+from fedssl.cli import COUNT, NON_NEGATIVE, POSITIVE, SEED, Verb, add_family, add_threads_argument
 
 
 def _aggregation_args(s) -> None:
@@ -126,6 +126,7 @@ def _control_args(s) -> None:
     s.add_argument("--budget-s", type=POSITIVE, default=None, help="no cell starts after this many wall seconds")
     s.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda ...")
     s.add_argument("--report-only", action="store_true", help="only the table, verdicts and PNG of control.json")
+    add_threads_argument(s)
 
 
 def _control(a) -> None:
@@ -137,7 +138,7 @@ def _control(a) -> None:
         return
     fcl_control(a.out, multipliers=a.multipliers, seeds=a.seeds, federated_multipliers=a.federated_multipliers,
                 folds=a.folds, size=a.size, device=a.device, first_seed_only=a.first_seed_only, budget_s=a.budget_s,
-                resend_multipliers=a.resend_multipliers, say=say)
+                resend_multipliers=a.resend_multipliers, threads=a.threads, say=say)
 
 
 def _fcl_step_args(s) -> None:

@@ -57,6 +57,7 @@ import numpy as np
 import torch
 
 from fedssl.data.acdc import load_site
+from fedssl.experiments.environment import set_threads
 from fedssl.eval.report import paired_against
 from fedssl.experiments.evidence import (
     FCL_SIZES,
@@ -235,9 +236,12 @@ def _plan(multipliers: Sequence[int], seeds: Sequence[int], federated_multiplier
 def fcl_control(out: str, *, multipliers: Sequence[int] = (1, 4, 16), seeds: Sequence[int] = (0, 1, 2),
                 federated_multipliers: Sequence[int] = (1,), folds: Sequence[int] = (0,), size: str = "bench",
                 device: str = "auto", first_seed_only: Sequence[int] = (), budget_s: float | None = None,
-                resend_multipliers: Sequence[int] = (), say: Callable[[str], None] = print) -> dict:
+                resend_multipliers: Sequence[int] = (), threads: int | None = None,
+                say: Callable[[str], None] = print) -> dict:
     """The centralised control (module docstring): every cell of :func:`_plan` not yet in ``out/control.json``,
     then the report.  ``budget_s``: no cell starts after that many seconds (the cell running then finishes).
+    ``threads``: torch threads of this process (None: as it is); each cell records the count it ran with, since
+    another count can change the numbers (and two 2-thread jobs on 2 cores slow each other 5-10x).
     Returns the result (what ``control.json`` holds)."""
     if size not in CONTROL_SIZES:
         raise ValueError(f"size={size!r}: use one of {sorted(CONTROL_SIZES)}")
@@ -250,6 +254,8 @@ def fcl_control(out: str, *, multipliers: Sequence[int] = (1, 4, 16), seeds: Seq
     if not folds:
         raise ValueError("folds: give at least one fold")
     t_start = time.time()
+    if threads is not None:
+        set_threads(threads)
     cfg, device = CONTROL_SIZES[size], pick_device(device)
     ft = dict(finetune_settings(size), device=device)
     settings = {"size": size, "data": cfg["data"], "pretrain": cfg["pretrain"], "rounds": cfg["rounds"],
@@ -303,6 +309,9 @@ def fcl_control(out: str, *, multipliers: Sequence[int] = (1, 4, 16), seeds: Seq
         method = method_name(arm, m)
         if cell is None:
             cell = cells[key] = {"arm": arm, "multiplier": m, "seed": int(seed), "method": method, "rows": []}
+        cell.setdefault("threads", [])
+        if torch.get_num_threads() not in cell["threads"]:  # a cell finished by a later call may list two counts
+            cell["threads"].append(torch.get_num_threads())
         say(f"== {key}")
         init: object = "random"
         if arm != "random":

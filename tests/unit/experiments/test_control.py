@@ -266,3 +266,15 @@ def test_exchange_cost_on_known_rows():
     assert len(lines) == 1 and lines[0].count("-0.200 (Dice; SE 0.100 over 2 seeds)") == 2
     del cells["federated-resend x1 seed 0"], cells["federated-resend x1 seed 1"]
     assert control.exchange_cost({"cells": cells}) == ([], [])
+
+
+def test_threads_are_set_when_asked_and_every_cell_records_the_count_it_ran_with(run, monkeypatch, tmp_path):
+    """The resend arm of issue 45 ran partly with two torch threads and partly with one: each cell says which."""
+    out, _ = run
+    data = _json(out)
+    assert all(c["threads"] == [torch.get_num_threads()] for c in data["cells"].values())
+    asked = []
+    monkeypatch.setattr(control, "set_threads", lambda n: asked.append(n))
+    control.fcl_control(str(tmp_path), multipliers=(1,), seeds=(0,), federated_multipliers=(), size="tiny",
+                        device="cpu", threads=1, say=lambda m: None)
+    assert asked == [1]

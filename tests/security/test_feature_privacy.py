@@ -116,8 +116,10 @@ def test_a_site_knowing_the_job_config_and_its_own_secret_cannot_attribute_remot
         for seed in seeds:
             rates.append(attribution_with_seed(feats, banks, "site-1", seed))
             perfect += rates[-1] == 1.0
-    # two senders: a guess is right half of the time, whatever seed it replays (a known seed: 18 of 18)
-    assert 0.45 < np.mean(rates) < 0.55 and perfect <= 1, (np.mean(rates), perfect)
+    # two senders: a guess is right half of the time, whatever seed it replays (a known seed: 18 of 18); the server
+    # secrets are fresh each run, so a replay is all right by chance with p = 2^-rows: a few such trials happen (2 did
+    # once in CI); the known-seed attack below is right in every trial
+    assert 0.45 < np.mean(rates) < 0.55 and perfect <= 3, (np.mean(rates), perfect)
     # the attack itself works: against a server whose secret is a seed the site knows, it attributes every row
     leaked = tmp_path / "leaky_server"
     leaked.mkdir()

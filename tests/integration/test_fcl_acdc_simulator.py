@@ -15,6 +15,7 @@ import torch
 from fedssl.data.acdc_synthetic import write_synthetic_acdc
 from fedssl.experiments.fcl_finetune import (encoder_init, evaluate_federated, export_unet_init, load_labelled_sites,
                                              protocol_settings, run_protocols)
+from fedssl.experiments.table7 import exchanged_rows
 from fedssl.models.unet import MoCoUNetEncoder, encoder_state_from_global
 from fedssl.ops.jobs import REPO_ROOT
 from fedssl.ops.simulate import run_simulation, server_run_dir
@@ -49,6 +50,9 @@ def test_fcl_pretraining_produces_model_summary_and_exchanges_features(pretraine
     means = [r["site_record_means"] for r in rounds]
     assert [(m["volumes"], m["steps_per_round"], m["bank_filled"]) for m in means] == [(60, 5, 80), (60, 5, 160)]
     assert means[1]["bank_fill"] == 160 / 256 and "model_uploaded" not in rounds[0]
+    # each feature is sent once: the 80 rows of a round go up, and as many of the others' come down a round later
+    assert [(m["rows_shared"], m["remote_features"]) for m in means] == [(80, 0), (80, 80)]
+    assert exchanged_rows(pretrained) == (80.0, 40.0)  # Table 7's expected bytes use these counts
     comm = pretrained["communication_per_round"]
     assert comm[0]["upload"]["features"] > 0 and comm[0]["upload"]["weights"] > 0
     assert "features" not in comm[0]["download"]  # nothing to exchange before the first aggregation

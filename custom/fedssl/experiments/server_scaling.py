@@ -173,10 +173,11 @@ def measure_one(n_sites: int, mode: str = "running", seed: int = 0, model: str =
 
 def run_scaling(out: str | None = None, sites=SITES, modes=("running",), seed: int = 0,
                 model: str = "vit_b16") -> list[dict]:
-    """Every (mode, n) in its own process; prints a table and writes the rows (and the machine) to ``out``."""
+    """Every (mode, n) in its own process, the modes of each ``n`` one after the other; prints a table and writes the
+    rows (and the machine) to ``out``."""
     rows = []
-    for mode in modes:
-        for n in sites:
+    for n in sites:  # the modes of one count back to back, so that a shared machine loads them alike
+        for mode in modes:
             cmd = [sys.executable, "-m", "fedssl.experiments.server_scaling", str(int(n)), mode, str(int(seed)), model]
             done = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if done.returncode != 0:
@@ -187,6 +188,11 @@ def run_scaling(out: str | None = None, sites=SITES, modes=("running",), seed: i
                   f"round {row['round_s']:.1f} s (first round {row['first_round']['round_s']:.1f} s), peak RSS "
                   f"{row['peak_rss_mb']:.0f} MB (+{row['extra_rss_mb']:.0f} MB over model + one contribution)",
                   flush=True)
+        pair = {r["mode"]: r for r in rows if r["sites"] == n}
+        if "running" in pair and "flare" in pair and pair["flare"]["accept_s"] > 0:
+            mine, theirs = pair["running"], pair["flare"]
+            print(f"{n:>3} sites: the bundle's accept takes {mine['accept_s'] / theirs['accept_s']:.2f}x FLARE's, its "
+                  f"peak RSS is {mine['peak_rss_mb'] - theirs['peak_rss_mb']:+.0f} MB", flush=True)
     for mode in modes:
         mine = [r for r in rows if r["mode"] == mode]
         if len(mine) > 1:

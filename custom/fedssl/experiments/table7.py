@@ -55,16 +55,30 @@ def _shape(a: dict) -> dict:
     return {k: a[k] for k in ("norm", "head", "image_size") if k in a}
 
 
-def expected_bytes(name: str, job_dir: str, n_sites: int, rounds: int) -> float:
-    """Up + down bytes per site per round predicted from the model and bank sizes of the built job."""
+def exchanged_rows(summary: dict) -> tuple[float, float]:
+    """(rows a site sent, rows it received) per round, the mean over rounds of the aggregated sites' means, read
+    from the run summary's ``site_record_means`` (FCL's ``rows_shared`` and ``remote_features``); (0, 0) when the
+    rounds carry none (no feature exchange)."""
+    means = [r.get("site_record_means") or {} for r in summary.get("rounds") or []]
+    if not means:
+        return 0.0, 0.0
+    return (sum(float(m.get("rows_shared", 0)) for m in means) / len(means),
+            sum(float(m.get("remote_features", 0)) for m in means) / len(means))
+
+
+def expected_bytes(name: str, job_dir: str, rounds: int, rows: tuple[float, float] = (0.0, 0.0)) -> float:
+    """Up + down bytes per site per round over ``rounds`` predicted from the model size of the built job and, for
+    FCL, the rows exchanged (``rows``: sent and received per round, :func:`exchanged_rows`).  Each feature is sent
+    once (issue 45): a site uploads the rows its bank took in the round (at most K) and downloads as many of the
+    others' as it shared (none in round 0), each row ``4 D + 8`` bytes (float32 feature, int64 partition id).
+    Before issue 45 a site uploaded its whole bank of K rows and downloaded the other N - 1 sites' banks every round,
+    which made FCL the most expensive row of the paper's Table 7."""
     if name in ("FedMoCo", "FCL"):
         a = _args(job_dir, "fcl_trainer")
         w = 4 * _floats(MoCoUNetEncoder(a["features"], a["proj_dim"], **_shape(a)))
-        bank = a["bank_size"] * (4 * a["proj_dim"] + 8)  # float32 features + int64 partition ids
         if name == "FedMoCo":
             return 2 * w
-        # up: model + own bank; down: model + the other sites' banks (none in round 0)
-        return 2 * w + bank + bank * (n_sites - 1) * (rounds - 1) / rounds
+        return 2 * w + (4 * a["proj_dim"] + 8) * (rows[0] + rows[1])
     a = _args(job_dir, "byol_trainer")
     m = BYOLUNetEncoder(a["features"], a["proj_dim"], a["pred_hidden"], **_shape(a))
     online_pred, target = 4 * (_floats(m.online) + _floats(m.predictor)), 4 * _floats(m.target)
@@ -103,7 +117,7 @@ def run_table7(out: str, *, n_sites: int = 3, rounds: int = 11, n_labelled=(1, 2
         dice = {r["n_labelled"]: (r["dice_mean"], r["dice_std"]) for r in summarise(ft)}
         b = s["bytes_per_site_per_round"]
         rows.append({"method": name, "bytes_up": b["upload"], "bytes_down": b["download"], "bytes": b["total"],
-                     "expected_bytes": expected_bytes(name, built, n_sites, rounds), "dice": dice,
+                     "expected_bytes": expected_bytes(name, built, rounds, exchanged_rows(s)), "dice": dice,
                      "pretrain_s": s["simulator_wall_time_s"]})
         print(f"[{time.time() - t0:6.0f}s] {name}: {b['total'] / 1e6:.3f} MB/site/round, Dice "
               + ", ".join(f"N={n}: {m:.3f}" for n, (m, _) in sorted(dice.items())), flush=True)

@@ -39,7 +39,8 @@ from fedssl.train.fcl import FCLSettings
 from fedssl.train.fcl_baselines import trainer_class
 
 #: the site records the summary keeps (bounded numbers only), those the round's trainer reports
-RECORD_KEYS = ("bank_filled", "bank_fill", "feature_std", "chance_loss_local", "chance_loss", "rotation_accuracy")
+RECORD_KEYS = ("bank_filled", "bank_fill", "feature_std", "chance_loss_local", "chance_loss", "rotation_accuracy",
+               "remote_features")
 
 
 class FCLExecutor(TrainerExecutor):
@@ -93,6 +94,7 @@ class FCLExecutor(TrainerExecutor):
         meta: dict = {SITE_RECORD_META: record}
         if self.exchanges_features:  # FedMoCo and Local CL: no feature leaves the site
             meta[BANK_FEATURES], meta[BANK_PARTITIONS] = self.trainer.export_bank()
+            record["rows_shared"] = int(len(meta[BANK_PARTITIONS]))  # a count: what Table 7's bytes are made of
         return meta
 
     def describe_round(self, stats: RoundStats) -> str:

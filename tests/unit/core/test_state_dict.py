@@ -64,6 +64,51 @@ def test_running_average_chunked_sum_equals_the_plain_float64_sum(monkeypatch):
     assert int(run.result()["n"]) == round(sum(w * i for i, w in enumerate(weights)) / sum(weights))
 
 
+def test_the_running_sum_split_over_threads_is_the_plain_float64_sum_to_the_last_bit(monkeypatch):
+    """The running sum is split evenly over threads by value, across tensor boundaries (issue 46). With 3 threads,
+    a 2-value scratch chunk and every contribution above the parallel minimum, each cut falls inside a tensor and
+    every value is summed once: the result is the plain float64 expression to the last bit."""
+    import fedssl.core.state_dict as sd
+    monkeypatch.setattr(sd, "SUM_THREADS", 3)
+    monkeypatch.setattr(sd, "PARALLEL_MIN", 4)
+    monkeypatch.setattr(sd, "SCRATCH", 2)
+    monkeypatch.setattr(sd, "_POOL", None)
+    rng = np.random.default_rng(2)
+    shapes = {"a": (5,), "b": (2, 3), "c": (), "d": (7,)}  # 19 values: cuts at 6 and 12, inside "b" and "d"
+    states = [{k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()} for _ in range(3)]
+    weights = [3, 1, 7]
+    run = sd.RunningAverage()
+    for st, w in zip(states, weights):
+        run.add(st, w)
+    out = run.result()
+    for k in shapes:
+        plain = sum(np.float64(w) * st[k].astype(np.float64) for st, w in zip(states, weights))
+        assert np.array_equal(out[k], (plain / sum(weights)).astype(np.float32)), k
+    assert sd._POOL is not None  # the sum did run on the pool
+
+
+def test_an_honest_update_is_accepted_by_the_norms_and_a_doubtful_one_by_the_exact_check(monkeypatch):
+    """||x - g|| <= ||x|| + ||g||: an update whose norm plus the global model's is within the bound needs no pass
+    over x - g (issue 46); one near the bound goes to the exact check, which accepts or refuses it exactly.
+    g = [3, 4] (norm 5), bound 10 x 5 = 50."""
+    import fedssl.core.state_dict as sd
+    ref = {"w": np.array([3.0, 4.0], np.float32)}
+    calls = []
+    exact = sd.update_ratio
+    monkeypatch.setattr(sd, "update_ratio", lambda *a, **k: calls.append(1) or exact(*a, **k))
+    check_contribution(ref, {"w": np.array([6.0, 8.0], np.float32)}, "s", max_update_ratio=10.0)  # 10 + 5 <= 50
+    assert calls == []
+    # ||x|| + ||g|| = 50 + 5 > 50: not shown by the norms; exactly ||x - g|| = 45 <= 50, accepted
+    check_contribution(ref, {"w": np.array([30.0, 40.0], np.float32)}, "s", max_update_ratio=10.0)
+    assert calls == [1]
+    with pytest.raises(ContributionError, match=r"norm 1\.2 x the global"):  # ||x - g|| = 6 > 1 x 5
+        check_contribution(ref, {"w": np.array([-0.6, -0.8], np.float32)}, "s", max_update_ratio=1.0)
+    with pytest.raises(ContributionError, match="non-finite values in 'w'"):
+        check_contribution(ref, {"w": np.array([np.nan, 0.0], np.float32)}, "s", max_update_ratio=10.0)
+    x = {"w": np.array([6.0, 8.0], np.float32)}  # 10 + 5 = 15 against 0.999 x 3 x 5 = 14.985: left to the exact check
+    assert not sd.within_bound_by_norms(x, 25.0, 3.0) and sd.within_bound_by_norms(x, 25.0, 3.01)
+
+
 def test_a_checked_contribution_of_the_models_dtype_is_not_copied():
     """86.6 M parameters arrive at the server once: the cast keeps an array already of the model's dtype (issue 46:
     the copy cost a second model's memory per contribution); another dtype is cast, and nothing is written into."""

@@ -19,11 +19,14 @@ def test_one_measurement_aggregates_correctly_and_reports_two_rounds():
 
 def test_cli_runs_each_count_in_its_own_process(tmp_path, capsys):
     out = tmp_path / "scaling.json"
-    main(["bench", "aggregation", "--model", "tiny", "--sites", "2", "--out", str(out)])
+    main(["bench", "aggregation", "--model", "tiny", "--sites", "2", "3", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["mode"], r["sites"]) for r in rows] == [("running", 2), ("flare", 2)] and rows[0]["peak_rss_mb"] > 0
+    # the two aggregators of one count back to back, so that a loaded machine loads them alike
+    assert [(r["mode"], r["sites"]) for r in rows] == [("running", 2), ("flare", 2), ("running", 3), ("flare", 3)]
+    assert rows[0]["peak_rss_mb"] > 0
     printed = capsys.readouterr().out
     assert "running    2 sites: accept" in printed and "flare      2 sites: accept" in printed
+    assert "  3 sites: the bundle's accept takes" in printed
 
 
 def test_unknown_model_and_mode_are_refused():

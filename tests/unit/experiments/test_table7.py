@@ -1,0 +1,27 @@
+"""FCL Table 7's expected bytes: the model twice, plus the rows each feature exchange really carries (issue 47)."""
+
+import pytest
+
+from fedssl.experiments.table7 import _args, _floats, _shape, exchanged_rows, expected_bytes
+from fedssl.models.unet import MoCoUNetEncoder
+from fedssl.ops.jobs import REPO_ROOT, build_job
+
+
+def test_exchanged_rows_are_the_round_means_of_what_sites_sent_and_received():
+    summary = {"rounds": [{"site_record_means": {"rows_shared": 64, "remote_features": 0}},
+                          {"site_record_means": {"rows_shared": 32, "remote_features": 64}},
+                          {"site_record_means": {"rows_shared": 32, "remote_features": 32}}]}
+    assert exchanged_rows(summary) == (128 / 3, 96 / 3)
+    assert exchanged_rows({"rounds": [{"site_record_means": {"steps_per_round": 5}}]}) == (0.0, 0.0)  # FedMoCo
+    assert exchanged_rows({}) == (0.0, 0.0)
+
+
+def test_fcl_expected_bytes_are_the_model_both_ways_and_each_exchanged_row_once(tmp_path):
+    built = build_job(f"{REPO_ROOT}/jobs/fcl_acdc", str(tmp_path / "job"), profile="quick", n_sites=3)
+    a = _args(built, "fcl_trainer")
+    w = 4 * _floats(MoCoUNetEncoder(a["features"], a["proj_dim"], **_shape(a)))
+    row = 4 * a["proj_dim"] + 8  # a float32 feature and its int64 partition id
+    assert expected_bytes("FedMoCo", built, 11) == 2 * w
+    # 80 rows up and 40 down a round: not K = bank_size rows up and (N - 1) K down as before issue 45
+    assert expected_bytes("FCL", built, 11, (80.0, 40.0)) == pytest.approx(2 * w + row * 120)
+    assert expected_bytes("FCL", built, 11) == 2 * w

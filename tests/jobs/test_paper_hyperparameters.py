@@ -562,6 +562,7 @@ CODE_PINS = [
     ("fedssl.train.byol.BYOLSettings", "sgd_momentum", 0.9, TD + ": SGD momentum 0.9 (FCLOpt trained alike)"),
     ("fedssl.train.byol.BYOLSettings", "weight_decay", 1e-4, TD + ": weight decay 0.0001 (FCLOpt trained alike)"),
     ("fedssl.train.mim_loop.MIMTrainer", "betas", (0.9, 0.999), PT + ": AdamW beta1 0.9, beta2 0.999"),
+    ("fedssl.train.mim.MIMSettings", "mask_ratio", 0.6, PT + ": mask 60 % for MAE"),
 ]
 
 NN = "nnU-Net (Isensee et al., Nature Methods 2021), 3D full resolution"

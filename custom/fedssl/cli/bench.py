@@ -8,10 +8,11 @@ from fedssl.cli import COUNT, NON_NEGATIVE, POSITIVE, SEED, Verb, add_family, ad
 
 def _aggregation_args(s) -> None:
     s.add_argument("--sites", nargs="+", type=COUNT, default=[2, 5, 10, 20, 50], help="numbers of contributions")
-    s.add_argument("--modes", nargs="+", default=["running", "flare"], choices=["running", "flare", "held"],
+    s.add_argument("--modes", nargs="+", default=["running", "flare"], choices=["running", "flare", "held", "paired"],
                    help="running = the bundle's aggregator (running sum, every check); flare = FLARE's "
                         "InTimeAccumulateWeightedAggregator on the same contributions; held = every model held, "
-                        "then averaged")
+                        "then averaged; paired = both in one process, each contribution to one then the other "
+                        "(times only, robust to a changing load)")
     s.add_argument("--model", default="vit_b16", choices=["vit_b16", "tiny"], help="vit_b16 = 86.6 M parameters")
     s.add_argument("--seed", type=SEED, default=0)
     s.add_argument("--out", default=None, help="write the rows to this JSON file")

@@ -143,8 +143,16 @@ def _axpy(dst: np.ndarray, src: np.ndarray, scale: np.float64) -> None:
         buf = _LOCAL.scratch = np.empty(SCRATCH, np.float64)
     for i in range(0, src.size, SCRATCH):
         n = min(SCRATCH, src.size - i)
-        np.multiply(src[i:i + n], scale, out=buf[:n])
-        np.add(dst[i:i + n], buf[:n], out=dst[i:i + n])
+        b = buf[:n]
+        np.copyto(b, src[i:i + n])  # the cast first: a mixed-dtype multiply runs numpy's slower buffered loop
+        np.multiply(b, scale, out=b)
+        np.add(dst[i:i + n], b, out=dst[i:i + n])
+
+
+def _scaled(dst: np.ndarray, src: np.ndarray, scale: np.float64) -> None:
+    """``dst = src * scale`` in float64 (the first contribution of a sum), cast first as :func:`_axpy` does."""
+    np.copyto(dst, src)
+    np.multiply(dst, scale, out=dst)
 
 
 def _divide(dst: np.ndarray, src: np.ndarray, scale: np.float64) -> None:
@@ -222,7 +230,8 @@ class RunningAverage:
             for k, a in arrays.items():
                 spare = self._spare.pop(k, None)
                 out = spare if spare is not None and spare.shape == a.shape else np.empty(a.shape, np.float64)
-                self._sum[k], self._dtype[k] = np.multiply(a, scale, out=out), a.dtype  # 0-d stays an array
+                self._sum[k], self._dtype[k] = out, a.dtype  # 0-d stays an array
+            over_threads(_scaled, [(self._sum[k], a) for k, a in arrays.items()], scale)
         else:
             over_threads(_axpy, [(self._sum[k], a) for k, a in arrays.items()], scale)
         self.total_weight += w

@@ -11,7 +11,8 @@ value read (loss, counts) is type-checked.  The weight is also bounded relative 
 largest claim of a round counts at most ``max_weight_ratio`` times the median of the other sites' weights, so one
 site that claims a million samples against three of a hundred cannot replace the global model with its own (its
 contribution is held aside until the round's other weights are known: one extra model in memory, whatever the
-number of sites).  Accepted tensors go straight into a running weighted sum
+number of sites; from the second round on, a claim that no subset of the others' declared sizes could cap is
+summed at once, so an honest round holds none).  Accepted tensors go straight into a running weighted sum
 (``fedssl.core.state_dict.RunningAverage``, float64): no site's model is held, so the server's memory does not
 grow with the number of sites.  A rejected site is logged ("REJECTED ...", naming it) and left out
 of the round; nothing a site sends raises out of ``accept``.
@@ -93,6 +94,7 @@ class RoundAggregator(Aggregator):
         self._declared: dict[str, int] = {}  # site -> num_samples it declared with its first accepted result
         self._num_rounds: int | None = None
         self._base_sq: tuple | None = None
+        self._clients: set[str] | None = None  # the run's clients, as the engine names them
 
     def reset(self, fl_ctx: FLContext) -> None:
         self._running.clear()
@@ -116,6 +118,7 @@ class RoundAggregator(Aggregator):
         site = shareable.get_peer_prop(key=ReservedKey.IDENTITY_NAME, default=None)
         engine = fl_ctx.get_engine()
         clients = {c.name for c in engine.get_clients()} if engine is not None else None
+        self._clients = clients
         if not isinstance(site, str) or (clients is not None and site not in clients):
             self.refused(fl_ctx, str(site)[:64], ContributionError(f"{site!r} is not a client of this run"))
             return None
@@ -173,7 +176,7 @@ class RoundAggregator(Aggregator):
         loss = None if loss is None else as_finite_float(loss, "loss", site)
         tensors = {k: v for k, v in data.items() if k not in retain}
         try:
-            if not self._relative_cap():
+            if not self._relative_cap() or self._never_capped(site, weight):
                 self._running.add(tensors, weight)
             else:  # the largest claim waits for the others' weights (round_average)
                 self._check_fits(tensors)
@@ -221,6 +224,20 @@ class RoundAggregator(Aggregator):
 
     def _relative_cap(self) -> bool:
         return self.max_weight_ratio > 0 and self.weighting != "uniform"
+
+    def _never_capped(self, site: str, weight: float) -> bool:
+        """True when no round can cap this claim, so it need not wait (issue 46: no model held in an honest round
+        after the first).  With ``num_samples`` a site's weight is the size it declared in an earlier round; once
+        every other client of the run has declared one, the median of whichever of them contribute is at least the
+        smallest, and a claim within ``max_weight_ratio`` times that smallest size is never capped.  Nor does it
+        change whether a held claim is capped: a held claim smaller than this one has, among its others, this
+        claim and sites no smaller than ``weight / max_weight_ratio``, so their median is above its cap."""
+        if self.weighting != "num_samples" or not self._clients:
+            return False
+        others = self._clients - {site}
+        if not others or not others <= set(self._declared):
+            return False
+        return weight <= self.max_weight_ratio * min(self._declared[o] for o in others)
 
     def _check_fits(self, tensors: dict) -> None:
         """ValueError unless ``tensors`` have the keys and shapes of this round's other contributions."""

@@ -280,6 +280,61 @@ def test_one_inflated_sample_count_cannot_replace_the_global_model(tmp_path, att
     assert float(w @ np.array([0.0, 8.0]) / np.linalg.norm(w) / 8.0) > 0.99999
 
 
+def test_after_the_first_round_a_claim_no_median_can_cap_is_summed_at_once(tmp_path):
+    """Issue 46: the relative cap held the round's largest claim until the others' weights were known, a model's
+    worth of memory in every round. Once every client has declared its size (round 0), a claim within 5 x the
+    smallest other size is summed at once: in round 1 only the attacker's 1,000,000 waits, and the aggregate is
+    round 0's, (3 x 100 x honest + 500 x attacker) / 800."""
+    agg = FedAvgAggregator(weighting="num_samples")
+    honest = {"w": np.array([1.0, 0.0], np.float32), "b": np.zeros(1, np.float32)}
+    attacker = {"w": np.array([0.0, 8.0], np.float32), "b": np.ones(1, np.float32)}
+    sizes = {"site-1": 100, "site-2": 100, "site-3": 100, "site-4": 1_000_000}
+    outs = []
+    for round_idx in (0, 1):
+        c = context(engine=FakeEngine(tmp_path, n_clients=4),
+                    props={AppConstants.GLOBAL_MODEL: make_model_learnable(GLOBAL, {}),
+                           AppConstants.CURRENT_ROUND: round_idx})
+        agg.reset(c)
+        held = []
+        for site in ("site-1", "site-4", "site-2", "site-3"):
+            assert agg.accept(contribution(site, attacker if site == "site-4" else honest,
+                                           {"num_samples": sizes[site]}, round_idx=round_idx), c)
+            held.append(None if agg._held is None else agg._held[0])
+        outs.append(from_shareable(agg.aggregate(c)).data)
+        assert agg.capped == {"site-4": (1_000_000.0, 500.0)}
+        # round 0: nothing declared yet, each new largest claim waits; round 1: only the attacker's
+        assert held == ["site-1" if round_idx == 0 else None, "site-4", "site-4", "site-4"]
+    for out in outs:
+        np.testing.assert_allclose(out["w"], [300 / 800, 500 * 8 / 800])
+    # a site of 1 among sites of 100: 100 > 5 x 1, so a claim of 100 could be capped and still waits in round 1
+    small = FedAvgAggregator(weighting="num_samples")
+    for round_idx in (0, 1):
+        c = context(engine=FakeEngine(tmp_path, n_clients=3),
+                    props={AppConstants.GLOBAL_MODEL: make_model_learnable(GLOBAL, {}),
+                           AppConstants.CURRENT_ROUND: round_idx})
+        small.reset(c)
+        for site, n in (("site-1", 1), ("site-2", 100)):
+            assert small.accept(contribution(site, honest, {"num_samples": n}, round_idx=round_idx), c)
+        assert small._held[0] == "site-2"
+        assert small.accept(contribution("site-3", honest, {"num_samples": 100}, round_idx=round_idx), c)
+        np.testing.assert_allclose(from_shareable(small.aggregate(c)).data["w"], [1.0, 0.0])
+
+
+def test_the_largest_claim_is_capped_by_the_median_of_the_others_not_their_mean(tmp_path):
+    """Issue 47 mutation run: with equal honest sizes the median and the mean agree. Sizes 100, 100, 1,000: the
+    median is 100 (cap 500), the mean 400 (cap 2,000). (100 + 100 + 1,000) x [1, 0] + 500 x [0, 8] over 1,700."""
+    agg, c = FedAvgAggregator(weighting="num_samples"), ctx(tmp_path)
+    honest = {"w": np.array([1.0, 0.0], np.float32), "b": np.zeros(1, np.float32)}
+    for i, n in enumerate((100, 100, 1000), start=1):
+        assert agg.accept(contribution(f"site-{i}", honest, {"num_samples": n}), c)
+    assert agg.accept(contribution("site-4", {"w": np.array([0.0, 8.0], np.float32), "b": np.ones(1, np.float32)},
+                                   {"num_samples": 10_000}), c)
+    out = from_shareable(agg.aggregate(c)).data
+    assert agg.capped == {"site-4": (10000.0, 500.0)}
+    np.testing.assert_allclose(out["w"], [1200 / 1700, 4000 / 1700], rtol=1e-6)
+    np.testing.assert_allclose(out["b"], [500 / 1700], rtol=1e-6)
+
+
 def test_honest_sizes_within_the_ratio_keep_plain_fedavg(tmp_path):
     agg, c = FedAvgAggregator(weighting="num_samples"), ctx(tmp_path)
     for i, (n, v) in enumerate([(100, 1.0), (300, 2.0), (450, 4.0)], start=1):

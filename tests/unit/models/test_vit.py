@@ -144,6 +144,22 @@ def test_mae_forward_shapes_and_loss_on_masked_patches(tiny_mae):
     assert torch.equal(same[2], mask) and torch.allclose(same[0], loss)
 
 
+def test_mae_encoder_sees_only_the_visible_patches(tiny_mae):
+    """MAE's encoder takes the visible patches only (He et al. sec. 3; issue 47 mutation run): with 75 % masked on
+    the tiny 8 x 8 grid, the latent is the class token and 64 - 48 = 16 patches of width 48, and changing the pixels
+    of a masked patch changes nothing the encoder computes."""
+    tiny_mae.eval()
+    imgs = torch.randn(3, 3, 32, 32)
+    latent, mask, _ = tiny_mae.forward_encoder(imgs, 0.75, generator=torch.Generator().manual_seed(0))
+    assert latent.shape == (3, 17, 48)
+    j = int(mask[0].nonzero()[0])
+    r, c = divmod(j, 8)
+    changed = imgs.clone()
+    changed[0, :, 4 * r:4 * r + 4, 4 * c:4 * c + 4] += 5.0
+    again, mask2, _ = tiny_mae.forward_encoder(changed, 0.75, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(mask2, mask) and torch.allclose(again, latent)
+
+
 def test_sincos_pos_embed_is_fixed_and_mae_shaped(tiny_mae):
     pe = sincos_pos_embed(8, 2, 3)
     assert pe.shape == (1, 7, 8) and torch.equal(pe[0, 0], torch.zeros(8))

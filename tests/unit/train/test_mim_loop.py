@@ -35,6 +35,25 @@ def test_mae_trainer_reduces_the_loss_and_follows_the_schedule():
     assert trainer.optimizer.param_groups[1]["weight_decay"] == 0.0
 
 
+def test_mae_trainer_masks_the_ratio_it_is_given(monkeypatch):
+    """The trainer passes its mask_ratio to the masking (issue 47 mutation run: a trainer masking 0.75 whatever it
+    is given passed every test): 0.6 of the tiny grid's 64 patches is round(38.4) = 38 per image."""
+    import fedssl.models.vit as vit
+
+    seen = []
+    real = vit.random_masking
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.append(out[1].sum(dim=1).tolist())
+        return out
+
+    monkeypatch.setattr(vit, "random_masking", spy)
+    trainer = MIMTrainer(build_model("tiny_vit_mae"), "mae", lr=1e-3, warmup_rounds=0, total_rounds=1, mask_ratio=0.6)
+    trainer.compute_loss(torch.randn(2, 3, 32, 32))
+    assert seen == [[38, 38]]
+
+
 def test_beit_trainer_with_a_federated_kmeans_tokenizer_reduces_the_loss():
     batches = _fixed_batches()
     vecs = torch.cat([patch_vectors(x, 4).reshape(-1, 48) for x, _ in batches])

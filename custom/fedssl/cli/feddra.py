@@ -99,6 +99,18 @@ def _table(a) -> None:
         data_root=a.data_root, threads=a.threads)
 
 
+def _retina_args(s) -> None:
+    s.add_argument("--out", default="runs/feddra_retina", help="output folder: data/, runs/, results.{json,md}")
+    s.add_argument("--seed", type=SEED, default=0)
+    s.add_argument("--turns", type=COUNT, default=None, help="communication turns (default 4 on the CPU)")
+
+
+def _retina(a) -> None:
+    from fedssl.experiments.feddra_retina import run
+
+    run(a.out, seed=a.seed, settings={"turns": a.turns} if a.turns else None)
+
+
 VERBS = (
     Verb("synth", "synthetic MIMIC-CXR(-JPG), MESSIDOR-2, BRSET, RSNA-Pneumonia and COVIDx layouts", _synth_args,
          _synth),
@@ -109,6 +121,8 @@ VERBS = (
                  _demo_args, _demo),
     Verb("table", "Table 3 (and FedAvg, decentralised, centralised) over seeds with spread; resumable",
          _table_args, _table),
+    Verb("retina", "jobs/feddra_retina (FedAvg, FedDRA) on synthetic MESSIDOR-2 + BRSET in the simulator, then "
+                   "Table 4: mBRSET few-shot DR / edema accuracy at 10 / 20 / 100 % labels", _retina_args, _retina),
 )
 
 

@@ -10,6 +10,13 @@
   embeddings of a frozen copy of the model received this stage (the global model).  The authors' code uses a
   mean-squared error (the same divided by the embedding size); we follow the paper's formula.
 
+L_MI is ConVIRT's loss by default; ``local_loss="gloria"`` (:mod:`fedssl.core.vlp_gloria`) or ``"mgca"``
+(:mod:`fedssl.core.vlp_mgca`) replace it by those methods' objectives (FedDRA sec. 5.3, Table 2: "our method can be
+transferred to multiple multi-modal pre-training methods"), each with its own constants (``local_loss_args``).  The
+DRO client loss v_i is the method's own contrastive term (FedDRA sec. 6: "All of the loss objectives of these
+pre-training methods contain a contrastive loss term ... we take this loss term for computing the client weights"):
+ConVIRT's InfoNCE, GLoRIA's global loss, MGCA's ITA (:meth:`FedDRAConfig.contrastive`).
+
 Stages (sec. 4.2, Algorithms 2-3): stage 1 trains the alignment modules and projections with the encoders
 frozen; stage 2 trains everything; "full" is a plain FedAvg turn (one task, everything trained).
 """
@@ -17,13 +24,44 @@ frozen; stage 2 trains everything; "full" is a plain FedAvg turn (one task, ever
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from fedssl.core.vlp_gloria import GloriaSettings
+from fedssl.core.vlp_gloria import global_loss as gloria_global_loss
+from fedssl.core.vlp_mgca import MGCASettings, ita_loss
+
 #: the tasks of a turn: stage 1 (alignment only), stage 2 (everything), or one plain FedAvg task
 STAGES = ("align", "full_model", "fedavg")
+#: the image-text objectives L_MI of the local loss: ConVIRT (default, the paper's main one), GLoRIA, MGCA
+LOCAL_LOSSES = ("convirt", "gloria", "mgca")
+_LOSS_SETTINGS = {"gloria": GloriaSettings, "mgca": MGCASettings}
+
+
+def local_loss_settings(local_loss: str, args: Any) -> GloriaSettings | MGCASettings | None:
+    """The checked constants of ``local_loss`` from the JSON object ``args`` (``{}``: the paper's): a ValueError
+    names the argument, the value and the fix (convirt takes none: its temperature is ``tau``)."""
+    if local_loss not in LOCAL_LOSSES:
+        raise ValueError(f"FedDRAConfig: argument local_loss={local_loss!r} is invalid; use one of "
+                         f"{list(LOCAL_LOSSES)}")
+    if not isinstance(args, dict) or not all(isinstance(k, str) for k in args):
+        raise ValueError(f"FedDRAConfig: argument local_loss_args={args!r} is invalid; use a JSON object ({{}} for "
+                         "the paper's constants)")
+    cls = _LOSS_SETTINGS.get(local_loss)
+    if cls is None:
+        if args:
+            raise ValueError(f"FedDRAConfig: argument local_loss_args={args!r} is invalid for local_loss='convirt'; "
+                             "use {} (ConVIRT's temperature is the argument tau)")
+        return None
+    names = list(cls.__dataclass_fields__)
+    unknown = sorted(set(args) - set(names))
+    if unknown:
+        raise ValueError(f"FedDRAConfig: argument local_loss_args has unknown keys {unknown} for "
+                         f"local_loss={local_loss!r}; use only {names}")
+    return cls(**args)
 
 
 def convirt_loss(z_img: torch.Tensor, z_txt: torch.Tensor, tau: float = 0.07,
@@ -48,8 +86,11 @@ class FedDRAConfig:
     mu: float = 5.0  # anchor weight (paper: 5 on MIMIC-CXR, 1 on retina); 0 = no anchor (Table 3 ablation)
     tau: float = 0.07  # temperature (the authors' code: 0.07)
     image_weight: float = 0.5
+    local_loss: str = "convirt"  # L_MI: "convirt", "gloria" or "mgca"
+    local_loss_args: dict = field(default_factory=dict)  # that method's constants, {} = its paper's
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "method", local_loss_settings(self.local_loss, self.local_loss_args))
         for name, value, lo, fix in (("mu", self.mu, 0.0,
                                       "use the anchor weight >= 0 (paper: 5; 0 turns the anchor off)"),
                                      ("tau", self.tau, None, "use a temperature > 0 (0.07)"),
@@ -61,10 +102,26 @@ class FedDRAConfig:
             if not ok:
                 raise ValueError(f"FedDRAConfig: argument {name}={value!r} is invalid; {fix}")
 
-    def loss(self, z_img, z_txt, z_img_star=None, z_txt_star=None) -> tuple[torch.Tensor, dict[str, float]]:
-        """(L_local, its terms) for one batch; the anchor term only when mu > 0 and anchors are given."""
-        mi = convirt_loss(z_img, z_txt, self.tau, self.image_weight)
-        terms = {"loss_mi": float(mi.detach())}
+    def contrastive(self, z_img: torch.Tensor, z_txt: torch.Tensor) -> torch.Tensor:
+        """The method's image-text contrastive term of global embeddings (the DRO client loss v_i): ConVIRT's
+        InfoNCE (tau), GLoRIA's global loss (gamma3) or MGCA's ITA (tau1)."""
+        if self.local_loss == "gloria":
+            return gloria_global_loss(z_img, z_txt, self.method.gamma3)
+        if self.local_loss == "mgca":
+            return ita_loss(z_img, z_txt, self.method.tau1)
+        return convirt_loss(z_img, z_txt, self.tau, self.image_weight)
+
+    def loss(self, z_img, z_txt, z_img_star=None, z_txt_star=None,
+             mi: tuple[torch.Tensor, dict[str, float]] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """(L_local, its terms) for one batch; the anchor term only when mu > 0 and anchors are given.  ``mi``:
+        L_MI and its terms computed by the caller (GLoRIA / MGCA need token features); None = ConVIRT's."""
+        if mi is None:
+            mi_value = convirt_loss(z_img, z_txt, self.tau, self.image_weight)
+            terms = {"loss_mi": float(mi_value.detach())}
+        else:
+            mi_value, extra = mi
+            terms = {"loss_mi": float(mi_value.detach()), **extra}
+        mi = mi_value
         total = mi
         if self.mu > 0 and z_img_star is not None:
             c = anchor_loss(z_img, z_txt, z_img_star, z_txt_star)

@@ -53,6 +53,7 @@ from fedssl.core.checks import require, require_int
 from fedssl.data.cxr import MIMIC_LABELS, MIMIC_METADATA, MIMIC_SPLIT
 from fedssl.data.cxr_synthetic import _anatomy, render_cxr
 from fedssl.data.image_synthetic import render, save_image
+from fedssl.data.vlp_segmentation import RSNA_FRAME
 from fedssl.data.vlp import BRSET_CSVS, FEDDRA_FINDINGS, MESSIDOR2_CSV, N_CODES, finding_code
 
 __all__ = [
@@ -546,12 +547,40 @@ def _uuid(rng: np.random.Generator) -> str:
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
+def _rsna_box(rng: np.random.Generator, side: int) -> tuple[float, float, float, float]:
+    """One opacity box ``(x, y, width, height)`` in the 1024 px frame, inside the right (side 0) or left lung
+    field, sized as RSNA's (about 120-300 px wide, 150-400 px high)."""
+    w, h = rng.uniform(120, 300), rng.uniform(150, 400)
+    x0 = (150, 540)[side]
+    x = rng.uniform(x0, x0 + 330 - w)
+    y = rng.uniform(200, 850 - h)
+    return float(x), float(y), float(w), float(h)
+
+
+def _paint_opacities(img: np.ndarray, boxes, rng: np.random.Generator) -> np.ndarray:
+    """Airspace opacity in each box: a soft-edged ellipse filling the box, patchy, brightening the image."""
+    hpx, wpx = img.shape[:2]
+    yy, xx = np.mgrid[0:hpx, 0:wpx].astype(np.float32) + 0.5
+    out = img.astype(np.float32).copy()
+    for x, y, w, h in boxes:
+        sx, sy = wpx / RSNA_FRAME, hpx / RSNA_FRAME
+        cx, cy, rx, ry = (x + w / 2) * sx, (y + h / 2) * sy, max(w * sx / 2, 0.5), max(h * sy / 2, 0.5)
+        d = ((xx - cx) / rx) ** 2 + ((yy - cy) / ry) ** 2
+        blob = np.clip(1.2 - d, 0.0, 1.0) * (0.7 + 0.3 * rng.random((hpx, wpx), dtype=np.float32))
+        a = (0.55 * blob)[..., None] if out.ndim == 3 else 0.55 * blob
+        out = out * (1 - a) + a * 0.92
+    return np.clip(out, 0.0, 1.0)
+
+
 def write_synthetic_rsna(out: object, n_images: int = 100, image_px: int = 64, seed: int = 0) -> dict:
     """RSNA Pneumonia Detection (Kaggle layout, images already converted to PNG): ``stage_2_train_labels.csv``
-    (patientId,x,y,width,height,Target: a pneumonia patient has one row per box (1-3, boxes in the 1024 px frame
-    of the original, not used by the classifier), a normal patient one box-less row with Target 0) and
-    ``stage_2_train_images/<patientId>.png`` (grey).  ~30 % pneumonia.  The images come from another renderer and
-    acquisition than :func:`write_synthetic_mimic`'s: out of distribution for a MIMIC-pre-trained encoder.
+    (patientId,x,y,width,height,Target: a pneumonia patient has one row per box (1-3 boxes in the 1024 px frame of
+    the original, one or both lungs), a normal patient one box-less row with Target 0) and
+    ``stage_2_train_images/<patientId>.png`` (grey).  ~30 % pneumonia.  Every box is where the image shows an
+    opacity (painted in it), so the boxes, turned into masks as MGCA does
+    (:func:`fedssl.data.vlp_segmentation.load_rsna_segmentation`), are a segmentation target.  The images come
+    from another renderer and acquisition than :func:`write_synthetic_mimic`'s: out of distribution for a
+    MIMIC-pre-trained encoder.
 
     Returns:
         ``{"root", "n_images", "positives", "rows"}``.
@@ -566,16 +595,18 @@ def write_synthetic_rsna(out: object, n_images: int = 100, image_px: int = 64, s
     for _ in range(n_images):
         pid = _uuid(rng)
         target = int(rng.random() < 0.3)
-        img = render("covidfl", "pneumonia" if target else "normal", _RSNA_SOURCE, rng, image_px)
-        save_image(img, str(img_dir / f"{pid}.png"), grey=True)
+        img = render("covidfl", "normal", _RSNA_SOURCE, rng, image_px)
         if target:
             positives += 1
-            for _ in range(int(rng.integers(1, 4))):
-                x, y = rng.uniform(150, 700), rng.uniform(200, 650)
-                w, h = rng.uniform(120, 300), rng.uniform(150, 400)
+            n = int(rng.integers(1, 4))
+            sides = [int(rng.integers(0, 2))] if n == 1 else [0, 1] + [int(rng.integers(0, 2))] * (n - 2)
+            boxes = [_rsna_box(rng, side) for side in sides]
+            img = _paint_opacities(img, boxes, rng)
+            for x, y, w, h in boxes:
                 rows.append([pid, f"{x:.1f}", f"{y:.1f}", f"{w:.1f}", f"{h:.1f}", "1"])
         else:
             rows.append([pid, "", "", "", "", "0"])
+        save_image(img, str(img_dir / f"{pid}.png"), grey=True)
     _write_csv(rp / "stage_2_train_labels.csv", ("patientId", "x", "y", "width", "height", "Target"), rows)
     return {"root": str(rp), "n_images": n_images, "positives": positives, "rows": len(rows)}
 

@@ -50,6 +50,7 @@ from fedssl.ops.simulate import global_model_path, run_simulation, server_run_di
 from fedssl.train.feddra import FedDRALocalTrainer, FedDRASettings
 from fedssl.train.vlp_finetune import few_shot_finetune
 from fedssl.train.vlp_probe import few_shot_probe
+from fedssl.train.vlp_segment import SegmentationSettings, few_shot_segmentation
 
 JOB = os.path.join(REPO_ROOT, "jobs", "feddra_mimic")
 CTRL, SITE = "server.scatter_and_gather", "client.feddra_trainer"
@@ -66,7 +67,9 @@ VARIANTS = tuple(SWITCHES) + LOCAL
 #: the demo's settings (2-core CPU, about 2-3 minutes per federated cell)
 DEMO = {"n_clients": 5, "alpha": 1.0, "n_patients": 1000, "image_px": 64, "preset": "small", "vocab_size": 1024,
         "turns": 6, "align_steps": 6, "steps": 15, "batch_size": 32, "lr": 2e-4, "mu": 5.0, "rho": 0.1, "gamma": 0.5,
-        "max_text_len": 64, "ood_images": 300, "probe_fractions": [0.01, 0.1]}
+        "max_text_len": 64, "ood_images": 300, "probe_fractions": [0.01, 0.1],
+        # RSNA segmentation (U-Net decoder on the frozen encoder, MGCA's protocol); narrower decoder on the CPU
+        "seg_epochs": 50, "seg_decoder_channels": [32, 16, 8]}
 
 
 def switch_sets(variant: str, settings: Mapping[str, Any], seed: int) -> list[str]:
@@ -145,10 +148,12 @@ def ood_sets(data: str) -> dict[str, tuple[list, list]]:
                        load_covidx(os.path.join(ood, "covidx"), "test"))}
 
 
-def probe(model: VisionLanguageModel, data: str, fractions: Sequence[float], seed: int) -> dict[str, dict]:
+def probe(model: VisionLanguageModel, data: str, fractions: Sequence[float], seed: int,
+          settings: Mapping[str, Any] | None = None) -> dict[str, dict]:
     """On each OOD set: the few-shot logistic-regression probe of the frozen image encoder (accuracy, AUROC) under
     the fraction, and FedDRA's own protocol, a linear layer fine-tuned on the frozen encoder as MGCA's fine-tuner
-    (:func:`fedssl.train.vlp_finetune.few_shot_finetune`, the same labelled subset) under ``"<fraction>_ft"``."""
+    (:func:`fedssl.train.vlp_finetune.few_shot_finetune`, the same labelled subset) under ``"<fraction>_ft"``; and
+    under ``"rsna_seg"`` the Dice of RSNA segmentation per fraction (:func:`segment`)."""
     model.eval()
 
     def features(x: torch.Tensor) -> torch.Tensor:
@@ -163,7 +168,26 @@ def probe(model: VisionLanguageModel, data: str, fractions: Sequence[float], see
         ft = few_shot_finetune(model, tr, te, dataset=name, seed=seed, fractions=tuple(fractions),
                                train_labels=tr.labels, features="image_features")
         out[name].update({f"{k}_ft": {m: v[m] for m in ("accuracy", "auroc") if m in v} for k, v in ft.items()})
+    out["rsna_seg"] = segment(model, data, fractions, seed, settings or {})
     return out
+
+
+def segment(model: VisionLanguageModel, data: str, fractions: Sequence[float], seed: int,
+            settings: Mapping[str, Any]) -> dict[str, dict]:
+    """RSNA segmentation (FedDRA sec. 5.1.1 (2)): a U-Net decoder fine-tuned on the frozen image encoder with each
+    fraction of the RSNA training images (the 80 % cut of :func:`ood_sets`), Dice on the rest
+    (:func:`fedssl.train.vlp_segment.few_shot_segmentation`)."""
+    from fedssl.data.vlp_segmentation import RSNASegmentationDataset, load_rsna_segmentation
+
+    items = load_rsna_segmentation(os.path.join(data, "ood", "rsna"))
+    cut = int(0.8 * len(items))
+    tr, te = (RSNASegmentationDataset(part, model.image_size, model.in_chans) for part in (items[:cut], items[cut:]))
+    channels = settings.get("seg_decoder_channels", DEMO["seg_decoder_channels"])
+    seg = SegmentationSettings(fractions=tuple(fractions), epochs=settings.get("seg_epochs", DEMO["seg_epochs"]),
+                               decoder_channels=tuple(channels) if channels else None)
+    res = few_shot_segmentation(model.image_encoder, model.patch_size, model.in_chans, tr, te, seed=seed,
+                                settings=seg)
+    return {k: {"dice": v["dice"], "dice_positive": v["dice_positive"]} for k, v in res.items()}
 
 
 # ------------------------------------------------------------------ one cell
@@ -213,7 +237,7 @@ def run_federated(key: Mapping[str, Any], data: str, out: str, settings: Mapping
                                                                            "cos_matched", "cos_unmatched") if k in m}
                                                           for s, m in test["sites"].items()},
             "lambda": trajectory, "cosine_per_turn": _site_turn_records(ws),
-            "probe": probe(model, data, settings["probe_fractions"], seed), "wall_time_s": round(wall, 1),
+            "probe": probe(model, data, settings["probe_fractions"], seed, settings), "wall_time_s": round(wall, 1),
             "communication": comm}
 
 
@@ -253,12 +277,17 @@ def run_local(key: Mapping[str, Any], data: str, out: str, settings: Mapping[str
             ev.model.load_state_dict(tr.model.state_dict())
             clients[site] = ev.evaluate("test")
         models["central"] = tr.model
-    probes = [probe(m, data, settings["probe_fractions"], seed) for m in models.values()]
-    avg_probe = {ds: {fr: {m: float(np.mean([p[ds][fr][m] for p in probes])) for m in probes[0][ds][fr]}
+    probes = [probe(m, data, settings["probe_fractions"], seed, settings) for m in models.values()]
+    avg_probe = {ds: {fr: {m: _mean_or_none([p[ds][fr][m] for p in probes]) for m in probes[0][ds][fr]}
                       for fr in probes[0][ds]} for ds in probes[0]}
     return {"variant": variant, "seed": seed, "clients": {s: {k: v for k, v in m.items() if k != "n_pairs"}
                                                           for s, m in clients.items()},
             "lambda": [], "cosine_per_turn": [], "probe": avg_probe, "wall_time_s": round(time.time() - t0, 1)}
+
+
+def _mean_or_none(values: Sequence[float | None]) -> float | None:
+    v = [x for x in values if x is not None]
+    return float(np.mean(v)) if v else None
 
 
 # ------------------------------------------------------------------ tables
@@ -268,6 +297,10 @@ def cell_row(res: Mapping[str, Any]) -> dict:
                                                                                   "worst_R@5")}}
     for ds, fr in res["probe"].items():
         for f, m in fr.items():
+            if "dice" in m:  # segmentation: Dice (FedDRA Table 2's "Seg." columns), e.g. rsna_seg_1%_dice
+                row[f"{ds}_{f}_dice"] = m.get("dice")
+                row[f"{ds}_{f}_dice_pos"] = m.get("dice_positive")
+                continue
             row[f"{ds}_{f}_acc"] = m.get("accuracy")
             row[f"{ds}_{f}_auc"] = m.get("auroc")
     if res["lambda"]:
@@ -288,6 +321,7 @@ def _ms(values: Sequence[float]) -> str:
 def format_results(rows: Sequence[Mapping[str, Any]], variants: Sequence[str]) -> str:
     cols = ["avg_R@1", "avg_R@5", "worst_R@1", "worst_R@5"]
     probe_cols = sorted({k for r in rows for k in r if k.endswith("_acc")})
+    probe_cols += sorted({k for r in rows for k in r if k.endswith("_dice")})
     head = f"| variant | {' | '.join(cols + probe_cols)} | seeds |"
     lines = [head, "|" + "---|" * (len(cols) + len(probe_cols) + 2)]
     for v in variants:
@@ -396,7 +430,8 @@ def run(out: str, variants: Sequence[str] = ("fedavg", "feddra"), seeds: Sequenc
         json.dump(report, f, indent=1)
     lines = [f"FedDRA on synthetic MIMIC-CXR ({settings['n_clients']} clients, LDA alpha {settings['alpha']}, "
              f"{settings['turns']} turns, preset {settings['preset']}); text-to-image recall (%) on the clients' test "
-             "splits, few-shot linear-probe accuracy (%) on the OOD sets; mean +- std over seeds", "", table, ""]
+             "splits, few-shot linear-probe accuracy (%) on the OOD sets, RSNA segmentation Dice (%, "
+             "rsna_seg_*_dice); mean +- std over seeds", "", table, ""]
     lines += [table3_text(rows, variants), ""]
     lines += per_client_lines(results, seeds[0])
     for name, v in verdicts.items():

@@ -308,6 +308,33 @@ class VisionLanguageModel(nn.Module):
                 attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.encode_image(images), self.encode_text(input_ids, attention_mask)
 
+    # ------------------------------------------------------------------ token features (GLoRIA / MGCA)
+
+    def encode_image_tokens(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(z_x [B, P] unit, regions [B, L, P], cls_attention [B, L])``: the global embedding as
+        :meth:`encode_image`, the L patch tokens of the image alignment block through the same projection
+        (GLoRIA's sub-regions, MGCA's patches; not normalised), and the alignment block's [CLS] attention to each
+        patch, averaged over heads (no gradient; MGCA's patch importance)."""
+        tokens = self.image_tokens(images)
+        with torch.no_grad():
+            attention = _timm_cls_attention(self.image_align.block, tokens)
+        out = self.image_proj(self.image_align(tokens))
+        return F.normalize(out[:, 0], dim=-1), out[:, 1:], attention[:, 1:]
+
+    def encode_text_tokens(self, input_ids: torch.Tensor,
+                           attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(z_y [B, P] unit, tokens [B, T, P], cls_attention [B, T])``: the global embedding as
+        :meth:`encode_text`, every token of the text alignment layer through the same projection (not normalised;
+        padding included: mask it with ``attention_mask``), and the layer's [CLS] attention to each token,
+        averaged over heads (0 on padding; no gradient)."""
+        hidden = self.text_tokens(input_ids, attention_mask)
+        mask = create_bidirectional_mask(config=self.text_encoder.config, inputs_embeds=hidden,
+                                         attention_mask=attention_mask)
+        with torch.no_grad():
+            attention = _bert_cls_attention(self.text_align, hidden, attention_mask)
+        out = self.text_proj(self.text_align(hidden, attention_mask=mask))
+        return F.normalize(out[:, 0], dim=-1), out, attention
+
     # ------------------------------------------------------------------ bookkeeping
 
     def alignment_parameter_names(self) -> list[str]:
@@ -316,6 +343,30 @@ class VisionLanguageModel(nn.Module):
 
     def param_counts(self) -> dict[str, int]:
         return vlp_param_counts(self)
+
+
+def _timm_cls_attention(block: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """``[B, N]``: the [CLS] row of a timm ``Block``'s attention probabilities on ``tokens``, mean over heads."""
+    attn = block.attn
+    h = block.norm1(tokens)
+    b, n, _ = h.shape
+    qkv = attn.qkv(h).reshape(b, n, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4)
+    q, k = attn.q_norm(qkv[0]), attn.k_norm(qkv[1])
+    scores = (q[:, :, :1] * attn.scale) @ k.transpose(-2, -1)  # [B, H, 1, N]
+    return scores.softmax(dim=-1)[:, :, 0].mean(dim=1)
+
+
+def _bert_cls_attention(layer: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]``: the [CLS] row of a ``BertLayer``'s self-attention probabilities (padding masked), mean over
+    heads."""
+    sa = layer.attention.self
+    b, t, _ = hidden.shape
+    heads, dim = sa.num_attention_heads, sa.attention_head_size
+    q = sa.query(hidden[:, :1]).view(b, 1, heads, dim).transpose(1, 2)
+    k = sa.key(hidden).view(b, t, heads, dim).transpose(1, 2)
+    scores = (q @ k.transpose(-2, -1)) / dim ** 0.5  # [B, H, 1, T]
+    scores = scores.masked_fill(~attention_mask.bool()[:, None, None, :], float("-inf"))
+    return scores.softmax(dim=-1)[:, :, 0].mean(dim=1)
 
 
 def vlp_param_counts(model: VisionLanguageModel) -> dict[str, int]:

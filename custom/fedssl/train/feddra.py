@@ -34,7 +34,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,8 @@ from fedssl.core.rng import owned_global_rng
 from fedssl.core.seeds import derived_seed, site_seed
 from fedssl.core.trainer import MixedPrecision, RoundStats, detached, load_checked, stoppable
 from fedssl.core.vlp import STAGES, FedDRAConfig, trainable_names
+from fedssl.core.vlp_gloria import gloria_loss, merge_word_pieces
+from fedssl.core.vlp_mgca import mgca_loss
 from fedssl.data.loading import load_batches, loader_options
 from fedssl.data.vlp import COLOURS, VLPDataset, VLPRecord, load_manifest
 from fedssl.data.vocab import load_vocab, make_tokenizer, tokenize
@@ -112,6 +114,11 @@ class FedDRASettings:
     colour: "grey" (chest X-rays) or "rgb" (fundus photographs).
     batch_size: pairs per batch; lr: AdamW's (x the DRO factor of the task); weight_decay: AdamW's.
     mu: anchor weight (paper: 5; 0 = no anchor); tau: InfoNCE temperature (the authors' code: 0.07).
+    local_loss: the image-text objective L_MI: "convirt" (the paper's main one, default), "gloria" or "mgca"
+        (FedDRA Table 2's other backbones; :mod:`fedssl.core.vlp_gloria`, :mod:`fedssl.core.vlp_mgca`).
+    local_loss_args: that method's constants as a JSON object, {} = its paper's (GLoRIA: gamma1, gamma2, gamma3,
+        global_weight, local_weight; MGCA: tau1, tau2, tau3, lambda1-3, num_prototypes, epsilon,
+        sinkhorn_iterations).
     align_steps / steps: batches of stage 1 (the authors' code: 20) and stage 2 (paper: 50) per turn.
     holdout_fraction: training pairs held out for v_i (DRO's client loss), at least ``dro_batch`` of them.
     dro_batch: the batch of v_i, the same on every site (InfoNCE depends on it).
@@ -140,6 +147,8 @@ class FedDRASettings:
     weight_decay: float = 0.05
     mu: float = 5.0
     tau: float = 0.07
+    local_loss: str = "convirt"
+    local_loss_args: dict = field(default_factory=dict)
     align_steps: int = 20
     steps: int = 50
     holdout_fraction: float = 0.1
@@ -161,7 +170,10 @@ class FedDRASettings:
         require_choice(name, "colour", self.colour, COLOURS)
         require_int(name, "min_word_count", self.min_word_count, 2,
                     "use 2 or more (5: a word seen fewer times never leaves the site)")
-        self.loss_config()
+        try:
+            self.loss_config()
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
         require_amp(name, self.amp)
         require_workers(name, self.workers)
         require_int(name, "batch_size", self.batch_size, 2, "use a batch of at least 2 pairs (paper: 288-388)")
@@ -182,8 +194,10 @@ class FedDRASettings:
         return {k: getattr(self, k) for k in MODEL_KEYS}
 
     def loss_config(self) -> FedDRAConfig:
-        """The local objective (:class:`fedssl.core.vlp.FedDRAConfig`: mu, tau), checked."""
-        return FedDRAConfig(mu=self.mu, tau=self.tau)
+        """The local objective (:class:`fedssl.core.vlp.FedDRAConfig`: mu, tau, local_loss), checked."""
+        return FedDRAConfig(mu=self.mu, tau=self.tau, local_loss=self.local_loss,
+                            local_loss_args=dict(self.local_loss_args) if isinstance(self.local_loss_args, dict)
+                            else self.local_loss_args)
 
 
 class FedDRALocalTrainer:
@@ -223,10 +237,53 @@ class FedDRALocalTrainer:
         self.held = VLPDataset(held, size, augment=False, **data) if held else None
         self.test = VLPDataset(list(test_records), size, augment=False, **data) if test_records else None
         self.rng = np.random.default_rng(own)
+        self.prototypes = self._init_prototypes()
         self.stage, self.weight_scale = "fedavg", 1.0
         self.anchor: VisionLanguageModel | None = None
         self.tasks_done = 0
         self.aligned_round = -1  # the turn of the last stage-1 task (stage 2 needs this turn's)
+
+    def _init_prototypes(self) -> torch.nn.Parameter | None:
+        """MGCA's K prototypes ``[K, proj_dim]``, unit rows, drawn from a generator of the site's seed; they stay on
+        the site (trained, checkpointed, never uploaded: :mod:`fedssl.core.vlp_mgca`).  None for other losses."""
+        if self.cfg.local_loss != "mgca":
+            return None
+        g = torch.Generator().manual_seed(derived_seed(self.data_seed, "mgca_prototypes"))
+        k, d = self.cfg.method.num_prototypes, self.model.proj_dim
+        w = (torch.rand(k, d, generator=g) * 2 - 1) / d ** 0.5  # torch.nn.Linear's default range
+        return torch.nn.Parameter(torch.nn.functional.normalize(w, dim=1).to(self.device))
+
+    def _word_index(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``[B, T]``: the word each token belongs to (0, 1, ...; a ``##`` piece continues the previous word), -1 for
+        [CLS], [SEP], other special tokens and padding (GLoRIA / MGCA work on words)."""
+        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+        out = torch.full(ids.shape, -1, dtype=torch.long)
+        for b, (row, m) in enumerate(zip(ids.tolist(), mask.tolist())):
+            pieces = self.tokenizer.convert_ids_to_tokens(row)
+            w = -1
+            for t, (tid, piece, keep) in enumerate(zip(row, pieces, m)):
+                if not keep or tid in special:
+                    continue
+                if w < 0 or not str(piece).startswith("##"):
+                    w += 1
+                out[b, t] = w
+        return out.to(ids.device)
+
+    def _method_loss(self, images: torch.Tensor, ids: torch.Tensor,
+                     mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, dict]]:
+        """``(z_img, z_txt, (L_MI, terms))`` of GLoRIA or MGCA on token features."""
+        z_img, regions, patch_attention = self.model.encode_image_tokens(images)
+        z_txt, tokens, token_attention = self.model.encode_text_tokens(ids, mask)
+        word_index = self._word_index(ids, mask)
+        words, word_mask = merge_word_pieces(tokens.float(), word_index)
+        if self.cfg.local_loss == "gloria":
+            return z_img, z_txt, gloria_loss(z_img.float(), z_txt.float(), regions.float(), words, word_mask,
+                                             self.cfg.method)
+        word_attention, _ = merge_word_pieces(token_attention.float().unsqueeze(-1), word_index)
+        with torch.no_grad():
+            self.prototypes.copy_(torch.nn.functional.normalize(self.prototypes, dim=1))
+        return z_img, z_txt, mgca_loss(z_img.float(), z_txt.float(), regions.float(), patch_attention, words,
+                                       word_mask, word_attention[..., 0], self.prototypes, self.cfg.method)
 
     # ------------------------------------------------------------------ the seam
     def set_stage(self, stage: str, weight_scale: float = 1.0) -> None:
@@ -254,14 +311,25 @@ class FedDRALocalTrainer:
         return detached(state)
 
     def state_dict(self) -> dict:
-        return {"model": detached(self.model.state_dict()), "rng": self.rng.bit_generator.state,
-                "tasks_done": self.tasks_done, "aligned_round": self.aligned_round}
+        state = {"model": detached(self.model.state_dict()), "rng": self.rng.bit_generator.state,
+                 "tasks_done": self.tasks_done, "aligned_round": self.aligned_round}
+        if self.prototypes is not None:
+            state["prototypes"] = self.prototypes.detach().cpu().clone()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         load_checked(self.model, state["model"], f"{self.site}: the checkpoint")
         self.rng.bit_generator.state = state["rng"]
         self.tasks_done = int(state["tasks_done"])
         self.aligned_round = int(state["aligned_round"])
+        if self.prototypes is not None and "prototypes" in state:
+            saved = state["prototypes"]
+            if not (isinstance(saved, torch.Tensor) and saved.shape == self.prototypes.shape):
+                raise ValueError(f"{self.site}: the checkpoint's MGCA prototypes have shape "
+                                 f"{getattr(saved, 'shape', None)}, expected {tuple(self.prototypes.shape)}; "
+                                 "delete the site checkpoint or keep local_loss_args.num_prototypes")
+            with torch.no_grad():
+                self.prototypes.copy_(saved.to(self.device))
 
     # ------------------------------------------------------------------ training
     def _tokens(self, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,6 +359,8 @@ class FedDRALocalTrainer:
             p.requires_grad_(n in train)
             if n in train:
                 params.append(p)
+        if self.prototypes is not None:
+            params.append(self.prototypes)  # MGCA's prototypes train in both stages (the site's own)
         lr = self.lr * self.weight_scale
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=self.weight_decay)
         steps = self.align_steps if self.stage == "align" else self.steps
@@ -301,15 +371,19 @@ class FedDRALocalTrainer:
         losses = []
         for images, texts in stoppable(self._round_batches(steps, n, b), should_stop):
             ids, mask = self._tokens(texts)
+            mi = None
             with self.precision.autocast():
-                z_img, z_txt = self.model(images, ids, mask)
+                if self.cfg.local_loss == "convirt":
+                    z_img, z_txt = self.model(images, ids, mask)
+                else:
+                    z_img, z_txt, mi = self._method_loss(images, ids, mask)
                 anchors = (None, None)
                 if self.anchor is not None:
                     with torch.no_grad():
                         anchors = self.anchor(images, ids, mask)
             z_img, z_txt = z_img.float(), z_txt.float()
             anchors = tuple(None if a is None else a.float() for a in anchors)
-            loss, terms = self.cfg.loss(z_img, z_txt, *anchors)
+            loss, terms = self.cfg.loss(z_img, z_txt, *anchors, mi=mi)
             self.precision.step(loss, opt)
             losses.append(float(loss.detach()))
             for k, v in terms.items():
@@ -338,7 +412,8 @@ class FedDRALocalTrainer:
 
     @torch.no_grad()
     def holdout_metrics(self) -> dict[str, float]:
-        """v_i (``dro_loss``): the contrastive loss on the held-out pairs, in consecutive batches of ``dro_batch``
+        """v_i (``dro_loss``): the contrastive loss on the held-out pairs (the local loss's contrastive term:
+        ConVIRT's InfoNCE, GLoRIA's global loss or MGCA's ITA, FedDRA sec. 6), in consecutive batches of ``dro_batch``
         pairs, the same on every site (InfoNCE grows with the batch: ln B at chance), the remainder left out (a smaller
         batch only when the site holds fewer pairs), and the cosine of matched / unmatched held-out
         pairs (the paper's Fig. 4d-f, per turn); {} when nothing is held out."""
@@ -346,7 +421,7 @@ class FedDRALocalTrainer:
             return {}
         z_img, z_txt = self.embed(self.held)
         b = min(self.dro_batch, len(z_img))
-        values = [float(self.cfg.loss(z_img[s:s + b], z_txt[s:s + b])[1]["loss_mi"])
+        values = [float(self.cfg.contrastive(z_img[s:s + b], z_txt[s:s + b]))
                   for s in range(0, len(z_img) - b + 1, b)]
         cos = matched_cosine(z_img, z_txt)
         return {"dro_loss": float(np.mean(values)), "holdout_cos_matched": cos["matched"],

@@ -10,6 +10,7 @@ from fedssl.experiments import feddra_demo as fd
 from fedssl.ops.jobs import build_job
 
 TINY = dict(preset="tiny", n_patients=40, image_px=32, vocab_size=256, turns=1, steps=1, batch_size=4, ood_images=24,
+            seg_epochs=2, seg_decoder_channels=[8, 8, 8],
             n_clients=2)
 
 
@@ -33,9 +34,12 @@ def test_each_variant_sets_the_table3_switches_on_the_job(variant, tmp_path):
 
 def test_rows_and_the_paired_verdict_by_hand():
     cell = {"variant": "feddra", "seed": 0, "clients": {"a": {"R@1": 0.2, "R@5": 0.6}, "b": {"R@1": 0.1, "R@5": 0.5}},
-            "probe": {"rsna": {"1%": {"accuracy": 0.7, "auroc": 0.8}}},
+            "probe": {"rsna": {"1%": {"accuracy": 0.7, "auroc": 0.8}},
+                      "rsna_seg": {"1%": {"dice": 0.55, "dice_positive": 0.25}}},
             "lambda": [{"turn": 0, "lambda": {"a": 0.6, "b": 0.4}}], "wall_time_s": 1.0}
     row = fd.cell_row(cell)
+    assert row["rsna_seg_1%_dice"] == 0.55 and row["rsna_seg_1%_dice_pos"] == 0.25 and "rsna_seg_1%_acc" not in row
+    assert "rsna_seg_1%_dice" in fd.format_results([row], ["feddra"]).splitlines()[0]  # a column of the table
     assert row["avg_R@1"] == pytest.approx(0.15) and row["worst_R@1"] == 0.1 and row["worst_R@5"] == 0.5
     assert row["rsna_1%_acc"] == 0.7 and row["lambda_max"] == 0.6
     assert row["lambda_chi2"] == pytest.approx(((1.2 - 1) ** 2 + (0.8 - 1) ** 2) / 2 / 2)
@@ -57,12 +61,15 @@ def test_the_baselines_run_and_a_rerun_resumes(tmp_path, monkeypatch):
     for cell in report["cells"]:
         assert sorted(cell["clients"]) == ["site-1", "site-2"]
         assert all(0 <= m["R@1"] <= m["R@5"] <= 1 for m in cell["clients"].values())
-        assert set(cell["probe"]) == {"rsna", "covidx"}
+        assert set(cell["probe"]) == {"rsna", "covidx", "rsna_seg"}
+        seg = cell["probe"].pop("rsna_seg")  # Dice of the U-Net decoder per fraction
+        assert set(seg) == {"1%", "10%"} and all(0 <= v["dice"] <= 1 for v in seg.values())
         for per in cell["probe"].values():  # the probe and the paper's fine-tuned linear layer, per fraction
             probes = {k for k in per if not k.endswith("_ft")}
             assert probes and {f"{k}_ft" for k in probes} == set(per) - probes
             assert all(0 <= per[f"{k}_ft"]["accuracy"] <= 1 for k in probes)
     assert all(any(k.endswith("_ft_acc") for k in row) for row in report["rows"])
+    assert all("rsna_seg_10%_dice" in row for row in report["rows"])
     monkeypatch.setattr(fd, "run_local", lambda *a, **k: pytest.fail("a finished cell was run again"))
     again = fd.run(out, variants=["decentralised", "centralised"], seeds=[0], settings=TINY)
     assert again["rows"] == report["rows"]

@@ -196,3 +196,30 @@ def test_base_preset_is_the_papers_vit_b16_and_bert_base():
         (224, 16, 768, 12, 12)
     assert (base["text_hidden"], base["text_layers"], base["text_heads"], base["text_intermediate"],
             base["max_position"], base["in_chans"]) == (768, 12, 12, 3072, 512, 3)
+
+
+def test_token_features_share_the_global_embedding_and_expose_cls_attention():
+    """GLoRIA / MGCA inputs: region and token features through the same projections, [CLS] attention rows."""
+    from fedssl.models.vlp import VisionLanguageModel
+
+    m = VisionLanguageModel(preset="tiny").eval()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 32, 32, generator=g)
+    ids = torch.randint(5, 100, (2, 7), generator=g)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 5:] = 0
+    z_img, regions, pa = m.encode_image_tokens(x)
+    z_txt, tokens, ta = m.encode_text_tokens(ids, mask)
+    a, b = m(x, ids, mask)
+    assert torch.allclose(z_img, a, atol=1e-6) and torch.allclose(z_txt, b, atol=1e-6)
+    assert regions.shape == (2, 16, m.proj_dim) and tokens.shape == (2, 7, m.proj_dim)
+    full = m.image_proj(m.image_align(m.image_tokens(x)))
+    assert torch.allclose(regions, full[:, 1:], atol=1e-6)
+    assert torch.allclose(ta.sum(1), torch.ones(2), atol=1e-6) and ta[1, 5:].abs().max() == 0
+    # the image [CLS] row equals the one timm's block computes
+    blk = m.image_align.block
+    blk.attn.fused_attn = False
+    seen = {}
+    blk.attn.attn_drop.register_forward_hook(lambda mod, inp, out: seen.setdefault("a", out))
+    blk(m.image_tokens(x))
+    assert torch.allclose(seen["a"][:, :, 0, 1:].mean(1), pa, atol=1e-6)

@@ -176,3 +176,64 @@ def test_the_local_loss_is_the_symmetric_infonce_with_the_jobs_temperature(site)
     both = 0.5 * F.cross_entropy(logits, t) + 0.5 * F.cross_entropy(logits.t(), t)
     assert float(cfg.loss(a, b)[0]) == pytest.approx(float(both), rel=1e-6)
     assert float(cfg.loss(a, b)[0]) != pytest.approx(float(F.cross_entropy(logits, t)), rel=1e-3)
+
+
+# ------------------------------------------------------------------ GLoRIA / MGCA local losses (issue 47)
+def test_word_index_joins_pieces_and_skips_specials(site):
+    tr = trainer(site, local_loss="gloria")
+    ids, mask = tr._tokens(["effusions pleurae"])  # unseen forms: split into ## pieces
+    pieces = tr.tokenizer.convert_ids_to_tokens(ids[0].tolist())
+    index = tr._word_index(ids, mask)[0].tolist()
+    expected, w = [], -1
+    for p, m in zip(pieces, mask[0].tolist()):
+        if not m or p in ("[CLS]", "[SEP]"):
+            expected.append(-1)
+            continue
+        w += 0 if p.startswith("##") and w >= 0 else 1
+        expected.append(w)
+    assert any(p.startswith("##") for p in pieces)
+    assert index == expected and index[0] == -1 and max(index) == 1  # two words, whatever the pieces
+
+
+def test_gloria_and_mgca_train_and_take_their_own_contrastive_term_for_dro(site):
+    from fedssl.core.vlp_gloria import global_loss
+    from fedssl.core.vlp_mgca import ita_loss
+
+    for loss, term, keys in (("gloria", lambda a, b: global_loss(a, b, 10.0), {"loss_global", "loss_local"}),
+                             ("mgca", lambda a, b: ita_loss(a, b, 0.1), {"loss_ita", "loss_cta", "loss_cpa"})):
+        tr = trainer(site, local_loss=loss, local_loss_args={"num_prototypes": 8} if loss == "mgca" else {})
+        start = {k: v.clone() for k, v in tr.model.state_dict().items()}
+        tr.set_stage("full_model", 1.0)
+        tr.load_global(start)
+        stats = tr.train_round(0)
+        assert keys <= set(stats.metrics) and math.isfinite(stats.loss)
+        assert changed_parts(start, tr.model.state_dict()) >= {"image_encoder", "text_encoder", "image_align"}
+        z_img, z_txt = tr.embed(tr.held)
+        b = tr.dro_batch
+        want = [float(term(z_img[s:s + b], z_txt[s:s + b])) for s in range(0, len(z_img) - b + 1, b)]
+        assert stats.metrics["dro_loss"] == pytest.approx(sum(want) / len(want), rel=1e-5)
+
+
+def test_mgca_prototypes_are_the_sites_own_seeded_and_checkpointed(site):
+    before = torch.get_rng_state()
+    tr = trainer(site, local_loss="mgca", local_loss_args={"num_prototypes": 8})
+    assert torch.equal(torch.get_rng_state(), before)  # drawn from the trainer's own generator
+    again = trainer(site, local_loss="mgca", local_loss_args={"num_prototypes": 8})
+    assert torch.equal(tr.prototypes, again.prototypes) and tr.prototypes.shape == (8, tr.model.proj_dim)
+    start = tr.prototypes.detach().clone()
+    tr.set_stage("align", 1.0)
+    tr.load_global(tr.model.state_dict())
+    tr.train_round(0)
+    assert (start - tr.prototypes.detach()).abs().max() > 1e-4  # trained in stage 1 too
+    assert not any("prototype" in k for k in tr.global_state())  # never uploaded
+    again.load_state_dict(tr.state_dict())
+    assert torch.equal(again.prototypes, tr.prototypes)
+
+
+def test_local_loss_arguments_are_checked_at_once(site):
+    with pytest.raises(ValueError, match=r"local_loss.*'clip'.*convirt"):
+        trainer(site, local_loss="clip")
+    with pytest.raises(ValueError, match=r"local_loss_args has unknown keys \['gamma9'\]"):
+        trainer(site, local_loss="gloria", local_loss_args={"gamma9": 1.0})
+    with pytest.raises(ValueError, match=r"tau2=-1"):
+        trainer(site, local_loss="mgca", local_loss_args={"tau2": -1})

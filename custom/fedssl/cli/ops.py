@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from fedssl.cli import COUNT, NON_NEGATIVE_REAL, POSITIVE, Verb, add_verb
+from fedssl.cli import COUNT, NON_NEGATIVE_REAL, POSITIVE, SEED, Verb, add_verb
 
 
 def _job_opts(sp, sites_required: bool = False) -> None:
@@ -70,16 +70,40 @@ def _deploy_local_args(s) -> None:
     s.add_argument("--data-root", required=True, help="each site's data folder; {site} is replaced by the site name")
     s.add_argument("--timeout", type=POSITIVE, default=1800, help="seconds to wait for the jobs")
     s.add_argument("--hold", action="store_true", help="keep the system up after the jobs (for fl_admin.sh)")
+    s.add_argument("--faults", default=None, metavar="SCENARIO[,SCENARIO...]",
+                   help="fault drill: run the one JOB fault-free, then under each scenario (none, latency, partition, "
+                        "resets, kill-site, stop-site, kill-server, or all), each on a fresh system; report in "
+                        "WS/fault_drill.json (provisioning/README.md, Fault drill)")
+    s.add_argument("--seed", type=SEED, default=0, help="fault drill: seeds the proxies' jitter and reset moments")
     _job_opts(s, sites_required=True)
 
 
 def _deploy_local(a) -> None:
     from fedssl.ops.deploy import deploy_and_run
 
+    if a.faults is not None:
+        return _drill(a)
     _check_jobs(a, a.job)
     leftover = deploy_and_run(a.workspace, a.job, n_sites=a.sites, data_root=a.data_root, profile=a.profile,
                               sets=a.set, timeout_s=a.timeout, hold=a.hold)
     print(f"stopped; leftover processes: {leftover or 'none'}")
+
+
+def _drill(a) -> None:
+    from fedssl.ops.drill import DrillSettings, parse_scenarios, run_drill, table
+
+    if len(a.job) != 1:
+        raise ValueError(f"--faults: got {len(a.job)} job folders; the drill runs exactly one JOB, e.g. "
+                         "fedssl deploy-local jobs/fcl_acdc --faults latency ...")
+    if a.hold:
+        raise ValueError("--hold with --faults: the drill stops every system it starts; drop --hold")
+    scenarios = parse_scenarios(a.faults)
+    DrillSettings().check_sites(scenarios, a.sites)
+    _check_jobs(a, a.job)
+    report = run_drill(a.job[0], a.workspace, scenarios, n_sites=a.sites, data_root=a.data_root, profile=a.profile,
+                       sets=a.set, seed=a.seed, timeout_s=a.timeout)
+    print(table(report))
+    print(f"drill took {report['drill_wall_s']} s")
 
 
 def _submit_args(s) -> None:

@@ -7,6 +7,10 @@ authorisation policy, data root, privacy scopes) and the server the same policy,
 are started as the kits' ``sub_start.sh`` starts them, an admin drives the jobs through the FLARE API, and
 everything is stopped on exit, on error and on Ctrl-C (each participant runs in its own process group,
 killed as a group).  A job a participant refuses to build is reported by the class it refused.
+
+For the fault drill (``fedssl.ops.drill``), ``proxied=True`` puts a :class:`fedssl.ops.faults.FaultProxy` on
+127.0.0.1 between each site and the server (the site's ``startup/fed_client.json`` names the proxy's port as the
+server's), and the participants can be killed, paused and restarted from their kits.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -86,6 +91,37 @@ def isolate_server_storage(resources_json: str, root: str) -> None:
         json.dump(resources, f, indent=2)
 
 
+def point_site_at(kit: str, port: int) -> str:
+    """Rewrite the site's ``startup/fed_client.json`` so that it connects to ``localhost:port`` (a fault proxy)
+    instead of the server's own port; the host name stays ``localhost`` (127.0.0.1 here), the name in the server's
+    certificate.  The site's job processes take the same target from their parent.  Returns the new target."""
+    path = os.path.join(kit, "startup", "fed_client.json")
+    with open(path) as f:
+        conf = json.load(f)
+    service = conf["servers"][0]["service"]
+    host = service["target"].rsplit(":", 1)[0]
+    if host != "localhost":
+        raise DeploymentError(f"{path}: server target {service['target']!r} is not on localhost; the fault drill "
+                              "runs on loopback only")
+    service["target"] = f"{host}:{port}"
+    with open(path, "w") as f:
+        json.dump(conf, f, indent=2)
+    return service["target"]
+
+
+def copy_secrets(src_kit: str, dst_kit: str) -> list[str]:
+    """Give a participant the party secrets (``local/*.secret``) of the same participant of another deployment, so
+    that a drill's run repeats the fault-free run's draws (feature noise, bank order).  A drill only: a real
+    participant never shares its secrets."""
+    copied = []
+    for src in sorted(glob.glob(os.path.join(src_kit, "local", "*.secret"))):
+        dst = os.path.join(dst_kit, "local", os.path.basename(src))
+        shutil.copyfile(src, dst)
+        os.chmod(dst, 0o600)
+        copied.append(os.path.basename(src))
+    return copied
+
+
 def configure_server(kit: str, storage_root: str) -> None:
     """The server's policy is the sites' (exact-class allow-list, BYOC off for every role: the server checks
     BYOC when a job is submitted, each site again when it is deployed), and its stores live in ``storage_root``."""
@@ -105,7 +141,18 @@ class LoopbackDeployment:
     #: outcome (FLARE's client_outcome_wait_timeout, default 900 s): a crashed site would otherwise keep
     #: the job RUNNING for 15 minutes after its last round
     client_outcome_wait_s: float = 30.0
+    #: a FaultProxy between each site and the server (the fault drill)
+    proxied: bool = False
+    #: seeds the proxies' jitter and reset moments (site-K's proxy: seed + K)
+    seed: int = 0
+    #: another deployment's workspace whose participants' secrets each participant starts with (the drill)
+    secrets_from: str | None = None
     procs: dict = field(default_factory=dict)
+    proxies: dict = field(default_factory=dict)
+    paused: set = field(default_factory=set)
+    #: set by stop(): nothing is started after it (a fault driver's late restart would be left behind)
+    stopped: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     kits: dict = field(default_factory=dict)
     orgs: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
@@ -157,13 +204,24 @@ class LoopbackDeployment:
         for i in range(1, self.n_sites + 1):
             configure_site(self.kits[f"site-{i}"], f"site-{i}", self.data_root)
         configure_server(self.kits[SERVER], os.path.join(self.workspace, "server_storage"))
+        if self.secrets_from:
+            prod_from = os.path.join(os.path.abspath(self.secrets_from), "provision", project["name"], "prod_00")
+            for name in [SERVER] + [f"site-{i}" for i in range(1, self.n_sites + 1)]:
+                copy_secrets(os.path.join(prod_from, name), self.kits[name])
+        if self.proxied:
+            from fedssl.ops.faults import FaultProxy
+
+            for i in range(1, self.n_sites + 1):
+                site = f"site-{i}"
+                self.proxies[site] = FaultProxy(self.port, seed=self.seed + i, name=site).start()
+                point_site_at(self.kits[site], self.proxies[site].port)
 
     def _launch(self, name: str, module: str, extra: list[str]) -> None:
         kit = self.kits[name]
         org = self.orgs[name]
         cmd = [sys.executable, "-u", "-m", module, "-m", kit, "-s", extra[0], "--set", "secure_train=true",
                *extra[1:], f"org={org}", "config_folder=config"]
-        log = open(os.path.join(kit, "console.log"), "w")
+        log = open(os.path.join(kit, "console.log"), "a")  # a restarted participant appends
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                    NVFLARE_CLIENT_OUTCOME_WAIT_TIMEOUT=str(self.client_outcome_wait_s))
         self.procs[name] = subprocess.Popen(cmd, cwd=kit, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -171,10 +229,22 @@ class LoopbackDeployment:
 
     def start(self) -> None:
         """Start the server, then each site, exactly as the kits' sub_start.sh do (without their restart loop)."""
-        self._launch(SERVER, "nvflare.private.fed.app.server.server_train", ["fed_server.json"])
+        self.start_participant(SERVER)
         for i in range(1, self.n_sites + 1):
-            self._launch(f"site-{i}", "nvflare.private.fed.app.client.client_train",
-                         ["fed_client.json", f"uid=site-{i}"])
+            self.start_participant(f"site-{i}")
+
+    def start_participant(self, name: str) -> None:
+        """Start (or restart, after :meth:`kill`) the server or a site from its kit; refused after :meth:`stop`."""
+        with self._lock:
+            if self.stopped:
+                raise DeploymentError(f"{name} not started: the deployment in {self.workspace} is stopping")
+            self._start_participant(name)
+
+    def _start_participant(self, name: str) -> None:
+        if name == SERVER:
+            self._launch(SERVER, "nvflare.private.fed.app.server.server_train", ["fed_server.json"])
+        else:
+            self._launch(name, "nvflare.private.fed.app.client.client_train", ["fed_client.json", f"uid={name}"])
 
     def session(self, timeout: float = 30.0):
         from nvflare.fuel.flare_api.flare_api import new_secure_session
@@ -267,18 +337,46 @@ class LoopbackDeployment:
 
     def kill_site(self, name: str) -> None:
         """Simulate a site crash: SIGKILL the site's process and every job process it started."""
+        self.kill(name)
+
+    def kill(self, name: str) -> None:
+        """Simulate a crash of a participant (a site or the server): SIGKILL it and every job process it started."""
         import psutil
 
         for proc in self._processes_of(name):
             with contextlib.suppress(psutil.NoSuchProcess):  # already gone: nothing to kill
                 proc.kill()
         self.procs[name].wait()
+        self.paused.discard(name)
+
+    def pause(self, name: str) -> int:
+        """SIGSTOP a participant and its job processes (a hung machine); returns how many were stopped."""
+        return self._signal_all(name, signal.SIGSTOP, pause=True)
+
+    def resume(self, name: str) -> int:
+        """SIGCONT what :meth:`pause` stopped."""
+        return self._signal_all(name, signal.SIGCONT, pause=False)
+
+    def _signal_all(self, name: str, signum: int, pause: bool) -> int:
+        import psutil
+
+        n = 0
+        for proc in self._processes_of(name):
+            with contextlib.suppress(psutil.NoSuchProcess):  # exited meanwhile: nothing to signal
+                proc.send_signal(signum)
+                n += 1
+        (self.paused.add if pause else self.paused.discard)(name)
+        return n
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop every participant politely (SIGTERM to each process group), then by force, job processes
         included; nothing is left behind."""
         import psutil
 
+        with self._lock:
+            self.stopped = True
+        for name in list(self.paused):  # a stopped process would sit on SIGTERM until the grace period ends
+            self.resume(name)
         everyone = self._processes_of() if self.procs else []
         for p in self.procs.values():
             if p.poll() is None:
@@ -291,6 +389,8 @@ class LoopbackDeployment:
         psutil.wait_procs(alive, timeout=5)
         for p in self.procs.values():
             p.wait()
+        for proxy in self.proxies.values():
+            proxy.close()
 
     def leftover_processes(self) -> list[str]:
         """Processes still running that belong to this deployment (should be none after stop)."""

@@ -98,7 +98,8 @@ def test_the_arguments_are_the_settings_fields_and_a_typo_is_refused(module, cls
 
     executor = getattr(importlib.import_module(module), cls)
     settings_class = getattr(importlib.import_module(settings_module), settings)
-    fields = {f.name: f.default for f in dataclasses.fields(settings_class)}
+    fields = {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+              for f in dataclasses.fields(settings_class)}  # a dict default ({}) is a default_factory
     assert {k: p.default for k, p in inspect.signature(executor).parameters.items()} == fields
     ex = executor()
     assert ex.settings == settings_class() and all(getattr(ex, k) == v for k, v in fields.items() if k != "classes")

@@ -158,7 +158,9 @@ def test_pretraining_reads_every_cine_frame_and_reports_bounded_counts(data, tmp
     assert record.pop("feature_std") == logged["feature_std"] and 0 < logged["feature_std"] < 1
     # issue 44: the local term's chance level, ln(K + 1) of the K = 32 negatives each step drew
     assert record.pop("chance_loss_local") == logged["chance_loss_local"] == pytest.approx(math.log(33))
-    assert record == {"volumes": 16, "steps_per_round": 2, "bank_filled": 16, "bank_fill": 0.5, "bank_size": 32}
+    # issue 47 (Table 7): the rows shared this round (each sent once) and the remote rows received (none in round 0)
+    assert record == {"volumes": 16, "steps_per_round": 2, "bank_filled": 16, "bank_fill": 0.5, "bank_size": 32,
+                      "rows_shared": 16, "remote_features": 0}
     (tmp_path / "ed_es").mkdir()
     ed_es = FCLExecutor(data_root=data, frames="ed_es", **dict(ARGS, max_steps_per_round=0))
     record = from_shareable(run(ed_es, tmp_path / "ed_es", task(0))).get_meta_prop(SITE_RECORD_META)

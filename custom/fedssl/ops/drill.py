@@ -217,7 +217,7 @@ class _Faults(threading.Thread):
             self.note(f"fault driver failed: {self.error}")
 
     def _none(self) -> None:
-        pass
+        pass  # the fault-free run: nothing to drive mid-job
 
     def _latency(self) -> None:
         pass  # set before the job is submitted (see run_scenario)

@@ -24,6 +24,21 @@ def _aggregation(a) -> None:
     run_scaling(a.out, sites=a.sites, modes=a.modes, seed=a.seed, model=a.model)
 
 
+def _sites_args(s) -> None:
+    s.add_argument("--out", required=True, help="folder for data, workspaces, site_scaling.json and .png (resumable)")
+    s.add_argument("--sites", nargs="+", type=COUNT, default=[2, 5, 10, 20], help="numbers of sites")
+    s.add_argument("--modes", nargs="+", default=["simulator", "provisioned"], choices=["simulator", "provisioned"],
+                   help="simulator = nvflare simulator -n N -t N; provisioned = server, N sites and the admin on "
+                        "loopback, each started from its startup kit")
+    s.add_argument("--timeout", type=POSITIVE, default=1800, help="seconds to wait for each job")
+
+
+def _sites(a) -> None:
+    from fedssl.experiments.site_scaling import run_site_scaling
+
+    run_site_scaling(a.out, sites=a.sites, modes=a.modes, timeout_s=a.timeout, say=lambda m: print(m, flush=True))
+
+
 def _wire_args(s) -> None:
     s.add_argument("--out", required=True, help="folder for data, workspaces, cells/ and wire_cost.json (resumable)")
     s.add_argument("--methods", nargs="+", default=["fcl", "fedmae"], choices=["fcl", "fedmae"])
@@ -171,6 +186,9 @@ VERBS = (
                     "model sizes (no training)", _message_args, _message),
     Verb("overhead", "the same local training as a bare loop and as a FLARE simulator job: time per round and what "
                      "the difference is made of", _overhead_args, _overhead),
+    Verb("sites", "2 to 20 sites of a small job (FCL quick) in the simulator and provisioned on loopback: server "
+                  "peak memory, round time and the admin console's answer time; JSON, table and PNG", _sites_args,
+         _sites),
     Verb("wire", "bytes per round against score for the wire switches (FLARE quantisation filters, float16 banks): "
                  "FCL and Fed-MAE pre-training + fine-tuning at the quick profile", _wire_args, _wire),
 )

@@ -1,0 +1,82 @@
+"""The 20-site scaling bench's measuring parts (issue 46, item 4): process-tree memory, the admin's answer times,
+the table, and the refusals.  The whole bench on a real simulator and loopback system is a documented command."""
+
+import json
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from fedssl.experiments.site_scaling import PeakMemory, latency_summary, run_site_scaling, table, tree_rss_mb
+
+#: a child that holds about 200 MB and starts a grandchild that holds about 100 MB, then sleeps
+HOLDER = """
+import subprocess, sys, time
+big = bytearray(200 * 2**20)
+for i in range(0, len(big), 4096): big[i] = 1
+GRANDCHILD = ("import time; b = bytearray(100 * 2**20)\\nfor i in range(0, len(b), 4096): b[i] = 1\\n"
+              "print('ok', flush=True); time.sleep(60)")
+child = subprocess.Popen([sys.executable, "-c", GRANDCHILD], stdout=sys.stdout)
+print("ok", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.fixture()
+def holder():
+    p = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ok" and p.stdout.readline().strip() == "ok"
+        yield p
+    finally:
+        for c in psutil.Process(p.pid).children(recursive=True):
+            c.kill()
+        p.kill()
+        p.wait()
+
+
+def test_a_process_trees_memory_counts_its_descendants_only_when_asked(holder):
+    alone, tree = tree_rss_mb([holder.pid], recursive=False), tree_rss_mb([holder.pid])
+    assert 200 < alone < 300  # the child's 200 MB and its interpreter
+    assert 100 < tree - alone < 150  # plus the grandchild's 100 MB
+    assert tree_rss_mb([holder.pid, holder.pid]) == pytest.approx(tree, rel=0.05)  # each process counted once
+    assert tree_rss_mb([2**22 + 7]) == 0.0  # no such process: nothing, no error
+
+
+def test_peak_memory_keeps_each_groups_largest_sample(holder):
+    pids = [holder.pid]
+    mem = PeakMemory({"tree": (lambda: pids, True), "root": (lambda: pids, False)}, every_s=0.05)
+    mem.start()
+    time.sleep(0.3)
+    pids.clear()  # the group is gone: later samples are 0 and do not lower the peak
+    time.sleep(0.2)
+    peaks = mem.stop()
+    assert peaks["tree"] > 300 and 200 < peaks["root"] < 300
+
+
+def test_admin_answer_times_are_summarised_in_milliseconds():
+    assert latency_summary([0.010, 0.030, 0.020, 0.500]) == {"calls": 4, "median": 25.0, "max": 500.0}
+    assert latency_summary([]) == {"calls": 0, "median": None, "max": None}
+
+
+def test_the_table_has_a_row_per_deployment_and_count_in_order():
+    rows = [{"mode": "simulator", "sites": 5, "completed": True, "round_s": 4.0, "round_s_per_site": 0.8,
+             "server_peak_mb": 1234.4, "sites_peak_mb": 2000.0, "admin_ms": latency_summary([])},
+            {"mode": "provisioned", "sites": 2, "completed": False, "round_s": None, "round_s_per_site": None,
+             "server_peak_mb": 600.0, "sites_peak_mb": 900.0, "admin_ms": latency_summary([0.04, 0.06]),
+             "startup_s": 12.5}]
+    lines = table({"rows": rows}).splitlines()
+    assert lines[2] == "| provisioned | 2 | no | None | None | 600 | 900 | 50 / 60 (2) | 12.5 |"
+    assert lines[3] == "| simulator | 5 | yes | 4.0 | 0.8 | 1234 | 2000 | - | - |"
+
+
+def test_bad_counts_and_modes_are_refused_and_another_configuration_needs_another_folder(tmp_path):
+    with pytest.raises(ValueError, match="site counts of at least 1"):
+        run_site_scaling(str(tmp_path), sites=[0])
+    with pytest.raises(ValueError, match=r"\['poc'\] unknown"):
+        run_site_scaling(str(tmp_path), modes=["poc"])
+    (tmp_path / "site_scaling.json").write_text(json.dumps({"config": {"profile": "paper"}, "rows": []}))
+    with pytest.raises(ValueError, match="use another --out"):
+        run_site_scaling(str(tmp_path), sites=[1])

@@ -44,7 +44,7 @@ from fedssl.core.checks import require, require_int
 from fedssl.data.images import load_image_records
 from fedssl.data.site_config import site_folders
 from fedssl.eval.paper_tables import SSLFL_SOURCE, sslfl_paper_rows
-from fedssl.eval.report import accuracy_verdict
+from fedssl.eval.report import accuracy_verdict, paired_against
 from fedssl.experiments.diagnostics import (
     diagnose_vit,
     failed_mark,
@@ -328,6 +328,33 @@ def table_verdicts(settings: dict, results: dict, health: dict | None = None) ->
                 line = f"Split-{split}, seed {seed}: " + accuracy_verdict(
                     label, r["accuracy"], METHODS["scratch"]["label"], base["accuracy"], int(r["n_test"]))
                 lines.append(failed_verdict(line, label, unit if h and h["failed"] else [], unit))
+    return lines + seed_verdicts(settings, results, health)
+
+
+def seed_verdicts(settings: dict, results: dict, health: dict | None = None) -> list[str]:
+    """Per split and pre-trained method run on two or more seeds beside ViT scratch: the difference in test accuracy
+    (points), paired by seed, its mean and standard error over seeds (:func:`~fedssl.eval.report.paired_against`
+    with the seed as the only unit), each seed's difference, and "ahead" / "behind" when the mean is beyond twice
+    the standard error (else "within the spread").  Where a seed's pre-training failed (``health``), the line says
+    so instead of its conclusion.  The run-to-run spread is in it, which the per-seed binomial lines lack."""
+    rows, health = [], health or {}
+    for (method, split, seed), r in results.items():
+        if r and r.get("accuracy") is not None:
+            rows.append({"mode": "table", "method": method, "split": split, "seed": seed,
+                         "accuracy": 100.0 * float(r["accuracy"])})
+    lines = []
+    for p in paired_against(rows, "scratch", mode="table", units=(), column="split", score="accuracy"):
+        if p["seeds"] < 2:
+            continue
+        label = METHODS[p["method"]]["label"]
+        mean, se = p["diff_mean"], p["diff_se"]
+        word = "ahead" if mean > 2 * se else "behind" if mean < -2 * se else "within the spread (no clear effect)"
+        line = (f"Split-{p['split']}, {p['seeds']} seeds: {label} minus {METHODS['scratch']['label']} {mean:+.1f} "
+                f"points (SE {se:.1f} over seeds; per seed "
+                + " / ".join(f"{v:+.1f}" for v in p["by_seed"].values()) + f") -> {word}")
+        failed = [f"Split-{p['split']} seed {sd}" for sd in p["by_seed"]
+                  if (health.get((p["method"], p["split"], int(sd))) or {}).get("failed")]
+        lines.append(failed_verdict(line, label, failed, [f"Split-{p['split']} seed {sd}" for sd in p["by_seed"]]))
     return lines
 
 

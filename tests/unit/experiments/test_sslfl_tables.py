@@ -383,3 +383,21 @@ def test_diagnose_cell_hands_the_cells_own_pretraining_and_split_to_the_diagnost
     open(summary, "w").close()
     st.diagnose_cell(key, str(tmp_path), settings, parts, store)
     assert seen["summary"] == summary
+
+
+def test_over_seeds_the_paired_difference_and_its_standard_error_by_hand():
+    s = st.table_settings("bench", splits=[3])
+    acc = {"scratch": (0.70, 0.60, 0.80), "fedmae": (0.60, 0.55, 0.50), "fedbeit": (0.75, 0.65, 0.85)}
+    results = {(m, 3, seed): {"accuracy": a[seed], "n_test": 400} for m, a in acc.items() for seed in range(3)}
+    results[("fedmae", 1, 0)] = {"accuracy": 0.9, "n_test": 400}  # one seed on Split-1: no over-seeds line
+    lines = st.seed_verdicts(s, results)
+    # Fed-MAE: -10, -5, -30 points; mean -15, std sqrt(175) = 13.23, SE 7.64: -15 is within twice the SE
+    assert lines == [
+        "Split-3, 3 seeds: Fed-MAE minus ViT scratch -15.0 points (SE 7.6 over seeds; per seed -10.0 / -5.0 / -30.0) "
+        "-> within the spread (no clear effect)",
+        "Split-3, 3 seeds: Fed-BEiT minus ViT scratch +5.0 points (SE 0.0 over seeds; per seed +5.0 / +5.0 / +5.0) "
+        "-> ahead"]
+    assert st.table_verdicts(s, results)[-2:] == lines  # printed under the per-seed lines
+    health = {("fedmae", 3, 1): {"failed": True}}
+    assert st.seed_verdicts(s, results, health)[0].endswith(
+        "-> not Fed-MAE's result: its pre-training failed at Split-3 seed 1 of 3 ([failed pre-training] below)")

@@ -15,9 +15,10 @@ the same ``--out`` keeps the rows it has and runs the rest):
   and the job process it starts; simulator: its command, its manager and the process that holds the server, i.e.
   every process of the run but the site workers), sampled every ``SAMPLE_S`` seconds; ``sites_peak_mb``: the peak
   of all site processes together (the simulator's ``simulator_worker`` processes);
-- ``round_s``: the rounds' seconds (the server log's "Round 0 started." to the last "Round N finished.") per round;
-  on a machine with fewer cores than sites the sites' local training shares the cores, so this grows with ``n``
-  even when FLARE's own cost does not (``round_s_per_site`` divides it by ``n``);
+- ``round_s``: the seconds of a round after the first (the server log's "Round r started." to "Round r finished.";
+  ``first_round_s``: the first, which also waits for each site's job process to start and import); on a machine
+  with fewer cores than sites the sites' local training shares the cores, so this grows with ``n`` even when FLARE's
+  own cost does not (``round_s_per_site`` divides it by ``n``);
 - ``admin_ms`` (provisioned): how long the admin console takes to answer ``get_system_info`` (the server and every
   connected site), asked every ``ADMIN_EVERY_S`` seconds while the job runs: median and worst;
 - ``startup_s`` (provisioned): provisioning and starting the system until every site is connected.
@@ -29,15 +30,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import threading
 import time
+from datetime import datetime
 
 import psutil
 
 from fedssl.data.acdc_synthetic import write_synthetic_acdc
 from fedssl.ops.deploy import SERVER, LoopbackDeployment
-from fedssl.ops.drill import planned_rounds, training_seconds
+from fedssl.ops.drill import planned_rounds
 from fedssl.ops.jobs import REPO_ROOT, build_job
 from fedssl.ops.simulate import run_simulation
 
@@ -113,9 +116,37 @@ def latency_summary(seconds: list[float]) -> dict:
             "max": round(1000 * max(seconds), 1)}
 
 
-def _per_round(row: dict, training_s: float | None, rounds: int) -> None:
-    row["training_s"] = training_s
-    row["round_s"] = round(training_s / rounds, 2) if training_s is not None and rounds else None
+ROUND_LINE = re.compile(r"^(\S+ \S+) .*Round (\d+) (started|finished)\.")
+
+
+def round_seconds(log_path: str | None) -> list[float]:
+    """Each round's seconds in a server log, from its "Round r started." to its "Round r finished." (rounds that
+    did not finish are left out)."""
+    if not log_path or not os.path.isfile(log_path):
+        return []
+    start: dict[int, datetime] = {}
+    out: dict[int, float] = {}
+    with open(log_path, errors="replace") as f:
+        for line in f:
+            m = ROUND_LINE.match(line)
+            if m:
+                t = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f")
+                r = int(m.group(2))
+                if m.group(3) == "started":
+                    start.setdefault(r, t)
+                elif r in start:
+                    out[r] = round((t - start[r]).total_seconds(), 2)
+    return [out[r] for r in sorted(out)]
+
+
+def _per_round(row: dict, log_path: str | None) -> None:
+    """``round_s``: the mean of the rounds after the first (the first also waits for every site's job process to
+    start); ``first_round_s``: the first round's."""
+    rounds = round_seconds(log_path)
+    row["rounds_s"] = rounds
+    row["first_round_s"] = rounds[0] if rounds else None
+    later = rounds[1:]
+    row["round_s"] = round(sum(later) / len(later), 2) if later else None
     row["round_s_per_site"] = round(row["round_s"] / row["sites"], 3) if row["round_s"] is not None else None
 
 
@@ -149,8 +180,8 @@ def simulator_row(job: str, workspace: str, n: int, data_root: str, rounds: int,
                            "simulator no longer runs its sites in such processes: update site_scaling.simulator_row")
     row = {"mode": "simulator", "sites": n, "completed": True, "job_s": round(time.time() - t0, 1),
            "server_peak_mb": peaks["server"], "sites_peak_mb": peaks["sites"],
-           "rounds": len(s.get("rounds") or []), "admin_ms": latency_summary([])}
-    _per_round(row, training_seconds(os.path.join(workspace, "server", "log.txt")), rounds)  # the server's log
+           "rounds": len(s.get("rounds") or []), "rounds_planned": rounds, "admin_ms": latency_summary([])}
+    _per_round(row, os.path.join(workspace, "server", "log.txt"))  # the simulated server's log
     return row
 
 
@@ -193,14 +224,14 @@ def provisioned_row(job: str, workspace: str, n: int, data_root: str, rounds: in
         row = {"mode": "provisioned", "sites": n, "completed": r["status"] == "FINISHED:COMPLETED",
                "status": r["status"], "job_s": r["job_s"], "startup_s": d.timings.get("startup_s"),
                "server_peak_mb": peaks["server"], "sites_peak_mb": peaks["sites"],
-               "admin_ms": latency_summary(answers)}
+               "rounds_planned": rounds, "admin_ms": latency_summary(answers)}
         log = os.path.join(r["result_dir"], "workspace", "log.txt") if r.get("result_dir") else None
         summary = os.path.join(r["result_dir"], "workspace", "summary.json") if r.get("result_dir") else None
         row["rounds"] = 0
         if summary and os.path.isfile(summary):
             with open(summary) as f:
                 row["rounds"] = len(json.load(f).get("rounds") or [])
-        _per_round(row, training_seconds(log), rounds)
+        _per_round(row, log)
     row["leftover_processes"] = d.leftover_processes()
     return row
 
@@ -268,12 +299,13 @@ def format_row(r: dict) -> str:
 
 def table(report: dict) -> str:
     """The rows as the markdown table in provisioning/README.md."""
-    lines = ["| deployment | sites | completed | round (s) | per site (s) | server peak (MB) | sites peak (MB) | "
-             "admin answer, median / worst (ms) | start-up (s) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| deployment | sites | completed | first round (s) | later rounds (s) | per site (s) | server peak (MB) "
+             "| sites peak (MB) | admin answer, median / worst (ms) | start-up (s) |", "|---" * 10 + "|"]
     for r in sorted(report["rows"], key=lambda r: (r["mode"], r["sites"])):
         a = r["admin_ms"]
         admin = f"{a['median']:.0f} / {a['max']:.0f} ({a['calls']})" if a["calls"] else "-"
-        lines.append(f"| {r['mode']} | {r['sites']} | {'yes' if r['completed'] else 'no'} | {r['round_s']} | "
+        lines.append(f"| {r['mode']} | {r['sites']} | {'yes' if r['completed'] else 'no'} | {r.get('first_round_s')} | "
+                     f"{r['round_s']} | "
                      f"{r['round_s_per_site']} | {r['server_peak_mb']:.0f} | {r['sites_peak_mb']:.0f} | {admin} | "
                      f"{r.get('startup_s') if r.get('startup_s') is not None else '-'} |")
     return "\n".join(lines)

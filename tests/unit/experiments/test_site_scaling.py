@@ -9,7 +9,15 @@ import time
 import psutil
 import pytest
 
-from fedssl.experiments.site_scaling import PeakMemory, latency_summary, run_site_scaling, table, tree_rss_mb
+from fedssl.experiments.site_scaling import (
+    PeakMemory,
+    _per_round,
+    latency_summary,
+    round_seconds,
+    run_site_scaling,
+    table,
+    tree_rss_mb,
+)
 
 #: a child that holds about 200 MB and starts a grandchild that holds about 100 MB, then sleeps
 HOLDER = """
@@ -62,14 +70,31 @@ def test_admin_answer_times_are_summarised_in_milliseconds():
 
 
 def test_the_table_has_a_row_per_deployment_and_count_in_order():
-    rows = [{"mode": "simulator", "sites": 5, "completed": True, "round_s": 4.0, "round_s_per_site": 0.8,
+    rows = [{"mode": "simulator", "sites": 5, "completed": True, "first_round_s": 30.5, "round_s": 4.0,
+             "round_s_per_site": 0.8,
              "server_peak_mb": 1234.4, "sites_peak_mb": 2000.0, "admin_ms": latency_summary([])},
             {"mode": "provisioned", "sites": 2, "completed": False, "round_s": None, "round_s_per_site": None,
              "server_peak_mb": 600.0, "sites_peak_mb": 900.0, "admin_ms": latency_summary([0.04, 0.06]),
              "startup_s": 12.5}]
     lines = table({"rows": rows}).splitlines()
-    assert lines[2] == "| provisioned | 2 | no | None | None | 600 | 900 | 50 / 60 (2) | 12.5 |"
-    assert lines[3] == "| simulator | 5 | yes | 4.0 | 0.8 | 1234 | 2000 | - | - |"
+    assert lines[2] == "| provisioned | 2 | no | None | None | None | 600 | 900 | 50 / 60 (2) | 12.5 |"
+    assert lines[3] == "| simulator | 5 | yes | 30.5 | 4.0 | 0.8 | 1234 | 2000 | - | - |"
+
+
+def test_each_rounds_seconds_are_read_from_the_server_log(tmp_path):
+    log = tmp_path / "log.txt"
+    log.write_text(
+        "2026-11-29 09:52:36,420 - ScatterAndGather - INFO - [identity=s] Round 0 started.\n"
+        "2026-11-29 09:53:52,635 - ScatterAndGather - INFO - [identity=s] Round 0 finished.\n"
+        "2026-11-29 09:53:53,456 - ScatterAndGather - INFO - [identity=s] Round 1 started.\n"
+        "2026-11-29 09:54:04,846 - ScatterAndGather - INFO - [identity=s] Round 1 finished.\n"
+        "2026-11-29 09:54:05,000 - ScatterAndGather - INFO - [identity=s] Round 2 started.\n")
+    assert round_seconds(str(log)) == [76.22, 11.39]  # round 2 never finished: left out
+    row = {"sites": 5}
+    _per_round(row, str(log))
+    assert row == {"sites": 5, "rounds_s": [76.22, 11.39], "first_round_s": 76.22, "round_s": 11.39,
+                   "round_s_per_site": 2.278}
+    assert round_seconds(str(tmp_path / "none.txt")) == []
 
 
 def test_bad_counts_and_modes_are_refused_and_another_configuration_needs_another_folder(tmp_path):

@@ -326,8 +326,8 @@ def plot(report: dict, path: str) -> str:
             rows = sorted((r for r in report["rows"] if r["mode"] == mode), key=lambda r: r["sites"])
             pts = [(r["sites"], r["admin_ms"]["median"] if key == "admin_median_ms" else r[key]) for r in rows]
             pts = [(x, y) for x, y in pts if y is not None]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=mode)
+            if pts:  # a colour per deployment in every panel (the simulator has no admin answers)
+                ax.plot(*zip(*pts), marker="o", label=mode, color=f"C{MODES.index(mode)}")
         ax.set_xlabel("sites")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)

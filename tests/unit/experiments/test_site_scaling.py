@@ -13,6 +13,7 @@ from fedssl.experiments.site_scaling import (
     PeakMemory,
     _per_round,
     latency_summary,
+    plot,
     round_seconds,
     run_site_scaling,
     table,
@@ -105,3 +106,26 @@ def test_bad_counts_and_modes_are_refused_and_another_configuration_needs_anothe
     (tmp_path / "site_scaling.json").write_text(json.dumps({"config": {"profile": "paper"}, "rows": []}))
     with pytest.raises(ValueError, match="use another --out"):
         run_site_scaling(str(tmp_path), sites=[1])
+
+
+def test_the_plot_gives_each_deployment_its_colour_in_every_panel(tmp_path):
+    import matplotlib.pyplot as plt
+
+    rows = [{"mode": m, "sites": n, "round_s": 1.0 + n, "server_peak_mb": 100.0 * n,
+             "admin_ms": latency_summary([0.01 * n] if m == "provisioned" else [])}
+            for m in ("simulator", "provisioned") for n in (2, 5)]
+    captured = {}
+    real_savefig = plt.Figure.savefig
+
+    def keep(fig, path, **kw):
+        captured["colours"] = [[(line.get_label(), line.get_color()) for line in ax.get_lines()] for ax in fig.axes]
+        return real_savefig(fig, path, **kw)
+
+    plt.Figure.savefig = keep
+    try:
+        assert plot({"rows": rows}, str(tmp_path / "s.png")).endswith("s.png")
+    finally:
+        plt.Figure.savefig = real_savefig
+    assert captured["colours"][0] == [("simulator", "C0"), ("provisioned", "C1")]
+    assert captured["colours"][2] == [("provisioned", "C1")]  # the admin panel: provisioned only, still orange
+    assert (tmp_path / "s.png").stat().st_size > 1000

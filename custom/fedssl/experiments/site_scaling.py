@@ -28,6 +28,7 @@ Nothing here is tuned on a score; the job's numbers are not read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -68,10 +69,8 @@ def tree_rss_mb(pids, recursive: bool = True) -> float:
             if p.pid in seen:
                 continue
             seen.add(p.pid)
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):  # a process that ended while we looked holds nothing
                 total += p.memory_info().rss
-            except psutil.NoSuchProcess:  # ended while we looked
-                pass
     return total / 2**20
 
 
@@ -89,10 +88,8 @@ class PeakMemory(threading.Thread):
     def run(self) -> None:
         while not self._halt.is_set():
             for name, (pids, recursive) in self.groups.items():
-                try:
+                with contextlib.suppress(psutil.Error, OSError):  # a process list changing under us: the next counts
                     self.peaks[name] = max(self.peaks[name], tree_rss_mb(pids(), recursive))
-                except (psutil.Error, OSError):  # a process list changing under us: the next sample counts
-                    pass
             self._halt.wait(self.every_s)
 
     def stop(self) -> dict:
@@ -101,19 +98,13 @@ class PeakMemory(threading.Thread):
         return {name: round(v, 1) for name, v in self.peaks.items()}
 
 
-def _children_of(pid: int) -> list[int]:
-    try:
-        return [c.pid for c in psutil.Process(pid).children()]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def latency_summary(seconds: list[float]) -> dict:
-    """``{"calls", "median", "max"}`` in milliseconds of the admin's answer times (``None`` when none was asked)."""
+def latency_summary(seconds: list[float], failed: int = 0) -> dict:
+    """``{"calls", "failed", "median", "max"}``: the admin's answer times in milliseconds (``None`` when none was
+    answered) and how many questions got no answer (their times are not in the median)."""
     if not seconds:
-        return {"calls": 0, "median": None, "max": None}
-    return {"calls": len(seconds), "median": round(1000 * statistics.median(seconds), 1),
-            "max": round(1000 * max(seconds), 1)}
+        return {"calls": int(failed), "failed": int(failed), "median": None, "max": None}
+    return {"calls": len(seconds) + int(failed), "failed": int(failed),
+            "median": round(1000 * statistics.median(seconds), 1), "max": round(1000 * max(seconds), 1)}
 
 
 ROUND_LINE = re.compile(r"^(\S+ \S+) .*Round (\d+) (started|finished)\.")
@@ -161,11 +152,9 @@ def simulator_row(job: str, workspace: str, n: int, data_root: str, rounds: int,
             return [], []
         sites: set[int] = set()
         for p in procs:
-            try:
+            with contextlib.suppress(psutil.Error):  # a process that ended while we looked is no site
                 if any("simulator_worker" in a for a in p.cmdline()):
                     sites |= {p.pid, *(c.pid for c in p.children(recursive=True))}
-            except psutil.Error:  # ended while we looked
-                pass
         return [p.pid for p in procs if p.pid not in sites], sorted(sites)
 
     mem = PeakMemory({"server": (lambda: split()[0], False), "sites": (lambda: split()[1], False)})
@@ -194,6 +183,7 @@ def provisioned_row(job: str, workspace: str, n: int, data_root: str, rounds: in
         site_pids = [d.procs[f"site-{i}"].pid for i in range(1, n + 1)]
         mem = PeakMemory({"server": (lambda: [server_pid], True), "sites": (lambda: site_pids, True)})
         answers: list[float] = []
+        unanswered: list[str] = []
         done = threading.Event()
 
         def ask() -> None:  # the admin console's questions, in a session of their own, while the job runs
@@ -203,8 +193,9 @@ def provisioned_row(job: str, workspace: str, n: int, data_root: str, rounds: in
                     t = time.perf_counter()
                     try:
                         sess.get_system_info()
-                    except Exception:  # no answer: counted as the time it took to fail
-                        pass
+                    except Exception as e:  # no answer: counted apart, with its cause, not as an answer time
+                        unanswered.append(f"{type(e).__name__}: {e}")
+                        continue
                     answers.append(time.perf_counter() - t)
             finally:
                 sess.close()
@@ -224,7 +215,8 @@ def provisioned_row(job: str, workspace: str, n: int, data_root: str, rounds: in
         row = {"mode": "provisioned", "sites": n, "completed": r["status"] == "FINISHED:COMPLETED",
                "status": r["status"], "job_s": r["job_s"], "startup_s": d.timings.get("startup_s"),
                "server_peak_mb": peaks["server"], "sites_peak_mb": peaks["sites"],
-               "rounds_planned": rounds, "admin_ms": latency_summary(answers)}
+               "rounds_planned": rounds, "admin_ms": latency_summary(answers, len(unanswered)),
+               "admin_unanswered": unanswered[:5]}
         log = os.path.join(r["result_dir"], "workspace", "log.txt") if r.get("result_dir") else None
         summary = os.path.join(r["result_dir"], "workspace", "summary.json") if r.get("result_dir") else None
         row["rounds"] = 0
@@ -294,7 +286,8 @@ def format_row(r: dict) -> str:
     return (f"{'completed' if r['completed'] else 'NOT completed'} in {r['job_s']} s; round {r['round_s']} s; "
             f"server peak {r['server_peak_mb']:.0f} MB, sites {r['sites_peak_mb']:.0f} MB"
             + (f"; admin {admin['median']} ms median, {admin['max']} ms worst of {admin['calls']}"
-               if admin["calls"] else ""))
+               if admin["median"] is not None else "")
+            + (f"; {admin['failed']} admin questions unanswered" if admin.get("failed") else ""))
 
 
 def table(report: dict) -> str:
@@ -303,7 +296,9 @@ def table(report: dict) -> str:
              "| sites peak (MB) | admin answer, median / worst (ms) | start-up (s) |", "|---" * 10 + "|"]
     for r in sorted(report["rows"], key=lambda r: (r["mode"], r["sites"])):
         a = r["admin_ms"]
-        admin = f"{a['median']:.0f} / {a['max']:.0f} ({a['calls']})" if a["calls"] else "-"
+        admin = "-" if not a["calls"] else (f"{a['median']:.0f} / {a['max']:.0f}" if a["median"] is not None
+                                            else "none answered") + f" ({a['calls']}"
+        admin += f", {a['failed']} unanswered)" if a.get("failed") else (")" if a["calls"] else "")
         lines.append(f"| {r['mode']} | {r['sites']} | {'yes' if r['completed'] else 'no'} | {r.get('first_round_s')} | "
                      f"{r['round_s']} | "
                      f"{r['round_s_per_site']} | {r['server_peak_mb']:.0f} | {r['sites_peak_mb']:.0f} | {admin} | "

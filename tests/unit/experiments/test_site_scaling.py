@@ -66,8 +66,11 @@ def test_peak_memory_keeps_each_groups_largest_sample(holder):
 
 
 def test_admin_answer_times_are_summarised_in_milliseconds():
-    assert latency_summary([0.010, 0.030, 0.020, 0.500]) == {"calls": 4, "median": 25.0, "max": 500.0}
-    assert latency_summary([]) == {"calls": 0, "median": None, "max": None}
+    assert latency_summary([0.010, 0.030, 0.020, 0.500]) == {"calls": 4, "failed": 0, "median": 25.0, "max": 500.0}
+    assert latency_summary([]) == {"calls": 0, "failed": 0, "median": None, "max": None}
+    # a question without an answer is counted apart, never as a (fast) answer time
+    assert latency_summary([0.010, 0.030], failed=3) == {"calls": 5, "failed": 3, "median": 20.0, "max": 30.0}
+    assert latency_summary([], failed=2) == {"calls": 2, "failed": 2, "median": None, "max": None}
 
 
 def test_the_table_has_a_row_per_deployment_and_count_in_order():
@@ -77,7 +80,12 @@ def test_the_table_has_a_row_per_deployment_and_count_in_order():
             {"mode": "provisioned", "sites": 2, "completed": False, "round_s": None, "round_s_per_site": None,
              "server_peak_mb": 600.0, "sites_peak_mb": 900.0, "admin_ms": latency_summary([0.04, 0.06]),
              "startup_s": 12.5}]
+    rows.append({"mode": "provisioned", "sites": 20, "completed": True, "round_s": 9.0, "round_s_per_site": 0.45,
+                 "server_peak_mb": 700.0, "sites_peak_mb": 9000.0, "admin_ms": latency_summary([0.04], failed=2),
+                 "startup_s": 30.0, "first_round_s": 20.0})
     lines = table({"rows": rows}).splitlines()
+    assert lines[3] == "| provisioned | 20 | yes | 20.0 | 9.0 | 0.45 | 700 | 9000 | 40 / 40 (3, 2 unanswered) | 30.0 |"
+    lines.pop(3)
     assert lines[2] == "| provisioned | 2 | no | None | None | None | 600 | 900 | 50 / 60 (2) | 12.5 |"
     assert lines[3] == "| simulator | 5 | yes | 30.5 | 4.0 | 0.8 | 1234 | 2000 | - | - |"
 

@@ -9,6 +9,8 @@ text is in the selected set, it is correctly retrieved."  Tables 2-3 report the 
 
 - :func:`text_to_image_recall`: R@k of text -> image retrieval by cosine similarity, over the whole split
   (``batch_size=0``) or within consecutive batches of ``batch_size`` pairs (the paper's protocol).
+- :func:`worst_client_floor`: the mean-minus-worst gap clients that are all alike would show from the size of their
+  test sets alone, the yardstick for a measured worst-client gap (H6 of issue 44).
 - :func:`matched_cosine`: mean cosine of the matched pairs, of the unmatched pairs, and their gap (the image-text
   embedding similarity of the paper's Fig. 4(d-f)).
 
@@ -26,6 +28,7 @@ row has no direction and is an error).
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -33,10 +36,12 @@ import torch
 
 from fedssl.core.checks import require, require_int
 
-__all__ = ["TIE_TOL", "text_to_image_recall", "matched_cosine", "client_summary"]
+__all__ = ["TIE_TOL", "text_to_image_recall", "matched_cosine", "client_summary", "worst_client_floor"]
 
 #: cosines closer than this to the matched pair's count as ties (against the hit): float noise is not a win
 TIE_TOL = 1e-9
+#: :func:`worst_client_floor` walks every attainable proportion: at most this many test pairs over all clients
+MAX_FLOOR_PAIRS = 200_000
 _CHUNK = 1024  # texts ranked at once (keeps the similarity block at most 1024 x gallery)
 
 
@@ -146,3 +151,41 @@ def client_summary(per_client: Mapping[str, Mapping[str, float]], keys: Sequence
             out[f"worst_client_{key}"] = names[worst]
     out["n_clients"] = len(names)
     return out
+
+
+def worst_client_floor(recall: float, sizes: Sequence[int]) -> float:
+    """The mean-minus-worst recall gap of clients that are all alike, from the size of their test sets alone.
+
+    Each client's recall is taken as the proportion ``X_i / n_i`` of hits among its ``n_i = sizes[i]`` test texts,
+    ``X_i ~ Binomial(n_i, recall)`` with the same true ``recall`` for every client (hits independent); returned is
+    ``recall - E[min_i X_i / n_i]``, computed exactly over the grid of attainable proportions (no sampling).  A
+    measured worst-client gap near this floor says the clients' test sets are too small to show any heterogeneity:
+    with 5 clients of 51-63 pairs and R@1 = 5 % the floor is about 3 points."""
+    component = "worst_client_floor"
+    r = float(recall)
+    require(math.isfinite(r) and 0.0 <= r <= 1.0, component, "recall", recall, "use a fraction in [0, 1]")
+    sizes = list(sizes)
+    require(len(sizes) > 0, component, "sizes", sizes, "give each client's number of test pairs")
+    for n in sizes:
+        require_int(component, "sizes", n, 1, "every client needs at least one test pair")
+    require(sum(sizes) <= MAX_FLOOR_PAIRS, component, "sizes", f"{sum(sizes)} pairs in all",
+            f"the exact grid is for at most {MAX_FLOOR_PAIRS:,} pairs; at that size the floor is near 0")
+    grid = sorted({Fraction(k, n) for n in sizes for k in range(n + 1)})
+    tails = [_binomial_tail(n, r) for n in sizes]  # tails[i][k] = P(X_i >= k)
+    expected_min = 0.0
+    for lo, hi in zip(grid, grid[1:]):  # min > s for s in [lo, hi) exactly when every X_i / n_i >= hi
+        expected_min += float(hi - lo) * math.prod(t[math.ceil(hi * n)] for t, n in zip(tails, sizes))
+    return r - expected_min
+
+
+def _binomial_tail(n: int, p: float) -> list[float]:
+    """``P(X >= k)`` for ``k = 0 .. n + 1`` of ``X ~ Binomial(n, p)``."""
+    if p in (0.0, 1.0):
+        pmf = [1.0 if (k == n if p == 1.0 else k == 0) else 0.0 for k in range(n + 1)]
+    else:
+        pmf = [math.exp(math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * math.log(p)
+                        + (n - k) * math.log1p(-p)) for k in range(n + 1)]
+    tail = [0.0] * (n + 2)
+    for k in range(n, -1, -1):
+        tail[k] = tail[k + 1] + pmf[k]
+    return tail

@@ -40,7 +40,7 @@ from fedssl.data.vlp import VLPDataset, VLPRecord, load_covidx, load_manifest, l
     write_client_manifests
 from fedssl.data.vocab import build_wordpiece_vocab, make_tokenizer, merge_word_counts, site_word_counts
 from fedssl.eval.feddra_report import cosine_per_turn_png, format_table3, lambda_trajectory_png, variants_png
-from fedssl.eval.retrieval import client_summary
+from fedssl.eval.retrieval import MAX_FLOOR_PAIRS, client_summary, worst_client_floor
 from fedssl.experiments.environment import DEFAULT_THREADS
 from fedssl.experiments.fcl_finetune import load_global_state
 from fedssl.experiments.table_runner import few_seeds_note, format_duration, run_cells, start_run
@@ -234,7 +234,8 @@ def run_federated(key: Mapping[str, Any], data: str, out: str, settings: Mapping
     model.load_state_dict(load_global_state(global_model_path(ws)))
     comm = summary.get("communication", {})
     return {"variant": variant, "seed": seed, "clients": {s: {k: m[k] for k in ("R@1", "R@5", "split_R@1", "split_R@5",
-                                                                           "cos_matched", "cos_unmatched") if k in m}
+                                                                           "cos_matched", "cos_unmatched", "n_pairs")
+                                                              if k in m}
                                                           for s, m in test["sites"].items()},
             "lambda": trajectory, "cosine_per_turn": _site_turn_records(ws),
             "probe": probe(model, data, settings["probe_fractions"], seed, settings), "wall_time_s": round(wall, 1),
@@ -280,8 +281,7 @@ def run_local(key: Mapping[str, Any], data: str, out: str, settings: Mapping[str
     probes = [probe(m, data, settings["probe_fractions"], seed, settings) for m in models.values()]
     avg_probe = {ds: {fr: {m: _mean_or_none([p[ds][fr][m] for p in probes]) for m in probes[0][ds][fr]}
                       for fr in probes[0][ds]} for ds in probes[0]}
-    return {"variant": variant, "seed": seed, "clients": {s: {k: v for k, v in m.items() if k != "n_pairs"}
-                                                          for s, m in clients.items()},
+    return {"variant": variant, "seed": seed, "clients": clients,
             "lambda": [], "cosine_per_turn": [], "probe": avg_probe, "wall_time_s": round(time.time() - t0, 1)}
 
 
@@ -295,6 +295,10 @@ def cell_row(res: Mapping[str, Any]) -> dict:
     summ = client_summary(res["clients"], keys=("R@1", "R@5"), anonymous=True)
     row = {"variant": res["variant"], "seed": res["seed"], **{k: summ[k] for k in ("avg_R@1", "avg_R@5", "worst_R@1",
                                                                                   "worst_R@5")}}
+    sizes = [m.get("n_pairs") for m in res["clients"].values()]
+    if all(isinstance(n, int) and 0 < n <= MAX_FLOOR_PAIRS // len(sizes) for n in sizes):  # earlier cells lack them
+        for k in ("R@1", "R@5"):
+            row[f"floor_{k}"] = worst_client_floor(row[f"avg_{k}"], sizes)
     for ds, fr in res["probe"].items():
         for f, m in fr.items():
             if "dice" in m:  # segmentation: Dice (FedDRA Table 2's "Seg." columns), e.g. rsna_seg_1%_dice
@@ -329,7 +333,22 @@ def format_results(rows: Sequence[Mapping[str, Any]], variants: Sequence[str]) -
         if rs:
             lines.append(f"| {v} | " + " | ".join(_ms([r.get(c) for r in rs]) for c in cols + probe_cols)
                          + f" | {len(rs)} |")
-    return "\n".join(lines)
+    return "\n".join(lines + floor_lines(rows, variants))
+
+
+def floor_lines(rows: Sequence[Mapping[str, Any]], variants: Sequence[str]) -> list[str]:
+    """Per variant, the measured mean-minus-worst gap next to the gap clients that are all alike would show from
+    their test sets' sizes alone (:func:`fedssl.eval.retrieval.worst_client_floor`), in points, mean over seeds:
+    a worst-client difference is readable only where the measured gap stands well above that floor."""
+    lines = []
+    for v in variants:
+        rs = [r for r in rows if r["variant"] == v and "floor_R@1" in r]
+        if rs:
+            parts = [f"{k} {100 * np.mean([r[f'avg_{k}'] - r[f'worst_{k}'] for r in rs]):.1f} vs "
+                     f"{100 * np.mean([r[f'floor_{k}'] for r in rs]):.1f}" for k in ("R@1", "R@5")]
+            lines.append(f"{v}: mean minus worst client, measured vs alike clients on these test sets (points): "
+                         + "; ".join(parts))
+    return [""] + lines if lines else []
 
 
 def table3_text(rows: Sequence[Mapping[str, Any]], variants: Sequence[str]) -> str:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedssl.eval.retrieval import client_summary, matched_cosine, text_to_image_recall
+from fedssl.eval.retrieval import client_summary, matched_cosine, text_to_image_recall, worst_client_floor
 
 # images on the four axes; texts hand-placed (unnormalised on purpose)
 IMG = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0]], dtype=torch.float64)
@@ -105,3 +105,25 @@ def test_client_summary_by_hand():
 def test_argument_errors_name_the_argument(call, arg):
     with pytest.raises(ValueError, match=f"argument {arg}="):
         call()
+
+
+def test_the_worst_client_floor_by_hand():
+    """Two clients of 2 pairs each at recall 1/2: each scores 0, 1/2, 1 with 1/4, 1/2, 1/4; the lower of the two is
+    >= 1/2 with (3/4)^2 and 1 with (1/4)^2, so E[min] = 1/2 * 9/16 + 1/2 * 1/16 = 5/16 and the floor 1/2 - 5/16."""
+    assert worst_client_floor(0.5, [2, 2]) == pytest.approx(3 / 16, abs=1e-12)
+    assert worst_client_floor(0.5, [1, 1]) == pytest.approx(1 / 4, abs=1e-12)  # min is 1 only when both hit
+    # sizes 1 and 2: min = 0 unless the first hits (1/2), then the second's mean 1/2: E[min] = 1/4
+    assert worst_client_floor(0.5, [1, 2]) == pytest.approx(1 / 4, abs=1e-12)
+    assert worst_client_floor(0.3, [7]) == pytest.approx(0.0, abs=1e-12)  # one client is its own mean
+    assert worst_client_floor(0.0, [3, 4]) == 0.0 and worst_client_floor(1.0, [3, 4]) == pytest.approx(0.0)
+    # FedDRA's bench clients (51-63 test pairs): about 3 points at R@1 = 5 %, 6 at R@5 = 23 %; 1,000 pairs: 1.7
+    assert worst_client_floor(0.052, [51, 55, 57, 60, 63]) == pytest.approx(0.0317, abs=5e-4)
+    assert worst_client_floor(0.288, [1000] * 5) == pytest.approx(0.0166, abs=5e-4)
+
+
+@pytest.mark.parametrize("recall, sizes, word", [(1.5, [3], "recall"), (float("nan"), [3], "recall"),
+                                                 (0.5, [], "sizes"), (0.5, [3, 0], "sizes"), (0.5, [2.5], "sizes"),
+                                                 (0.5, [150_000, 150_000], "sizes")])
+def test_the_worst_client_floor_refuses_what_it_cannot_compute(recall, sizes, word):
+    with pytest.raises(ValueError, match=word):
+        worst_client_floor(recall, sizes)

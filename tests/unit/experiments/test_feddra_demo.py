@@ -109,3 +109,23 @@ def test_cli_table_defaults_to_three_seeds_and_the_demo_to_its_one(monkeypatch, 
     assert seen["seeds"] == [0, 1, 2] and seen["threads"] == 1
     assert main(["feddra", "demo", "--out", str(tmp_path), "--seed", "4", "--threads", "2"]) == 0
     assert seen["seeds"] == [4] and seen["threads"] == 2
+
+
+def test_the_worst_client_gap_is_shown_beside_the_gap_alike_clients_would_show():
+    """With the clients' test-set sizes kept (``n_pairs``), each row carries the floor of its recall and the table
+    prints the measured mean-minus-worst gap next to it; cells without sizes (earlier runs) get neither."""
+    clients = {"a": {"R@1": 0.5, "R@5": 1.0, "n_pairs": 2}, "b": {"R@1": 0.5, "R@5": 1.0, "n_pairs": 2}}
+    cell = {"variant": "fedavg", "seed": 0, "clients": clients, "probe": {}, "lambda": [], "wall_time_s": 1.0}
+    row = fd.cell_row(cell)
+    assert row["floor_R@1"] == pytest.approx(3 / 16) and row["floor_R@5"] == pytest.approx(0.0)
+    other = fd.cell_row({**cell, "seed": 1, "clients": {"a": {**clients["a"], "R@1": 0.25},
+                                                         "b": {**clients["b"], "R@1": 0.75}}})
+    assert other["floor_R@1"] == pytest.approx(3 / 16)  # the floor of the mean recall, 0.5 again
+    text = fd.format_results([row, other], ["fedavg"])
+    # measured gap: 0 at seed 0, 0.25 at seed 1 -> 12.5 points on average; the floor 18.75 -> 18.8
+    assert text.splitlines()[-1] == ("fedavg: mean minus worst client, measured vs alike clients on these test "
+                                     "sets (points): R@1 12.5 vs 18.8; R@5 0.0 vs 0.0")
+    bare = {**cell, "clients": {s: {k: v for k, v in m.items() if k != "n_pairs"} for s, m in clients.items()}}
+    assert "floor_R@1" not in fd.cell_row(bare) and "alike" not in fd.format_results([fd.cell_row(bare)], ["fedavg"])
+    huge = {**cell, "clients": {s: {**m, "n_pairs": 10 ** 9} for s, m in clients.items()}}  # a site's claim
+    assert "floor_R@1" not in fd.cell_row(huge)

@@ -13,6 +13,8 @@ SSLFL_DATASETS: tuple[str, ...] = ("retina", "derm", "covidfl", "derm_mel")
 SSLFL_TABLE_SPLITS: tuple[int, ...] = (1, 2, 3)
 #: the keys of :data:`fedssl.experiments.sslfl_tables.METHODS`
 SSLFL_TABLE_METHODS: tuple[str, ...] = ("scratch", "fedmae", "fedbeit")
+#: fedssl.experiments.sslfl_control.ARMS
+SSLFL_CONTROL_ARMS: tuple[str, ...] = ("scratch", "fedmae", "mae_init")
 #: :data:`fedssl.experiments.fedclf_tables.TABLES`
 FEDCLF_TABLES: tuple[int, ...] = (1, 2)
 #: the keys of :data:`fedssl.experiments.fedclf_tables.METHODS`

@@ -19,7 +19,7 @@ from fedssl.cli import (
     add_family,
     add_threads_argument,
 )
-from fedssl.cli.choices import SSLFL_DATASETS, SSLFL_TABLE_METHODS, SSLFL_TABLE_SPLITS
+from fedssl.cli.choices import SSLFL_CONTROL_ARMS, SSLFL_DATASETS, SSLFL_TABLE_METHODS, SSLFL_TABLE_SPLITS
 
 
 def _synth_args(s) -> None:
@@ -168,6 +168,28 @@ def _tables(a) -> None:
     run_sslfl_table(a.out, settings, say=lambda m: print(m, flush=True), threads=a.threads)
 
 
+def _control_args(s) -> None:
+    s.add_argument("--out", required=True, help="a `fedssl sslfl tables` output folder holding Fed-MAE pre-trainings "
+                                                "(control.jsonl is written there: a re-run resumes)")
+    s.add_argument("--profile", default="bench", help="the table's profile: the fine-tuning job's ViT and trainer")
+    s.add_argument("--split", type=COUNT, choices=list(SSLFL_TABLE_SPLITS), default=3)
+    s.add_argument("--seeds", nargs="+", type=SEED, default=[0, 1, 2])
+    s.add_argument("--arms", nargs="+", choices=list(SSLFL_CONTROL_ARMS), default=list(SSLFL_CONTROL_ARMS),
+                   help="starts: scratch (the ViT's init), fedmae (the table's pre-training), mae_init (MAE's "
+                        "untrained init)")
+    s.add_argument("--epochs", type=COUNT, default=40, help="passes over the pooled labelled images (default 40)")
+    add_threads_argument(s)
+
+
+def _control(a) -> None:
+    from fedssl.experiments.sslfl_control import paired_lines, run_control
+
+    rows = run_control(a.out, a.profile, a.split, a.seeds, a.arms, epochs=a.epochs, threads=a.threads,
+                       say=lambda m: print(m, flush=True))
+    for line in paired_lines(rows):
+        print(line)
+
+
 def _vit_opts(s) -> None:
     s.add_argument("--dataset", default="retina", choices=list(SSLFL_DATASETS))
     s.add_argument("--tiny", action="store_true", help="tiny ViT (32 px, patch 4, width 48, depth 2) on CPU")
@@ -278,6 +300,8 @@ VERBS = (
                  "vs scratch (quick)", _demo_args, _demo),
     Verb("tables", "SSL-FL's retina table (Table II): Split-1/2/3 x scratch / Fed-MAE / Fed-BEiT in the simulator, "
                    "resumable, beside the paper's numbers", _tables_args, _tables),
+    Verb("control", "pooled control of the table's Fed-MAE: all sites' labels in one bare fine-tuning loop from "
+                    "scratch, the pre-trained and MAE's untrained init", _control_args, _control),
     Verb("finetune", "local (per-site) ViT fine-tuning: epoch chosen on validation, then test", _finetune_args,
          _finetune),
     Verb("export-encoder", "pre-training FL_global_model.pt -> encoder-only state dict", _export_args, _export),

@@ -129,11 +129,12 @@ def test_a_verb_or_family_line_is_plain_text():
 def test_choices_mirror_the_modules_that_use_them():
     from fedssl.cli import choices
     from fedssl.data.images import SSLFL_DATASETS
-    from fedssl.experiments import fedclf_tables, feddra_demo, fedmae_table3, sslfl_tables
+    from fedssl.experiments import fedclf_tables, feddra_demo, fedmae_table3, sslfl_control, sslfl_tables
 
     assert choices.SSLFL_DATASETS == tuple(SSLFL_DATASETS)
     assert choices.SSLFL_TABLE_SPLITS == tuple(sorted(sslfl_tables.SPLIT_ALPHA))
     assert choices.SSLFL_TABLE_METHODS == tuple(sslfl_tables.METHODS)
+    assert choices.SSLFL_CONTROL_ARMS == sslfl_control.ARMS
     assert choices.FEDCLF_TABLES == tuple(fedclf_tables.TABLES)
     assert choices.FEDCLF_METHODS == tuple(fedclf_tables.METHODS)
     assert choices.FEDCLF_FRACTIONS == tuple(fedclf_tables.FRACTIONS)

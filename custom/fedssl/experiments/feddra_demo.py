@@ -375,7 +375,10 @@ def per_client_lines(results: Sequence[Mapping[str, Any]], seed: int) -> list[st
     if not cells:
         return []
     sites = sorted({s for r in cells for s in r["clients"]}, key=lambda x: (len(x), x))
-    lines = [f"per client, seed {seed}: R@1 / R@5 (%)", "| variant | " + " | ".join(sites) + " |",
+    pairs = {s: r["clients"][s]["n_pairs"] for r in cells for s in r["clients"] if "n_pairs" in r["clients"][s]}
+    # a client ranks each text among its own test images (fewer than the protocol's batch): its gallery size
+    heads = [f"{s} ({pairs[s]} pairs)" if s in pairs else s for s in sites]
+    lines = [f"per client, seed {seed}: R@1 / R@5 (%)", "| variant | " + " | ".join(heads) + " |",
              "|---|" + "---|" * len(sites)]
     for r in cells:
         c = r["clients"]

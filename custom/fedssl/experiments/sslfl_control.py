@@ -6,7 +6,7 @@ from three starts per seed:
 * ``fedmae``: the Fed-MAE global model of the same split and seed, read from the table's ``cells.jsonl``;
 * ``mae_init``: the Fed-MAE model before pre-training (MAE's xavier-uniform initialisation, the pre-training job's
   model at the same profile and seed), so that what pre-training adds is told apart from the scale of MAE's
-  initialisation (at width 48 xavier gives weights about 5x timm's std 0.02; at ViT-B's width 768, 1.1-1.3x).
+  initialisation (at width 48 xavier gives weights 4.6-7.2x timm's std 0.02; at ViT-B's width 768, 1.1-1.8x).
 
 If pooled fine-tuning from the pre-trained encoder does not beat these starts, federated fine-tuning cannot be
 expected to; if it does and the table's federated rows do not, the federation loses the effect.  The model and the

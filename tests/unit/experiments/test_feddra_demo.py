@@ -129,3 +129,12 @@ def test_the_worst_client_gap_is_shown_beside_the_gap_alike_clients_would_show()
     assert "floor_R@1" not in fd.cell_row(bare) and "alike" not in fd.format_results([fd.cell_row(bare)], ["fedavg"])
     huge = {**cell, "clients": {s: {**m, "n_pairs": 10 ** 9} for s, m in clients.items()}}  # a site's claim
     assert "floor_R@1" not in fd.cell_row(huge)
+
+
+def test_the_per_client_table_names_each_clients_test_pairs():
+    """Each client ranks over its own test set, so its size is printed beside its name (earlier cells lack it)."""
+    cells = [{"variant": "fedavg", "seed": 0, "lambda": [],
+              "clients": {"site-1": {"R@1": 0.1, "R@5": 0.5, "n_pairs": 51}, "site-2": {"R@1": 0.2, "R@5": 0.6}}}]
+    lines = fd.per_client_lines(cells, 0)
+    assert lines[1] == "| variant | site-1 (51 pairs) | site-2 |"
+    assert lines[3] == "| fedavg | 10.0 / 50.0 | 20.0 / 60.0 |"

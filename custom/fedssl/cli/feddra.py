@@ -88,15 +88,24 @@ def _table_args(s) -> None:
     s.add_argument("--variants", nargs="+", choices=list(FEDDRA_VARIANTS), default=list(FEDDRA_VARIANTS))
     s.add_argument("--seeds", type=SEED, nargs="+", default=[0, 1, 2])
     s.add_argument("--turns", type=COUNT, default=None, help="communication turns (default: the demo's)")
+    s.add_argument("--patients", type=COUNT, default=None,
+                   help="synthetic MIMIC-CXR patients (default: the demo's 1,000, about 55 test pairs per client; "
+                        "5,000 gives every client more than the retrieval protocol's batch of 100)")
     s.add_argument("--data-root", default=None, help="a folder with sites/ and ood/ (default: synthetic under --out)")
     add_threads_argument(s)
+
+
+def table_overrides(a) -> dict | None:
+    """The demo settings the table's flags change (None: the demo's own)."""
+    out = {k: v for k, v in (("turns", a.turns), ("n_patients", a.patients)) if v is not None}
+    return out or None
 
 
 def _table(a) -> None:
     from fedssl.experiments.feddra_demo import run
 
-    run(a.out, variants=a.variants, seeds=a.seeds, settings={"turns": a.turns} if a.turns else None,
-        data_root=a.data_root, threads=a.threads)
+    run(a.out, variants=a.variants, seeds=a.seeds, settings=table_overrides(a), data_root=a.data_root,
+        threads=a.threads)
 
 
 def _retina_args(s) -> None:

@@ -192,3 +192,16 @@ def test_every_computing_verb_takes_threads_default_one_and_hands_it_on(argv, ta
     monkeypatch.setattr(importlib.import_module(f"fedssl.experiments.{target[0]}"), target[1],
                         lambda *a, **kw: seen.update(kw))
     assert main([*argv, "--threads", "3"]) == 0 and seen["threads"] == 3
+
+
+def test_feddra_table_hands_turns_and_patients_to_the_runner_as_demo_settings(monkeypatch):
+    from fedssl.experiments import feddra_demo
+
+    seen = []
+    monkeypatch.setattr(feddra_demo, "run", lambda *a, **kw: seen.append(kw["settings"]))
+    assert main(["feddra", "table", "--out", "o", "--patients", "5000", "--turns", "25"]) == 0
+    assert main(["feddra", "table", "--out", "o"]) == 0
+    assert seen == [{"turns": 25, "n_patients": 5000}, None]  # None: the demo's own settings
+    p, _ = _parser()
+    with pytest.raises(SystemExit):
+        p.parse_args(["feddra", "table", "--out", "o", "--patients", "0"])

@@ -128,8 +128,9 @@ def _control_args(s) -> None:
                                                 "(resumable: a second call skips what is done)")
     s.add_argument("--size", default="bench", choices=["bench", "tiny"],
                    help="bench = the bench profile's FCL settings (10 sites, U-Net 8, 64 px); tiny = toy sizes")
-    s.add_argument("--multipliers", nargs="+", type=COUNT, default=[1, 4, 16],
-                   help="centralised pre-training steps, in multiples of one site's steps in the bench run")
+    s.add_argument("--multipliers", nargs="*", type=COUNT, default=[1, 4, 16],
+                   help="centralised pre-training steps, in multiples of one site's steps in the bench run (none: "
+                        "random init and the federated arms only)")
     s.add_argument("--federated-multipliers", nargs="+", type=COUNT, default=[1],
                    help="federated pre-training rounds, in multiples of the bench run's")
     s.add_argument("--resend-multipliers", nargs="*", type=COUNT, default=[],

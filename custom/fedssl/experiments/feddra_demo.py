@@ -295,8 +295,8 @@ def cell_row(res: Mapping[str, Any]) -> dict:
     summ = client_summary(res["clients"], keys=("R@1", "R@5"), anonymous=True)
     row = {"variant": res["variant"], "seed": res["seed"], **{k: summ[k] for k in ("avg_R@1", "avg_R@5", "worst_R@1",
                                                                                   "worst_R@5")}}
-    sizes = [m.get("n_pairs") for m in res["clients"].values()]
-    if all(isinstance(n, int) and 0 < n <= MAX_FLOOR_PAIRS // len(sizes) for n in sizes):  # earlier cells lack them
+    sizes = [m.get("n_pairs") for m in res["clients"].values()]  # earlier cells lack them; a bool is no count
+    if all(isinstance(n, int) and not isinstance(n, bool) and 0 < n <= MAX_FLOOR_PAIRS // len(sizes) for n in sizes):
         for k in ("R@1", "R@5"):
             row[f"floor_{k}"] = worst_client_floor(row[f"avg_{k}"], sizes)
     for ds, fr in res["probe"].items():

@@ -21,10 +21,10 @@ import os
 import time
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
 from fedssl.core.checks import require, require_int
+from fedssl.eval.report import paired_against
 from fedssl.experiments.sslfl_local import PAPER_LOCAL, finetune_site
 from fedssl.experiments.table_runner import CellStore
 from fedssl.ops.jobs import REPO_ROOT, component_specs, configured_job
@@ -133,16 +133,19 @@ def run_control(out: str, profile: str, split: int, seeds: Sequence[int], arms: 
 
 def paired_lines(rows: Sequence[dict], pairs=(("fedmae", "scratch"), ("fedmae", "mae_init"),
                                               ("mae_init", "scratch"))) -> list[str]:
-    """One line per pair of arms: the difference in test accuracy points paired by seed, its standard error over
-    the seeds (sample std / sqrt(n)) and each seed's value; pairs without a common seed are left out."""
-    acc = {(r["arm"], r["seed"]): 100 * r["test_accuracy"] for r in rows}
+    """One line per pair of arms: the difference in test accuracy points paired by seed
+    (:func:`fedssl.eval.report.paired_against`), its standard error over the seeds (sample std / sqrt(n)) and each
+    seed's value; pairs without a common seed are left out."""
+    points = [{"mode": "pooled", "method": r["arm"], "seed": int(r["seed"]), "split": 0,
+               "points": 100 * float(r["test_accuracy"])} for r in rows]
     lines = []
     for a, b in pairs:
-        seeds = sorted(s for (arm, s) in acc if arm == a and (b, s) in acc)
-        if not seeds:
+        entry = next((e for e in paired_against(points, b, mode="pooled", units=(), column="split", score="points")
+                      if e["method"] == a), None)
+        if entry is None:
             continue
-        d = np.array([acc[(a, s)] - acc[(b, s)] for s in seeds])
-        se = f"SE {d.std(ddof=1) / np.sqrt(len(d)):.2f} over {len(d)} seeds" if len(d) > 1 else "one seed"
-        lines.append(f"{a} minus {b}: {d.mean():+.2f} points ({se}; per seed "
-                     + " / ".join(f"{x:+.2f}" for x in d) + ")")
+        per_seed = list(entry["by_seed"].values()) if "by_seed" in entry else [entry["diff_mean"]]
+        se = "one seed" if entry["diff_se"] is None else f"SE {entry['diff_se']:.2f} over {entry['seeds']} seeds"
+        lines.append(f"{a} minus {b}: {entry['diff_mean']:+.2f} points ({se}; per seed "
+                     + " / ".join(f"{x:+.2f}" for x in per_seed) + ")")
     return lines

@@ -194,6 +194,16 @@ def test_every_computing_verb_takes_threads_default_one_and_hands_it_on(argv, ta
     assert main([*argv, "--threads", "3"]) == 0 and seen["threads"] == 3
 
 
+def test_bench_control_can_leave_the_centralised_arm_out(monkeypatch):
+    """``--multipliers`` with no value: random init and the federated arms only (more seeds of one arm)."""
+    from fedssl.experiments import control
+
+    seen = {}
+    monkeypatch.setattr(control, "fcl_control", lambda *a, **kw: seen.update(kw))
+    assert main(["bench", "control", "--out", "o", "--multipliers", "--federated-multipliers", "4"]) == 0
+    assert seen["multipliers"] == [] and seen["federated_multipliers"] == [4]
+
+
 def test_feddra_table_hands_turns_and_patients_to_the_runner_as_demo_settings(monkeypatch):
     from fedssl.experiments import feddra_demo
 

@@ -180,5 +180,7 @@ def test_timing_probe_and_deadline(runs, site_records, tmp_path):
     assert 1 <= result["pretrain"]["rounds_done_by_seed"]["0"] < 40
     assert 1 <= result["finetune"]["rounds_done_by_seed"]["0"] < 40
     assert len(result["pretrain"]["loss_by_seed"]["0"]) == result["pretrain"]["rounds_done_by_seed"]["0"]
-    assert result["seconds"] < 3.0 + 3.0
+    # the deadline bounds the wall time: one round past it at most per stage, with room for a loaded 2-core CI
+    # machine (8.6 s was seen beside another pytest run; the 40 + 40 rounds asked for take far longer)
+    assert result["seconds"] < 3.0 + 12.0
     assert "one seed: not a finding" in result["verdict"] and "stopped early" in result["verdict"]

@@ -129,6 +129,8 @@ def test_the_worst_client_gap_is_shown_beside_the_gap_alike_clients_would_show()
     assert "floor_R@1" not in fd.cell_row(bare) and "alike" not in fd.format_results([fd.cell_row(bare)], ["fedavg"])
     huge = {**cell, "clients": {s: {**m, "n_pairs": 10 ** 9} for s, m in clients.items()}}  # a site's claim
     assert "floor_R@1" not in fd.cell_row(huge)
+    boolean = {**cell, "clients": {s: {**m, "n_pairs": True} for s, m in clients.items()}}  # not a count
+    assert "floor_R@1" not in fd.cell_row(boolean)
 
 
 def test_the_per_client_table_names_each_clients_test_pairs():

@@ -55,3 +55,17 @@ def test_a_site_killed_mid_round_is_restarted_from_its_kit_and_the_rounds_comple
     assert e["completed"] or "from site-2" in (e.get("cause") or ""), e
     assert e["global_model"], e
     _clean(e)
+
+
+def test_a_server_killed_mid_round_comes_back_and_the_resubmitted_job_resumes_after_the_last_round(data, tmp_path):
+    """FLARE 2.9 strands the killed job; the drill aborts it and submits it again (what the admin does), and the
+    job's RoundCheckpoint resumes it at round 1 from round 0's global model, instead of starting over."""
+    job = build_job(JOB, str(tmp_path / "job" / "fcl_acdc"), profile="quick", n_sites=SITES)
+    e = run_scenario(job, str(tmp_path / "ws"), "kill-server", n_sites=SITES, data_root=data, timeout_s=150,
+                     settings=DrillSettings(restart_server_after_s=5))
+    events = [x["event"] for x in e["faults"]]
+    assert events[1:4] == ["server: SIGKILL", "server: restarted from its kit", "server: every site connected again"]
+    assert e["resubmitted_job"] != e["aborted_job"] and e["completed"], e
+    assert e["resumed_after_round"] == 0 and e["rounds_completed"] == 2 and e["aggregated_sites"] == [SITES], e
+    assert e["round_summaries_present"] and e["global_model"], e
+    _clean(e)

@@ -21,6 +21,9 @@ started, or round 0 for a one-round job):
   FLARE 2.9 no longer resumes a job after a server restart: ``ServerEngine.persist_components`` is a no-op ("Component
   snapshot persistence has been removed") and nothing calls ``JobRunner.restore_running_job``; the kit's
   ``snapshot_persistor`` (kept inside the workspace, see ``isolate_server_storage``) is configured but never written.
+  So once every site is connected again the drill does what the admin does: it aborts the stranded job and submits
+  the same job again, which resumes after its last finished round (``fedssl.flare.round_checkpoint``); the entry
+  names both jobs, and the round the new one resumed after.
 """
 
 from __future__ import annotations
@@ -292,6 +295,29 @@ def _status(d: LoopbackDeployment, job_id: str, sess_box: list) -> str | None:
         return None
 
 
+def _resubmit(d: LoopbackDeployment, job_dir: str, old_id: str, sess_box: list, entry: dict, say) -> str:
+    """kill-server: what the admin does once the server is back.  FLARE 2.9 leaves the killed job RUNNING in its
+    store with nothing running it, so: abort it, and submit the same job again, which resumes after its last
+    finished round (the job's RoundCheckpoint).  Returns the new job's id; ``entry`` records both."""
+    for sess in sess_box:
+        try:
+            sess.close()
+        except Exception:  # the session the kill broke cannot close cleanly: dropped
+            pass
+    sess_box.clear()
+    sess_box.append(d.session(timeout=30))
+    try:
+        sess_box[0].abort_job(old_id)
+        answer = "aborted"
+    except Exception as e:  # the old job's record may refuse an abort; the new submission goes ahead
+        answer = f"abort refused: {str(e)[:160]}"
+    entry["aborted_job"], entry["abort_answer"] = old_id, answer
+    new_id = sess_box[0].submit_job(os.path.abspath(job_dir))
+    entry["resubmitted_job"] = new_id
+    say(f"[kill-server] {old_id}: {answer}; submitted again as {new_id}")
+    return new_id
+
+
 def _drive(d: LoopbackDeployment, job_dir: str, scenario: str, rounds: int, s: DrillSettings, timeout_s: float,
            sess_box: list, entry: dict, say) -> None:
     """Submit the job, apply the scenario's faults, wait for the end; fill ``entry``."""
@@ -307,8 +333,11 @@ def _drive(d: LoopbackDeployment, job_dir: str, scenario: str, rounds: int, s: D
             if status and status.startswith("FINISHED"):
                 break
             if scenario == "kill-server" and faults.server_back.is_set():
-                deadline = min(deadline, time.time() + s.after_server_restart_s)
                 faults.server_back.clear()
+                job_id = _resubmit(d, job_dir, job_id, sess_box, entry, say)
+                faults.note(f"admin: aborted {entry['aborted_job']} ({entry['abort_answer']}), submitted it again "
+                            f"as {job_id}")
+                deadline = time.time() + s.after_server_restart_s
             time.sleep(2)
     finally:
         faults.done.set()  # on Ctrl-C the deployment stops at once and refuses the driver's late restarts
@@ -326,10 +355,15 @@ def _drive(d: LoopbackDeployment, job_dir: str, scenario: str, rounds: int, s: D
     summary_path = os.path.join(ws, "summary.json") if ws else None
     if summary_path and os.path.isfile(summary_path):
         with open(summary_path) as f:
-            per_round = json.load(f).get("rounds", [])
-        entry["rounds_completed"] = len(per_round)
+            summary = json.load(f)
+        per_round = summary.get("rounds", [])
+        resumed = summary.get("resumed_after_round")  # a resubmitted job that resumed (RoundCheckpoint)
+        before = resumed + 1 if isinstance(resumed, int) and not isinstance(resumed, bool) else 0
+        if before:
+            entry["resumed_after_round"] = resumed
+        entry["rounds_completed"] = before + len(per_round)
         entry["aggregated_sites"] = [r.get("aggregated_sites") for r in per_round]
-        entry["round_summaries_present"] = len(per_round) == rounds and all(
+        entry["round_summaries_present"] = len(per_round) == rounds - before and all(
             isinstance(r, dict) and "aggregated_sites" in r for r in per_round)
     else:
         logged = _rounds_in_log(os.path.join(ws, "log.txt") if ws else _server_job_log(d, job_id))

@@ -72,6 +72,7 @@ COMPONENT_CLASSES = (
     "fedssl.flare.surgical_persistor.SurgicalModelPersistor",
     "fedssl.flare.merging_shareable_generator.MergingShareableGenerator",
     "fedssl.flare.run_summary.RunSummary",
+    "fedssl.flare.round_checkpoint.RoundCheckpoint",
     # controllers (server)
     "fedssl.flare.fclopt_controller.FCLOptController",
     "fedssl.flare.feddra_controller.FedDRAController",

@@ -7,7 +7,8 @@ after the last one the old run finished, from that round's global model, instead
 
 - After every round (``ROUND_DONE``) the global model and the round are written, atomically, to
   ``<folder>/<job digest>/<workflow id>.pt``: tensors only, loaded back with ``weights_only=True``.  ``folder`` is
-  relative to the server's workspace (its own disk, outside every job's run folder; default ``resume``).  The job
+  inside the server's workspace (its own disk, outside every job's run folder; default ``resume``; a job cannot
+  point it elsewhere).  The job
   digest is the SHA-256 of the server app's configuration files, so only the same job, with the same settings and
   seed, resumes from it; a changed job starts afresh.  Nothing identifying a site is written.
 - When the workflow starts (``START_WORKFLOW``, after its persistor loaded the initial model) and a checkpoint of
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 
 import numpy as np
 import torch
@@ -113,13 +115,14 @@ class RoundCheckpoint(FLComponent):
     def __init__(self, folder: str = "resume"):
         """
         Args:
-            folder: where the checkpoints live, relative to the server's workspace (or absolute): the server's own
-                disk, outside the job's run folder, which a resubmitted job does not share.
+            folder: where the checkpoints live, inside the server's workspace (a relative path without ".."): the
+                server's own disk, outside the job's run folder, which a resubmitted job does not share.
         """
         super().__init__()
-        require(isinstance(folder, str) and folder.strip() != "" and "\0" not in folder, type(self).__name__,
-                "folder", folder, 'use a folder name, e.g. "resume" (relative to the server workspace) or an absolute '
-                                  "path")
+        require(isinstance(folder, str) and folder.strip() != "" and "\0" not in folder and not os.path.isabs(folder)
+                and ".." not in folder.replace("\\", "/").split("/"), type(self).__name__, "folder", folder,
+                'use a folder inside the server workspace, e.g. "resume": a job may not write the server\'s files '
+                "elsewhere")
         self.folder = folder
         self._path: str | None = None  # the running workflow's checkpoint (None: not a resumable workflow)
         self._workflow = None
@@ -128,10 +131,11 @@ class RoundCheckpoint(FLComponent):
     def _checkpoint_path(self, fl_ctx: FLContext) -> str:
         engine = fl_ctx.get_engine()
         ws = engine.get_workspace()
-        root = self.folder if os.path.isabs(self.folder) else os.path.join(ws.get_root_dir(), self.folder)
         digest = job_digest(ws.get_app_config_dir(fl_ctx.get_job_id()))
         wf = fl_ctx.get_prop(FLContextKey.WORKFLOW)
-        return os.path.join(root, digest, f"{wf}.pt")
+        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", str(wf)):
+            raise ValueError(f"workflow id {str(wf)[:60]!r} is no file name")
+        return os.path.join(ws.get_root_dir(), self.folder, digest, f"{wf}.pt")
 
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
         if event_type == EventType.START_WORKFLOW:
@@ -154,7 +158,12 @@ class RoundCheckpoint(FLComponent):
             self.log_warning(fl_ctx, f"{name} keeps state beyond the round and the global model; a restarted job "
                                      "starts it from round 0 (no round checkpoint)")
             return
-        self._path, self._workflow, self._finished = self._checkpoint_path(fl_ctx), controller, False
+        try:
+            path = self._checkpoint_path(fl_ctx)
+        except ValueError as e:
+            self.log_warning(fl_ctx, f"no round checkpoint: {e}")
+            return
+        self._path, self._workflow, self._finished = path, controller, False
         if not os.path.isfile(self._path):
             return
         state = controller.get_persist_state(fl_ctx)

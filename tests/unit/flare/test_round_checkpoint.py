@@ -1,6 +1,5 @@
 """RoundCheckpoint: a resubmitted job resumes its ScatterAndGather at the round after the last one finished."""
 
-import os
 
 import numpy as np
 import pytest
@@ -165,15 +164,26 @@ def test_a_global_model_of_tensors_round_trips_as_tensors(tmp_path):
     assert isinstance(rc.load_checkpoint(path, mixed, 4)[1]["w"], np.ndarray)
 
 
-@pytest.mark.parametrize("folder", ["", "  ", 3, None])
-def test_folder_is_checked_at_once(folder):
+@pytest.mark.parametrize("folder", ["", "  ", 3, None, "/etc/fedssl", "../outside", "a/../../b"])
+def test_folder_is_checked_at_once_and_stays_inside_the_server_workspace(folder):
     with pytest.raises(ValueError, match="folder"):
         rc.RoundCheckpoint(folder=folder)
 
 
-def test_an_absolute_folder_is_used_as_given(tmp_path):
-    comp = rc.RoundCheckpoint(folder=str(tmp_path / "elsewhere"))
+def test_a_nested_folder_is_used_inside_the_workspace_and_a_strange_workflow_id_writes_nothing(tmp_path):
+    comp = rc.RoundCheckpoint(folder="state/resume")
     _, ctx = _setup(tmp_path)
     comp.handle_event(EventType.START_WORKFLOW, ctx)
     _round_done(comp, ctx, 0, 2.0)
-    assert len(list((tmp_path / "elsewhere").rglob("sag.pt"))) == 1 and os.path.isdir(tmp_path / "elsewhere")
+    assert len(list((tmp_path / "server" / "state" / "resume").rglob("sag.pt"))) == 1
+    (tmp_path / "other").mkdir()
+    _, ctx2 = _setup(tmp_path / "other")
+    sag2 = ScatterAndGather(min_clients=2, num_rounds=4)
+    ctx2.get_engine().components["../../x"] = sag2
+    ctx2.set_prop(FLContextKey.WORKFLOW, "../../x", private=True, sticky=False)
+    warnings = []
+    other = rc.RoundCheckpoint()
+    other.log_warning = lambda fl_ctx, msg, *a, **k: warnings.append(msg)
+    other.handle_event(EventType.START_WORKFLOW, ctx2)
+    _round_done(other, ctx2, 0, 2.0)
+    assert "is no file name" in warnings[0] and not list(tmp_path.rglob("x.pt"))

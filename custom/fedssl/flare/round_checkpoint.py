@@ -18,6 +18,10 @@ after the last one the old run finished, from that round's global model, instead
   ``resumed_after_round`` (its rounds are those after it; the earlier ones are in the aborted run's summary).  A
   finished workflow (its last round done) resumes past its rounds, so the workflows after it (a final evaluation)
   run on its final model.
+- With a model selector (FLARE's ``IntimeModelSelector``, id ``model_selector``), each new best global model is kept
+  too (``<workflow id>.best.pt``, with the selector's record); a resumed run sets the selector's best metric and
+  hands the best model on as the selector does (``GLOBAL_BEST_MODEL_AVAILABLE``: the persistor saves it in the new
+  run folder, the final evaluation notes its round), so selection goes on over all the job's rounds.
 - When the run ends normally (``ABOUT_TO_END_RUN`` after the workflow's last round, without an abort: FLARE
   triggers the abort signal itself after that event, before ``END_RUN``) the checkpoint is removed, so running the
   job again starts from round 0; an aborted or killed run keeps it.
@@ -31,6 +35,7 @@ business: a resumed run is a continuation, not a bit-identical copy of an uninte
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 
@@ -77,19 +82,20 @@ def _tensor(value) -> torch.Tensor:
     return torch.from_numpy(arr if arr.flags.c_contiguous else arr.copy())  # ascontiguousarray would make 0-d 1-d
 
 
-def save_checkpoint(path: str, weights: dict, round_done: int, end_round: int) -> None:
-    """``{"round": round_done, "end_round": end_round, "weights": {name: tensor}}`` to ``path``, atomically."""
+def save_checkpoint(path: str, weights: dict, round_done: int, end_round: int, info: str = "") -> None:
+    """``{"round": round_done, "end_round": end_round, "weights": {name: tensor}, "info": info}`` to ``path``,
+    atomically (``info``: a JSON text, e.g. the model selector's record of a best model)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     state = {"round": torch.tensor(int(round_done)), "end_round": torch.tensor(int(end_round)),
-             "weights": {k: _tensor(v) for k, v in weights.items()}}
+             "weights": {k: _tensor(v) for k, v in weights.items()}, "info": str(info)}
     tmp = f"{path}.tmp{os.getpid()}"
     torch.save(state, tmp)
     os.replace(tmp, path)
 
 
-def load_checkpoint(path: str, reference: dict, end_round: int) -> tuple[int, dict]:
-    """(round done, weights of the reference's dtypes, numpy arrays or tensors like the reference's) from ``path``,
-    or ValueError saying what does not fit the current job (keys, shapes, dtypes, rounds)."""
+def load_checkpoint(path: str, reference: dict, end_round: int) -> tuple[int, dict, str]:
+    """(round done, weights of the reference's dtypes, numpy arrays or tensors like the reference's, info) from
+    ``path``, or ValueError saying what does not fit the current job (keys, shapes, dtypes, rounds)."""
     state = torch.load(path, map_location="cpu", weights_only=True)
     if not (isinstance(state, dict) and {"round", "end_round", "weights"} <= set(state)
             and isinstance(state["weights"], dict)):
@@ -108,23 +114,32 @@ def load_checkpoint(path: str, reference: dict, end_round: int) -> tuple[int, di
         if not isinstance(t, torch.Tensor) or t.shape != ref.shape or t.dtype != ref.dtype:
             raise ValueError(f"{k!r} is not a {ref.dtype} tensor of shape {tuple(ref.shape)}")
         out[k] = t if isinstance(value, torch.Tensor) else t.numpy()  # the global model's own kind
-    return done, out
+    info = state.get("info", "")
+    return done, out, info if isinstance(info, str) else ""
 
 
 class RoundCheckpoint(FLComponent):
-    def __init__(self, folder: str = "resume"):
+    def __init__(self, folder: str = "resume", model_selector: str = "model_selector"):
         """
         Args:
             folder: where the checkpoints live, inside the server's workspace (a relative path without ".."): the
                 server's own disk, outside the job's run folder, which a resubmitted job does not share.
+            model_selector: id of the job's IntimeModelSelector, if it has one (FLARE's usual id): its best
+                validation metric and the best global model so far are kept too, so that a resumed run selects
+                among all its rounds and its final evaluation tests the same best model; a job without that
+                component has nothing to keep.
         """
         super().__init__()
+        require(isinstance(model_selector, str), type(self).__name__, "model_selector", model_selector,
+                'use the id of the IntimeModelSelector component, e.g. "model_selector" ("" for none)')
+        self.model_selector = model_selector
         require(isinstance(folder, str) and folder.strip() != "" and "\0" not in folder and not os.path.isabs(folder)
                 and ".." not in folder.replace("\\", "/").split("/"), type(self).__name__, "folder", folder,
                 'use a folder inside the server workspace, e.g. "resume": a job may not write the server\'s files '
                 "elsewhere")
         self.folder = folder
         self._path: str | None = None  # the running workflow's checkpoint (None: not a resumable workflow)
+        self._refiring = False  # True while a resumed run hands its saved best model on
         self._workflow = None
         self._finished = False
 
@@ -142,10 +157,14 @@ class RoundCheckpoint(FLComponent):
             self._resume(fl_ctx)
         elif event_type == AppEventType.ROUND_DONE and self._path:
             self._save(fl_ctx)
+        elif event_type == AppEventType.GLOBAL_BEST_MODEL_AVAILABLE and self._path and not self._refiring:
+            self._save_best(fl_ctx)
         elif event_type == EventType.ABOUT_TO_END_RUN and self._path and self._finished:
             signal = fl_ctx.get_run_abort_signal()
             if not (signal is not None and signal.triggered) and os.path.isfile(self._path):
-                os.remove(self._path)
+                for path in (self._path, self._best_path()):
+                    if os.path.isfile(path):
+                        os.remove(path)
                 self.log_info(fl_ctx, "run ended normally: round checkpoint removed (a new run starts at round 0)")
 
     def _resume(self, fl_ctx: FLContext) -> None:
@@ -171,7 +190,7 @@ class RoundCheckpoint(FLComponent):
         learnable = state["global_weights"]
         try:
             reference = learnable[ModelLearnableKey.WEIGHTS]
-            done, weights = load_checkpoint(self._path, reference, start + n)
+            done, weights, _ = load_checkpoint(self._path, reference, start + n)
         except Exception as e:  # noqa: BLE001 -- a bad file never stops the run: it starts afresh and says why
             self.log_warning(fl_ctx, f"round checkpoint {self._path} not used: {str(e)[:300]}; starting at round "
                                      f"{start}")
@@ -181,6 +200,7 @@ class RoundCheckpoint(FLComponent):
         fl_ctx.set_prop(AppConstants.GLOBAL_MODEL, resumed, private=True, sticky=True)
         self._finished = done + 1 >= start + n
         record_in_summary(self, fl_ctx, {"resumed_after_round": done})  # summary.json holds the rounds from here
+        self._restore_best(fl_ctx, reference, start + n, resumed)
         self.log_info(fl_ctx, f"RESUMED from the round checkpoint: round {done} was the last one finished, the run "
                               f"goes on at round {done + 1} of {start + n}")
 
@@ -193,3 +213,54 @@ class RoundCheckpoint(FLComponent):
         end = int(state["start_round"]) + int(state["num_rounds"])
         save_checkpoint(self._path, learnable[ModelLearnableKey.WEIGHTS], current, end)
         self._finished = current + 1 >= end
+
+    def _best_path(self) -> str:
+        return self._path[:-len(".pt")] + ".best.pt"
+
+    def _selector(self, fl_ctx: FLContext):
+        """The job's model selector (FLARE's IntimeModelSelector keeps ``best_val_metric``), or None."""
+        engine = fl_ctx.get_engine()
+        comp = engine.get_component(self.model_selector) if self.model_selector and engine is not None else None
+        return comp if comp is not None and hasattr(comp, "best_val_metric") else None
+
+    def _save_best(self, fl_ctx: FLContext) -> None:
+        """The selector found a new best global model (the one sent this round): keep it with its record."""
+        selector, learnable = self._selector(fl_ctx), fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)
+        current = fl_ctx.get_prop(AppConstants.CURRENT_ROUND)
+        if selector is None or not learnable or not isinstance(current, int):
+            return
+        state = self._workflow.get_persist_state(fl_ctx)
+        record = {"best_val_metric": float(selector.best_val_metric),
+                  "best_raw_val_metric": selector.best_raw_val_metric,
+                  "validation_result": fl_ctx.get_prop(AppConstants.VALIDATION_RESULT),
+                  "selection": fl_ctx.get_prop(AppConstants.METRICS_SELECTION_INFO)}
+        info = json.dumps(record, default=lambda v: float(v) if isinstance(v, (np.floating, np.integer)) else str(v))
+        save_checkpoint(self._best_path(), learnable[ModelLearnableKey.WEIGHTS], current,
+                        int(state["start_round"]) + int(state["num_rounds"]), info)
+
+    def _restore_best(self, fl_ctx: FLContext, reference: dict, end_round: int, resumed) -> None:
+        """A resumed run: the selector's best metric so far, and the best model handed on as the selector hands it
+        (``GLOBAL_BEST_MODEL_AVAILABLE``: the persistor saves it in the new run, the final evaluation notes it)."""
+        selector, path = self._selector(fl_ctx), self._best_path()
+        if selector is None or not os.path.isfile(path):
+            return
+        try:
+            best_round, weights, info = load_checkpoint(path, reference, end_round)
+            record = json.loads(info)
+            metric = float(record["best_val_metric"])
+        except Exception as e:  # noqa: BLE001 -- selection then starts afresh, and says so
+            self.log_warning(fl_ctx, f"best-model checkpoint {path} not used: {str(e)[:300]}; model selection "
+                                     "starts afresh at the resumed round")
+            return
+        selector.best_val_metric, selector.best_raw_val_metric = metric, record.get("best_raw_val_metric")
+        fl_ctx.set_prop(AppConstants.GLOBAL_MODEL, make_model_learnable(weights, {}), private=True, sticky=True)
+        fl_ctx.set_prop(AppConstants.CURRENT_ROUND, best_round, private=True, sticky=False)
+        fl_ctx.set_prop(AppConstants.VALIDATION_RESULT, record.get("validation_result"), private=True, sticky=False)
+        fl_ctx.set_prop(AppConstants.METRICS_SELECTION_INFO, record.get("selection"), private=True, sticky=False)
+        self._refiring = True
+        try:
+            self.fire_event(AppEventType.GLOBAL_BEST_MODEL_AVAILABLE, fl_ctx)
+        finally:
+            self._refiring = False
+            fl_ctx.set_prop(AppConstants.GLOBAL_MODEL, resumed, private=True, sticky=True)
+        self.log_info(fl_ctx, f"model selection goes on from the best of round {best_round} (validation {metric:.4g})")

@@ -33,14 +33,33 @@ def _model(scale=1.0):
     return {"w": np.full((2, 3), scale, np.float32), "n": np.array(7, np.int64)}
 
 
-def _setup(tmp_path, config=b'{"num_rounds": 4}', num_rounds=4, controller=None, signal=None):
+class Selector:
+    """What RoundCheckpoint reads of FLARE's IntimeModelSelector."""
+
+    def __init__(self):
+        self.best_val_metric, self.best_raw_val_metric = -np.inf, None
+
+
+class RecordingEngine(FakeEngine):
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.fired = []
+
+    def fire_event(self, event_type, fl_ctx):
+        learnable = fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)
+        self.fired.append((event_type, learnable[ModelLearnableKey.WEIGHTS]["w"].copy() if learnable else None,
+                           fl_ctx.get_prop(AppConstants.CURRENT_ROUND),
+                           fl_ctx.get_prop(AppConstants.METRICS_SELECTION_INFO)))
+
+
+def _setup(tmp_path, config=b'{"num_rounds": 4}', num_rounds=4, controller=None, signal=None, selector=None):
     """An engine whose workflow "sag" is a ScatterAndGather started with a fresh global model, and its context."""
     cfg = tmp_path / "app_config"
     cfg.mkdir(exist_ok=True)
     (cfg / "config_fed_server.json").write_bytes(config)
     sag = controller or ScatterAndGather(min_clients=2, num_rounds=num_rounds)
     sag._global_weights = make_model_learnable(_model(), {"initial": True})  # what start_controller loaded
-    engine = FakeEngine(tmp_path, components={"sag": sag})
+    engine = RecordingEngine(tmp_path, components={"sag": sag, **({"model_selector": selector} if selector else {})})
     engine.ws = Workspace(tmp_path / "server", cfg)
     ctx = context(engine=engine, props={FLContextKey.WORKFLOW: "sag"})
     ctx.set_prop(ReservedKey.RUN_NUM, "job-1", private=False, sticky=False)
@@ -158,8 +177,9 @@ def test_a_global_model_of_tensors_round_trips_as_tensors(tmp_path):
     ref = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3).t(), "n": torch.tensor(7)}
     path = str(tmp_path / "c.pt")
     rc.save_checkpoint(path, ref, 1, 4)
-    done, got = rc.load_checkpoint(path, ref, 4)
-    assert done == 1 and isinstance(got["w"], torch.Tensor) and torch.equal(got["w"], ref["w"]) and int(got["n"]) == 7
+    done, got, info = rc.load_checkpoint(path, ref, 4)
+    assert done == 1 and info == "" and isinstance(got["w"], torch.Tensor) and torch.equal(got["w"], ref["w"])
+    assert int(got["n"]) == 7
     mixed = {"w": np.zeros((3, 2), np.float32), "n": np.array(7)}
     assert isinstance(rc.load_checkpoint(path, mixed, 4)[1]["w"], np.ndarray)
 
@@ -187,3 +207,31 @@ def test_a_nested_folder_is_used_inside_the_workspace_and_a_strange_workflow_id_
     other.handle_event(EventType.START_WORKFLOW, ctx2)
     _round_done(other, ctx2, 0, 2.0)
     assert "is no file name" in warnings[0] and not list(tmp_path.rglob("x.pt"))
+
+
+def test_the_best_model_so_far_and_its_metric_survive_a_restart(tmp_path):
+    """Fine-tuning jobs select the best global model on validation: a resumed run goes on selecting over all the
+    job's rounds and its persistor / final evaluation get round 0's best model, as in an uninterrupted run."""
+    selector = Selector()
+    comp = rc.RoundCheckpoint()
+    _, ctx = _setup(tmp_path, selector=selector)
+    comp.handle_event(EventType.START_WORKFLOW, ctx)
+    ctx.set_prop(AppConstants.CURRENT_ROUND, 0, private=True, sticky=False)
+    ctx.set_prop(AppConstants.GLOBAL_MODEL, make_model_learnable(_model(1.5), {}), private=True, sticky=False)
+    selector.best_val_metric, selector.best_raw_val_metric = 0.7, 0.7
+    info = {"best_round": 0, "key_metric": "val_accuracy", "best_metrics": {"val_accuracy": np.float64(0.7)}}
+    ctx.set_prop(AppConstants.METRICS_SELECTION_INFO, info, private=True, sticky=False)
+    ctx.set_prop(AppConstants.VALIDATION_RESULT, 0.7, private=True, sticky=False)
+    comp.handle_event(AppEventType.GLOBAL_BEST_MODEL_AVAILABLE, ctx)  # round 0's incoming model is the best
+    _round_done(comp, ctx, 0, 2.0)
+    _round_done(comp, ctx, 1, 3.0)  # round 1 was no better; then the server is killed
+
+    fresh = Selector()
+    sag, ctx2 = _setup(tmp_path, selector=fresh)
+    again = rc.RoundCheckpoint()
+    again.handle_event(EventType.START_WORKFLOW, ctx2)
+    assert sag._current_round == 2 and fresh.best_val_metric == 0.7 and fresh.best_raw_val_metric == 0.7
+    best = [f for f in ctx2.get_engine().fired if f[0] == AppEventType.GLOBAL_BEST_MODEL_AVAILABLE]
+    assert len(best) == 1 and np.all(best[0][1] == 1.5) and best[0][2] == 0  # round 0's model, as round 0
+    assert best[0][3] == {"best_round": 0, "key_metric": "val_accuracy", "best_metrics": {"val_accuracy": 0.7}}
+    assert np.all(ctx2.get_prop(AppConstants.GLOBAL_MODEL)[ModelLearnableKey.WEIGHTS]["w"] == 3.0)  # then resumed

@@ -61,13 +61,15 @@ class Number:
 
 
 #: shared argparse types: counts (sites, rounds, images, epochs, sizes), indices / step caps where 0 means "none"
-#: or "all", seeds (numpy's range), positive reals (learning rates, alpha, timeouts) and fractions in (0, 1]
+#: or "all", seeds (numpy's range), positive reals (learning rates, alpha, timeouts), fractions in (0, 1] and
+#: probabilities in [0, 1]
 COUNT = Number(int, 1)
 NON_NEGATIVE = Number(int, 0)
 SEED = Number(int, 0, 2**32 - 1)
 POSITIVE = Number(float, 0, above=True)
 NON_NEGATIVE_REAL = Number(float, 0)
 FRACTION = Number(float, 0, 1, above=True)
+PROBABILITY = Number(float, 0, 1)
 
 
 def add_threads_argument(s: argparse.ArgumentParser) -> None:

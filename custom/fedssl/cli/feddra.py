@@ -8,7 +8,7 @@ import json
 import os
 import time
 
-from fedssl.cli import COUNT, POSITIVE, SEED, Verb, add_family, add_threads_argument
+from fedssl.cli import COUNT, POSITIVE, PROBABILITY, SEED, Verb, add_family, add_threads_argument
 from fedssl.cli.choices import FEDDRA_VARIANTS
 
 
@@ -91,13 +91,18 @@ def _table_args(s) -> None:
     s.add_argument("--patients", type=COUNT, default=None,
                    help="synthetic MIMIC-CXR patients (default: the demo's 1,000, about 55 test pairs per client; "
                         "5,000 gives every client more than the retrieval protocol's batch of 100)")
+    s.add_argument("--style-coupling", type=PROBABILITY, default=None,
+                   help="probability that a study takes its finding code's institution style (language and "
+                        "acquisition; default: the demo's 0.7): the synthetic clients' heterogeneity, to calibrate on "
+                        "FedAvg alone")
     s.add_argument("--data-root", default=None, help="a folder with sites/ and ood/ (default: synthetic under --out)")
     add_threads_argument(s)
 
 
 def table_overrides(a) -> dict | None:
     """The demo settings the table's flags change (None: the demo's own)."""
-    out = {k: v for k, v in (("turns", a.turns), ("n_patients", a.patients)) if v is not None}
+    out = {k: v for k, v in (("turns", a.turns), ("n_patients", a.patients), ("style_coupling", a.style_coupling))
+           if v is not None}
     return out or None
 
 

@@ -280,7 +280,8 @@ def _label_value(rng: np.random.Generator) -> str:
 
 
 def write_synthetic_mimic(out: object, n_patients: int = 200, studies_per_patient: tuple[int, int] = (1, 2),
-                          image_px: int = 64, seed: int = 0, test_fraction: float = 0.2, n_styles: int = 5) -> dict:
+                          image_px: int = 64, seed: int = 0, test_fraction: float = 0.2, n_styles: int = 5,
+                          style_coupling: float = _P_STYLE_PREFERRED) -> dict:
     """MIMIC-CXR (reports) + MIMIC-CXR-JPG (images, the three ``mimic-cxr-2.0.0-*.csv.gz``) under ``out``.
 
     Args:
@@ -291,6 +292,10 @@ def write_synthetic_mimic(out: object, n_patients: int = 200, studies_per_patien
         test_fraction: share of patients in the official "test" split (exact, rounded); ~5 % of the others
             are "validate".
         n_styles: institution styles used, the first ``n_styles`` of :data:`STYLES` (1-5).
+        style_coupling: probability that a study is written (and acquired) in its FedDRA code's preferred style,
+            else in a uniformly drawn one (default 0.7).  Clients cut by LDA over the codes then differ in language
+            and acquisition as much as this couples style to code: the data's heterogeneity knob, to be calibrated
+            on FedAvg alone (issue 44, H6); 1 makes every code's studies one institution's.
 
     Returns:
         summary dict: ``root``, ``n_patients``, ``n_studies``, ``images`` (frontal images with a FINDINGS or
@@ -309,6 +314,9 @@ def write_synthetic_mimic(out: object, n_patients: int = 200, studies_per_patien
             "test_fraction", test_fraction, "use a fraction in [0, 1), e.g. 0.2")
     require_int("write_synthetic_mimic", "n_styles", n_styles, 1, f"use 1 to {len(STYLES)} styles")
     require(n_styles <= len(STYLES), "write_synthetic_mimic", "n_styles", n_styles, f"use 1 to {len(STYLES)} styles")
+    require(isinstance(style_coupling, (int, float)) and not isinstance(style_coupling, bool)
+            and 0.0 <= style_coupling <= 1.0, "write_synthetic_mimic", "style_coupling", style_coupling,
+            "use a probability in [0, 1], e.g. 0.7 (the default)")
     rp = Path(os.fspath(out))
     rp.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng([seed, 17])
@@ -336,7 +344,7 @@ def write_synthetic_mimic(out: object, n_patients: int = 200, studies_per_patien
             drawn = _draw_findings(rng)
             values = {f: ("1.0" if f in drawn else _label_value(rng)) for f in FEDDRA_FINDINGS}
             code = finding_code([int(values[f] != "") for f in FEDDRA_FINDINGS])
-            s_idx = int(preferred[code]) if rng.random() < _P_STYLE_PREFERRED else int(rng.integers(0, n_styles))
+            s_idx = int(preferred[code]) if rng.random() < style_coupling else int(rng.integers(0, n_styles))
             style = styles[s_idx]
             no_sections = rng.random() < _P_NO_SECTIONS
             text, _, _ = _report(rng, style, drawn, values, no_sections)

@@ -211,7 +211,10 @@ def test_feddra_table_hands_turns_and_patients_to_the_runner_as_demo_settings(mo
     monkeypatch.setattr(feddra_demo, "run", lambda *a, **kw: seen.append(kw["settings"]))
     assert main(["feddra", "table", "--out", "o", "--patients", "5000", "--turns", "25"]) == 0
     assert main(["feddra", "table", "--out", "o"]) == 0
-    assert seen == [{"turns": 25, "n_patients": 5000}, None]  # None: the demo's own settings
+    assert main(["feddra", "table", "--out", "o", "--style-coupling", "1"]) == 0
+    assert seen == [{"turns": 25, "n_patients": 5000}, None, {"style_coupling": 1.0}]  # None: the demo's own
     p, _ = _parser()
     with pytest.raises(SystemExit):
         p.parse_args(["feddra", "table", "--out", "o", "--patients", "0"])
+    with pytest.raises(SystemExit):
+        p.parse_args(["feddra", "table", "--out", "o", "--style-coupling", "1.5"])

@@ -16,6 +16,7 @@ from fedssl.data.vlp import (
     COVIDX_CLASSES_V3,
     FEDDRA_FINDINGS,
     covidx_classes,
+    finding_code,
     lda_client_split,
     load_brset,
     load_covidx,
@@ -135,6 +136,28 @@ def test_lda_clients_get_heterogeneous_language_and_writer_is_fast(tmp_path):
             h = np.array([[sum(s["study_styles"][r.study] == n for r in p) for n in names] for p in parts])
             tv[alpha] = mean_tv_distance(h)
         assert tv[0.1] > tv[100.0] + 0.15, (seed, tv)
+
+
+def test_style_coupling_ties_each_codes_studies_to_one_institution_or_none(tmp_path):
+    """The heterogeneity knob: at 1 every study of a FedDRA code is in that code's preferred style; at 0 the style
+    ignores the code; the default (0.7) writes the same data as before the knob existed."""
+    def styles_per_code(root, coupling):
+        s = write_synthetic_mimic(root, n_patients=150, image_px=16, seed=2, style_coupling=coupling)
+        recs, _ = load_mimic_vlp(root, check_images=False)
+        by_code = {}
+        for r in recs:
+            by_code.setdefault(finding_code(r.labels), set()).add(s["study_styles"][r.study])
+        return s, by_code
+    _, tight = styles_per_code(tmp_path / "one", 1.0)
+    assert all(len(v) == 1 for v in tight.values())
+    _, loose = styles_per_code(tmp_path / "zero", 0.0)
+    assert sum(len(v) for v in loose.values()) > 2 * len(loose)
+    a, _ = styles_per_code(tmp_path / "default", 0.7)
+    b = write_synthetic_mimic(tmp_path / "plain", n_patients=150, image_px=16, seed=2)
+    assert {k: v for k, v in a.items() if k != "root"} == {k: v for k, v in b.items() if k != "root"}
+    for bad in (-0.1, 1.5, True, "0.5"):
+        with pytest.raises(ValueError, match="style_coupling"):
+            write_synthetic_mimic(tmp_path / "bad", n_patients=2, image_px=16, style_coupling=bad)
 
 
 def test_mimic_writer_deterministic(tmp_path):

@@ -2,7 +2,8 @@
 
 FLARE 2.9 no longer resumes a running job after a server restart (``ServerEngine.persist_components`` is a no-op,
 nothing calls ``JobRunner.restore_running_job``): the job stays RUNNING in the job store and nothing runs it. The
-admin aborts it and submits the same job again; with this component in the job, the new run starts at the round
+admin aborts it and submits the same job again; with this component in the job (opt-in: the jobs do not name it
+by default), the new run starts at the round
 after the last one the old run finished, from that round's global model, instead of from round 0.
 
 - After every round (``ROUND_DONE``) the global model and the round are written, atomically, to

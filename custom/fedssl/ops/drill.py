@@ -22,8 +22,8 @@ started, or round 0 for a one-round job):
   snapshot persistence has been removed") and nothing calls ``JobRunner.restore_running_job``; the kit's
   ``snapshot_persistor`` (kept inside the workspace, see ``isolate_server_storage``) is configured but never written.
   So once every site is connected again the drill does what the admin does: it aborts the stranded job and submits
-  the same job again, which resumes after its last finished round (``fedssl.flare.round_checkpoint``); the entry
-  names both jobs, and the round the new one resumed after.
+  the same job again, which resumes after its last finished round (``fedssl.flare.round_checkpoint``, which this
+  scenario adds to its copy of the job); the entry names both jobs, and the round the new one resumed after.
 """
 
 from __future__ import annotations
@@ -295,6 +295,27 @@ def _status(d: LoopbackDeployment, job_id: str, sess_box: list) -> str | None:
         return None
 
 
+def with_round_checkpoint(job_dir: str) -> str:
+    """A copy of the built job ``job_dir`` (``<job_dir>_resumable``) whose server config also names
+    :class:`fedssl.flare.round_checkpoint.RoundCheckpoint`, which the kill-server scenario needs to resume; the
+    jobs do not name it by default (it is opt-in, see provisioning/README.md)."""
+    import shutil
+
+    out = job_dir.rstrip(os.sep) + "_resumable"
+    if os.path.isdir(out):
+        shutil.rmtree(out)
+    shutil.copytree(job_dir, out)
+    for path in glob.glob(os.path.join(out, "**", "config_fed_server.json"), recursive=True):
+        with open(path) as f:
+            config = json.load(f)
+        if not any(c.get("id") == "round_checkpoint" for c in config.get("components", [])):
+            config.setdefault("components", []).append(
+                {"id": "round_checkpoint", "path": "fedssl.flare.round_checkpoint.RoundCheckpoint", "args": {}})
+        with open(path, "w") as f:
+            json.dump(config, f, indent=2)
+    return out
+
+
 def _resubmit(d: LoopbackDeployment, job_dir: str, old_id: str, sess_box: list, entry: dict, say) -> str:
     """kill-server: what the admin does once the server is back.  FLARE 2.9 leaves the killed job RUNNING in its
     store with nothing running it, so: abort it, and submit the same job again, which resumes after its last
@@ -393,6 +414,8 @@ def run_scenario(job_dir: str, workspace: str, scenario: str, *, n_sites: int, d
     s.check_sites([scenario], n_sites)
     rounds = planned_rounds(job_dir)
     entry = {"scenario": scenario, "rounds_planned": rounds}
+    if scenario == "kill-server":  # resuming needs the server's round checkpoint, which jobs opt into
+        job_dir = with_round_checkpoint(job_dir)
     with LoopbackDeployment(workspace, n_sites=n_sites, data_root=data_root, proxied=True, seed=seed,
                             secrets_from=secrets_from) as d:
         if scenario == "latency":

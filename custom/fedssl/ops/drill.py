@@ -316,16 +316,22 @@ def with_round_checkpoint(job_dir: str) -> str:
     return out
 
 
+def _close_sessions(sess_box: list) -> None:
+    """Close every admin session in ``sess_box`` and empty it.  A session that a server kill broke raises on close;
+    it holds nothing left to release, so that error is the one dropped (an open session keeps threads alive)."""
+    for sess in sess_box:
+        try:
+            sess.close()
+        except Exception:  # noqa: BLE001 -- broken by the kill: nothing left to close
+            continue
+    sess_box.clear()
+
+
 def _resubmit(d: LoopbackDeployment, job_dir: str, old_id: str, sess_box: list, entry: dict, say) -> str:
     """kill-server: what the admin does once the server is back.  FLARE 2.9 leaves the killed job RUNNING in its
     store with nothing running it, so: abort it, and submit the same job again, which resumes after its last
     finished round (the job's RoundCheckpoint).  Returns the new job's id; ``entry`` records both."""
-    for sess in sess_box:
-        try:
-            sess.close()
-        except Exception:  # the session the kill broke cannot close cleanly: dropped
-            pass
-    sess_box.clear()
+    _close_sessions(sess_box)
     sess_box.append(d.session(timeout=30))
     try:
         sess_box[0].abort_job(old_id)
@@ -426,11 +432,7 @@ def run_scenario(job_dir: str, workspace: str, scenario: str, *, n_sites: int, d
         try:
             _drive(d, job_dir, scenario, rounds, s, timeout_s, sess_box, entry, say)
         finally:  # an open admin session keeps threads alive: close it on every way out
-            for sess in sess_box:
-                try:
-                    sess.close()
-                except Exception:  # a session broken by a server kill cannot close cleanly: dropped
-                    pass
+            _close_sessions(sess_box)
     entry["leftover_processes"] = d.leftover_processes()
     entry["ports_in_use"] = [p.port for p in d.proxies.values() if _listening(p.port)] + (
         [d.port] if d.port_in_use() else [])

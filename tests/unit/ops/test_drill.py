@@ -119,3 +119,21 @@ def test_drill_settings_are_checked_by_name(kwargs, message):
 
     with pytest.raises(ValueError, match=message):
         DrillSettings(**kwargs)
+
+
+def test_close_sessions_closes_every_one_even_after_a_broken_one_and_empties_the_box():
+    from fedssl.ops.drill import _close_sessions
+
+    closed = []
+
+    class Broken:
+        def close(self):
+            raise ConnectionError("the server was killed")
+
+    class Fine:
+        def close(self):
+            closed.append(self)
+
+    box = [Broken(), Fine()]
+    _close_sessions(box)
+    assert len(closed) == 1 and box == []

@@ -10,7 +10,6 @@ Marked slow; CI runs it (the README's test command runs everything).
 import json
 import os
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ from fedssl.core.state_dict import weighted_average
 from fedssl.data.acdc_synthetic import write_synthetic_acdc
 from fedssl.ops.jobs import REPO_ROOT, build_job
 from fedssl.ops.policy import write_allow_list
+from fedssl.ops.simulate import simulate
 
 pytestmark = pytest.mark.slow
 SITES = 3
@@ -58,10 +58,9 @@ def test_a_poisoned_site_is_refused_and_the_global_model_is_the_honest_average(t
                                                                                "PoisonedFCLExecutor")]
     json.dump(spec, open(resources, "w"))
     env = dict(os.environ, FEDSSL_DATA_ROOT=str(data / "{site}"), PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.run(["nvflare", "simulator", job, "-w", str(ws), "-n", str(SITES), "-t", str(SITES)],
-                          env=env, capture_output=True, text=True, timeout=900)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-3000:]
+    rc, _, log_path, _ = simulate(job, str(ws), n_sites=SITES, env=env, timeout_s=900, echo=False)
+    log = open(log_path).read()
+    assert rc == 0, log[-3000:]
 
     run = ws / "server" / "simulate_job"
     summary = json.load(open(run / "summary.json"))

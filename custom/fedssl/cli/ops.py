@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from fedssl.cli import COUNT, NON_NEGATIVE_REAL, POSITIVE, SEED, Verb, add_verb
+from fedssl.cli import COUNT, NON_NEGATIVE, NON_NEGATIVE_REAL, POSITIVE, SEED, Verb, add_verb
 
 
 def _job_opts(sp, sites_required: bool = False) -> None:
@@ -51,6 +51,10 @@ def _simulate_args(s) -> None:
     s.add_argument("job")
     s.add_argument("-w", "--workspace", required=True)
     s.add_argument("--data-root", required=True, help="data folder; {site} is replaced by the site name")
+    s.add_argument("--timeout", type=NON_NEGATIVE_REAL, default=0,
+                   help="seconds each attempt may run; 0 = until the run ends")
+    s.add_argument("--retries", type=NON_NEGATIVE, default=2,
+                   help="how often a run in which FLARE's simulator lost a site's process is started again")
     _job_opts(s, sites_required=True)
 
 
@@ -58,7 +62,8 @@ def _simulate(a) -> None:
     from fedssl.ops.simulate import run_simulation
 
     _check_jobs(a, [a.job])
-    s = run_simulation(a.job, a.workspace, n_sites=a.sites, data_root=a.data_root, profile=a.profile, sets=a.set)
+    s = run_simulation(a.job, a.workspace, n_sites=a.sites, data_root=a.data_root, profile=a.profile, sets=a.set,
+                       timeout_s=a.timeout or None, retries=a.retries)
     b = s["bytes_per_site_per_round"]
     print(f"done in {s['simulator_wall_time_s']} s; global model {s['global_model']}; "
           f"bytes per site per round: up {b['upload']:.0f}, down {b['download']:.0f}")

@@ -33,6 +33,12 @@ REJECTED = re.compile(r"Contribution from (\S+) REJECTED by the aggregator at ro
 NOT_ALLOWED = re.compile(r"Component '([^']+)' at config path '[^']*' is not in allow_list")
 #: FLARE's authorisation refusing a job with custom code (the role has no ``byoc`` right)
 NO_BYOC = re.compile(r"BYOC not permitted")
+#: FLARE's simulator losing the process of a site (its runner thread gives the site up: the site never runs again
+#: in this simulation, and a round that waits for every site waits forever).  Seen on a loaded machine, before the
+#: site had run anything: "Communication error with client site-1: [Errno 104] Connection reset by peer"; or a
+#: site's runner giving up before its first task: "cannot sync with server Runner after 60.0 seconds".
+LOST_SITE = re.compile(r"(Communication error with client \S+: .*|Subprocess died for client \S+[ ,].*"
+                       r"|cannot sync with \S+ Runner after [\d.]+ seconds)")
 CONFIG_OF_SITE = re.compile(r"/([^/'\s]+)/[^/'\s]+/app_[^/'\s]*/config/config_fed_\w+\.json")
 
 
@@ -50,9 +56,13 @@ class FailureLog:
         self._duplicates: list[str] = []  # rounds of duplicate warnings not yet paired with FLARE's REJECTED line
         self.duplicates = 0
         self._refused: dict[str, set[str]] = {}
+        self.lost: str | None = None  # FLARE's first line saying the simulator lost a site's process
 
     def read(self, line: str, site: str | None = None) -> None:
         """One log line; ``site`` names whose log it is, where the line itself does not say."""
+        lost = LOST_SITE.search(line)
+        if lost and self.lost is None:
+            self.lost = lost.group(1).strip()
         refused = NOT_ALLOWED.search(line)
         if refused or NO_BYOC.search(line):
             what = (f"class {refused.group(1)} is not allowed" if refused
@@ -128,6 +138,86 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         return
 
 
+def simulate(job: str, workspace: str, *, n_sites: int, env: dict, threads: int | None = None,
+             timeout_s: float | None = None, echo: bool = True, retries: int = 2
+             ) -> tuple[int, FailureLog, str, float]:
+    """``nvflare simulator job -w workspace -n N -t threads`` (built job, the parties' environment ``env``), its
+    output into ``<workspace>_simulator.log``; returns (exit code, the log's FailureLog, the log's path, start time).
+
+    FLARE's simulator can lose a site's process (:data:`LOST_SITE`); it then runs on without the site, and a round
+    that needs every site never ends.  The run is stopped at once and started again into the same workspace (the
+    parties reuse their secrets, so it is the same run), at most ``retries`` times, each with one line on stdout;
+    after that SimulationError names the site and FLARE's line.  ``timeout_s`` bounds each attempt."""
+    if not (isinstance(retries, int) and not isinstance(retries, bool) and retries >= 0):
+        raise ValueError(f"retries={retries!r} must be a whole number >= 0 (0: never start a run again)")
+    workspace = os.path.abspath(workspace)
+    threads = threads or n_sites  # -t = -n: no client restarts between tasks
+    cmd = [*nvflare_command(), "simulator", job, "-w", workspace, "-n", str(n_sites), "-t", str(threads)]
+    log_path = workspace + "_simulator.log"
+    for attempt in range(retries + 1):
+        for stale in ("server", *[f"site-{i}" for i in range(1, n_sites + 1)]):
+            path = os.path.join(workspace, stale)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+        t0 = time.time()
+        rc, failure_log = _simulate_once(cmd, env, log_path, timeout_s, echo, t0)
+        if failure_log.lost is None:
+            return rc, failure_log, log_path, t0
+        if attempt < retries:
+            print(f"FLARE's simulator lost a site's process ({failure_log.lost}); starting the run again "
+                  f"(attempt {attempt + 2} of {retries + 1})", flush=True)
+    raise SimulationError(f"{os.path.basename(job)}: FLARE's simulator lost a site's process in each of "
+                          f"{retries + 1} attempts ({failure_log.lost}); full log: {log_path}")
+
+
+def _simulate_once(cmd: list[str], env: dict, log_path: str, timeout_s: float | None, echo: bool,
+                   t0: float) -> tuple[int, FailureLog]:
+    failure_log = FailureLog()
+    lost = threading.Event()
+    with open(log_path, "w") as log:
+        # its own process group: stopping this run (Ctrl-C, a timeout, an error here) stops every process the
+        # simulator started, its site processes included, not only the parent
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)
+
+        def pump() -> None:  # the output is read beside the wait, so timeout_s holds while the output is open
+            for line in proc.stdout:
+                log.write(line)
+                failure_log.read(line)
+                if failure_log.lost is not None:
+                    lost.set()
+                m = PROGRESS.search(line)
+                if m and echo:
+                    print(f"  [{time.time() - t0:6.1f}s] {m.group(1)}", flush=True)
+
+        reader = threading.Thread(target=pump, name="simulator-output", daemon=True)
+        reader.start()
+        try:
+            while True:
+                if lost.is_set():  # the run cannot complete: stop it now rather than wait for the timeout
+                    stop_process_group(proc)
+                    reader.join(timeout=10.0)
+                    return -1, failure_log
+                try:
+                    rc = proc.wait(timeout=1.0)
+                    break
+                except subprocess.TimeoutExpired:
+                    if timeout_s is not None and time.time() - t0 > timeout_s:
+                        raise
+            reader.join(timeout=60.0)
+            if reader.is_alive():  # the simulator exited but something it started still holds its output
+                stop_process_group(proc)
+                reader.join(timeout=10.0)
+        except subprocess.TimeoutExpired:
+            stop_process_group(proc)
+            reader.join(timeout=10.0)
+            raise SimulationError(f"simulator exceeded {timeout_s}s; see {log_path}") from None
+        except BaseException:
+            stop_process_group(proc)
+            raise
+    return rc, failure_log
+
+
 def run_simulation(
     job_dir: str,
     workspace: str,
@@ -140,6 +230,7 @@ def run_simulation(
     timeout_s: int | None = None,
     echo: bool = True,
     tolerate_site_failures: bool = False,
+    retries: int = 2,
 ) -> dict:
     """Build the job with the profile, run ``nvflare simulator -n N -t N`` and return the server summary.
 
@@ -151,7 +242,8 @@ def run_simulation(
 
     Each party's secrets (feature noise, remote-bank order) are kept in ``<workspace>_secrets/<party>/``
     (:func:`secrets_dir`, passed as ``FEDSSL_SECRETS_DIR``): rerunning into the same workspace repeats the run,
-    a new workspace draws new secrets.
+    a new workspace draws new secrets.  A run in which FLARE's simulator lost a site's process is started again
+    (at most ``retries`` times, see :func:`simulate`).
     """
     workspace = os.path.abspath(workspace)
     os.makedirs(workspace, exist_ok=True)
@@ -162,50 +254,14 @@ def run_simulation(
     refused = refusals(job, write_allow_list(os.path.join(workspace, "local")))
     if refused:
         raise SimulationError(f"{os.path.basename(job)}: " + "; ".join(refused) + "; nothing was run")
-    for stale in ("server", *[f"site-{i}" for i in range(1, n_sites + 1)]):
-        path = os.path.join(workspace, stale)
-        if os.path.isdir(path):
-            shutil.rmtree(path)
     # the simulator deletes every party's workspace (site config dir included) before each run, so the parties'
     # secrets (fedssl.flare.party_folder) live beside it: a rerun into this workspace repeats them, another draws anew
     env = dict(os.environ, FEDSSL_DATA_ROOT=data_root, PYTHONUNBUFFERED="1",
                **{SECRETS_DIR_ENV: secrets_dir(workspace)})
     # all sites share this machine's cores: one process per site, so split the cores between them
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n_sites)))
-    threads = threads or n_sites  # -t = -n: no client restarts between tasks
-    cmd = [*nvflare_command(), "simulator", job, "-w", workspace, "-n", str(n_sites), "-t", str(threads)]
-    log_path = workspace + "_simulator.log"
-    t0 = time.time()
-    failure_log = FailureLog()
-    with open(log_path, "w") as log:
-        # its own process group: stopping this run (Ctrl-C, a timeout, an error here) stops every process the
-        # simulator started, its site processes included, not only the parent
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                start_new_session=True)
-
-        def pump() -> None:  # the output is read beside the wait, so timeout_s holds while the output is open
-            for line in proc.stdout:
-                log.write(line)
-                failure_log.read(line)
-                m = PROGRESS.search(line)
-                if m and echo:
-                    print(f"  [{time.time() - t0:6.1f}s] {m.group(1)}", flush=True)
-
-        reader = threading.Thread(target=pump, name="simulator-output", daemon=True)
-        reader.start()
-        try:
-            rc = proc.wait(timeout=timeout_s)
-            reader.join(timeout=60.0)
-            if reader.is_alive():  # the simulator exited but something it started still holds its output
-                stop_process_group(proc)
-                reader.join(timeout=10.0)
-        except subprocess.TimeoutExpired:
-            stop_process_group(proc)
-            reader.join(timeout=10.0)
-            raise SimulationError(f"simulator exceeded {timeout_s}s; see {log_path}") from None
-        except BaseException:
-            stop_process_group(proc)
-            raise
+    rc, failure_log, log_path, t0 = simulate(job, workspace, n_sites=n_sites, env=env, threads=threads,
+                                             timeout_s=timeout_s, echo=echo, retries=retries)
     summary_path = os.path.join(server_run_dir(workspace), "summary.json")
     refused = failure_log.refusals()
     failures = failure_log.failures + refused

@@ -81,6 +81,8 @@ WHOLE, POSITIVE = "expected a whole number >= 1", "expected a number > 0"
     (["job", FCL_JOB, "OUT", "--sites", "3.5"], "--sites: '3.5' is not a whole number >= 1"),
     (["simulate", FCL_JOB, "-w", "OUT", "--data-root", "d", "--sites", "-3"],
      "--sites: '-3' is out of range: " + WHOLE),
+    (["simulate", FCL_JOB, "-w", "OUT", "--data-root", "d", "--sites", "2", "--retries", "-1"],
+     "--retries: '-1' is out of range: expected a whole number >= 0"),
     (["deploy-local", FCL_JOB, "-w", "OUT", "--data-root", "d", "--sites", "2", "--timeout", "0"],
      "--timeout: '0' is out of range: " + POSITIVE),
     (["fcl", "demo", "--out", "OUT", "--rounds", "0"], "--rounds: '0' is out of range: " + WHOLE),
@@ -125,6 +127,23 @@ def test_bad_override_value_is_one_error_before_the_simulator_or_a_workspace(tmp
     err = capsys.readouterr().err
     assert rc == 2 and ran == [] and os.listdir(tmp_path) == []
     assert err.count("\n") == 1 and "component 'scatter_and_gather'" in err and "num_rounds='five'" in err
+
+
+@pytest.mark.parametrize("flags, timeout_s, retries", [([], None, 2), (["--timeout", "90", "--retries", "0"], 90, 0)])
+def test_simulate_passes_its_timeout_and_retries_on(tmp_path, capsys, monkeypatch, flags, timeout_s, retries):
+    import fedssl.ops.simulate
+
+    ran = []
+
+    def fake(*a, **k):
+        ran.append(k)
+        return {"simulator_wall_time_s": 1.0, "global_model": "m", "bytes_per_site_per_round": {"upload": 1,
+                                                                                                "download": 2}}
+
+    monkeypatch.setattr(fedssl.ops.simulate, "run_simulation", fake)
+    assert main(["simulate", FCL_JOB, "-w", str(tmp_path / "ws"), "--data-root", "d", "--sites", "2", *flags]) == 0
+    assert (ran[0]["timeout_s"], ran[0]["retries"]) == (timeout_s, retries)
+    assert "done in 1.0 s" in capsys.readouterr().out
 
 
 def test_os_errors_are_one_line_naming_the_path(tmp_path, capsys, monkeypatch):

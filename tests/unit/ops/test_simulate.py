@@ -189,3 +189,76 @@ def test_stopping_a_run_stops_every_process_the_simulator_started(tmp_path, monk
     else:
         os.kill(child, signal.SIGKILL)
         raise AssertionError("the simulator's child process outlived the run")
+
+
+LOST = "2026-11-29 20:19:13,237 - SimulatorClientRunner - ERROR - Communication error with client site-1: " \
+       "[Errno 104] Connection reset by peer\n"
+
+
+@pytest.mark.parametrize("line, expected", [
+    (LOST, "Communication error with client site-1: [Errno 104] Connection reset by peer"),
+    ("... - ERROR - Subprocess died for client site-2, exit code: -9\n",
+     "Subprocess died for client site-2, exit code: -9"),
+    ("... - ERROR - Subprocess died for client site-3 before send, exit code: 1\n",
+     "Subprocess died for client site-3 before send, exit code: 1"),
+    ("RuntimeError: cannot sync with server Runner after 60.0 seconds\n",
+     "cannot sync with server Runner after 60.0 seconds"),
+    ("... - INFO - Simulate Run client: site-1 on GPU group: None\n", None),
+])
+def test_the_log_reader_notices_when_flare_loses_a_site_process(line, expected):
+    log = FailureLog()
+    log.read(line)
+    log.read(LOST.replace("site-1", "site-9"))  # the first such line is the one reported
+    assert log.lost == (expected or "Communication error with client site-9: [Errno 104] Connection reset by peer")
+    assert log.failures == []
+
+
+def _flaky_nvflare(tmp_path, lose: int):
+    """An ``nvflare`` that, for its first ``lose`` starts, prints FLARE's lost-site line and then hangs (as the
+    simulator does: the round waits for the lost site forever); afterwards it writes the server's results."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    count = tmp_path / "starts"
+    fake = bindir / "nvflare"
+    fake.write_text(f"""#!/bin/sh
+n=$(cat {count} 2>/dev/null || echo 0); n=$((n + 1)); echo $n > {count}
+ws=$4
+if [ $n -le {lose} ]; then printf '%s' '{LOST.strip()}'; echo; sleep 120; exit 0; fi
+mkdir -p $ws/server/simulate_job/app_server
+echo '{{"rounds": []}}' > $ws/server/simulate_job/summary.json
+: > $ws/server/simulate_job/app_server/FL_global_model.pt
+""")
+    fake.chmod(0o755)
+    return bindir, count
+
+
+def test_a_run_in_which_flare_lost_a_site_is_stopped_at_once_and_started_again(tmp_path, monkeypatch, capsys):
+    """CI hung for 15 minutes: FLARE's simulator lost site-1's process at start and the round waited for it."""
+    import time
+
+    bindir, count = _flaky_nvflare(tmp_path, lose=2)
+    monkeypatch.setattr(simulate.sys, "executable", str(bindir / "python3"))
+    t0 = time.time()
+    s = simulate.run_simulation(os.path.join(REPO_ROOT, "jobs", "fcl_acdc"), str(tmp_path / "ws"), n_sites=1,
+                                data_root=str(tmp_path), echo=False, timeout_s=100)
+    assert time.time() - t0 < 30  # neither hang was waited out
+    assert count.read_text().strip() == "3" and s["rounds"] == []
+    out = capsys.readouterr().out
+    assert "lost a site's process (Communication error with client site-1" in out
+    assert "(attempt 2 of 3)" in out and "(attempt 3 of 3)" in out
+
+
+def test_a_site_lost_in_every_attempt_is_one_clear_error(tmp_path, monkeypatch):
+    bindir, count = _flaky_nvflare(tmp_path, lose=9)
+    monkeypatch.setattr(simulate.sys, "executable", str(bindir / "python3"))
+    with pytest.raises(simulate.SimulationError, match=r"lost a site's process in each of 2 attempts "
+                                                       r"\(Communication error with client site-1: .*\)"):
+        simulate.run_simulation(os.path.join(REPO_ROOT, "jobs", "fcl_acdc"), str(tmp_path / "ws"), n_sites=1,
+                                data_root=str(tmp_path), echo=False, timeout_s=100, retries=1)
+    assert count.read_text().strip() == "2"
+
+
+@pytest.mark.parametrize("retries", [-1, 1.5, True, "2"])
+def test_retries_must_be_a_whole_number(tmp_path, retries):
+    with pytest.raises(ValueError, match=rf"retries={retries!r} must be a whole number >= 0"):
+        simulate.simulate("job", str(tmp_path / "ws"), n_sites=1, env={}, retries=retries)

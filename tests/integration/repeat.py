@@ -56,11 +56,13 @@ INCOMPLETE_RETRIES = 2
 
 
 def whole_run(job: str, workspace: str, *, n_sites: int, sets: list[str], **kwargs) -> dict:
-    """``run_simulation`` whose every round aggregated all ``n_sites`` sites.  Under load FLARE's simulator has
-    re-sent a task and then delivered the re-sent result under another site's task: the aggregator discards the
-    duplicate and the round goes on without the other site (the summary counts it in
-    ``duplicate_results_discarded``).  That run is another computation, not a repeat, so it is started again into
-    the same workspace (same secrets, same command), at most INCOMPLETE_RETRIES times."""
+    """``run_simulation`` whose every round aggregated all ``n_sites`` sites.  FLARE 2.9's simulator can start a
+    site's process under another site's name (``SimulatorRunner.do_one_task`` writes each site's name into one
+    dictionary shared by all site threads before sending it to the new process; seen in the server log as
+    ``peer=site-1 ... got result from client site-2``): the aggregator discards the second result under that name
+    and the round goes on without the other site (the summary counts it in ``duplicate_results_discarded``).  That
+    run is another computation, not a repeat, so it is started again into the same workspace (same secrets, same
+    command), at most INCOMPLETE_RETRIES times."""
     for _ in range(INCOMPLETE_RETRIES + 1):
         run = run_simulation(job, workspace, sets=list(sets), n_sites=n_sites, timeout_s=RUN_TIMEOUT_S, **kwargs)
         short = [r["round"] for r in run["rounds"] if r["aggregated_sites"] != n_sites]

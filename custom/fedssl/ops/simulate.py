@@ -46,8 +46,10 @@ class FailureLog:
     """The site failures in a simulator log, line by line.  FLARE re-sends a task to a site that asks again before
     the server has finished with its result (seen on a loaded machine); the aggregator then discards the second,
     identical-round contribution as a duplicate.  That rejection is not a failure: the site's round counted.
-    Under heavy load FLARE's simulator has also delivered such a re-sent result under another site's task (the
-    aggregator: "site-1 already contributed to round 1", FLARE: "Contribution from site-2 REJECTED ... round 1"),
+    FLARE's simulator can also start a site's process under another site's name (its site threads share the
+    dictionary that carries the name to the new process), and that process's result then arrives under the other
+    site's name (the aggregator: "site-1 already contributed to round 1", FLARE: "Contribution from site-2
+    REJECTED ... round 1"; jobs/README.md says why such a run must be run again),
     so the REJECTED line that follows a duplicate warning of the same round is paired with it, whatever the name;
     the summary's ``duplicate_results_discarded`` counts both kinds."""
 

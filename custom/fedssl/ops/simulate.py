@@ -77,6 +77,8 @@ class FailureLog:
         dup = DUPLICATE.search(line)
         if dup:
             self._duplicates.append(dup.group(2))
+            if self.lost is None:  # a second result under one name: a site's process ran as another site
+                self.lost = f"{dup.group(0)}: a site's process ran under another site's name"
             return
         rej = REJECTED.search(line)
         if rej and rej.group(2) in self._duplicates:
@@ -147,7 +149,9 @@ def simulate(job: str, workspace: str, *, n_sites: int, env: dict, threads: int 
     output into ``<workspace>_simulator.log``; returns (exit code, the log's FailureLog, the log's path, start time).
 
     FLARE's simulator can lose a site's process (:data:`LOST_SITE`); it then runs on without the site, and a round
-    that needs every site never ends.  The run is stopped at once and started again into the same workspace (the
+    that needs every site never ends.  It can also start a site's process under another site's name (the
+    aggregator's "already contributed ... duplicate discarded"): that run trains one site's data twice and another's
+    never.  The run is stopped at once and started again into the same workspace (the
     parties reuse their secrets, so it is the same run), at most ``retries`` times, each with one line on stdout;
     after that SimulationError names the site and FLARE's line.  ``timeout_s`` bounds each attempt."""
     if not (isinstance(retries, int) and not isinstance(retries, bool) and retries >= 0):

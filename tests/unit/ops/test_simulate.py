@@ -29,6 +29,8 @@ def test_duplicates_are_not_failures_but_rejections_and_task_errors_are():
     for line in LOG.splitlines():
         log.read(line)
     assert log.duplicates == 2  # round 2: a re-sent result FLARE delivered under another site's task (seen in CI)
+    assert log.lost == ("site-3 already contributed to round 0; duplicate discarded: a site's process ran under "
+                        "another site's name")  # the run is started again (simulate)
     assert log.failures == ["REJECTED by the aggregator at round 0.",
                             "task train failed: site-2: no Info.cfg in /data/patient001",
                             "REJECTED by the aggregator at round 1."]  # site-3's round 1: no duplicate announced
@@ -213,7 +215,7 @@ def test_the_log_reader_notices_when_flare_loses_a_site_process(line, expected):
     assert log.failures == []
 
 
-def _flaky_nvflare(tmp_path, lose: int):
+def _flaky_nvflare(tmp_path, lose: int, line: str = LOST):
     """An ``nvflare`` that, for its first ``lose`` starts, prints FLARE's lost-site line and then hangs (as the
     simulator does: the round waits for the lost site forever); afterwards it writes the server's results."""
     bindir = tmp_path / "bin"
@@ -223,7 +225,7 @@ def _flaky_nvflare(tmp_path, lose: int):
     fake.write_text(f"""#!/bin/sh
 n=$(cat {count} 2>/dev/null || echo 0); n=$((n + 1)); echo $n > {count}
 ws=$4
-if [ $n -le {lose} ]; then printf '%s' '{LOST.strip()}'; echo; sleep 120; exit 0; fi
+if [ $n -le {lose} ]; then printf '%s' '{line.strip()}'; echo; sleep 120; exit 0; fi
 mkdir -p $ws/server/simulate_job/app_server
 echo '{{"rounds": []}}' > $ws/server/simulate_job/summary.json
 : > $ws/server/simulate_job/app_server/FL_global_model.pt
@@ -262,3 +264,16 @@ def test_a_site_lost_in_every_attempt_is_one_clear_error(tmp_path, monkeypatch):
 def test_retries_must_be_a_whole_number(tmp_path, retries):
     with pytest.raises(ValueError, match=rf"retries={retries!r} must be a whole number >= 0"):
         simulate.simulate("job", str(tmp_path / "ws"), n_sites=1, env={}, retries=retries)
+
+
+def test_a_run_with_a_site_under_another_sites_name_is_started_again(tmp_path, monkeypatch, capsys):
+    """CI: site-2's process ran as site-3 (server log: peer=site-3 ... got result from client site-2), the round
+    aggregated one site fewer and the test that checked it failed."""
+    dup = "2026-11-29 22:25:53,096 - WARNING - site-3 already contributed to round 0; duplicate discarded\n"
+    bindir, count = _flaky_nvflare(tmp_path, lose=1, line=dup)
+    monkeypatch.setattr(simulate.sys, "executable", str(bindir / "python3"))
+    simulate.run_simulation(os.path.join(REPO_ROOT, "jobs", "fcl_acdc"), str(tmp_path / "ws"), n_sites=1,
+                            data_root=str(tmp_path), echo=False, timeout_s=100)
+    assert count.read_text().strip() == "2"
+    assert "(site-3 already contributed to round 0; duplicate discarded: a site's process ran under another " \
+           "site's name); starting the run again (attempt 2 of 3)" in capsys.readouterr().out

@@ -43,15 +43,12 @@ CONFIG_OF_SITE = re.compile(r"/([^/'\s]+)/[^/'\s]+/app_[^/'\s]*/config/config_fe
 
 
 class FailureLog:
-    """The site failures in a simulator log, line by line.  FLARE re-sends a task to a site that asks again before
-    the server has finished with its result (seen on a loaded machine); the aggregator then discards the second,
-    identical-round contribution as a duplicate.  That rejection is not a failure: the site's round counted.
-    FLARE's simulator can also start a site's process under another site's name (its site threads share the
-    dictionary that carries the name to the new process), and that process's result then arrives under the other
-    site's name (the aggregator: "site-1 already contributed to round 1", FLARE: "Contribution from site-2
-    REJECTED ... round 1"; jobs/README.md says why such a run must be run again),
-    so the REJECTED line that follows a duplicate warning of the same round is paired with it, whatever the name;
-    the summary's ``duplicate_results_discarded`` counts both kinds."""
+    """The site failures in a simulator log, line by line.  A second result under a name that already contributed
+    (the aggregator: "site-1 already contributed to round 1; duplicate discarded", then FLARE: "Contribution from
+    site-2 REJECTED ... round 1") means FLARE's simulator ran a site's process under another site's name
+    (jobs/README.md): the REJECTED line that follows a duplicate warning of the same round is paired with it,
+    whatever the name, and is not a site failure; the summary's ``duplicate_results_discarded`` counts both kinds,
+    and :attr:`lost` makes :func:`simulate` start the run again."""
 
     def __init__(self):
         self.failures: list[str] = []

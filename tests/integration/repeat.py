@@ -50,7 +50,7 @@ def tensors(obj, prefix: str = "") -> dict[str, torch.Tensor]:
 
 
 #: one simulator run's bound: a run that hangs fails its test instead of stalling the whole suite
-RUN_TIMEOUT_S = 900
+RUN_TIMEOUT_S = 420
 #: how often a run that FLARE delivered incompletely is started again
 INCOMPLETE_RETRIES = 2
 

@@ -121,6 +121,12 @@ def nvflare_command() -> list[str]:
     return [found] if found else [sys.executable, "-m", "nvflare.cli"]
 
 
+def simulator_command() -> list[str]:
+    """How to start FLARE's simulator: FLARE's own command line with its site-name race fixed
+    (:mod:`fedssl.ops.flare_simulator`), by this Python."""
+    return [sys.executable, "-m", "fedssl.ops.flare_simulator"]
+
+
 def stop_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
     """Stop ``proc`` and every process of its group (it was started with ``start_new_session``): SIGTERM, then
     SIGKILL after ``grace_s``; a group already gone is fine."""
@@ -145,17 +151,19 @@ def simulate(job: str, workspace: str, *, n_sites: int, env: dict, threads: int 
     """``nvflare simulator job -w workspace -n N -t threads`` (built job, the parties' environment ``env``), its
     output into ``<workspace>_simulator.log``; returns (exit code, the log's FailureLog, the log's path, start time).
 
-    FLARE's simulator can lose a site's process (:data:`LOST_SITE`); it then runs on without the site, and a round
-    that needs every site never ends.  It can also start a site's process under another site's name (the
-    aggregator's "already contributed ... duplicate discarded"): that run trains one site's data twice and another's
-    never.  The run is stopped at once and started again into the same workspace (the
-    parties reuse their secrets, so it is the same run), at most ``retries`` times, each with one line on stdout;
-    after that SimulationError names the site and FLARE's line.  ``timeout_s`` bounds each attempt."""
+    FLARE's simulator runs through :mod:`fedssl.ops.flare_simulator`, which fixes its site-name race (a site's
+    process started under another site's name).  It can still lose a site's process (:data:`LOST_SITE`); it then
+    runs on without the site, and a round that needs every site never ends.  Should a result still arrive under a
+    name that already contributed (the aggregator's "already contributed ... duplicate discarded"; that run trains
+    one site's data twice and another's never), it is treated the same.  The run is stopped at once and started
+    again into the same workspace (the parties reuse their secrets, so it is the same run), at most ``retries``
+    times, each with one line on stdout; after that SimulationError names the site and FLARE's line.
+    ``timeout_s`` bounds each attempt."""
     if not (isinstance(retries, int) and not isinstance(retries, bool) and retries >= 0):
         raise ValueError(f"retries={retries!r} must be a whole number >= 0 (0: never start a run again)")
     workspace = os.path.abspath(workspace)
     threads = threads or n_sites  # -t = -n: no client restarts between tasks
-    cmd = [*nvflare_command(), "simulator", job, "-w", workspace, "-n", str(n_sites), "-t", str(threads)]
+    cmd = [*simulator_command(), "simulator", job, "-w", workspace, "-n", str(n_sites), "-t", str(threads)]
     log_path = workspace + "_simulator.log"
     for attempt in range(retries + 1):
         for stale in ("server", *[f"site-{i}" for i in range(1, n_sites + 1)]):

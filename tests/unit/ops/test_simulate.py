@@ -177,7 +177,7 @@ def test_stopping_a_run_stops_every_process_the_simulator_started(tmp_path, monk
     fake = bindir / "nvflare"
     fake.write_text(f"#!/bin/sh\nsleep 120 &\necho $! > {pidfile}\necho started\nsleep 120\n")
     fake.chmod(0o755)
-    monkeypatch.setattr(simulate.sys, "executable", str(bindir / "python3"))
+    monkeypatch.setattr(simulate, "simulator_command", lambda: [str(bindir / "nvflare")])
     with pytest.raises(simulate.SimulationError, match="exceeded 2s"):
         simulate.run_simulation(os.path.join(REPO_ROOT, "jobs", "fcl_acdc"), str(tmp_path / "ws"), n_sites=1,
                                 data_root=str(tmp_path), echo=False, timeout_s=2)
@@ -239,7 +239,7 @@ def test_a_run_in_which_flare_lost_a_site_is_stopped_at_once_and_started_again(t
     import time
 
     bindir, count = _flaky_nvflare(tmp_path, lose=2)
-    monkeypatch.setattr(simulate.sys, "executable", str(bindir / "python3"))
+    monkeypatch.setattr(simulate, "simulator_command", lambda: [str(bindir / "nvflare")])
     t0 = time.time()
     s = simulate.run_simulation(os.path.join(REPO_ROOT, "jobs", "fcl_acdc"), str(tmp_path / "ws"), n_sites=1,
                                 data_root=str(tmp_path), echo=False, timeout_s=100)
@@ -252,7 +252,7 @@ def test_a_run_in_which_flare_lost_a_site_is_stopped_at_once_and_started_again(t
 
 def test_a_site_lost_in_every_attempt_is_one_clear_error(tmp_path, monkeypatch):
     bindir, count = _flaky_nvflare(tmp_path, lose=9)
-    monkeypatch.setattr(simulate.sys, "executable", str(bindir / "python3"))
+    monkeypatch.setattr(simulate, "simulator_command", lambda: [str(bindir / "nvflare")])
     with pytest.raises(simulate.SimulationError, match=r"lost a site's process in each of 2 attempts "
                                                        r"\(Communication error with client site-1: .*\)"):
         simulate.run_simulation(os.path.join(REPO_ROOT, "jobs", "fcl_acdc"), str(tmp_path / "ws"), n_sites=1,
@@ -271,7 +271,7 @@ def test_a_run_with_a_site_under_another_sites_name_is_started_again(tmp_path, m
     aggregated one site fewer and the test that checked it failed."""
     dup = "2026-11-29 22:25:53,096 - WARNING - site-3 already contributed to round 0; duplicate discarded\n"
     bindir, count = _flaky_nvflare(tmp_path, lose=1, line=dup)
-    monkeypatch.setattr(simulate.sys, "executable", str(bindir / "python3"))
+    monkeypatch.setattr(simulate, "simulator_command", lambda: [str(bindir / "nvflare")])
     simulate.run_simulation(os.path.join(REPO_ROOT, "jobs", "fcl_acdc"), str(tmp_path / "ws"), n_sites=1,
                             data_root=str(tmp_path), echo=False, timeout_s=100)
     assert count.read_text().strip() == "2"

@@ -14,10 +14,9 @@ from nvflare.apis.fl_constant import ReservedKey
 from nvflare.app_common.abstract.model import make_model_learnable
 from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.app_event_type import AppEventType
-from nvflare.app_common.decomposers import common_decomposers
 
 from fedssl.core.state_dict import weighted_average
-from fedssl.flare.communication_meter import COMM_FILE, CommunicationMeter
+from fedssl.flare.communication_meter import COMM_FILE, CommunicationMeter, register_decomposers
 from fedssl.flare.constants import CLASSES_KEY, ROUND_PLAN_PROP
 from fedssl.flare.fedavg_aggregator import FedAvgAggregator
 from fedssl.flare.surgical_aggregator import SurgicalAggregator
@@ -201,7 +200,7 @@ def test_the_meter_never_crashes_on_a_payload(payload, tmp_path):
         s = DXO(DataKind.WEIGHTS, data={"w": np.ones(2)}).to_shareable()
         s.add_cookie(AppConstants.CONTRIBUTION_ROUND, {"round": "x"})
     s.set_peer_props({ReservedKey.IDENTITY_NAME: ATTACKER})
-    common_decomposers.register()  # as FLARE does at start-up: numpy arrays serialise, whatever ran before
+    register_decomposers()  # as FLARE does at start-up: numpy arrays serialise, whatever ran before
     meter = CommunicationMeter(direction="upload")
     assert meter.process(s, context(peer_site=ATTACKER, engine=FakeEngine(tmp_path))) is s
     (record,) = [json.loads(line) for line in (tmp_path / COMM_FILE).read_text().splitlines()]

@@ -101,11 +101,11 @@ def component_times(trainer, site_extras_eval: bool, tmp: str) -> dict:
     from nvflare.apis.shareable import Shareable
     from nvflare.app_common.abstract.model import make_model_learnable
     from nvflare.app_common.app_constant import AppConstants
-    from nvflare.app_common.decomposers import common_decomposers
 
+    from fedssl.flare.communication_meter import register_decomposers
     from fedssl.flare.fedavg_aggregator import FedAvgAggregator
 
-    common_decomposers.register()
+    register_decomposers()
     state = {k: v.detach().cpu().numpy() for k, v in trainer.global_state().items()}
     message = DXO(DataKind.WEIGHTS, data=state, meta={"num_samples": 10, "loss": 0.5}).to_shareable()
     encoded = message.to_bytes()

@@ -212,15 +212,15 @@ def message_sizes(job: str, profile: str | None = "paper", settings=MESSAGE_SETT
 
     from nvflare.apis.dxo import DXO, DataKind
     from nvflare.apis.fl_context import FLContext
-    from nvflare.app_common.decomposers import common_decomposers
 
+    from fedssl.flare.communication_meter import register_decomposers
     from fedssl.flare.quantization import Quantizer
     from fedssl.ops.jobs import configured_job
 
     unknown = [s for s in settings if s not in MESSAGE_SETTINGS]
     if unknown:
         raise ValueError(f"settings {unknown}: use {list(MESSAGE_SETTINGS)} (the others need a GPU)")
-    common_decomposers.register()
+    register_decomposers()
     job_dir = job if os.path.isdir(job) else os.path.join(JOBS, job)
     files = configured_job(job_dir, profile=profile)
     server = next(v for k, v in files.items() if k.endswith("config_fed_server.json"))

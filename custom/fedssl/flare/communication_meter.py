@@ -31,6 +31,19 @@ from fedssl.core.checks import require_choice
 COMM_FILE = "communication.jsonl"
 
 
+def register_decomposers() -> None:
+    """Register FLARE's own decomposers (Shareable, DXO, FLContext ...) and its common ones (numpy arrays), as a
+    FLARE process does at start.  Code that serialises a Shareable outside FLARE (a benchmark, a test) must call it
+    first: otherwise fobs registers Shareable on the fly as a plain dataclass, which measures other bytes than FLARE
+    sends and leaves the process unable to open a FLARE admin session afterwards (the login never completes:
+    "'None' is not an instance of 'bytes'")."""
+    from nvflare.apis.utils.decomposers import flare_decomposers
+    from nvflare.app_common.decomposers import common_decomposers
+
+    flare_decomposers.register()
+    common_decomposers.register()
+
+
 def category_of(meta_key: object, value: object) -> str:
     name = meta_key if isinstance(meta_key, str) else ""
     if "bank" in name or "feature" in name:

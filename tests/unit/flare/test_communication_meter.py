@@ -3,13 +3,12 @@ import json
 import numpy as np
 from nvflare.apis.dxo import DXO, DataKind
 
-from nvflare.app_common.decomposers import common_decomposers
 
-from fedssl.flare.communication_meter import COMM_FILE, CommunicationMeter, payload_breakdown
+from fedssl.flare.communication_meter import COMM_FILE, CommunicationMeter, payload_breakdown, register_decomposers
 from tests.unit.flare.fakes import FakeEngine, context
 
 
-common_decomposers.register()  # FLARE registers these at start-up; numpy arrays need them
+register_decomposers()  # as a FLARE process at start: numpy arrays and FLARE's Shareable encoding
 
 
 def payload(cols: int, bank_cols: int):
@@ -34,6 +33,13 @@ def test_counts_the_real_serialised_size(tmp_path):
     # {"num_samples": 3}: 10-byte FOBS frame + msgpack fixmap (1) + fixstr "num_samples" (1 + 11) + fixint (1)
     assert rec["scalars"] == 24
     assert rec["weights"] + rec["features"] + rec["scalars"] <= rec["total"]
+
+
+def test_a_shareable_is_measured_in_flares_own_encoding():
+    """Without FLARE's decomposers, fobs encodes a Shareable as a plain dataclass on the fly: other bytes than FLARE
+    sends, and the test process could no longer open an admin session (the POC tests failed after this file)."""
+    encoded = payload(10, 8).to_bytes()
+    assert b"DataClassDecomposer" not in encoded and b"DictDecomposer" in encoded
 
 
 def test_breakdown_of_non_dxo():

@@ -5,14 +5,13 @@ import pytest
 import torch
 from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
 from nvflare.apis.shareable import Shareable
-from nvflare.app_common.decomposers import common_decomposers
 
-from fedssl.flare.communication_meter import COMM_FILE, CommunicationMeter
+from fedssl.flare.communication_meter import COMM_FILE, CommunicationMeter, register_decomposers
 from fedssl.flare.constants import BANK_FEATURES, REMOTE_FEATURES
 from fedssl.flare.quantization import BankPrecision, Dequantizer, Quantizer
 from tests.unit.flare.fakes import FakeEngine, context
 
-common_decomposers.register()
+register_decomposers()  # as a FLARE process at start: numpy arrays and FLARE's Shareable encoding
 
 
 def weights():

@@ -43,7 +43,10 @@ class SiteNameContext(dict):
         return super().__getitem__(key)
 
     def get(self, key, default=None):
-        return self[key] if key in self or (key == NAME_KEY and hasattr(self._names, "value")) else default
+        try:
+            return self[key]
+        except KeyError:
+            return default
 
     def snapshot(self) -> dict:
         """What the calling thread sends: the shared entries and its own site's name."""
@@ -52,16 +55,8 @@ class SiteNameContext(dict):
             out[NAME_KEY] = self._names.value
         return out
 
-    def __reduce_ex__(self, protocol):
+    def __reduce_ex__(self, protocol):  # pickle, copy and deepcopy all see the calling thread's plain dict
         return dict, (self.snapshot(),)
-
-    def __copy__(self) -> dict:
-        return self.snapshot()
-
-    def __deepcopy__(self, memo) -> dict:
-        import copy
-
-        return copy.deepcopy(self.snapshot(), memo)
 
 
 def fix_site_names(runner_class=None) -> None:

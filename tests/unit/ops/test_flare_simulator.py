@@ -63,6 +63,9 @@ def test_the_context_reads_as_the_dict_it_wraps():
     t.start()
     t.join()
     assert seen["name"] == "x"  # another thread that set nothing sees the shared entry
+    import copy
+
+    assert copy.deepcopy(ctx) == {"client_name": "site-3", "a": 5} and type(copy.copy(ctx)) is dict
 
 
 def test_flares_simulator_runner_gets_the_fixed_context():

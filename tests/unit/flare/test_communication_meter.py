@@ -3,7 +3,6 @@ import json
 import numpy as np
 from nvflare.apis.dxo import DXO, DataKind
 
-
 from fedssl.flare.communication_meter import COMM_FILE, CommunicationMeter, payload_breakdown, register_decomposers
 from tests.unit.flare.fakes import FakeEngine, context
 

@@ -185,8 +185,11 @@ def measure_one(n_sites: int, mode: str = "running", seed: int = 0, model: str =
 def measure_paired(n_sites: int, seed: int = 0, model: str = "vit_b16") -> dict:
     """The bundle's and FLARE's aggregator in one process, each contribution accepted by both back to back (which one
     first alternates), so that a machine whose load changes loads both alike: the median over the second round's
-    contributions of each one's ``accept`` time and of their ratio, and each one's ``aggregate`` time.  Memory is
-    not separable here (``measure_one`` measures it)."""
+    contributions of each one's ``accept`` time and of their ratio, and each one's ``aggregate`` time.  The CPU time
+    of each ``accept`` (``process_time``: every thread of the process, and only one aggregator runs at a time) is
+    reported beside it (``accept_cpu_s``, ``cpu_ratio``): the bundle sums on up to ``SUM_THREADS`` threads and FLARE
+    on one, so on a machine whose cores are busy the wall-time ratio moves with the load and the CPU-time ratio
+    much less.  Memory is not separable here (``measure_one`` measures it)."""
     from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
     from nvflare.apis.event_type import EventType
     from nvflare.apis.fl_constant import ReservedKey
@@ -209,17 +212,19 @@ def measure_paired(n_sites: int, seed: int = 0, model: str = "vit_b16") -> dict:
     times: dict = {}
     for round_idx in range(2):
         bundle.reset(ctx)
-        mine, theirs = [], []
+        mine, theirs, mine_cpu, theirs_cpu = [], [], [], []
         for i in range(n_sites):
             s = DXO(DataKind.WEIGHTS, data={k: v * np.float32(1 + i / 1000) for k, v in global_model.items()},
                     meta={"num_samples": 10 + i, MetaKey.NUM_STEPS_CURRENT_ROUND: 10 + i}).to_shareable()
             s.set_peer_props({ReservedKey.IDENTITY_NAME: sites[i]})
             s.add_cookie(AppConstants.CONTRIBUTION_ROUND, 0)
-            for agg, seen in ([(bundle, mine), (flare, theirs)] if i % 2 == 0 else [(flare, theirs), (bundle, mine)]):
-                t0 = time.perf_counter()
+            order = [(bundle, mine, mine_cpu), (flare, theirs, theirs_cpu)]
+            for agg, seen, cpu in (order if i % 2 == 0 else order[::-1]):
+                t0, c0 = time.perf_counter(), time.process_time()
                 if not agg.accept(s, ctx):
                     raise RuntimeError(f"server scaling: {type(agg).__name__} refused {sites[i]}")
                 seen.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
             del s
         agg_s = {}
         for name, agg in (("bundle", bundle), ("flare", flare)):
@@ -232,6 +237,8 @@ def measure_paired(n_sites: int, seed: int = 0, model: str = "vit_b16") -> dict:
             del out
         times = {"accept_s": float(np.median(mine)), "flare_accept_s": float(np.median(theirs)),
                  "accept_ratio": float(np.median(np.array(mine) / np.array(theirs))),
+                 "accept_cpu_s": float(np.median(mine_cpu)), "flare_accept_cpu_s": float(np.median(theirs_cpu)),
+                 "cpu_ratio": float(np.median(np.array(mine_cpu) / np.maximum(theirs_cpu, 1e-9))),
                  "aggregate_s": agg_s["bundle"], "flare_aggregate_s": agg_s["flare"]}
     return {"mode": "paired", "sites": n_sites, "model": model,
             **{k: round(v, 4) for k, v in times.items()}}
@@ -252,8 +259,9 @@ def run_scaling(out: str | None = None, sites=SITES, modes=("running",), seed: i
             rows.append(row)
             if mode == "paired":
                 print(f"paired   {n:>3} sites: accept {row['accept_s']:.3f} s (bundle) / {row['flare_accept_s']:.3f} s "
-                      f"(FLARE), median ratio {row['accept_ratio']:.2f}x; aggregate {row['aggregate_s']:.2f} / "
-                      f"{row['flare_aggregate_s']:.2f} s", flush=True)
+                      f"(FLARE), median ratio {row['accept_ratio']:.2f}x (CPU time {row['accept_cpu_s']:.3f} / "
+                      f"{row['flare_accept_cpu_s']:.3f} s, {row['cpu_ratio']:.2f}x); aggregate "
+                      f"{row['aggregate_s']:.2f} / {row['flare_aggregate_s']:.2f} s", flush=True)
                 continue
             print(f"{mode:<8} {n:>3} sites: accept {row['accept_s']:.2f} s/site, aggregate {row['aggregate_s']:.2f} s, "
                   f"round {row['round_s']:.1f} s (first round {row['first_round']['round_s']:.1f} s), peak RSS "

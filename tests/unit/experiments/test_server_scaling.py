@@ -21,6 +21,7 @@ def test_one_measurement_aggregates_correctly_and_reports_two_rounds():
     assert flare["mode"] == "flare" and flare["accept_s"] > 0
     paired = measure_one(3, "paired", model="tiny")  # both in one process (raises if either aggregate is wrong)
     assert paired["accept_s"] > 0 and paired["flare_accept_s"] > 0 and paired["accept_ratio"] > 0
+    assert paired["accept_cpu_s"] > 0 and paired["flare_accept_cpu_s"] > 0 and paired["cpu_ratio"] > 0
 
 
 def test_cli_runs_each_count_in_its_own_process(tmp_path, capsys):
@@ -34,6 +35,7 @@ def test_cli_runs_each_count_in_its_own_process(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "running    2 sites: accept" in printed and "flare      2 sites: accept" in printed
     assert "  3 sites: the bundle's accept takes" in printed and "paired     3 sites: accept" in printed
+    assert "x (CPU time " in printed
 
 
 def test_unknown_model_and_mode_are_refused():

@@ -171,6 +171,15 @@ def _run_part(kernel, pairs: list, scale: np.float64, lo: int, hi: int) -> None:
         start = end
 
 
+def release_threads() -> None:
+    """Stop the summing threads (a server calls it at the end of a run: FLARE's process manager warns about every
+    thread still running at exit); the next :func:`over_threads` starts them again."""
+    global _POOL
+    pool, _POOL = _POOL, None
+    if pool is not None:
+        pool.shutdown(wait=True)
+
+
 def over_threads(kernel, pairs: list, scale: np.float64) -> None:
     """``kernel(dst, src, scale)`` over every ``(dst, src)`` of ``pairs``, the values split evenly over
     ``SUM_THREADS`` threads (numpy releases the GIL).  Each value is computed exactly as on one thread, so the bits

@@ -40,8 +40,8 @@ from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.app_event_type import AppEventType
 
 from fedssl.core.checks import require, require_choice
-from fedssl.core.state_dict import (ContributionError, RunningAverage, check_contribution, round_key_set,
-                                    squared_norm)
+from fedssl.core.state_dict import (ContributionError, RunningAverage, check_contribution, release_threads,
+                                    round_key_set, squared_norm)
 from fedssl.core.untrusted import as_count, as_finite_float
 from fedssl.flare.constants import AGGREGATED_SITES, COLLECTED, REFUSAL_PROP, ROUND_PLAN_PROP, ROUND_STATS_PROP
 
@@ -106,6 +106,8 @@ class RoundAggregator(Aggregator):
         if event_type == AppEventType.ROUND_STARTED:  # fired from the workflow's context, which holds NUM_ROUNDS
             n = fl_ctx.get_prop(AppConstants.NUM_ROUNDS)
             self._num_rounds = n if isinstance(n, int) else self._num_rounds
+        elif event_type == EventType.END_RUN:  # no summing thread left for FLARE's "still running thread" warning
+            release_threads()
 
     def is_last_round(self, fl_ctx: FLContext) -> bool:
         current = fl_ctx.get_prop(AppConstants.CURRENT_ROUND)

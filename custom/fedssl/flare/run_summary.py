@@ -62,6 +62,7 @@ from fedssl.core.untrusted import ContributionError, bounded_json
 from fedssl.eval.run_report import MAX_TERMS_PER_ROUND, loss_term_means, loss_term_ok, read_jsonl, write_run_report
 from fedssl.flare.communication_meter import COMM_FILE
 from fedssl.flare.run_check import announce_pace, announce_start
+from fedssl.flare.simulator_site_names import fix_in_simulator
 from fedssl.flare.constants import AGGREGATED_SITES, INIT_PROP, REFUSAL_PROP, ROUND_STATS_PROP, SITE_RECORD_META
 
 #: event a server component fires (with the record under the same fl_ctx prop) to add keys to summary.json
@@ -124,6 +125,9 @@ class RunSummary(FLComponent):
         self._terms: dict[int, dict[str, dict[str, float]]] = {}  # round -> term -> site -> value (memory only)
         self._terms_lock = threading.Lock()  # analytics events arrive on FLARE's fed-event thread
         self._t0 = time.time()
+        # in FLARE's simulator (every job has a RunSummary), before the simulator builds its site runner: FLARE 2.9's
+        # site-name race fixed for a plain `nvflare simulator` too (fedssl.flare.simulator_site_names)
+        self._simulator_fixed = fix_in_simulator()
 
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
         if event_type == EventType.START_RUN:
@@ -133,6 +137,9 @@ class RunSummary(FLComponent):
             with self._terms_lock:
                 self._terms = {}
             self._t0 = time.time()
+            if self._simulator_fixed:
+                self.log_info(fl_ctx, "FLARE simulator: each site thread sends its own site name (FLARE 2.9's "
+                                      "site-name race fixed by fedssl.flare.simulator_site_names)")
             announce_start(self, fl_ctx)
         elif event_type == ANALYTICS_EVENT:
             self._take_loss_term(fl_ctx)

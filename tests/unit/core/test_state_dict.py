@@ -1,3 +1,5 @@
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -85,6 +87,14 @@ def test_the_running_sum_split_over_threads_is_the_plain_float64_sum_to_the_last
         plain = sum(np.float64(w) * st[k].astype(np.float64) for st, w in zip(states, weights))
         assert np.array_equal(out[k], (plain / sum(weights)).astype(np.float32)), k
     assert sd._POOL is not None  # the sum did run on the pool
+    assert any(t.name.startswith("fedssl-sum") for t in threading.enumerate())
+    sd.release_threads()  # the end of a run: no summing thread left running
+    assert sd._POOL is None and not any(t.name.startswith("fedssl-sum") for t in threading.enumerate())
+    run.clear()
+    for st, w in zip(states, weights):  # the next sum starts the pool again
+        run.add(st, w)
+    assert sd._POOL is not None and np.array_equal(run.result()["a"], out["a"])
+    sd.release_threads()
 
 
 def test_an_honest_update_is_accepted_by_the_norms_and_a_doubtful_one_by_the_exact_check(monkeypatch):

@@ -44,6 +44,21 @@ def test_weights_by_sample_count_by_hand(tmp_path):
     assert set(out.get_meta_props()) == {"aggregated_sites"}
 
 
+def test_the_summing_threads_end_with_the_run(tmp_path, monkeypatch):
+    """At END_RUN the aggregator stops the running sum's threads (FLARE's process manager otherwise warns "still
+    running thread fedssl-sum_0" as the server's job process exits)."""
+    import fedssl.flare.fedavg_aggregator as module
+    released = []
+    monkeypatch.setattr(module, "release_threads", lambda: released.append(True))
+    agg = FedAvgAggregator(weighting="num_samples")
+    agg.handle_event(AppEventType.ROUND_STARTED, ctx(tmp_path))
+    assert not released
+    from nvflare.apis.event_type import EventType
+
+    agg.handle_event(EventType.END_RUN, ctx(tmp_path))
+    assert released == [True]
+
+
 def test_uniform_weighting(tmp_path):
     agg, c = FedAvgAggregator(weighting="uniform"), ctx(tmp_path)
     agg.accept(contribution("site-1", {"w": np.array([0.0, 0.0], np.float32), "b": np.zeros(1, np.float32)}), c)

@@ -1,5 +1,6 @@
-"""FLARE 2.9's simulator site-name race and its fix (fedssl.ops.flare_simulator): two site threads setting and
-sending the shared build context together each send their own site's name."""
+"""FLARE 2.9's simulator site-name race and its fix (fedssl.flare.simulator_site_names): two site threads setting and
+sending the shared build context together each send their own site's name; the fix reaches FLARE's runner through
+``python -m fedssl.ops.flare_simulator`` and through every job's RunSummary in a plain ``nvflare simulator``."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import pickle
 import subprocess
 import sys
 import threading
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
+from fedssl.flare import run_summary
+from fedssl.flare.run_summary import RunSummary
+from fedssl.flare.simulator_site_names import SIMULATOR_MODULE, SiteNameContext, fix_in_simulator, fix_site_names
 from fedssl.ops import simulate
-from fedssl.ops.flare_simulator import SiteNameContext, fix_site_names
 
 
 def _send_interleaved(ctx) -> dict[str, dict]:
@@ -84,6 +87,54 @@ def test_flares_simulator_runner_gets_the_fixed_context():
     assert not isinstance(runner.build_ctx.snapshot(), SiteNameContext)
     sent = _send_interleaved(runner.build_ctx)
     assert sent["site-1"]["client_name"] == "site-1" and sent["site-2"]["client_name"] == "site-2"
+
+
+class _Runner:
+    """A stand-in for SimulatorClientRunner: only its build context matters."""
+
+    def __init__(self, build_ctx):
+        self.build_ctx = build_ctx
+
+
+def _fake_simulator(monkeypatch) -> type:
+    module = ModuleType(SIMULATOR_MODULE)
+    runner = type("SimulatorClientRunner", (_Runner,), {})
+    module.SimulatorClientRunner = runner
+    monkeypatch.setitem(sys.modules, SIMULATOR_MODULE, module)
+    return runner
+
+
+def test_outside_the_simulator_nothing_is_imported_or_changed(monkeypatch):
+    monkeypatch.delitem(sys.modules, SIMULATOR_MODULE, raising=False)
+    assert fix_in_simulator() is False
+    assert SIMULATOR_MODULE not in sys.modules
+    assert RunSummary()._simulator_fixed is False
+
+
+def test_in_the_simulator_the_runner_built_after_the_server_gets_the_fix(monkeypatch):
+    runner = _fake_simulator(monkeypatch)
+    assert type(runner({"client_name": None}).build_ctx) is dict
+    summary = RunSummary()  # the server builds its components before the simulator builds its site runner
+    assert summary._simulator_fixed is True
+    assert isinstance(runner({"client_name": None, "k": 1}).build_ctx, SiteNameContext)
+    assert fix_in_simulator() is True  # again: already fixed, still reported
+
+
+def test_the_run_summary_says_so_in_the_servers_log(monkeypatch):
+    _fake_simulator(monkeypatch)
+    summary, said = RunSummary(), []
+    monkeypatch.setattr(summary, "log_info", lambda ctx, msg: said.append(msg))
+    from nvflare.apis.event_type import EventType
+    from nvflare.apis.fl_context import FLContext
+
+    monkeypatch.setattr(run_summary, "announce_start", lambda *a: None)  # needs a real engine; not under test here
+    summary.handle_event(EventType.START_RUN, FLContext())
+    assert any("site-name race fixed" in m for m in said)
+    monkeypatch.delitem(sys.modules, SIMULATOR_MODULE)
+    quiet, said[:] = RunSummary(), []
+    monkeypatch.setattr(quiet, "log_info", lambda ctx, msg: said.append(msg))
+    quiet.handle_event(EventType.START_RUN, FLContext())
+    assert not said
 
 
 def test_simulate_starts_flares_command_line_through_the_fix():

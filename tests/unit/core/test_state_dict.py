@@ -1,5 +1,3 @@
-import threading
-
 import numpy as np
 import pytest
 import torch
@@ -87,14 +85,15 @@ def test_the_running_sum_split_over_threads_is_the_plain_float64_sum_to_the_last
         plain = sum(np.float64(w) * st[k].astype(np.float64) for st, w in zip(states, weights))
         assert np.array_equal(out[k], (plain / sum(weights)).astype(np.float32)), k
     assert sd._POOL is not None  # the sum did run on the pool
-    assert any(t.name.startswith("fedssl-sum") for t in threading.enumerate())
+    threads = set(sd._POOL._threads)  # this pool's (a pool of an earlier test may live on under the same name)
+    assert threads and all(t.is_alive() and t.name.startswith("fedssl-sum") for t in threads)
     sd.release_threads()  # the end of a run: no summing thread left running
-    assert sd._POOL is None and not any(t.name.startswith("fedssl-sum") for t in threading.enumerate())
+    assert sd._POOL is None and not any(t.is_alive() for t in threads)
     run.clear()
     for st, w in zip(states, weights):  # the next sum starts the pool again
         run.add(st, w)
     assert sd._POOL is not None and np.array_equal(run.result()["a"], out["a"])
-    sd.release_threads()
+    sd.release_threads()  # (the earlier test's pool, restored by monkeypatch, is that test's to end)
 
 
 def test_an_honest_update_is_accepted_by_the_norms_and_a_doubtful_one_by_the_exact_check(monkeypatch):

@@ -2,6 +2,7 @@
 the paper-scale-on-CPU hint and the first round's pace."""
 
 import json
+import sys
 
 from nvflare.apis.event_type import EventType
 from nvflare.apis.fl_constant import ReservedKey
@@ -10,6 +11,7 @@ from nvflare.app_common.app_constant import AppConstants
 from fedssl.flare.run_check import (SIMULATOR_JOB_ID, announce_pace, announce_start, pace_report, quick_profile_command,
                                     read_meta, start_report)
 from fedssl.flare.run_summary import RunSummary
+from fedssl.flare.simulator_site_names import SIMULATOR_MODULE
 from fedssl.ops.jobs import configured_job
 from tests.unit.flare.fakes import FakeEngine, context
 
@@ -84,14 +86,16 @@ def _ctx(tmp_path, job_id, n_sites, props=None):
     return ctx
 
 
-def test_run_summary_stops_a_simulator_run_with_too_few_sites(tmp_path):
+def test_run_summary_stops_a_simulator_run_with_too_few_sites(tmp_path, monkeypatch):
+    monkeypatch.delitem(sys.modules, SIMULATOR_MODULE, raising=False)  # its own line is not under test here
     rs = Recorder()
     rs.handle_event(EventType.START_RUN, _ctx(tmp_path, SIMULATOR_JOB_ID, 2))
     assert rs.infos[0].startswith("fcl_acdc: 2 site(s) connected, the job needs 10")
     assert len(rs.panics) == 1 and QUICK_2 in rs.panics[0]
 
 
-def test_run_summary_does_not_stop_a_deployed_run(tmp_path):
+def test_run_summary_does_not_stop_a_deployed_run(tmp_path, monkeypatch):
+    monkeypatch.delitem(sys.modules, SIMULATOR_MODULE, raising=False)  # a deployed server has no simulator loaded
     rs = Recorder()
     rs.handle_event(EventType.START_RUN, _ctx(tmp_path, "3f2a-job-id", 2))
     assert rs.panics == [] and rs.infos[0].startswith("fcl_acdc: 2 site(s) connected")

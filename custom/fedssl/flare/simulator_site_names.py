@@ -83,7 +83,6 @@ def fix_site_names(runner_class=None) -> None:
     runner_class._fedssl_site_names_fixed = True
 
 
-
 def fix_in_simulator() -> bool:
     """:func:`fix_site_names` when this process runs FLARE's simulator (its runner module is loaded); True when the
     simulator's runner class now has the fix, False outside the simulator (nothing is imported or changed)."""

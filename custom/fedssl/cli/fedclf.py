@@ -119,6 +119,24 @@ def _demo(a) -> None:
     run_fedclf_demo(a.out, workers=a.workers, say=lambda m: print(m, flush=True), threads=a.threads)
 
 
+def _control_args(s) -> None:
+    s.add_argument("--out", required=True, help="output folder: the synthetic devices, control.jsonl (resume), "
+                                                "control.json")
+    s.add_argument("--profile", default="bench", help="the table's profile: the pre-training job's MoCo settings and "
+                                                      "rounds, and the synthetic data's size")
+    s.add_argument("--multipliers", nargs="+", type=COUNT, default=[1, 4, 16],
+                   help="pre-training steps in multiples of the largest device's steps in the table (bench: 300)")
+    s.add_argument("--seeds", nargs="+", type=SEED, default=[0, 1, 2])
+    add_threads_argument(s)
+
+
+def _control(a) -> None:
+    from fedssl.experiments.fedclf_control import run_control
+
+    run_control(a.out, profile=a.profile, multipliers=a.multipliers, seeds=a.seeds, threads=a.threads,
+                say=lambda m: print(m, flush=True))
+
+
 VERBS = (
     Verb("synth", "synthetic ISIC 2019 / AtlasDerm / Dermnet / DarkDerm in the layouts the real sets ship in",
          _synth_args, _synth),
@@ -131,6 +149,9 @@ VERBS = (
          _table3_args, _table3),
     Verb("demo", "FedCLF vs FedMoCo vs random init on synthetic devices, local and federated fine-tuning at "
                  "L = 10 / 80 % (quick profile, about 15 min on 2 cores)", _demo_args, _demo),
+    Verb("control", "FedMoCo's pooled control: one MoCo trainer on every device's images at 1x / 4x / 16x the "
+                    "table's steps, its loss against chance and a frozen-encoder probe against random init",
+         _control_args, _control),
 )
 
 

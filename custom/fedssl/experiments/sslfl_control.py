@@ -36,8 +36,10 @@ TRAINER_KEYS = ("image_size", "patch_size", "embed_dim", "depth", "num_heads", "
                 "min_lr", "weight_decay", "layer_decay", "val_fraction", "eval_batch_size")
 
 
-def _args(job: str, profile: str, component: str) -> dict:
-    files = configured_job(os.path.join(REPO_ROOT, "jobs", job), profile, [])
+def component_args(job: str, profile: str, component: str, sets: Sequence[str] = ()) -> dict:
+    """The arguments of ``component`` (its id, client or server config) of the bundle's job ``job`` at ``profile``
+    with the ``--set`` overrides ``sets`` applied, as the simulator would run it."""
+    files = configured_job(os.path.join(REPO_ROOT, "jobs", job), profile, list(sets))
     for name in ("app/config/config_fed_client.json", "app/config/config_fed_server.json"):
         for c in component_specs(files[name]):
             if c["id"] == component:
@@ -48,7 +50,7 @@ def _args(job: str, profile: str, component: str) -> dict:
 def control_settings(profile: str, epochs: int, seed: int) -> dict:
     """The bare loop's settings: the fine-tuning job's ViT and trainer at ``profile``, ``epochs`` passes, ``seed``."""
     require_int("sslfl control", "epochs", epochs, 1, "use a positive number of passes over the pooled set")
-    args = _args(FINETUNE_JOB, profile, "cls_trainer")
+    args = component_args(FINETUNE_JOB, profile, "cls_trainer")
     return {**PAPER_LOCAL, **{k: args[k] for k in TRAINER_KEYS if k in args}, "epochs": epochs,
             "warmup": min(int(args.get("warmup_rounds", 0)), epochs), "layer_scale": None, "seed": seed,
             "select_metric": "accuracy", "device": "cpu"}
@@ -83,7 +85,7 @@ def mae_init_model(profile: str, seed: int, like: str, path: str) -> str:
     from fedssl.core.safe_load import safe_load
     from fedssl.models.vit import MAEViT
 
-    args = {k: v for k, v in _args(PRETRAIN_JOB, profile, "model").items() if k != "seed"}
+    args = {k: v for k, v in component_args(PRETRAIN_JOB, profile, "model").items() if k != "seed"}
     state = MAEViT(**args, seed=seed).state_dict()
     saved = safe_load(like)
     require(set(saved["model"]) == set(state), "sslfl control", "pre-trained model", like,

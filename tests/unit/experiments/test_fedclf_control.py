@@ -1,0 +1,107 @@
+"""FedMoCo's pooled control (fedssl.experiments.fedclf_control): the settings it takes from the job, its step
+count, its probe and its summary, with hand-computed values, and one tiny end-to-end run that resumes."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from fedssl.experiments import fedclf_control as fc
+from fedssl.models.resnet import PretrainingResNet
+
+
+def test_settings_are_the_bench_pretraining_jobs_with_the_local_bank_only():
+    s, rounds = fc.control_settings("bench", seed=2)
+    # app_config/profiles/bench.json (fedclf_derm) and the job's paper values where bench is silent
+    assert (s.batch_size, s.lr, s.bank_size, s.width, s.proj_dim, s.image_size) == (16, 0.00375, 256, 16, 128, 64)
+    assert (s.momentum, s.tau, s.method, s.depth) == (0.999, 0.2, "moco", 18)
+    assert (s.queue, s.federated, s.max_steps_per_round, s.seed, s.device) == ("none", False, 0, 2, "cpu")
+    assert rounds == 30
+    s2, _ = fc.control_settings("bench", seed=0, sets=["client.fedclf_trainer.lr=0.01"])
+    assert s2.lr == 0.01
+
+
+def test_one_x_is_the_largest_devices_steps_and_epochs_round_to_the_nearest():
+    train = {"site-1": [None] * 170, "site-2": [None] * 35, "site-3": [None] * 173}
+    assert fc.one_x_steps(train, batch_size=16, rounds=30) == 30 * 10  # 173 // 16 = 10
+    # 1,265 pooled images at batch 16: 79 steps an epoch; 300 steps -> 3.8 -> 4 epochs, 1,200 -> 15.2 -> 15
+    assert fc.pooled_epochs(1265, 16, 300) == 4
+    assert fc.pooled_epochs(1265, 16, 1200) == 15
+    assert fc.pooled_epochs(1265, 16, 10) == 1  # at least one epoch
+    with pytest.raises(ValueError, match="batch_size"):
+        fc.pooled_epochs(10, 16, 300)
+
+
+def test_balanced_accuracy_is_the_mean_recall_over_the_classes_present():
+    y = torch.tensor([0, 0, 0, 0, 1, 1, 2])
+    pred = torch.tensor([0, 0, 0, 1, 1, 0, 0])
+    # recalls 3/4, 1/2, 0/1 -> 5/12; plain accuracy would be 4/7
+    assert fc.balanced_accuracy(pred, y) == pytest.approx(5 / 12)
+
+
+def _cell(arm, m, seed, probe, loss=None, chance=None, failed=False):
+    c = {"arm": arm, "multiplier": m, "seed": seed, "probe": {"balanced_accuracy": probe}}
+    if arm == "moco":
+        c |= {"steps": 300 * m, "rounds": [{"loss": loss, "chance_loss": chance}],
+              "health": {"failed": failed, "reasons": ["x"] if failed else []}}
+    return c
+
+
+def test_summary_pairs_each_multiplier_with_random_init_by_seed():
+    cells = [_cell("random", 0, 0, 0.40), _cell("random", 0, 1, 0.50), _cell("random", 0, 2, 0.30),
+             _cell("moco", 1, 0, 0.45, 5.5, 5.5, True), _cell("moco", 1, 1, 0.50, 5.5, 5.5, True),
+             _cell("moco", 1, 2, 0.40, 4.4, 5.5)]
+    rows, lines = fc.summarise(cells)
+    (row,) = rows
+    assert row["by_seed"] == pytest.approx({0: 5.0, 1: 0.0, 2: 10.0})
+    assert row["minus_random"] == pytest.approx(5.0)
+    assert row["se"] == pytest.approx(5.0 / math.sqrt(3))  # sample std of (5, 0, 10) is 5
+    assert row["failed"] == 2 and row["last_loss_over_chance"] == pytest.approx((1 + 1 + 0.8) / 3)
+    assert "minus random init +5.0 points (SE 2.9 over 3 seeds" in lines[0]
+    rows1, lines1 = fc.summarise(cells[:1] + cells[3:4])
+    assert rows1[0]["se"] is None and "one seed: not a finding" in lines1[0]
+
+
+def test_probe_leaves_the_encoder_as_it_was(monkeypatch):
+    model = PretrainingResNet("moco", 4, 8, seed=0, depth=18)
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.rand(6, 3, 16, 16)
+    y = torch.tensor([0, 1, 2, 0, 1, 2])
+    monkeypatch.setattr(fc, "ImageDataset", lambda *a, **k: None)
+    monkeypatch.setattr(fc, "batches", lambda *a, **k: iter([(x, y)]))
+    s, _ = fc.control_settings("quick", seed=0)
+    feats, labels = fc.encoder_features(model, [], s)
+    assert feats.shape == (6, model.main.encoder.out_dim) and torch.equal(labels, y)
+    # eval mode for the features (BatchNorm's running statistics untouched), training mode restored
+    assert model.main.encoder.training
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # the features are the eval-mode encoder's
+    model.main.encoder.eval()
+    with torch.no_grad():
+        assert torch.allclose(feats, model.main.encoder(x).flatten(1))
+
+
+def test_tiny_run_writes_every_cell_and_resumes_without_training(tmp_path, monkeypatch):
+    out = tmp_path / "ctl"
+    report = fc.run_control(str(out), profile="quick", multipliers=[1], seeds=[0], n_isic=40, say=lambda m: None)
+    assert [(c["arm"], c["multiplier"]) for c in report["cells"]] == [("random", 0), ("moco", 1)]
+    moco = report["cells"][1]
+    assert moco["steps"] == sum(r["steps"] for r in moco["rounds"]) > 0
+    assert moco["rounds"][-1]["chance_loss"] == pytest.approx(math.log(moco["settings"]["bank_size"] + 1))
+    assert set(moco["health"]) >= {"failed", "reasons"}
+    assert 0.0 <= moco["probe"]["balanced_accuracy"] <= 1.0 and moco["probe"]["n_test"] > 0
+    saved = json.loads((out / "control.json").read_text())
+    assert saved["lines"] == report["lines"] and len(saved["summary"]) == 1
+
+    def no_training(*a, **k):
+        raise AssertionError("a finished cell was trained again")
+
+    monkeypatch.setattr(fc, "pretrain", no_training)
+    monkeypatch.setattr(fc, "linear_probe", no_training)
+    again = fc.run_control(str(out), profile="quick", multipliers=[1], seeds=[0], n_isic=40, say=lambda m: None)
+    assert again["lines"] == report["lines"]

@@ -34,7 +34,7 @@ import torch
 from fedssl.core.checks import require, require_int
 from fedssl.data.fedclf_devices import load_device
 from fedssl.data.images import ImageDataset, ImageRecord, batches, class_names
-from fedssl.experiments.diagnostics import pretraining_health
+from fedssl.experiments.diagnostics import CHANCE_MARGIN, pretraining_health
 from fedssl.experiments.environment import check_threads, set_threads
 from fedssl.experiments.fedclf_tables import prepare_devices, table_settings
 from fedssl.experiments.sslfl_control import component_args
@@ -74,16 +74,19 @@ def pooled_epochs(n_images: int, batch_size: int, steps: int) -> int:
     return max(1, round(steps / per_epoch))
 
 
-def pretrain(records: Sequence[ImageRecord], settings: FedCLFSettings, epochs: int) -> tuple[PretrainingResNet,
-                                                                                              list[dict]]:
+def pretrain(records: Sequence[ImageRecord], settings: FedCLFSettings, epochs: int,
+             say: Callable[[str], None] = print) -> tuple[PretrainingResNet, list[dict]]:
     """MoCo on ``records`` for ``epochs`` pooled epochs; returns the network and one record per epoch (``round``,
-    ``loss``, ``steps``, the trainer's metrics: ``chance_loss``, ``feature_std``, ``lr_end`` ...)."""
+    ``loss``, ``steps``, the trainer's metrics: ``chance_loss``, ``feature_std``, ``lr_end`` ...); ``say`` gets a
+    progress line per epoch."""
     trainer = FedCLFLocalTrainer(records, settings, num_rounds=epochs, site="pooled")
     rounds = []
     for r in range(epochs):
         stats = trainer.train_round(r)
         numbers = {k: v for k, v in stats.metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         rounds.append({"round": r, "loss": stats.loss, "steps": stats.steps, **numbers})
+        say(f"  seed {settings.seed} epoch {r + 1}/{epochs}: loss {stats.loss:.3f} (chance "
+            f"{numbers.get('chance_loss', float('nan')):.3f}), spread {numbers.get('feature_std', float('nan')):.3f}")
     return trainer.model, rounds
 
 
@@ -163,7 +166,7 @@ def run_control(out: str, *, profile: str = "bench", multipliers: Sequence[int] 
                 result: dict = {"one_x_steps": base, "threads": threads, "settings": asdict(settings)}
                 if m:
                     epochs = pooled_epochs(len(pooled), settings.batch_size, m * base)
-                    model, curve = pretrain(pooled, settings, epochs)
+                    model, curve = pretrain(pooled, settings, epochs, say)
                     result |= {"epochs": epochs, "steps": sum(r["steps"] for r in curve), "rounds": curve,
                                "health": pretraining_health(curve, dim=settings.proj_dim)}
                 result["probe"] = linear_probe(model, pooled, test, settings, seed)
@@ -176,6 +179,8 @@ def run_control(out: str, *, profile: str = "bench", multipliers: Sequence[int] 
     report["summary"], report["lines"] = summarise(cells)
     with open(os.path.join(out, "control.json"), "w") as f:
         json.dump(report, f, indent=1)
+    if report["summary"]:
+        report["png"] = plot_control(report, os.path.join(out, "control.png"))
     for line in report["lines"]:
         say(line)
     return report
@@ -219,3 +224,45 @@ def summarise(cells: Sequence[Mapping]) -> tuple[list[dict], list[str]]:
                      f"{row['failed']} of {len(these)} failed; probe {row['probe']:.1f} %, minus random init "
                      + (f"{row['minus_random']:+.1f} points ({spread}; per seed {per})" if diffs else "(no pair)"))
     return rows, lines
+
+
+def plot_control(report: Mapping, path: str) -> str:
+    """Left: the probe's balanced accuracy minus random init against pre-training steps (log x), mean with its SE
+    over seeds, each seed a dot, the zero line.  Right: each pre-training's loss per step over its chance level,
+    the chance line at 1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    rows = report["summary"]
+    steps = [r["steps"] for r in rows]
+    left.errorbar(steps, [r["minus_random"] for r in rows], yerr=[r["se"] or 0.0 for r in rows], marker="s",
+                  capsize=3, color="#3b75af", label="pooled MoCo (mean, SE over seeds)")
+    for r in rows:
+        left.scatter([r["steps"]] * len(r["by_seed"]), list(r["by_seed"].values()), color="#3b75af", alpha=0.4, s=12)
+    left.axhline(0.0, color="grey", linestyle="--", linewidth=1, label="random init")
+    left.set_xscale("log")
+    left.set_xticks(steps, [str(v) for v in steps])
+    left.minorticks_off()
+    left.set_xlabel("pre-training optimiser steps")
+    left.set_ylabel("probe balanced accuracy minus random (points)")
+    left.legend(fontsize=8)
+    for c in report["cells"]:
+        if c["arm"] == "moco":
+            done = [sum(r["steps"] for r in c["rounds"][:i + 1]) for i in range(len(c["rounds"]))]
+            right.plot(done, [r["loss"] / r["chance_loss"] for r in c["rounds"]], color="#c4622d", alpha=0.6,
+                       linewidth=1)
+    right.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="chance, ln(K+1)")
+    right.axhline(1.0 - CHANCE_MARGIN, color="grey", linestyle=":", linewidth=1, label="health margin")
+    right.set_xscale("log")
+    right.set_xlabel("pre-training optimiser steps")
+    right.set_ylabel("epoch's mean loss / chance")
+    right.legend(fontsize=8)
+    fig.suptitle(f"FedMoCo pooled control ({report['profile']}, seeds {', '.join(map(str, report['seeds']))})",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -88,13 +88,18 @@ def test_probe_leaves_the_encoder_as_it_was(monkeypatch):
 
 def test_tiny_run_writes_every_cell_and_resumes_without_training(tmp_path, monkeypatch):
     out = tmp_path / "ctl"
-    report = fc.run_control(str(out), profile="quick", multipliers=[1], seeds=[0], n_isic=40, say=lambda m: None)
+    said = []
+    report = fc.run_control(str(out), profile="quick", multipliers=[1], seeds=[0], n_isic=40, say=said.append)
     assert [(c["arm"], c["multiplier"]) for c in report["cells"]] == [("random", 0), ("moco", 1)]
     moco = report["cells"][1]
     assert moco["steps"] == sum(r["steps"] for r in moco["rounds"]) > 0
+    epochs = len(moco["rounds"])  # progress: a line per pre-training epoch
+    assert [m.split(":")[0] for m in said if "epoch" in m] == [f"  seed 0 epoch {e}/{epochs}" for e in
+                                                               range(1, epochs + 1)]
     assert moco["rounds"][-1]["chance_loss"] == pytest.approx(math.log(moco["settings"]["bank_size"] + 1))
     assert set(moco["health"]) >= {"failed", "reasons"}
     assert 0.0 <= moco["probe"]["balanced_accuracy"] <= 1.0 and moco["probe"]["n_test"] > 0
+    assert report["png"] == str(out / "control.png") and (out / "control.png").stat().st_size > 0
     saved = json.loads((out / "control.json").read_text())
     assert saved["lines"] == report["lines"] and len(saved["summary"]) == 1
 

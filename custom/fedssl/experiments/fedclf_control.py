@@ -32,6 +32,7 @@ from dataclasses import asdict
 import torch
 
 from fedssl.core.checks import require, require_int
+from fedssl.core.classification import classification_metrics
 from fedssl.data.fedclf_devices import load_device
 from fedssl.data.images import ImageDataset, ImageRecord, batches, class_names
 from fedssl.experiments.diagnostics import CHANCE_MARGIN, pretraining_health
@@ -107,24 +108,21 @@ def encoder_features(model: PretrainingResNet, records: Sequence[ImageRecord], s
     return torch.cat(feats), torch.cat(labels)
 
 
-def balanced_accuracy(pred: torch.Tensor, y: torch.Tensor) -> float:
-    """Mean over the classes present in ``y`` of the share of that class predicted as it (macro recall)."""
-    recalls = [float((pred[y == c] == c).float().mean()) for c in torch.unique(y).tolist()]
-    return sum(recalls) / len(recalls)
-
-
 def linear_probe(model: PretrainingResNet, train: Sequence[ImageRecord], test: Sequence[ImageRecord],
                  settings: FedCLFSettings, seed: int) -> dict:
     """Logistic regression on the frozen encoder's features of ``train`` (standardised with their mean and std),
-    scored on ``test``: ``balanced_accuracy`` (the tables' recall), ``accuracy``, the counts."""
+    scored on ``test`` by :func:`fedssl.core.classification.classification_metrics`: ``balanced_accuracy`` (macro
+    recall, the tables' recall), ``accuracy``, the counts."""
     xs, ys = encoder_features(model, train, settings)
     xt, yt = encoder_features(model, test, settings)
     mean, std = xs.mean(dim=0), xs.std(dim=0, unbiased=False).clamp(min=1e-6)
-    head = fit_logistic((xs - mean) / std, ys, len(class_names(settings.dataset)), seed=seed)
+    names = class_names(settings.dataset)
+    head = fit_logistic((xs - mean) / std, ys, len(names), seed=seed)
     with torch.no_grad():
-        pred = head((xt - mean) / std).argmax(dim=1)
-    return {"balanced_accuracy": balanced_accuracy(pred, yt), "accuracy": float((pred == yt).float().mean()),
-            "n_train": len(train), "n_test": len(test)}
+        probs = torch.softmax(head((xt - mean) / std), dim=1)
+    m = classification_metrics(probs, yt.tolist(), names)
+    return {"balanced_accuracy": m["balanced_accuracy"], "accuracy": m["accuracy"], "n_train": len(train),
+            "n_test": len(test)}
 
 
 def split_records(devices: str, site: str, split: str) -> list[ImageRecord]:

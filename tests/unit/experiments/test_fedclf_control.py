@@ -35,11 +35,22 @@ def test_one_x_is_the_largest_devices_steps_and_epochs_round_to_the_nearest():
         fc.pooled_epochs(10, 16, 300)
 
 
-def test_balanced_accuracy_is_the_mean_recall_over_the_classes_present():
+def test_probe_scores_balanced_accuracy_the_mean_recall_over_the_classes_present(monkeypatch):
+    """The probe's head predicts the class of the largest feature; test labels 0 0 0 0 1 1 2, predictions
+    0 0 0 1 1 0 0: recalls 3/4, 1/2, 0/1 -> 5/12, where plain accuracy is 4/7."""
     y = torch.tensor([0, 0, 0, 0, 1, 1, 2])
     pred = torch.tensor([0, 0, 0, 1, 1, 0, 0])
-    # recalls 3/4, 1/2, 0/1 -> 5/12; plain accuracy would be 4/7
-    assert fc.balanced_accuracy(pred, y) == pytest.approx(5 / 12)
+    x = torch.nn.functional.one_hot(pred, 5).float()
+    monkeypatch.setattr(fc, "encoder_features", lambda model, records, settings: (x, y))
+    head = torch.nn.Linear(5, 5)
+    with torch.no_grad():  # identity on the standardised features keeps each row's argmax
+        head.weight.copy_(torch.eye(5))
+        head.bias.zero_()
+    monkeypatch.setattr(fc, "fit_logistic", lambda *a, **k: head)
+    s, _ = fc.control_settings("quick", seed=0)
+    out = fc.linear_probe(None, [None] * 7, [None] * 7, s, seed=0)
+    assert out["balanced_accuracy"] == pytest.approx(5 / 12)
+    assert out["accuracy"] == pytest.approx(4 / 7)
 
 
 def _cell(arm, m, seed, probe, loss=None, chance=None, failed=False):

@@ -99,7 +99,7 @@ def within_bound_by_norms(contribution: Mapping[str, np.ndarray], base_sq: float
     exact check, which decides and names the fault.  ``SHORTCUT_MARGIN`` keeps float32 rounding of the dot products
     from accepting anything the exact check would refuse."""
     with np.errstate(over="ignore", invalid="ignore"):
-        own = squared_norm(contribution, contribution)
+        own = parallel_squared_norm(contribution)
     g = float(np.sqrt(base_sq))
     return bool(np.isfinite(own) and np.sqrt(own) + g <= SHORTCUT_MARGIN * max_update_ratio * max(g, 1.0))
 
@@ -135,12 +135,18 @@ _POOL: ThreadPoolExecutor | None = None
 _LOCAL = threading.local()
 
 
+def _scratch() -> np.ndarray:
+    """This thread's float64 scratch buffer of ``SCRATCH`` values (made on first use)."""
+    buf = getattr(_LOCAL, "scratch", None)
+    if buf is None or buf.size != SCRATCH:
+        buf = _LOCAL.scratch = np.empty(SCRATCH, np.float64)
+    return buf
+
+
 def _axpy(dst: np.ndarray, src: np.ndarray, scale: np.float64) -> None:
     """``dst += src * scale`` in float64, chunk by chunk through this thread's scratch buffer, which stays in the
     CPU cache: no float64 temporary of a tensor."""
-    buf = getattr(_LOCAL, "scratch", None)
-    if buf is None:
-        buf = _LOCAL.scratch = np.empty(SCRATCH, np.float64)
+    buf = _scratch()
     for i in range(0, src.size, SCRATCH):
         n = min(SCRATCH, src.size - i)
         b = buf[:n]
@@ -150,9 +156,14 @@ def _axpy(dst: np.ndarray, src: np.ndarray, scale: np.float64) -> None:
 
 
 def _scaled(dst: np.ndarray, src: np.ndarray, scale: np.float64) -> None:
-    """``dst = src * scale`` in float64 (the first contribution of a sum), cast first as :func:`_axpy` does."""
-    np.copyto(dst, src)
-    np.multiply(dst, scale, out=dst)
+    """``dst = src * scale`` in float64 (the first contribution of a sum), cast first as :func:`_axpy` does, chunk
+    by chunk through the scratch buffer: ``dst`` is written once, not written, read and written again."""
+    buf = _scratch()
+    for i in range(0, src.size, SCRATCH):
+        n = min(SCRATCH, src.size - i)
+        b = buf[:n]
+        np.copyto(b, src[i:i + n])
+        np.multiply(b, scale, out=dst[i:i + n])
 
 
 def _divide(dst: np.ndarray, src: np.ndarray, scale: np.float64) -> None:
@@ -180,23 +191,49 @@ def release_threads() -> None:
         pool.shutdown(wait=True)
 
 
-def over_threads(kernel, pairs: list, scale: np.float64) -> None:
-    """``kernel(dst, src, scale)`` over every ``(dst, src)`` of ``pairs``, the values split evenly over
-    ``SUM_THREADS`` threads (numpy releases the GIL).  Each value is computed exactly as on one thread, so the bits
-    do not depend on the split (issue 46: the running sum and the mean of a ViT-B on every core of the server)."""
+def over_parts(part, total: int) -> list:
+    """``part(lo, hi)`` over ``0:total`` cut evenly into up to ``SUM_THREADS`` pieces, one per thread (numpy
+    releases the GIL); the results in the pieces' order.  Fewer than ``PARALLEL_MIN`` values per piece run on the
+    calling thread alone."""
     global _POOL
-    total = sum(src.size for _, src in pairs)
     parts = min(SUM_THREADS, max(1, total // PARALLEL_MIN))
     if parts == 1:
-        _run_part(kernel, pairs, scale, 0, total)
-        return
+        return [part(0, total)]
     if _POOL is None:
         _POOL = ThreadPoolExecutor(max_workers=SUM_THREADS - 1, thread_name_prefix="fedssl-sum")
     cuts = [total * p // parts for p in range(parts + 1)]
-    futures = [_POOL.submit(_run_part, kernel, pairs, scale, cuts[p], cuts[p + 1]) for p in range(1, parts)]
-    _run_part(kernel, pairs, scale, cuts[0], cuts[1])
-    for f in futures:
-        f.result()
+    futures = [_POOL.submit(part, cuts[p], cuts[p + 1]) for p in range(1, parts)]
+    return [part(cuts[0], cuts[1])] + [f.result() for f in futures]
+
+
+def over_threads(kernel, pairs: list, scale: np.float64) -> None:
+    """``kernel(dst, src, scale)`` over every ``(dst, src)`` of ``pairs``, the values split evenly over
+    ``SUM_THREADS`` threads (:func:`over_parts`).  Each value is computed exactly as on one thread, so the bits
+    do not depend on the split (issue 46: the running sum and the mean of a ViT-B on every core of the server)."""
+    over_parts(lambda lo, hi: _run_part(kernel, pairs, scale, lo, hi), sum(src.size for _, src in pairs))
+
+
+def _squares_part(arrays: list, lo: int, hi: int) -> float:
+    """The sum of squares of the values ``lo:hi`` of ``arrays`` laid end to end (flat views), one BLAS dot product
+    per tensor piece, summed in float64."""
+    total, start = 0.0, 0
+    with np.errstate(over="ignore", invalid="ignore"):  # per thread: an overflowing square is an inf, decided later
+        for a in arrays:
+            end = start + a.size
+            if end > lo and start < hi:
+                v = a.reshape(-1)[max(lo, start) - start:min(hi, end) - start]
+                total += float(np.dot(v, v))
+            start = end
+    return total
+
+
+def parallel_squared_norm(state: Mapping[str, object]) -> float:
+    """``||x||^2`` over the float tensors of ``state``, split over the summing threads as the running sum is
+    (:func:`over_parts`); each piece's dot products are summed in float64, then the pieces in order.  How the
+    values are split moves the last bits, so it serves a decision with a margin (:func:`within_bound_by_norms`),
+    never a value that is reported or compared."""
+    arrays = [a for a in (to_numpy(v) for v in state.values()) if a.dtype.kind == "f"]
+    return sum(over_parts(lambda lo, hi: _squares_part(arrays, lo, hi), sum(a.size for a in arrays)))
 
 
 class RunningAverage:
@@ -224,26 +261,44 @@ class RunningAverage:
         self._sum, self._dtype, self.total_weight, self.count = {}, {}, 0.0, 0
 
     def add(self, state: Mapping[str, object], weight: float) -> None:
+        arrays = {k: to_numpy(v) for k, v in state.items()}
+        shapes, dtypes = {k: a.shape for k, a in arrays.items()}, {k: a.dtype for k, a in arrays.items()}
+        scale = self._start_add(weight, shapes, dtypes)
+        over_threads(_scaled if not self.count else _axpy, [(self._sum[k], a) for k, a in arrays.items()], scale)
+        self._end_add(scale)
+
+    def add_held(self, held, weight: float) -> None:
+        """:meth:`add` of a state held aside (``fedssl.core.spill``: ``shapes``, ``dtypes`` and ``pieces(key)``),
+        read back a piece at a time: each value is summed exactly as :meth:`add` sums it, so the bits are the same."""
+        scale = self._start_add(weight, held.shapes, held.dtypes)
+        kernel = _scaled if not self.count else _axpy
+        for k in held.shapes:
+            dst = self._sum[k].reshape(-1)
+            for start, piece in held.pieces(k):
+                over_threads(kernel, [(dst[start:start + piece.size], piece)], scale)
+        self._end_add(scale)
+
+    def _start_add(self, weight: float, shapes: Mapping[str, tuple], dtypes: Mapping[str, np.dtype]) -> np.float64:
+        """The checked weight as a float64 scalar; a contribution whose keys or shapes differ from the first one's
+        is refused (ValueError) before anything is added; the first one's float64 buffers are made ready."""
         w = float(weight)
         if not (np.isfinite(w) and w >= 0):
             raise ValueError(f"weight {weight!r} must be a finite number >= 0")
-        arrays = {k: to_numpy(v) for k, v in state.items()}
-        if self.count and set(arrays) != set(self._sum):
-            missing, extra = sorted(set(self._sum) - set(arrays))[:3], sorted(set(arrays) - set(self._sum))[:3]
+        if self.count and set(shapes) != set(self._sum):
+            missing, extra = sorted(set(self._sum) - set(shapes))[:3], sorted(set(shapes) - set(self._sum))[:3]
             raise ValueError(f"contribution keys differ from the first one's (missing {missing}, unexpected {extra})")
-        for k, a in arrays.items():
-            if self.count and a.shape != self._sum[k].shape:
-                raise ValueError(f"{k!r} has shape {a.shape}, the first contribution's is {self._sum[k].shape}")
-        scale = np.float64(w)  # a numpy float64 scalar promotes a float32 tensor to float64 (a Python float would not)
+        for k, shape in shapes.items():
+            if self.count and shape != self._sum[k].shape:
+                raise ValueError(f"{k!r} has shape {shape}, the first contribution's is {self._sum[k].shape}")
         if not self.count:
-            for k, a in arrays.items():
+            for k, shape in shapes.items():
                 spare = self._spare.pop(k, None)
-                out = spare if spare is not None and spare.shape == a.shape else np.empty(a.shape, np.float64)
-                self._sum[k], self._dtype[k] = out, a.dtype  # 0-d stays an array
-            over_threads(_scaled, [(self._sum[k], a) for k, a in arrays.items()], scale)
-        else:
-            over_threads(_axpy, [(self._sum[k], a) for k, a in arrays.items()], scale)
-        self.total_weight += w
+                out = spare if spare is not None and spare.shape == shape else np.empty(shape, np.float64)
+                self._sum[k], self._dtype[k] = out, np.dtype(dtypes[k])  # 0-d stays an array
+        return np.float64(w)  # a numpy float64 scalar promotes a float32 tensor to float64 (a Python float would not)
+
+    def _end_add(self, scale: np.float64) -> None:
+        self.total_weight += float(scale)
         self.count += 1
 
     def result(self) -> dict[str, np.ndarray]:

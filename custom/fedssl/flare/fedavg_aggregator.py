@@ -10,9 +10,9 @@ a whole number in ``[1, max_weight]``, and a site's ``num_samples`` may not chan
 value read (loss, counts) is type-checked.  The weight is also bounded relative to the others (issue 45): the
 largest claim of a round counts at most ``max_weight_ratio`` times the median of the other sites' weights, so one
 site that claims a million samples against three of a hundred cannot replace the global model with its own (its
-contribution is held aside until the round's other weights are known: one extra model in memory, whatever the
-number of sites; from the second round on, a claim that no subset of the others' declared sizes could cap is
-summed at once, so an honest round holds none).  Accepted tensors go straight into a running weighted sum
+contribution is held aside until the round's other weights are known, in a temporary file that never has a name
+(``fedssl.core.spill``), not in the server's memory; from the second round on, a claim that no subset of the
+others' declared sizes could cap is summed at once, so an honest round holds none).  Accepted tensors go straight into a running weighted sum
 (``fedssl.core.state_dict.RunningAverage``, float64): no site's model is held, so the server's memory does not
 grow with the number of sites.  A rejected site is logged ("REJECTED ...", naming it) and left out
 of the round; nothing a site sends raises out of ``accept``.
@@ -40,6 +40,7 @@ from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.app_event_type import AppEventType
 
 from fedssl.core.checks import require, require_choice
+from fedssl.core.spill import hold
 from fedssl.core.state_dict import (ContributionError, RunningAverage, check_contribution, release_threads,
                                     round_key_set, squared_norm)
 from fedssl.core.untrusted import as_count, as_finite_float
@@ -84,8 +85,10 @@ class RoundAggregator(Aggregator):
         self.max_update_ratio = max_update_ratio
         self.max_weight_ratio = float(max_weight_ratio)
         self._running = RunningAverage()
-        #: (site, weight, tensors) of the largest claim so far this round, not yet in the running sum
-        self._held: tuple[str, float, dict] | None = None
+        #: (site, weight, tensors held aside by fedssl.core.spill.hold) of the largest claim so far this round, not
+        #: yet in the running sum
+        self._held: tuple | None = None
+        self._spill_failed = ""  # why a held claim had to stay in memory (logged once a run)
         #: site -> (claimed, counted) when the last round capped a weight
         self.capped: dict[str, tuple[float, float]] = {}
         self._retained: dict[str, dict] = {}  # site -> the tensors ``keep`` was told to hold per site
@@ -99,6 +102,8 @@ class RoundAggregator(Aggregator):
     def reset(self, fl_ctx: FLContext) -> None:
         self._running.clear()
         self._retained, self._weights, self._losses = {}, {}, {}
+        if self._held is not None:  # a round that ended without aggregating: its held claim's file goes
+            self._held[2].close()
         self._held, self.capped = None, {}
         self._base_sq: tuple | None = None  # (global model, keys) -> ||g||^2, once a round
 
@@ -180,13 +185,19 @@ class RoundAggregator(Aggregator):
         try:
             if not self._relative_cap() or self._never_capped(site, weight):
                 self._running.add(tensors, weight)
-            else:  # the largest claim waits for the others' weights (round_average)
+            else:  # the largest claim waits for the others' weights (round_average), spilled to an unnamed file
                 self._check_fits(tensors)
                 held = self._held
                 if held is None or weight > held[1]:
+                    kept, why = hold(tensors)
+                    if why and not self._spill_failed:
+                        self._spill_failed = why
+                        self.logger.warning(f"the round's largest claim is held in memory: its temporary file "
+                                            f"could not be written ({why})")
                     if held is not None:
-                        self._running.add(held[2], held[1])
-                    self._held = (site, weight, tensors)
+                        self._running.add_held(held[2], held[1])
+                        held[2].close()
+                    self._held = (site, weight, kept)
                 else:
                     self._running.add(tensors, weight)
         except ValueError as e:
@@ -243,15 +254,15 @@ class RoundAggregator(Aggregator):
 
     def _check_fits(self, tensors: dict) -> None:
         """ValueError unless ``tensors`` have the keys and shapes of this round's other contributions."""
-        first = self._held[2] if self._held is not None else None
+        first = self._held[2].shapes if self._held is not None else None
         if first is None:
             return
         if set(tensors) != set(first):
             missing, extra = sorted(set(first) - set(tensors))[:3], sorted(set(tensors) - set(first))[:3]
             raise ValueError(f"contribution keys differ from the first one's (missing {missing}, unexpected {extra})")
         for k, v in tensors.items():
-            if np.shape(v) != np.shape(first[k]):
-                raise ValueError(f"{k!r} has shape {np.shape(v)}, the first contribution's is {np.shape(first[k])}")
+            if np.shape(v) != first[k]:
+                raise ValueError(f"{k!r} has shape {np.shape(v)}, the first contribution's is {first[k]}")
 
     def round_average(self) -> dict:
         """The weighted mean of this round's accepted tensors (empty when contributions carried none); the largest
@@ -260,7 +271,8 @@ class RoundAggregator(Aggregator):
             site, claimed, tensors = self._held
             others = [w for s, w in self._weights.items() if s != site]
             counted = min(claimed, self.max_weight_ratio * float(np.median(others))) if others else claimed
-            self._running.add(tensors, counted)
+            self._running.add_held(tensors, counted)
+            tensors.close()
             self._weights[site] = counted
             if counted < claimed:
                 self.capped[site] = (claimed, counted)

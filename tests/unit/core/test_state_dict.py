@@ -118,6 +118,23 @@ def test_an_honest_update_is_accepted_by_the_norms_and_a_doubtful_one_by_the_exa
     assert not sd.within_bound_by_norms(x, 25.0, 3.0) and sd.within_bound_by_norms(x, 25.0, 3.01)
 
 
+def test_the_norm_shortcut_split_over_threads_counts_every_float_value_once(monkeypatch):
+    """The triangle inequality's ||x||^2 runs on the summing threads (issue 46), cut by value across tensors: with
+    3 threads and 19 float values the cuts fall inside "b" and "d"; the integer buffer is left out. Hand-computed:
+    the squares of 1..19."""
+    import fedssl.core.state_dict as sd
+    monkeypatch.setattr(sd, "SUM_THREADS", 3)
+    monkeypatch.setattr(sd, "PARALLEL_MIN", 4)
+    monkeypatch.setattr(sd, "_POOL", None)
+    values = np.arange(1, 20, dtype=np.float32)
+    x = {"a": values[:5], "b": values[5:11].reshape(2, 3), "n": np.array(1000, np.int64),
+         "c": values[11:12].reshape(()), "d": values[12:]}
+    assert sd.parallel_squared_norm(x) == 19 * 20 * 39 / 6  # 2470
+    assert sd._POOL is not None  # it did run on the pool
+    sd.release_threads()
+    assert sd.within_bound_by_norms(x, 0.0, 50.0) and not sd.within_bound_by_norms(x, 0.0, 49.0)  # sqrt(2470) = 49.7
+
+
 def test_a_checked_contribution_of_the_models_dtype_is_not_copied():
     """86.6 M parameters arrive at the server once: the cast keeps an array already of the model's dtype (issue 46:
     the copy cost a second model's memory per contribution); another dtype is cast, and nothing is written into."""

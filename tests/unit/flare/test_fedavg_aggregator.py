@@ -360,3 +360,50 @@ def test_honest_sizes_within_the_ratio_keep_plain_fedavg(tmp_path):
     assert agg.capped == {}
     with pytest.raises(ValueError, match="max_weight_ratio=0.5"):
         FedAvgAggregator(max_weight_ratio=0.5)
+
+
+def test_the_held_claim_waits_in_a_file_not_in_the_servers_memory(tmp_path, monkeypatch, caplog):
+    """Issue 46: the round's largest claim waits for the others' weights in an unnamed temporary file, so the
+    server holds the running sum and nothing else (a 4 MB model: holding the claim in memory keeps 4 MB traced).
+    When no file can be written the claim is held in memory, said once, and the round is the same."""
+    import tempfile
+    import tracemalloc
+
+    from fedssl.core.spill import HeldInMemory, SpilledState
+    big = {"w": np.full(1 << 20, 0.9, np.float32), "b": np.ones(1, np.float32)}
+
+    def run_round(agg, traced=True):
+        c = ctx(tmp_path, glob=big)
+        agg.reset(c)
+        tracemalloc.start()
+        try:
+            for site, n in (("site-1", 10), ("site-2", 12)):  # each in turn the largest claim so far: held
+                before = tracemalloc.get_traced_memory()[0]
+                s = contribution(site, {"w": np.full(1 << 20, n / 10, np.float32), "b": np.ones(1, np.float32)},
+                                 {"num_samples": n})
+                accepted = agg.accept(s, c)
+                del s
+                assert accepted
+                held = agg._held[2]
+                # the running sum of 1 M float64 values (8 MB) once site-1 is added; never the 4 MB claim on top
+                grown = tracemalloc.get_traced_memory()[0] - before
+                assert not traced or grown < (8 << 20 if site == "site-2" else 0) + (1 << 20), (site, grown)
+        finally:
+            tracemalloc.stop()
+        assert agg.accept(contribution("site-3", {"w": np.full(1 << 20, 1.0, np.float32), "b": np.ones(1, np.float32)},
+                                       {"num_samples": 11}), c)
+        return held, from_shareable(agg.aggregate(c)).data
+
+    held, out = run_round(FedAvgAggregator(weighting="num_samples"))
+    assert isinstance(held, SpilledState) and held._file.closed  # added at the aggregate: its file is gone
+    np.testing.assert_allclose(out["w"][:3], (10 * 1.0 + 12 * 1.2 + 11 * 1.0) / 33, rtol=1e-6)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-such-folder"))
+    agg = FedAvgAggregator(weighting="num_samples")
+    with caplog.at_level("WARNING"):
+        with pytest.raises(AssertionError):  # held in memory: the claim is traced
+            run_round(agg)
+        held, fallback = run_round(agg, traced=False)
+    assert isinstance(held, HeldInMemory)
+    assert np.array_equal(fallback["w"], out["w"])
+    lines = [r.getMessage() for r in caplog.records if "held in memory" in r.getMessage()]
+    assert len(lines) == 1 and "FileNotFoundError" in lines[0]

@@ -10,12 +10,12 @@ a whole number in ``[1, max_weight]``, and a site's ``num_samples`` may not chan
 value read (loss, counts) is type-checked.  The weight is also bounded relative to the others (issue 45): the
 largest claim of a round counts at most ``max_weight_ratio`` times the median of the other sites' weights, so one
 site that claims a million samples against three of a hundred cannot replace the global model with its own (its
-contribution is held aside until the round's other weights are known, in a temporary file that never has a name
-(``fedssl.core.spill``), not in the server's memory; from the second round on, a claim that no subset of the
-others' declared sizes could cap is summed at once, so an honest round holds none).  Accepted tensors go straight into a running weighted sum
-(``fedssl.core.state_dict.RunningAverage``, float64): no site's model is held, so the server's memory does not
-grow with the number of sites.  A rejected site is logged ("REJECTED ...", naming it) and left out
-of the round; nothing a site sends raises out of ``accept``.
+contribution is held aside until the round's other weights are known, in a temporary file that never has a name,
+in the run's folder (``fedssl.core.spill``), not in the server's memory; from the second round on, a claim that no
+subset of the others' declared sizes could cap is summed at once, so an honest round holds none).  Accepted
+tensors go straight into a running weighted sum (``fedssl.core.state_dict.RunningAverage``, float64): no site's
+model is held, so the server's memory does not grow with the number of sites.  A rejected site is logged
+("REJECTED ...", naming it) and left out of the round; nothing a site sends raises out of ``accept``.
 
 Extra per-site payloads of the result meta are the business of *collectors* (server components named in
 ``collectors``, e.g. FCL's ``FeatureBankCollector``): each accepted contribution goes through every collector's
@@ -27,6 +27,8 @@ FL-context property ``ROUND_STATS_PROP`` only (memory, never persisted).  The ag
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
@@ -89,6 +91,7 @@ class RoundAggregator(Aggregator):
         #: yet in the running sum
         self._held: tuple | None = None
         self._spill_failed = ""  # why a held claim had to stay in memory (logged once a run)
+        self._spill_dir: str | None = None  # the run's folder (START_RUN); the system's temporary folder without one
         #: site -> (claimed, counted) when the last round capped a weight
         self.capped: dict[str, tuple[float, float]] = {}
         self._retained: dict[str, dict] = {}  # site -> the tensors ``keep`` was told to hold per site
@@ -111,6 +114,10 @@ class RoundAggregator(Aggregator):
         if event_type == AppEventType.ROUND_STARTED:  # fired from the workflow's context, which holds NUM_ROUNDS
             n = fl_ctx.get_prop(AppConstants.NUM_ROUNDS)
             self._num_rounds = n if isinstance(n, int) else self._num_rounds
+        elif event_type == EventType.START_RUN:  # a held claim's unnamed file goes where the job's own files are (on
+            engine = fl_ctx.get_engine()          # disk, where a /tmp may be memory)
+            run_dir = engine.get_workspace().get_run_dir(fl_ctx.get_job_id()) if engine else None
+            self._spill_dir = run_dir if isinstance(run_dir, str) and os.path.isdir(run_dir) else None
         elif event_type == EventType.END_RUN:  # no summing thread left for FLARE's "still running thread" warning
             release_threads()
 
@@ -189,7 +196,7 @@ class RoundAggregator(Aggregator):
                 self._check_fits(tensors)
                 held = self._held
                 if held is None or weight > held[1]:
-                    kept, why = hold(tensors)
+                    kept, why = hold(tensors, self._spill_dir)
                     if why and not self._spill_failed:
                         self._spill_failed = why
                         self.logger.warning(f"the round's largest claim is held in memory: its temporary file "

@@ -366,9 +366,11 @@ def test_the_held_claim_waits_in_a_file_not_in_the_servers_memory(tmp_path, monk
     """Issue 46: the round's largest claim waits for the others' weights in an unnamed temporary file, so the
     server holds the running sum and nothing else (a 4 MB model: holding the claim in memory keeps 4 MB traced).
     When no file can be written the claim is held in memory, said once, and the round is the same."""
+    import os
     import tempfile
     import tracemalloc
 
+    import fedssl.flare.fedavg_aggregator as module
     from fedssl.core.spill import HeldInMemory, SpilledState
     big = {"w": np.full(1 << 20, 0.9, np.float32), "b": np.ones(1, np.float32)}
 
@@ -394,7 +396,15 @@ def test_the_held_claim_waits_in_a_file_not_in_the_servers_memory(tmp_path, monk
                                        {"num_samples": 11}), c)
         return held, from_shareable(agg.aggregate(c)).data
 
-    held, out = run_round(FedAvgAggregator(weighting="num_samples"))
+    from nvflare.apis.event_type import EventType
+
+    agg = FedAvgAggregator(weighting="num_samples")
+    agg.handle_event(EventType.START_RUN, ctx(tmp_path, glob=big))  # the file goes in the run's folder
+    run_dir = FakeEngine(tmp_path).get_workspace().get_run_dir(None)
+    real_hold, where = module.hold, []
+    monkeypatch.setattr(module, "hold", lambda t, d=None: where.append(d) or real_hold(t, d))
+    held, out = run_round(agg)
+    assert where == [run_dir, run_dir] and os.listdir(run_dir) == []  # no name in it
     assert isinstance(held, SpilledState) and held._file.closed  # added at the aggregate: its file is gone
     np.testing.assert_allclose(out["w"][:3], (10 * 1.0 + 12 * 1.2 + 11 * 1.0) / 33, rtol=1e-6)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-such-folder"))

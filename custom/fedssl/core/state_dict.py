@@ -253,12 +253,14 @@ class RunningAverage:
         self._spare: dict[str, np.ndarray] = {}  # last round's float64 buffers, reused by the next round
         self.total_weight = 0.0
         self.count = 0
+        self._broken = ""  # why this sum holds part of a contribution (then it has no mean)
 
     def clear(self) -> None:
         """Start a new average, keeping the float64 buffers for the next one (a server aggregates the same
         model every round: allocating ~2 bytes per parameter afresh each round costs more than the sums)."""
         self._spare.update(self._sum)
         self._sum, self._dtype, self.total_weight, self.count = {}, {}, 0.0, 0
+        self._broken = ""
 
     def add(self, state: Mapping[str, object], weight: float) -> None:
         arrays = {k: to_numpy(v) for k, v in state.items()}
@@ -272,10 +274,14 @@ class RunningAverage:
         read back a piece at a time: each value is summed exactly as :meth:`add` sums it, so the bits are the same."""
         scale = self._start_add(weight, held.shapes, held.dtypes)
         kernel = _scaled if not self.count else _axpy
-        for k in held.shapes:
-            dst = self._sum[k].reshape(-1)
-            for start, piece in held.pieces(k):
-                over_threads(kernel, [(dst[start:start + piece.size], piece)], scale)
+        try:
+            for k in held.shapes:
+                dst = self._sum[k].reshape(-1)
+                for start, piece in held.pieces(k):
+                    over_threads(kernel, [(dst[start:start + piece.size], piece)], scale)
+        except Exception as e:  # part of it is in the sum and cannot be taken out: no mean of this sum is returned
+            self._broken = f"a held contribution could not be read back whole ({type(e).__name__}: {e})"
+            raise ValueError(self._broken) from e
         self._end_add(scale)
 
     def _start_add(self, weight: float, shapes: Mapping[str, tuple], dtypes: Mapping[str, np.dtype]) -> np.float64:
@@ -303,6 +309,8 @@ class RunningAverage:
 
     def result(self) -> dict[str, np.ndarray]:
         """The weighted mean of every key, in the first contribution's dtypes."""
+        if self._broken:
+            raise ValueError(f"the running sum is incomplete: {self._broken}; this round has no mean")
         if self.count == 0 or self.total_weight <= 0:
             raise ValueError(f"weights must not all be zero and at least one state is needed (got {self.count} states, "
                              f"total weight {self.total_weight:g})")

@@ -202,8 +202,10 @@ class RoundAggregator(Aggregator):
                         self.logger.warning(f"the round's largest claim is held in memory: its temporary file "
                                             f"could not be written ({why})")
                     if held is not None:
-                        self._running.add_held(held[2], held[1])
-                        held[2].close()
+                        try:
+                            self._running.add_held(held[2], held[1])
+                        finally:
+                            held[2].close()
                     self._held = (site, weight, kept)
                 else:
                     self._running.add(tensors, weight)
@@ -278,13 +280,24 @@ class RoundAggregator(Aggregator):
             site, claimed, tensors = self._held
             others = [w for s, w in self._weights.items() if s != site]
             counted = min(claimed, self.max_weight_ratio * float(np.median(others))) if others else claimed
-            self._running.add_held(tensors, counted)
-            tensors.close()
+            try:
+                self._running.add_held(tensors, counted)
+            finally:
+                tensors.close()
             self._weights[site] = counted
             if counted < claimed:
                 self.capped[site] = (claimed, counted)
             self._held = None
         return self._running.result() if self._running.count and self._running.total_weight > 0 else {}
+
+    def round_average_or_stop(self, fl_ctx: FLContext) -> dict | None:
+        """:meth:`round_average`, or None after stopping the run with its reason when the round's sum is incomplete
+        (a held claim the server could not read back): a partial sum never becomes a global model."""
+        try:
+            return self.round_average()
+        except ValueError as e:
+            self.system_panic(str(e), fl_ctx)
+            return None
 
     def retained(self, site: str) -> dict:
         """The tensors of ``site`` kept aside by ``keep(..., retain=...)`` this round."""
@@ -417,7 +430,9 @@ class FedAvgAggregator(RoundAggregator):
         sites, n_clients = self.round_sites(fl_ctx)
         if not sites:
             return Shareable()
-        avg = self.round_average()
+        avg = self.round_average_or_stop(fl_ctx)
+        if avg is None:
+            return Shareable()
         for site, (claimed, counted) in self.capped.items():
             self.log_warning(fl_ctx, f"{site} claimed weight {claimed:g}; counted {counted:g} "
                                      f"({self.max_weight_ratio:g} x the median of the other sites')")

@@ -133,7 +133,10 @@ class SurgicalAggregator(RoundAggregator):
         reg = get_registry(fl_ctx, type(self).__name__)
         global_weights = fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)[ModelLearnableKey.WEIGHTS]
         _, heads = expected_keys(list(global_weights), reg, self.head)
-        out: dict[str, np.ndarray] = dict(self.round_average())  # backbone, and the heads unless surgical
+        avg = self.round_average_or_stop(fl_ctx)
+        if avg is None:
+            return Shareable()
+        out: dict[str, np.ndarray] = dict(avg)  # backbone, and the heads unless surgical
         wk, bk = f"{self.head}.weight", f"{self.head}.bias"
         if heads and reg.method == "surgical":
             out[wk], out[bk] = merge_heads(

@@ -82,3 +82,24 @@ def test_hold_keeps_the_state_in_memory_when_no_file_can_be_written(tmp_path):
     assert isinstance(kept, spill.SpilledState) and why == ""
     assert os.listdir(tmp_path) == []  # the file never had a name there
     kept.close()
+
+
+def test_a_held_state_that_cannot_be_read_back_whole_leaves_a_sum_with_no_mean():
+    """Half of a held claim in the sum cannot be taken out again: the sum refuses to give a mean, so a partial
+    contribution never becomes a global model."""
+    class Failing:
+        shapes, dtypes = {"w": (4,)}, {"w": np.dtype(np.float32)}
+
+        def pieces(self, key):
+            yield 0, np.ones(2, np.float32)
+            raise OSError("disk gone")
+
+    run = RunningAverage()
+    run.add({"w": np.zeros(4, np.float32)}, 1)
+    with pytest.raises(ValueError, match=r"read back whole \(OSError: disk gone\)"):
+        run.add_held(Failing(), 1)
+    with pytest.raises(ValueError, match="incomplete: a held contribution could not be read back whole"):
+        run.result()
+    run.clear()  # the next round starts whole
+    run.add({"w": np.ones(4, np.float32)}, 1)
+    assert np.array_equal(run.result()["w"], np.ones(4, np.float32))

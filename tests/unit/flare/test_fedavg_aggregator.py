@@ -417,3 +417,41 @@ def test_the_held_claim_waits_in_a_file_not_in_the_servers_memory(tmp_path, monk
     assert np.array_equal(fallback["w"], out["w"])
     lines = [r.getMessage() for r in caplog.records if "held in memory" in r.getMessage()]
     assert len(lines) == 1 and "FileNotFoundError" in lines[0]
+
+
+def test_a_held_claim_that_cannot_be_read_back_stops_the_run_instead_of_making_a_global_model(tmp_path, monkeypatch):
+    """The server's own file fails half way through the held claim: no partial mean is returned, the run is stopped
+    with the reason, and the file is closed."""
+    from fedssl.core.spill import SpilledState
+    agg, c = FedAvgAggregator(weighting="num_samples"), ctx(tmp_path)
+    honest = {"w": np.array([1.0, 0.0], np.float32), "b": np.zeros(1, np.float32)}
+    for i, n in enumerate((10, 12), start=1):  # round 0: the larger claim waits
+        assert agg.accept(contribution(f"site-{i}", honest, {"num_samples": n}), c)
+    held = agg._held[2]
+    assert isinstance(held, SpilledState)
+
+    def broken(self, key):
+        raise OSError("read error")
+        yield
+
+    monkeypatch.setattr(SpilledState, "pieces", broken)
+    panics = []
+    agg.system_panic = lambda reason, fl_ctx: panics.append(reason)
+    out = agg.aggregate(c)
+    assert from_shareable_or_none(out) is None and held._file.closed
+    assert len(panics) == 1 and "could not be read back whole (OSError: read error)" in panics[0]
+    # a second round is whole again
+    monkeypatch.undo()
+    agg.system_panic = lambda reason, fl_ctx: panics.append(reason)
+    agg.reset(c)
+    for i, n in enumerate((10, 12), start=1):
+        assert agg.accept(contribution(f"site-{i}", honest, {"num_samples": n}), c)
+    np.testing.assert_allclose(from_shareable(agg.aggregate(c)).data["w"], [1.0, 0.0])
+    assert len(panics) == 1
+
+
+def from_shareable_or_none(s):
+    try:
+        return from_shareable(s).data
+    except Exception:  # noqa: BLE001 -- an empty Shareable holds no DXO
+        return None

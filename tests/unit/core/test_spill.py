@@ -56,10 +56,10 @@ def test_the_sum_of_a_held_state_is_the_sum_of_the_state_to_the_last_bit(monkeyp
 
 def test_a_spilled_state_is_not_in_the_process_memory():
     """A 4 MB state spilled: the traced memory does not hold it once the caller drops its arrays."""
-    state = {"w": np.ones(1 << 20, np.float32)}
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
+        state = {"w": np.ones(1 << 20, np.float32)}
         held = spill.SpilledState(state)
         del state
         assert tracemalloc.get_traced_memory()[0] - before < 1 << 20

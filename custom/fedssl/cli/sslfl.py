@@ -158,13 +158,20 @@ def _tables_args(s) -> None:
     s.add_argument("--seeds", nargs="+", type=SEED, default=None,
                    help="data + job seeds (default: the profile's, 0 1 2; a row of fewer seeds is marked as not a "
                         "finding)")
+    s.add_argument("--pretrain-rounds", type=COUNT, default=None,
+                   help="pre-training rounds of every pre-trained method (default: the profile's job setting; the "
+                        "learning-rate schedule spans them): the compute curve's multiples of the table's rounds")
+    s.add_argument("--finetune-rounds", type=COUNT, default=None,
+                   help="fine-tuning rounds of the pre-trained rows (default: the profile's job setting); ViT "
+                        "scratch gets scratch_rounds_ratio times as many")
     add_threads_argument(s)
 
 
 def _tables(a) -> None:
     from fedssl.experiments.sslfl_tables import run_sslfl_table, table_settings
 
-    settings = table_settings(a.profile, splits=a.splits, methods=a.methods, seeds=a.seeds)
+    settings = table_settings(a.profile, splits=a.splits, methods=a.methods, seeds=a.seeds,
+                              pretrain_rounds=a.pretrain_rounds, finetune_rounds=a.finetune_rounds)
     run_sslfl_table(a.out, settings, say=lambda m: print(m, flush=True), threads=a.threads)
 
 

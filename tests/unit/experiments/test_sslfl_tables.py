@@ -320,8 +320,14 @@ def test_cli_tables_parses_and_passes_the_settings(tmp_path, monkeypatch):
     assert seen["out"] == str(tmp_path) and seen["threads"] == 2
     s = seen["settings"]
     assert (s["splits"], s["methods"], s["seeds"], s["profile"]) == ([3], ["scratch", "fedmae"], [0, 1], "bench")
+    assert (s["pretrain_rounds"], s["finetune_rounds"]) == (None, None)  # the profile's job settings
+    assert main(["sslfl", "tables", "--out", str(tmp_path), "--pretrain-rounds", "320", "--finetune-rounds",
+                 "70"]) == 0  # the compute curve's multiples
+    assert (seen["settings"]["pretrain_rounds"], seen["settings"]["finetune_rounds"]) == (320, 70)
     assert main(["sslfl", "tables", "--out", str(tmp_path)]) == 0  # the defaults: three seeds, one thread
     assert seen["settings"]["seeds"] == [0, 1, 2] and seen["threads"] == 1
+    with pytest.raises(SystemExit):
+        main(["sslfl", "tables", "--out", str(tmp_path), "--pretrain-rounds", "0"])
     assert st.table_settings("quick")["seeds"] == [0, 1, 2]  # a profile without tables.sslfl: the runner's own
     with pytest.raises(SystemExit):
         main(["sslfl", "tables", "--out", str(tmp_path), "--splits", "4"])

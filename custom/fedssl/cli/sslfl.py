@@ -164,6 +164,9 @@ def _tables_args(s) -> None:
     s.add_argument("--finetune-rounds", type=COUNT, default=None,
                    help="fine-tuning rounds of the pre-trained rows (default: the profile's job setting); ViT "
                         "scratch gets scratch_rounds_ratio times as many")
+    s.add_argument("--scratch-rounds-ratio", type=COUNT, default=None,
+                   help="ViT scratch's fine-tuning rounds over the pre-trained rows' (default: the profile's, else "
+                        "the paper's 10; 1 = equal rounds, the random-init line of a compute curve)")
     add_threads_argument(s)
 
 
@@ -171,7 +174,8 @@ def _tables(a) -> None:
     from fedssl.experiments.sslfl_tables import run_sslfl_table, table_settings
 
     settings = table_settings(a.profile, splits=a.splits, methods=a.methods, seeds=a.seeds,
-                              pretrain_rounds=a.pretrain_rounds, finetune_rounds=a.finetune_rounds)
+                              pretrain_rounds=a.pretrain_rounds, finetune_rounds=a.finetune_rounds,
+                              scratch_rounds_ratio=a.scratch_rounds_ratio)
     run_sslfl_table(a.out, settings, say=lambda m: print(m, flush=True), threads=a.threads)
 
 

@@ -324,6 +324,9 @@ def test_cli_tables_parses_and_passes_the_settings(tmp_path, monkeypatch):
     assert main(["sslfl", "tables", "--out", str(tmp_path), "--pretrain-rounds", "320", "--finetune-rounds",
                  "70"]) == 0  # the compute curve's multiples
     assert (seen["settings"]["pretrain_rounds"], seen["settings"]["finetune_rounds"]) == (320, 70)
+    assert seen["settings"]["scratch_rounds_ratio"] == st.PAPER_SCRATCH_ROUNDS_RATIO  # not given: the paper's
+    assert main(["sslfl", "tables", "--out", str(tmp_path), "--scratch-rounds-ratio", "1"]) == 0
+    assert seen["settings"]["scratch_rounds_ratio"] == 1
     assert main(["sslfl", "tables", "--out", str(tmp_path)]) == 0  # the defaults: three seeds, one thread
     assert seen["settings"]["seeds"] == [0, 1, 2] and seen["threads"] == 1
     with pytest.raises(SystemExit):

@@ -36,7 +36,8 @@ import torch
 
 from fedssl.core.checks import require, require_int
 
-__all__ = ["TIE_TOL", "text_to_image_recall", "matched_cosine", "client_summary", "worst_client_floor"]
+__all__ = ["TIE_TOL", "text_to_image_recall", "chance_recall", "matched_cosine", "client_summary",
+           "worst_client_floor"]
 
 #: cosines closer than this to the matched pair's count as ties (against the hit): float noise is not a win
 TIE_TOL = 1e-9
@@ -105,6 +106,26 @@ def text_to_image_recall(z_img, z_txt, ks: Sequence[int] = (1, 5), batch_size: i
             "last batch")
     ranks = torch.cat([_ranks(img[s:s + size], txt[s:s + size]) for s in stops])
     return {f"R@{k}": float((ranks < k).double().mean()) for k in ks}
+
+
+def chance_recall(n_pairs: int, k: int, batch_size: int = 0, *, drop_last: bool = False) -> float:
+    """The recall at ``k`` that :func:`text_to_image_recall` gives, in expectation, to embeddings that carry nothing
+    about the pairing (each text's own image equally likely at every rank of its gallery): its loss-at-chance
+    level.  A batch of ``b`` pairs then holds ``min(k, b)`` hits on average, so with batches of 100 it is 1 % at
+    R@1 and 5 % at R@5, and more for a short last batch (338 pairs: 4 / 338 at R@1).  A client whose measured
+    recall sits at this level has learned nothing its test pairs can show, whatever its weight."""
+    component = "chance_recall"
+    require_int(component, "n_pairs", n_pairs, 1, "give the number of test pairs ranked (at least 1)")
+    require_int(component, "k", k, 1, "use a rank cut-off k >= 1, e.g. 1 or 5")
+    require_int(component, "batch_size", batch_size, 0,
+                "use 0 to rank over the whole split or a positive batch size (the paper ranks within batches)")
+    size = batch_size or n_pairs
+    batches = [min(size, n_pairs - s) for s in range(0, n_pairs, size)]
+    if drop_last and batch_size:
+        batches = [b for b in batches if b == size]
+    require(bool(batches), component, "batch_size", batch_size,
+            f"with drop_last=True a batch size above the {n_pairs} pairs leaves nothing to rank")
+    return sum(min(k, b) for b in batches) / sum(batches)
 
 
 def matched_cosine(z_img, z_txt) -> dict[str, float]:

@@ -27,6 +27,7 @@ run of fewer (the demo: one) says under its table that its comparison is not a f
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -40,14 +41,14 @@ from fedssl.data.vlp import VLPDataset, VLPRecord, load_covidx, load_manifest, l
     write_client_manifests
 from fedssl.data.vocab import build_wordpiece_vocab, make_tokenizer, merge_word_counts, site_word_counts
 from fedssl.eval.feddra_report import cosine_per_turn_png, format_table3, lambda_trajectory_png, variants_png
-from fedssl.eval.retrieval import MAX_FLOOR_PAIRS, client_summary, worst_client_floor
+from fedssl.eval.retrieval import MAX_FLOOR_PAIRS, chance_recall, client_summary, worst_client_floor
 from fedssl.experiments.environment import DEFAULT_THREADS
 from fedssl.experiments.fcl_finetune import load_global_state
 from fedssl.experiments.table_runner import few_seeds_note, format_duration, run_cells, start_run
 from fedssl.models.vlp import VisionLanguageModel
 from fedssl.ops.jobs import REPO_ROOT
 from fedssl.ops.simulate import global_model_path, run_simulation, server_run_dir
-from fedssl.train.feddra import FedDRALocalTrainer, FedDRASettings
+from fedssl.train.feddra import RETRIEVAL_BATCH, FedDRALocalTrainer, FedDRASettings
 from fedssl.train.vlp_finetune import few_shot_finetune
 from fedssl.train.vlp_probe import few_shot_probe
 from fedssl.train.vlp_segment import SegmentationSettings, few_shot_segmentation
@@ -386,6 +387,11 @@ def per_client_lines(results: Sequence[Mapping[str, Any]], seed: int) -> list[st
         c = r["clients"]
         lines.append(f"| {r['variant']} | " + " | ".join(
             f"{100 * c[s]['R@1']:.1f} / {100 * c[s]['R@5']:.1f}" if s in c else "n/a" for s in sites) + " |")
+    chance = {s: _chance(m) for r in cells for s, m in r["clients"].items()}
+    if any(v is not None for v in chance.values()):
+        lines.append("| chance | " + " | ".join(
+            f"{100 * chance[s]['R@1']:.1f} / {100 * chance[s]['R@5']:.1f}" if chance.get(s) else "n/a"
+            for s in sites) + " |")
     for r in cells:
         if r["lambda"]:
             lines.append(f"DRO weights per turn ({r['variant']}):")
@@ -393,6 +399,36 @@ def per_client_lines(results: Sequence[Mapping[str, Any]], seed: int) -> list[st
                 lines.append(f"  turn {t['turn']}: " + ", ".join(f"{s} {w:.3f}" for s, w in sorted(
                     t["lambda"].items(), key=lambda kv: (len(kv[0]), kv[0]))))
     return lines + [""]
+
+
+def _chance(metrics: Mapping[str, Any]) -> dict[str, float] | None:
+    """A client's recall at chance (:func:`fedssl.eval.retrieval.chance_recall`) for its test pairs and gallery
+    batch; cells written before the batch was recorded ranked in the trainer's default batch (RETRIEVAL_BATCH).
+    None without a usable pair count (a site's claim: bounded as the floor's is)."""
+    n = metrics.get("n_pairs")
+    batch = metrics.get("retrieval_batch", min(RETRIEVAL_BATCH, n) if isinstance(n, int) else None)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (n, batch)) or batch > n \
+            or n > MAX_FLOOR_PAIRS:
+        return None
+    return {k: chance_recall(n, int(k[2:]), batch) for k in ("R@1", "R@5")}
+
+
+def at_chance_lines(results: Sequence[Mapping[str, Any]], z: float = 2.0) -> list[str]:
+    """The clients whose R@1 and R@5 both stay within ``z`` binomial standard errors above their chance level, by
+    variant, with the seeds where they do: a worst client there has learned nothing its test pairs can show, so
+    no client weighting can move it."""
+    found: dict[str, dict[str, list]] = {}
+    for r in results:
+        for site, m in r["clients"].items():
+            ch = _chance(m)
+            if ch and all(isinstance(m.get(k), float) and m[k] <= ch[k] + z * math.sqrt(ch[k] * (1 - ch[k])
+                                                                                   / m["n_pairs"]) for k in ch):
+                found.setdefault(r["variant"], {}).setdefault(site, []).append(r["seed"])
+    if not found:
+        return []
+    parts = [f"{v}: " + ", ".join(f"{s} (seeds {', '.join(str(x) for x in sorted(sd))})"
+                                  for s, sd in sorted(found[v].items())) for v in found]
+    return [f"clients at chance (R@1 and R@5 within {z:g} binomial SE of it): " + "; ".join(parts)]
 
 
 def paired_worst(rows: Sequence[Mapping[str, Any]], a: str, b: str, key: str = "worst_R@1") -> dict | None:
@@ -457,7 +493,7 @@ def run(out: str, variants: Sequence[str] = ("fedavg", "feddra"), seeds: Sequenc
              "splits, few-shot linear-probe accuracy (%) on the OOD sets, RSNA segmentation Dice (%, "
              "rsna_seg_*_dice); mean +- std over seeds", "", table, ""]
     lines += [table3_text(rows, variants), ""]
-    lines += per_client_lines(results, seeds[0])
+    lines += per_client_lines(results, seeds[0]) + at_chance_lines(results)
     for name, v in verdicts.items():
         if v:
             verdict = ("one seed: no spread" if v["n"] < 2 else

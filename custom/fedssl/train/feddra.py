@@ -433,8 +433,8 @@ class FedDRALocalTrainer:
             return {}
         with owned_global_rng(derived_seed(self.data_seed, "evaluate", split), self.device):
             z_img, z_txt = self.embed(dataset)
-        out: dict[str, Any] = {"n_pairs": len(z_img)}
         batch = min(self.retrieval_batch, len(z_img))
+        out: dict[str, Any] = {"n_pairs": len(z_img), "retrieval_batch": batch}
         for k, v in text_to_image_recall(z_img, z_txt, ks=(1, 5), batch_size=batch).items():
             out[k] = v
         for k, v in text_to_image_recall(z_img, z_txt, ks=(1, 5), batch_size=0).items():

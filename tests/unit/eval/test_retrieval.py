@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedssl.eval.retrieval import client_summary, matched_cosine, text_to_image_recall, worst_client_floor
+from fedssl.eval.retrieval import chance_recall, client_summary, matched_cosine, text_to_image_recall, \
+    worst_client_floor
 
 # images on the four axes; texts hand-placed (unnormalised on purpose)
 IMG = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0]], dtype=torch.float64)
@@ -127,3 +128,28 @@ def test_the_worst_client_floor_by_hand():
 def test_the_worst_client_floor_refuses_what_it_cannot_compute(recall, sizes, word):
     with pytest.raises(ValueError, match=word):
         worst_client_floor(recall, sizes)
+
+
+def test_chance_recall_by_hand():
+    """min(k, b) hits per batch of b: 338 pairs in batches of 100 are 100, 100, 100, 38."""
+    assert chance_recall(338, 1, 100) == pytest.approx(4 / 338)
+    assert chance_recall(338, 5, 100) == pytest.approx(20 / 338)
+    assert chance_recall(338, 1, 100, drop_last=True) == pytest.approx(3 / 300)
+    assert chance_recall(10, 1) == pytest.approx(1 / 10)  # the whole split is one gallery
+    assert chance_recall(3, 5, 2) == 1.0  # galleries of 2 and 1: every own image is within the top 5
+    # what random embeddings score, on average: 200 draws of 40 pairs in batches of 10 -> near 1/10 at R@1
+    g = torch.Generator().manual_seed(0)
+    got = np.mean([text_to_image_recall(torch.randn(40, 8, generator=g), torch.randn(40, 8, generator=g), ks=(1,),
+                                        batch_size=10)["R@1"] for _ in range(200)])
+    assert got == pytest.approx(chance_recall(40, 1, 10), abs=0.02)
+
+
+@pytest.mark.parametrize("args, word", [((0, 1), "n_pairs"), ((5, 0), "k"), ((5, 1, -1), "batch_size"),
+                                        ((5, 1, 10, True), "batch_size")])
+def test_chance_recall_refuses_what_it_cannot_compute(args, word):
+    n, k, *rest = args
+    kw = {"batch_size": rest[0]} if rest else {}
+    if len(rest) > 1:
+        kw["drop_last"] = rest[1]
+    with pytest.raises(ValueError, match=word):
+        chance_recall(n, k, **kw)

@@ -140,3 +140,23 @@ def test_the_per_client_table_names_each_clients_test_pairs():
     lines = fd.per_client_lines(cells, 0)
     assert lines[1] == "| variant | site-1 (51 pairs) | site-2 |"
     assert lines[3] == "| fedavg | 10.0 / 50.0 | 20.0 / 60.0 |"
+    # chance: 51 pairs ranked in one gallery (the default batch of 100 is cut to the pairs): 1/51 and 5/51
+    assert lines[4] == "| chance | 2.0 / 9.8 | n/a |"
+
+
+def test_clients_at_chance_are_named_with_their_seeds():
+    """338 pairs in batches of 100: chance 4/338 at R@1 and 20/338 at R@5 (FedDRA's site-3 at 25 turns); the 2-SE
+    band at R@1 is 1.18 + 2 x 0.59 = 2.36 %, at R@5 5.92 + 2 x 1.28 = 8.49 %."""
+    def cell(seed, r1, r5, batch=100):
+        return {"variant": "fedavg", "seed": seed, "lambda": [], "clients": {
+            "site-1": {"R@1": 0.2, "R@5": 0.5, "n_pairs": 313},
+            "site-3": {"R@1": r1, "R@5": r5, "n_pairs": 338, "retrieval_batch": batch}}}
+    assert fd.at_chance_lines([cell(0, 4 / 338, 20 / 338), cell(1, 0.023, 0.084)]) == [
+        "clients at chance (R@1 and R@5 within 2 binomial SE of it): fedavg: site-3 (seeds 0, 1)"]
+    assert fd.at_chance_lines([cell(0, 0.025, 0.05)]) == []  # R@1 above the band
+    assert fd.at_chance_lines([cell(0, 0.01, 0.09)]) == []  # R@5 above the band
+    # ranked in one gallery of 338 the chance level is far lower, and 1.2 % R@1 is above its band
+    assert fd.at_chance_lines([cell(0, 4 / 338, 20 / 338, batch=338)]) == []
+    huge = cell(0, 0.0, 0.0)
+    huge["clients"]["site-3"]["n_pairs"] = 10 ** 9  # a site's claim is bounded, not looped over
+    assert fd.at_chance_lines([huge]) == []

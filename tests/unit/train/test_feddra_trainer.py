@@ -237,3 +237,12 @@ def test_local_loss_arguments_are_checked_at_once(site):
         trainer(site, local_loss="gloria", local_loss_args={"gamma9": 1.0})
     with pytest.raises(ValueError, match=r"tau2=-1"):
         trainer(site, local_loss="mgca", local_loss_args={"tau2": -1})
+
+
+def test_evaluate_records_the_gallery_batch_it_ranked_in(site):
+    """The per-client chance level needs the batch each text was ranked in: min(retrieval_batch, pairs)."""
+    tr = trainer(site)
+    out = tr.evaluate("test")
+    assert out["n_pairs"] == len(tr.test) and out["retrieval_batch"] == min(100, len(tr.test))
+    tr.retrieval_batch = 2
+    assert tr.evaluate("test")["retrieval_batch"] == 2

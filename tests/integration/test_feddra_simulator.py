@@ -38,6 +38,7 @@ def test_feddra_mimic_runs_two_stage_turns_with_dro_weights(tmp_path):
         # number of hits out of them
         rows = open(tmp_path / "sites" / site / "manifest.csv").read().splitlines()[1:]
         assert m["n_pairs"] == sum(",test," in r for r in rows)
+        assert m["retrieval_batch"] == min(100, m["n_pairs"])  # the gallery its chance level is computed for
         for k in ("R@1", "R@5"):
             assert m[k] * m["n_pairs"] == pytest.approx(round(m[k] * m["n_pairs"]), abs=1e-6)
     # a turn moves the whole model up and down once plus the alignment part once each way

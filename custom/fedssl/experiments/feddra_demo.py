@@ -237,7 +237,8 @@ def run_federated(key: Mapping[str, Any], data: str, out: str, settings: Mapping
     model.load_state_dict(load_global_state(global_model_path(ws)))
     comm = summary.get("communication", {})
     return {"variant": variant, "seed": seed, "clients": {s: {k: m[k] for k in ("R@1", "R@5", "split_R@1", "split_R@5",
-                                                                           "cos_matched", "cos_unmatched", "n_pairs")
+                                                                           "cos_matched", "cos_unmatched", "n_pairs",
+                                                                           "retrieval_batch")
                                                               if k in m}
                                                           for s, m in test["sites"].items()},
             "lambda": trajectory, "cosine_per_turn": _site_turn_records(ws),

@@ -95,14 +95,18 @@ def _table_args(s) -> None:
                    help="probability that a study takes its finding code's institution style (language and "
                         "acquisition; default: the demo's 0.7): the synthetic clients' heterogeneity, to calibrate on "
                         "FedAvg alone")
+    s.add_argument("--device-rate", type=PROBABILITY, default=None,
+                   help="probability of each line, tube or pacemaker in a study, drawn in its image and named in its "
+                        "report (default: the demo's 0, none): without them a study with no finding shares nothing "
+                        "with its report but the style, and a client of such studies retrieves at chance")
     s.add_argument("--data-root", default=None, help="a folder with sites/ and ood/ (default: synthetic under --out)")
     add_threads_argument(s)
 
 
 def table_overrides(a) -> dict | None:
     """The demo settings the table's flags change (None: the demo's own)."""
-    out = {k: v for k, v in (("turns", a.turns), ("n_patients", a.patients), ("style_coupling", a.style_coupling))
-           if v is not None}
+    out = {k: v for k, v in (("turns", a.turns), ("n_patients", a.patients), ("style_coupling", a.style_coupling),
+                             ("device_rate", a.device_rate)) if v is not None}
     return out or None
 
 

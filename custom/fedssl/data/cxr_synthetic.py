@@ -33,6 +33,7 @@ from fedssl.data.cxr import ALL_CLASSES, CHEXPERT_CLASSES, NIH_CLASSES, NIH_RAW_
 
 __all__ = [
     "SOURCES",
+    "DEVICES",
     "render_cxr",
     "write_synthetic_nih",
     "write_synthetic_chexpert",
@@ -46,6 +47,18 @@ SOURCES: dict[str, dict[str, float]] = {
     "nih": {"gamma": 1.0, "offset": 0.0, "contrast": 1.0, "noise": 0.03, "blur": 0, "aspect": 1.0},
     "chexpert": {"gamma": 0.8, "offset": 0.05, "contrast": 0.9, "noise": 0.05, "blur": 0, "aspect": 0.85},
     "mimic": {"gamma": 1.25, "offset": -0.03, "contrast": 1.1, "noise": 0.04, "blur": 1, "aspect": 1.0},
+}
+
+
+#: Lines, tubes and a pacemaker as MIMIC-CXR's ICU studies show them, with or without any finding: each a set of
+#: bright segments (x0, y0, x1, y1, half-width; image fractions, the patient's right on the image's left) at its
+#: usual place: an endotracheal tube in the trachea, an enteric tube down past the diaphragm, a right internal
+#: jugular line to the superior vena cava, a left chest-wall pacemaker with two leads into the heart.
+DEVICES: dict[str, tuple[tuple[float, float, float, float, float], ...]] = {
+    "endotracheal tube": ((0.5, 0.0, 0.5, 0.27, 0.016),),
+    "enteric tube": ((0.47, 0.0, 0.47, 0.5, 0.012), (0.47, 0.5, 0.6, 0.86, 0.012)),
+    "right jugular line": ((0.36, 0.02, 0.44, 0.2, 0.012), (0.44, 0.2, 0.46, 0.38, 0.012)),
+    "pacemaker": ((0.7, 0.13, 0.8, 0.13, 0.035), (0.72, 0.15, 0.55, 0.55, 0.01), (0.72, 0.15, 0.5, 0.68, 0.01)),
 }
 
 
@@ -90,13 +103,18 @@ def _lung(an: dict, side: int) -> tuple[float, float, float, float]:
 
 
 def render_cxr(findings: Sequence[str], rng: np.random.Generator, size: int = 64, source: str = "nih",
-               anatomy: dict | None = None, frontal: bool = True) -> np.ndarray:
-    """A uint8 grayscale frontal (or lateral) CXR ``[size, round(size * aspect)]`` showing ``findings``."""
+               anatomy: dict | None = None, frontal: bool = True, devices: Sequence[str] = ()) -> np.ndarray:
+    """A uint8 grayscale frontal (or lateral) CXR ``[size, round(size * aspect)]`` showing ``findings``, and on a
+    frontal view the named ``devices`` (:data:`DEVICES`: each at its usual place, drawn without a draw from ``rng``,
+    so an image without devices is the same as before they existed)."""
     if source not in SOURCES:
         raise ValueError(f"source={source!r}: use one of {sorted(SOURCES)}")
     unknown = [f for f in findings if f not in ALL_CLASSES]
     if unknown:
         raise ValueError(f"findings {unknown} are not classes of {list(ALL_CLASSES)}")
+    unknown = [d for d in devices if d not in DEVICES]
+    if unknown:
+        raise ValueError(f"devices {unknown} are not among {list(DEVICES)}")
     app = SOURCES[source]
     an = anatomy if anatomy is not None else _anatomy(rng)
     h, w = size, max(8, int(round(size * app["aspect"])))
@@ -126,6 +144,10 @@ def render_cxr(findings: Sequence[str], rng: np.random.Generator, size: int = 64
     for name in ALL_CLASSES:
         if name in f and name in _MARKS:
             _MARKS[name](cv, img, an, lungs, rng)
+    for name in DEVICES:
+        if name in devices:
+            for x0, y0, x1, y1, width in DEVICES[name]:
+                img[cv.line(x0, y0, x1, y1, width)] = 1.0
     return _finish(img, rng, app)
 
 

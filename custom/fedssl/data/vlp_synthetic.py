@@ -51,7 +51,7 @@ from PIL import Image
 
 from fedssl.core.checks import require, require_int
 from fedssl.data.cxr import MIMIC_LABELS, MIMIC_METADATA, MIMIC_SPLIT
-from fedssl.data.cxr_synthetic import _anatomy, render_cxr
+from fedssl.data.cxr_synthetic import DEVICES, _anatomy, render_cxr
 from fedssl.data.image_synthetic import render, save_image
 from fedssl.data.vlp_segmentation import RSNA_FRAME
 from fedssl.data.vlp import BRSET_CSVS, FEDDRA_FINDINGS, MESSIDOR2_CSV, N_CODES, finding_code
@@ -151,6 +151,14 @@ _FILLER = ("The cardiomediastinal silhouette is normal.", "Heart size is normal.
 _INDICATION = ("___M with shortness of breath.", "___F with fever and cough, eval for pneumonia.",
                "___-year-old with chest pain.", "___M with hypoxia.", "___F status post line placement.")
 _P_STYLE_PREFERRED = 0.7
+#: what a report says of each device :func:`fedssl.data.cxr_synthetic.render_cxr` draws (as MIMIC-CXR's reports
+#: do, whatever the findings: a study without any finding still differs from the next by its lines and tubes)
+DEVICE_SENTENCES = {
+    "endotracheal tube": "Endotracheal tube terminates about 4 cm above the carina.",
+    "enteric tube": "An enteric tube courses below the diaphragm with the tip out of view.",
+    "right jugular line": "Right internal jugular central venous catheter terminates in the mid SVC.",
+    "pacemaker": "Left chest wall pacemaker with leads in the right atrium and right ventricle.",
+}
 _P_NO_SECTIONS = 0.03
 _P_LATERAL = 0.10
 _P_VALIDATE = 0.05
@@ -224,8 +232,10 @@ def _section(name: str, body: str, inline: bool) -> str:
 
 
 def _report(rng: np.random.Generator, style: dict, drawn: Sequence[str], values: dict[str, str],
-            no_sections: bool) -> tuple[str, bool, bool]:
-    """(report text, has findings, has impression); ``values`` = the CheXpert value of every FedDRA finding."""
+            no_sections: bool, devices: Sequence[str] = ()) -> tuple[str, bool, bool]:
+    """(report text, has findings, has impression); ``values`` = the CheXpert value of every FedDRA finding;
+    ``devices`` open the findings (or close the impression when there are no findings), with no draw from ``rng``:
+    a report without devices is the one written before they existed."""
     term = {f: _choice(rng, style["terms"][f]) for f in FEDDRA_FINDINGS}
     head = []
     if style["wet_read"]:
@@ -251,7 +261,7 @@ def _report(rng: np.random.Generator, style: dict, drawn: Sequence[str], values:
     if not drawn and rng.random() < 0.8:
         sents.insert(0, style["clear"])
     order = rng.permutation(len(sents))
-    sents = [sents[i] for i in order]
+    sents = [DEVICE_SENTENCES[d] for d in devices] + [sents[i] for i in order]
     sents += [_FILLER[i] for i in sorted(rng.choice(len(_FILLER), size=int(rng.integers(0, 3)), replace=False))]
     has_f = rng.random() < style["p_findings"]
     has_i = rng.random() < style["p_impression"]
@@ -269,6 +279,7 @@ def _report(rng: np.random.Generator, style: dict, drawn: Sequence[str], values:
             imp += " " + _cap(style["negative_list"].replace("{terms}", _join([term[f] for f in negated], "or")))
         if not has_f:
             imp += "".join(f" Cannot exclude {term[f]}." for f in absent if values[f] == "-1.0")
+            imp += "".join(f" {DEVICE_SENTENCES[d]}" for d in devices)
         blocks.append(_section(style["impression"], imp, style["inline"]))
     return "\n".join(head) + "\n" + "\n \n".join(blocks) + "\n", has_f, has_i
 
@@ -281,7 +292,7 @@ def _label_value(rng: np.random.Generator) -> str:
 
 def write_synthetic_mimic(out: object, n_patients: int = 200, studies_per_patient: tuple[int, int] = (1, 2),
                           image_px: int = 64, seed: int = 0, test_fraction: float = 0.2, n_styles: int = 5,
-                          style_coupling: float = _P_STYLE_PREFERRED) -> dict:
+                          style_coupling: float = _P_STYLE_PREFERRED, device_rate: float = 0.0) -> dict:
     """MIMIC-CXR (reports) + MIMIC-CXR-JPG (images, the three ``mimic-cxr-2.0.0-*.csv.gz``) under ``out``.
 
     Args:
@@ -296,6 +307,12 @@ def write_synthetic_mimic(out: object, n_patients: int = 200, studies_per_patien
             else in a uniformly drawn one (default 0.7).  Clients cut by LDA over the codes then differ in language
             and acquisition as much as this couples style to code: the data's heterogeneity knob, to be calibrated
             on FedAvg alone (issue 44, H6); 1 makes every code's studies one institution's.
+        device_rate: probability of each of :data:`fedssl.data.cxr_synthetic.DEVICES` in a study (independently),
+            drawn in the frontal image and named in the report (CheXpert "Support Devices" 1.0), from a generator
+            of their own: the studies, findings, styles and so the clients' split are those of ``device_rate=0``
+            (the default, which writes exactly what the writer wrote before devices existed).  Without devices a
+            study with no finding shares nothing with its report but the style, so a client of normal studies
+            can only retrieve at chance; with them its pairs differ as real ones do.
 
     Returns:
         summary dict: ``root``, ``n_patients``, ``n_studies``, ``images`` (frontal images with a FINDINGS or
@@ -303,7 +320,7 @@ def write_synthetic_mimic(out: object, n_patients: int = 200, studies_per_patien
         ``skipped_lateral`` (as the loader counts them), ``splits`` (studies per official split), ``styles`` and
         ``sources`` (studies per style / acquisition), ``drawn`` (studies showing each finding), ``feddra_positive``
         (studies whose FedDRA label is 1), ``explicit`` (absent findings written 0.0 / -1.0), ``codes`` (studies per
-        FedDRA code) and ``study_styles`` (study id -> style name).
+        FedDRA code), ``study_styles`` (study id -> style name) and ``devices`` (studies showing each device).
     """
     require_int("write_synthetic_mimic", "n_patients", n_patients, 1, "use a positive number of patients")
     _check_px(image_px)
@@ -317,9 +334,13 @@ def write_synthetic_mimic(out: object, n_patients: int = 200, studies_per_patien
     require(isinstance(style_coupling, (int, float)) and not isinstance(style_coupling, bool)
             and 0.0 <= style_coupling <= 1.0, "write_synthetic_mimic", "style_coupling", style_coupling,
             "use a probability in [0, 1], e.g. 0.7 (the default)")
+    require(isinstance(device_rate, (int, float)) and not isinstance(device_rate, bool)
+            and 0.0 <= device_rate <= 1.0, "write_synthetic_mimic", "device_rate", device_rate,
+            "use a probability in [0, 1], e.g. 0.3, or 0 for no devices (the default)")
     rp = Path(os.fspath(out))
     rp.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng([seed, 17])
+    device_rng = np.random.default_rng([seed, 17, 1])  # its own stream: devices change nothing else
     styles = STYLES[:n_styles]
     preferred = rng.integers(0, n_styles, size=N_CODES)  # each FedDRA code's preferred style
     n_studies = rng.integers(spp[0], spp[1] + 1, size=n_patients)
@@ -333,7 +354,7 @@ def write_synthetic_mimic(out: object, n_patients: int = 200, studies_per_patien
                "skipped_lateral": 0, "splits": {"train": 0, "validate": 0, "test": 0},
                "styles": {s["name"]: 0 for s in styles}, "sources": {}, "drawn": {f: 0 for f in FEDDRA_FINDINGS},
                "feddra_positive": {f: 0 for f in FEDDRA_FINDINGS}, "explicit": {"0.0": 0, "-1.0": 0},
-               "codes": [0] * N_CODES, "study_styles": {}}
+               "codes": [0] * N_CODES, "study_styles": {}, "devices": {d: 0 for d in DEVICES}}
     k = 0
     for i, subject in enumerate(subjects):
         an = _anatomy(rng)
@@ -347,7 +368,8 @@ def write_synthetic_mimic(out: object, n_patients: int = 200, studies_per_patien
             s_idx = int(preferred[code]) if rng.random() < style_coupling else int(rng.integers(0, n_styles))
             style = styles[s_idx]
             no_sections = rng.random() < _P_NO_SECTIONS
-            text, _, _ = _report(rng, style, drawn, values, no_sections)
+            devices = [d for d in DEVICES if device_rng.random() < device_rate] if device_rate else []
+            text, _, _ = _report(rng, style, drawn, values, no_sections, devices)
             folder = rp / "files" / f"p{str(subject)[:2]}" / f"p{subject}"
             folder.mkdir(parents=True, exist_ok=True)
             (folder / f"s{study}.txt").write_text(text, encoding="utf-8")
@@ -355,11 +377,13 @@ def write_synthetic_mimic(out: object, n_patients: int = 200, studies_per_patien
             row.update(values)
             row["No Finding"] = "" if drawn else "1.0"
             row["Lung Opacity"] = "1.0" if {"Consolidation", "Pneumonia", "Edema"} & set(drawn) else ""
+            row["Support Devices"] = "1.0" if devices else ""
             lab_rows.append([str(subject), str(study)] + [row[c] for c in CHEXPERT_COLUMNS])
             views = [_choice(rng, ("PA", "AP"))] + (["LATERAL"] if rng.random() < _P_LATERAL else [])
             for view in views:
                 dicom = "-".join(f"{int(rng.integers(0, 2 ** 32)):08x}" for _ in range(5))
-                img = render_cxr(drawn, rng, image_px, style["source"], an, frontal=view != "LATERAL")
+                img = render_cxr(drawn, rng, image_px, style["source"], an, frontal=view != "LATERAL",
+                                 devices=devices)
                 path = folder / f"s{study}" / f"{dicom}.jpg"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 Image.fromarray(img).save(path, quality=95)
@@ -377,6 +401,8 @@ def write_synthetic_mimic(out: object, n_patients: int = 200, studies_per_patien
             summary["sources"][style["source"]] = summary["sources"].get(style["source"], 0) + 1
             summary["codes"][code] += 1
             summary["study_styles"][str(study)] = style["name"]
+            for d in devices:
+                summary["devices"][d] += 1
             for f in FEDDRA_FINDINGS:
                 summary["drawn"][f] += f in drawn
                 summary["feddra_positive"][f] += values[f] != ""

@@ -66,7 +66,8 @@ SWITCHES: dict[str, dict[str, Any]] = {
 LOCAL = ("decentralised", "centralised")
 VARIANTS = tuple(SWITCHES) + LOCAL
 #: the demo's settings (2-core CPU, about 2-3 minutes per federated cell)
-DEMO = {"n_clients": 5, "alpha": 1.0, "n_patients": 1000, "style_coupling": 0.7, "image_px": 64, "preset": "small",
+DEMO = {"n_clients": 5, "alpha": 1.0, "n_patients": 1000, "style_coupling": 0.7, "device_rate": 0.0, "image_px": 64,
+        "preset": "small",
         "vocab_size": 1024,
         "turns": 6, "align_steps": 6, "steps": 15, "batch_size": 32, "lr": 2e-4, "mu": 5.0, "rho": 0.1, "gamma": 0.5,
         "max_text_len": 64, "ood_images": 300, "probe_fractions": [0.01, 0.1],
@@ -97,7 +98,7 @@ def write_demo_data(out: str, settings: Mapping[str, Any], seed: int = 0) -> str
     raw, sites, ood = (os.path.join(out, d) for d in ("raw", "sites", "ood"))
     if not os.path.isdir(sites):
         info = write_synthetic_mimic(raw, n_patients=settings["n_patients"], image_px=settings["image_px"], seed=seed,
-                                     style_coupling=settings["style_coupling"])
+                                     style_coupling=settings["style_coupling"], device_rate=settings["device_rate"])
         records, counts = load_mimic_vlp(raw, site="synthetic")
         write_client_manifests(records, sites + ".tmp", n_clients=settings["n_clients"], alpha=settings["alpha"],
                                seed=seed)

@@ -265,9 +265,12 @@ def read_run_config(out: str, fix: str) -> dict | None:
 
 #: the key of ``run_config.json`` that lists the environments a folder's cells were computed in (facts, not settings)
 ENVIRONMENTS = "environments"
-#: settings recorded only since a later version: a run_config written before lacks them and still resumes (the
-#: setting is recorded from then on, with a line saying so); one that has them must match like any setting
-LATER_SETTINGS = ("threads",)
+#: settings recorded only since a later version, each with the value every older run had (ANY_VALUE: none in
+#: particular, as for the thread count): a run_config written before lacks them and still resumes when the setting
+#: is that value (it is recorded from then on, with a line saying so), and is refused with any other; one that has
+#: them must match like any setting
+ANY_VALUE = object()
+LATER_SETTINGS: dict[str, Any] = {"threads": ANY_VALUE, "device_rate": 0.0}
 
 
 def check_run_config(out: str, config: Mapping[str, Any], *, env: Mapping[str, Any] | None = None,
@@ -299,7 +302,8 @@ def check_run_config(out: str, config: Mapping[str, Any], *, env: Mapping[str, A
         before = {k: old.pop(k) for k in grown if k in old}
         grown = {k: sorted(set(v) | set(before.get(k) if isinstance(before.get(k), list) else [])) for k, v in
                  grown.items()}
-        added = [k for k in LATER_SETTINGS if k in config and k not in old]
+        added = [k for k, was in LATER_SETTINGS.items() if k in config and k not in old
+                 and (was is ANY_VALUE or config[k] == was)]
         changed = sorted(k for k in set(old) | set(config) if old.get(k) != config.get(k) and k not in added)
         if changed:
             fix = ("re-run with the same settings to resume, or use another --out"

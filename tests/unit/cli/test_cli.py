@@ -231,9 +231,13 @@ def test_feddra_table_hands_turns_and_patients_to_the_runner_as_demo_settings(mo
     assert main(["feddra", "table", "--out", "o", "--patients", "5000", "--turns", "25"]) == 0
     assert main(["feddra", "table", "--out", "o"]) == 0
     assert main(["feddra", "table", "--out", "o", "--style-coupling", "1"]) == 0
-    assert seen == [{"turns": 25, "n_patients": 5000}, None, {"style_coupling": 1.0}]  # None: the demo's own
+    assert main(["feddra", "table", "--out", "o", "--device-rate", "0.3"]) == 0
+    assert seen == [{"turns": 25, "n_patients": 5000}, None, {"style_coupling": 1.0},
+                    {"device_rate": 0.3}]  # None: the demo's own
     p, _ = _parser()
     with pytest.raises(SystemExit):
         p.parse_args(["feddra", "table", "--out", "o", "--patients", "0"])
     with pytest.raises(SystemExit):
         p.parse_args(["feddra", "table", "--out", "o", "--style-coupling", "1.5"])
+    with pytest.raises(SystemExit):
+        p.parse_args(["feddra", "table", "--out", "o", "--device-rate", "-0.1"])

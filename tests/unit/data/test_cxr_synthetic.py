@@ -14,11 +14,16 @@ from fedssl.data.cxr_synthetic import (render_cxr, write_synthetic_mimic_cxr, wr
 from fedssl.eval.auroc import auroc
 
 
-def test_every_finding_leaves_a_visible_mark(monkeypatch):
+def _noiseless(monkeypatch, source):
+    """Sources without noise, one patient's anatomy and its image without findings (generator seed 1)."""
     quiet = {k: dict(v, noise=0.0) for k, v in cxr_synthetic.SOURCES.items()}
     monkeypatch.setattr(cxr_synthetic, "SOURCES", quiet)
     anatomy = cxr_synthetic._anatomy(np.random.default_rng(0))
-    base = render_cxr([], np.random.default_rng(1), 64, "nih", anatomy).astype(int)
+    return anatomy, render_cxr([], np.random.default_rng(1), 64, source, anatomy).astype(int)
+
+
+def test_every_finding_leaves_a_visible_mark(monkeypatch):
+    anatomy, base = _noiseless(monkeypatch, "nih")
     marks = {}
     for c in ALL_CLASSES:
         img = render_cxr([c], np.random.default_rng(1), 64, "nih", anatomy).astype(int)
@@ -28,6 +33,33 @@ def test_every_finding_leaves_a_visible_mark(monkeypatch):
     # marks differ between classes (not all the same pixels)
     sigs = {c: m.tobytes() for c, m in marks.items()}
     assert len(set(sigs.values())) == len(ALL_CLASSES)
+
+
+def test_every_device_leaves_its_own_mark_on_a_frontal_view_only(monkeypatch):
+    """Devices are drawn without a draw from the generator: the image around them is the one without them."""
+    anatomy, base = _noiseless(monkeypatch, "mimic")
+    marks = {}
+    for d in cxr_synthetic.DEVICES:
+        rng = np.random.default_rng(1)
+        img = render_cxr([], rng, 64, "mimic", anatomy, devices=[d]).astype(int)
+        changed = np.abs(img - base) > 20
+        assert changed.sum() >= 10, f"{d} leaves no visible mark"
+        assert changed.mean() < 0.1  # the rest of the image is the one without it
+        marks[d] = changed.tobytes()
+        # the generator is left where an image without devices leaves it
+        assert rng.random() == pytest.approx(_after_plain_render(anatomy))
+    assert len(set(marks.values())) == len(cxr_synthetic.DEVICES)
+    lateral = render_cxr([], np.random.default_rng(1), 64, "mimic", anatomy, frontal=False)
+    assert np.array_equal(render_cxr([], np.random.default_rng(1), 64, "mimic", anatomy, frontal=False,
+                                     devices=list(cxr_synthetic.DEVICES)), lateral)
+    with pytest.raises(ValueError, match="devices"):
+        render_cxr([], np.random.default_rng(0), devices=["stent"])
+
+
+def _after_plain_render(anatomy) -> float:
+    rng = np.random.default_rng(1)
+    render_cxr([], rng, 64, "mimic", anatomy)
+    return rng.random()
 
 
 def test_sources_look_different():

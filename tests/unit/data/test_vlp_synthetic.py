@@ -27,6 +27,7 @@ from fedssl.data.vlp import (
     retina_caption,
 )
 from fedssl.data.vlp_synthetic import (
+    DEVICE_SENTENCES,
     RETINA_CAMERAS,
     REPORT_TERMS,
     STYLES,
@@ -158,6 +159,37 @@ def test_style_coupling_ties_each_codes_studies_to_one_institution_or_none(tmp_p
     for bad in (-0.1, 1.5, True, "0.5"):
         with pytest.raises(ValueError, match="style_coupling"):
             write_synthetic_mimic(tmp_path / "bad", n_patients=2, image_px=16, style_coupling=bad)
+
+
+def test_devices_give_normal_studies_something_to_pair_by_and_change_nothing_else(tmp_path):
+    """device_rate draws lines and tubes from a stream of their own: studies, findings, styles, splits and so the
+    clients' split stay those of device_rate=0 (which writes what the writer wrote before); a study shows devices in
+    its frontal image exactly when its report names them and CheXpert's Support Devices is 1.0."""
+    a = write_synthetic_mimic(tmp_path / "a", n_patients=80, image_px=32, seed=2, style_coupling=1.0)
+    b = write_synthetic_mimic(tmp_path / "b", n_patients=80, image_px=32, seed=2, style_coupling=1.0, device_rate=0.4)
+    assert set(a["devices"].values()) == {0} and all(n > 0 for n in b["devices"].values())
+    same = ("n_studies", "images", "splits", "styles", "drawn", "feddra_positive", "codes", "study_styles")
+    assert {k: a[k] for k in same} == {k: b[k] for k in same}
+    ca, cb = _chexpert(tmp_path / "a"), _chexpert(tmp_path / "b")
+    assert all(r["Support Devices"] == "" for r in ca.values())
+    recs_a = {r.study: r for r in load_mimic_vlp(tmp_path / "a", check_images=False)[0]}
+    recs_b = {r.study: r for r in load_mimic_vlp(tmp_path / "b", check_images=False)[0]}
+    assert recs_a.keys() == recs_b.keys() and all(recs_a[k].labels == recs_b[k].labels for k in recs_a)
+    with_devices = 0
+    for study, rec in recs_b.items():
+        named = [d for d, sentence in DEVICE_SENTENCES.items() if " ".join(sentence.split()) in " ".join(
+            rec.text.split())]
+        shown = cb[study]["Support Devices"] == "1.0"
+        assert bool(named) == shown, study
+        same_image = Image.open(rec.image).tobytes() == Image.open(recs_a[study].image).tobytes()
+        assert same_image != shown, study  # drawn exactly when named
+        if not shown:
+            assert rec.text == recs_a[study].text
+        with_devices += shown
+    assert 0 < with_devices < len(recs_b)
+    for bad in (-0.1, 1.5, True, "0.5"):
+        with pytest.raises(ValueError, match="device_rate"):
+            write_synthetic_mimic(tmp_path / "bad", n_patients=2, image_px=16, device_rate=bad)
 
 
 def test_mimic_writer_deterministic(tmp_path):

@@ -308,6 +308,21 @@ def test_a_run_config_that_is_not_an_object_is_refused_by_name(tmp_path):
         check_run_config(str(tmp_path), {"profile": "bench"})
 
 
+def test_a_later_setting_resumes_an_older_folder_only_at_the_value_every_older_run_had(tmp_path):
+    """FedDRA's device_rate came later, at 0 for every run before it: an older folder resumes at 0 (recorded from
+    then on) and is refused at any other rate, since its cells were computed without devices."""
+    out = str(tmp_path / "run")
+    check_run_config(out, {"turns": 25})  # a FedDRA folder from before device_rate
+    with pytest.raises(ValueError, match=r"device_rate=None \(now 0\.3\)"):
+        check_run_config(out, {"turns": 25, "device_rate": 0.3}, say=lambda m: None)
+    said = []
+    check_run_config(out, {"turns": 25, "device_rate": 0.0}, say=said.append)
+    assert said == [f"{out}/run_config.json: device_rate=0.0 recorded from now on (the cells already there were "
+                    "computed before it was recorded)"]
+    with pytest.raises(ValueError, match=r"device_rate=0\.0 \(now 0\.3\)"):  # recorded: it must match
+        check_run_config(out, {"turns": 25, "device_rate": 0.3}, say=said.append)
+
+
 ENV = {"threads": 1, "torch": "2.4.1", "nvflare": "2.9.0", "monai": "1.5.0", "numpy": "2.1.0", "python": "3.11.7",
        "cpu": "AMD EPYC", "cpu_count": 2, "blas": "BLAS mkl", "env": {}}
 

@@ -192,3 +192,23 @@ def test_registry_rejects_bad_declarations():
 def test_constructor_errors_name_argument():
     with pytest.raises(ValueError, match="weighting='by_size'"):
         SurgicalAggregator(weighting="by_size")
+
+
+def test_an_incomplete_round_sum_stops_the_run_instead_of_making_a_global_model(tmp_path, monkeypatch):
+    """The round's sum could not take a held claim whole (the shared RoundAggregator says so with a ValueError): the
+    surgical aggregate stops the run with the reason and returns no model, as FedAvg's does."""
+    reg, ctx = setup(tmp_path, {"site-1": ["A", "B"], "site-2": ["C"]})
+    agg = SurgicalAggregator()
+    assert send(agg, ctx, "site-1", ["A", "B"], site_state(["A", "B"], [1.0, 2.0], conv=0.0, bn=0.0))
+    assert send(agg, ctx, "site-2", ["C"], site_state(["C"], [5.0], conv=4.0, bn=2.0))
+
+    def incomplete(self):
+        raise ValueError("the running sum is incomplete: disk gone")
+
+    monkeypatch.setattr(SurgicalAggregator, "round_average", incomplete)
+    panics = []
+    agg.system_panic = lambda reason, fl_ctx: panics.append(reason)
+    out = agg.aggregate(ctx)
+    assert panics == ["the running sum is incomplete: disk gone"]
+    with pytest.raises(Exception):  # an empty Shareable: no DXO, no global model
+        from_shareable(out)

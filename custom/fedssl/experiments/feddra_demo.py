@@ -67,8 +67,7 @@ LOCAL = ("decentralised", "centralised")
 VARIANTS = tuple(SWITCHES) + LOCAL
 #: the demo's settings (2-core CPU, about 2-3 minutes per federated cell)
 DEMO = {"n_clients": 5, "alpha": 1.0, "n_patients": 1000, "style_coupling": 0.7, "device_rate": 0.0, "image_px": 64,
-        "preset": "small",
-        "vocab_size": 1024,
+        "preset": "small", "vocab_size": 1024,
         "turns": 6, "align_steps": 6, "steps": 15, "batch_size": 32, "lr": 2e-4, "mu": 5.0, "rho": 0.1, "gamma": 0.5,
         "max_text_len": 64, "ood_images": 300, "probe_fractions": [0.01, 0.1],
         # RSNA segmentation (U-Net decoder on the frozen encoder, MGCA's protocol); narrower decoder on the CPU

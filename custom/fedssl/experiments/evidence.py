@@ -572,19 +572,46 @@ def _seed_points(ax, x: float, values: Sequence[float]) -> None:
         ax.plot([x] * len(values), values, "o", color="black", markersize=3, zorder=3)
 
 
+def _loss_panel(ax, curves: dict, chance: tuple, ylabel: str, title: str) -> None:
+    """One loss curve per seed by round, and ``chance = (level, label)`` as a dashed line when the level is known."""
+    for seed, losses in curves.items():
+        ax.plot(range(1, len(losses) + 1), losses, label=f"seed {seed}")
+    if chance[0] is not None:
+        ax.axhline(chance[0], color="grey", linestyle="--", label=chance[1])
+    ax.set_xlabel("round")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+
+
+def evidence_panels(summary: dict) -> list[str]:
+    """The panels :func:`plot_evidence` draws, in order, from what ``summary["parts"]`` holds: ``fcl`` (its
+    fine-tuning rows), ``fcl_loss`` (its pre-training curves), ``fedmae`` (its test rows), ``fedmae_pretrain`` and
+    ``fedmae_finetune`` (its loss curves by seed)."""
+    parts = summary["parts"]
+    fcl, mae = parts.get("fcl") or {}, parts.get("fedmae") or {}
+    have = {
+        "fcl": bool(fcl.get("finetune", {}).get("rows")),
+        "fcl_loss": bool(fcl.get("pretrain", {}).get("by_seed")),
+        "fedmae": bool(mae.get("rows")),
+        "fedmae_pretrain": bool(mae.get("pretrain", {}).get("loss_by_seed")),
+        "fedmae_finetune": bool(mae.get("finetune", {}).get("loss_by_seed")),
+    }
+    return [k for k, ok in have.items() if ok]
+
+
 def plot_evidence(summary: dict, path: str) -> str:
     """One panel per method: the baseline and the pre-trained model at each cell, mean over seeds with the SE
-    over seeds as error bars and every seed's value as a dot; and FCL's pre-training loss against chance."""
+    over seeds as error bars and every seed's value as a dot; each pre-training's loss by round against its chance
+    level (FCL: ln(K+1); Fed-MAE: predicting the mean of the normalised pixels), and Fed-MAE's fine-tuning loss by
+    round from both starts against ln(classes), so a run at chance shows whether the losses moved."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     parts = summary["parts"]
-    panels = [k for k in ("fcl", "fcl_loss", "fedmae")
-              if (k == "fcl_loss" and "pretrain" in parts.get("fcl", {})) or
-              (k != "fcl_loss" and (parts.get(k) or {}).get("rows") or (parts.get(k) or {}).get("finetune", {}).get(
-                  "rows"))]
+    panels = evidence_panels(summary)
     fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4.2 * max(1, len(panels)), 3.4), squeeze=False)
     for ax, key in zip(axes[0], panels):
         if key == "fcl":
@@ -608,13 +635,25 @@ def plot_evidence(summary: dict, path: str) -> str:
             ax.legend(fontsize=8)
         elif key == "fcl_loss":
             pre = parts["fcl"]["pretrain"]
-            for seed, run in pre["by_seed"].items():
-                ax.plot(range(1, len(run["loss_local"]) + 1), run["loss_local"], label=f"seed {seed}")
-            ax.axhline(pre["chance_loss_local"], color="grey", linestyle="--", label="ln(K+1)")
+            _loss_panel(ax, {seed: run["loss_local"] for seed, run in pre["by_seed"].items()},
+                        (pre["chance_loss_local"], "ln(K+1)"), "local contrastive loss", "FCL pre-training")
+        elif key == "fedmae_pretrain":
+            pre = parts["fedmae"]["pretrain"]
+            _loss_panel(ax, pre["loss_by_seed"], (pre.get("chance_loss"), "predict the mean"),
+                        "MAE loss (normalised pixels)", "Fed-MAE pre-training")
+        elif key == "fedmae_finetune":
+            mae = parts["fedmae"]
+            for c, (seed, by_init) in enumerate(mae["finetune"]["loss_by_seed"].items()):
+                for init, style in (("fedmae", "-"), ("scratch", ":")):
+                    losses = by_init.get(init) or []
+                    ax.plot(range(1, len(losses) + 1), losses, style, color=f"C{c}", label=f"{init}, seed {seed}")
+            n_classes = len((mae.get("data") or {}).get("test") or {})
+            if n_classes > 1:
+                ax.axhline(math.log(n_classes), color="grey", linestyle="--", label=f"ln {n_classes}")
             ax.set_xlabel("round")
-            ax.set_ylabel("local contrastive loss")
-            ax.set_title("FCL pre-training")
-            ax.legend(fontsize=8)
+            ax.set_ylabel("fine-tuning loss (sites' mean)")
+            ax.set_title("Fed-MAE (solid) and scratch (dotted)")
+            ax.legend(fontsize=6, ncol=2)
         else:
             rows = parts["fedmae"]["rows"]
             for j, init in enumerate(("scratch", "fedmae")):

@@ -183,3 +183,54 @@ def test_resent_remote_bank_is_the_exchange_before_issue_45():
     assert f2.shape == (3, d) and (p2 >= 0).all()  # K below the real rows: no padding
     with pytest.raises(ValueError, match="exchange='both'"):
         ev.federated_fcl({}, ev.FCL_SIZES["tiny"], (0,), 1, "cpu", 1.0, lambda m: None, exchange="both")
+
+
+def _fedmae_part(rows: bool = True) -> dict:
+    return {"rows": [{"seed": s, "init": i, "accuracy": 0.5} for s in (0, 1) for i in ("scratch", "fedmae")]
+            if rows else [],
+            "pretrain": {"loss_by_seed": {"0": [1.5, 0.8, 0.4], "1": [1.4, 0.9]}, "chance_loss": 0.9987},
+            "finetune": {"loss_by_seed": {"0": {"fedmae": [0.7, 0.6], "scratch": [0.7, 1.4]},
+                                          "1": {"fedmae": [0.69], "scratch": [0.71]}}},
+            "data": {"test": {"no_dr": 254, "dr": 254}}}
+
+
+def test_evidence_panels_follow_what_each_part_holds():
+    fcl = {"finetune": {"rows": [{"method": "random", "n_labelled": 1, "seed": 0, "dice": 0.3}]},
+           "pretrain": {"by_seed": {"0": {"loss_local": [4.0, 5.0]}}, "chance_loss_local": 8.32}}
+    both = {"parts": {"fcl": fcl, "fedmae": _fedmae_part()}}
+    assert ev.evidence_panels(both) == ["fcl", "fcl_loss", "fedmae", "fedmae_pretrain", "fedmae_finetune"]
+    # a Fed-MAE run whose fine-tuning rows never came (deadline) still shows its loss curves; FCL absent
+    assert ev.evidence_panels({"parts": {"fedmae": _fedmae_part(rows=False)}}) == ["fedmae_pretrain",
+                                                                                   "fedmae_finetune"]
+    assert ev.evidence_panels({"parts": {"fcl": {"finetune": {"rows": []}, "pretrain": {"by_seed": {}}}}}) == []
+
+
+def test_plot_evidence_draws_fedmae_losses_by_seed_and_init(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    saved = {}
+    real_savefig = plt.Figure.savefig
+
+    def keep(fig, path, **kw):
+        saved["axes"] = fig.axes
+        return real_savefig(fig, path, **kw)
+
+    summary = {"parts": {"fedmae": _fedmae_part()}, "size": "tiny", "device_name": "cpu", "seeds": [0, 1]}
+    plt.Figure.savefig = keep
+    try:
+        path = ev.plot_evidence(summary, str(tmp_path / "e.png"))
+    finally:
+        plt.Figure.savefig = real_savefig
+    assert (tmp_path / "e.png").stat().st_size > 5000 and path.endswith("e.png")
+    bars, pre, fine = saved["axes"]
+    # pre-training: one curve per seed at its own length, the chance level as a line
+    assert [list(line.get_ydata()) for line in pre.lines[:2]] == [[1.5, 0.8, 0.4], [1.4, 0.9]]
+    assert list(pre.lines[2].get_ydata()) == [0.9987, 0.9987]
+    # fine-tuning: fedmae solid and scratch dotted per seed, same colour per seed, then ln 2 for two classes
+    assert [(line.get_linestyle(), list(line.get_ydata())) for line in fine.lines[:4]] == [
+        ("-", [0.7, 0.6]), (":", [0.7, 1.4]), ("-", [0.69]), (":", [0.71])]
+    assert fine.lines[0].get_color() == fine.lines[1].get_color() != fine.lines[2].get_color()
+    assert list(fine.lines[4].get_ydata()) == pytest.approx([math.log(2)] * 2)

@@ -80,7 +80,8 @@ def _message_args(s) -> None:
                    help="job names under jobs/ or job folders")
     s.add_argument("--profiles", nargs="+", default=["quick", "paper"], help="model sizes: the profiles to size at")
     s.add_argument("--settings", nargs="+", default=["none", "float16", "adaquant"],
-                   choices=["none", "float16", "adaquant"])
+                   choices=["none", "float16", "adaquant", "blockwise8", "float4", "normfloat4"],
+                   help="wire quantisers to size; blockwise8 / float4 / normfloat4 need CUDA (FLARE 2.9)")
     s.add_argument("--out", default=None, help="write the rows to this JSON file")
 
 

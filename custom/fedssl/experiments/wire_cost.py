@@ -21,6 +21,7 @@ Each finished cell is written to ``cells/<method>__<setting>__<repeat>.json`` an
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -199,27 +200,55 @@ def run_wire_cost(out: str, methods=METHODS, settings=("none", "float16", "adaqu
 
 #: wire settings whose message size ``message_sizes`` measures without a GPU
 MESSAGE_SETTINGS = ("none", "float16", "adaquant")
+#: the quantisers FLARE 2.9 runs on CUDA only (``fedssl.flare.quantization.GPU_ONLY``): measured where one is present
+GPU_MESSAGE_SETTINGS = ("blockwise8", "float4", "normfloat4")
+
+
+def message_settings() -> tuple[str, ...]:
+    """The settings :func:`message_sizes` can measure on this machine."""
+    import torch
+
+    return MESSAGE_SETTINGS + (GPU_MESSAGE_SETTINGS if torch.cuda.is_available() else ())
+
+
+def relative_error(original: dict, restored: dict) -> float:
+    """||restored - original|| / ||original|| over every float tensor of ``original`` taken as one vector (a tensor
+    that is not a float travels as it is): e.g. ``{"w": [3, 4]}`` restored as ``[3, 4.5]`` -> 0.5 / 5 = 0.1."""
+    num = den = 0.0
+    for k, v in original.items():
+        a = np.asarray(v)
+        if a.dtype.kind != "f":
+            continue
+        b = np.asarray(restored[k].detach().cpu().float() if hasattr(restored[k], "detach") else restored[k],
+                       dtype=np.float64)
+        num += float(np.sum((b - a.astype(np.float64)) ** 2))
+        den += float(np.sum(a.astype(np.float64) ** 2))
+    return math.sqrt(num / den) if den > 0 else 0.0
 
 
 def message_sizes(job: str, profile: str | None = "paper", settings=MESSAGE_SETTINGS) -> dict:
     """Serialised bytes of the job's model as a FLARE weights message (its server ``model`` component, at the
-    profile's size), as sent (``none``) and through the wire quantiser of each setting: no training, no data.
+    profile's size), as sent (``none``) and through the wire quantiser of each setting, and the relative error
+    (:func:`relative_error`) of the weights after the receiving side's dequantiser: no training, no data.
 
     The message is the full model state; a job that exchanges part of it (e.g. FedDRA's stage 1) sends less, and
     the ratio between settings is what this measures.  The per-tensor quantisation meta is counted too, which is
-    why float16 saves a little less than 2x on small models."""
+    why float16 saves a little less than 2x on small models.  blockwise8 / float4 / normfloat4 are measured only
+    where CUDA is present (FLARE 2.9 runs them there alone)."""
     import importlib
 
-    from nvflare.apis.dxo import DXO, DataKind
+    from nvflare.apis.dxo import DXO, DataKind, from_shareable
     from nvflare.apis.fl_context import FLContext
 
     from fedssl.flare.communication_meter import register_decomposers
-    from fedssl.flare.quantization import Quantizer
+    from fedssl.flare.quantization import Dequantizer, Quantizer
     from fedssl.ops.jobs import configured_job
 
-    unknown = [s for s in settings if s not in MESSAGE_SETTINGS]
+    allowed = message_settings()
+    unknown = [s for s in settings if s not in allowed]
     if unknown:
-        raise ValueError(f"settings {unknown}: use {list(MESSAGE_SETTINGS)} (the others need a GPU)")
+        why = " (the others need a GPU)" if set(unknown) <= set(GPU_MESSAGE_SETTINGS) else ""
+        raise ValueError(f"settings {unknown}: use {list(allowed)}{why}")
     register_decomposers()
     job_dir = job if os.path.isdir(job) else os.path.join(JOBS, job)
     files = configured_job(job_dir, profile=profile)
@@ -230,23 +259,31 @@ def message_sizes(job: str, profile: str | None = "paper", settings=MESSAGE_SETT
     module, cls = comp["path"].rsplit(".", 1)
     model = getattr(importlib.import_module(module), cls)(**comp.get("args", {}))
     state = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
-    sizes = {}
+    sizes, errors = {}, {}
     for setting in settings:
         dxo = DXO(DataKind.WEIGHTS, data=dict(state), meta={"num_samples": 1})
         if setting != "none":
             dxo = Quantizer(setting).process_dxo(dxo, dxo.to_shareable(), FLContext())
-        sizes[setting] = len(dxo.to_shareable().to_bytes())
+        sent = dxo.to_shareable()
+        sizes[setting] = len(sent.to_bytes())
+        if setting != "none":
+            restored = from_shareable(Dequantizer(setting).process(sent, FLContext())).data
+            errors[setting] = relative_error(state, restored)
     return {"job": os.path.basename(job_dir), "profile": profile,
-            "parameters": int(sum(v.size for v in state.values())), "tensors": len(state), "bytes": sizes}
+            "parameters": int(sum(v.size for v in state.values())), "tensors": len(state), "bytes": sizes,
+            "relative_error": errors}
 
 
 def format_message_sizes(rows: list[dict]) -> str:
     settings = list(rows[0]["bytes"]) if rows else []
-    lines = ["| job | profile | parameters | tensors | " + " | ".join(f"{s} MB (x fewer)" for s in settings) + " |",
+    lines = ["| job | profile | parameters | tensors | " + " | ".join(f"{s} MB (x fewer, error)" if s != "none" else
+                                                                      f"{s} MB" for s in settings) + " |",
              "|---|---|---|---|" + "---|" * len(settings)]
     for r in rows:
         base = r["bytes"].get("none") or next(iter(r["bytes"].values()))
-        cells = [f"{b / 2**20:.3f} ({base / b:.3f}x)" for b in r["bytes"].values()]
+        err = r.get("relative_error", {})
+        cells = [f"{b / 2**20:.3f} ({base / b:.3f}x" + (f", error {err[k]:.1e})" if k in err else ")")
+                 for k, b in r["bytes"].items()]
         lines.append(f"| {r['job']} | {r['profile']} | {r['parameters'] / 1e6:.2f} M | {r['tensors']} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -1,4 +1,6 @@
+import numpy as np
 import pytest
+import torch
 
 from fedssl.experiments.wire_cost import SETTINGS, format_table, run_wire_cost, summarise
 
@@ -44,5 +46,24 @@ def test_message_sizes_of_a_job_model_as_sent_and_quantised():
     assert 1.9 < b["none"] / b["float16"] < 2.0  # half the values; the per-tensor meta stays
     assert b["adaquant"] < b["float16"]
     assert "| fcl_acdc_finetune | quick |" in format_message_sizes([r])
-    with pytest.raises(ValueError, match="blockwise8.*need a GPU"):
-        message_sizes("fcl_acdc_finetune", "quick", settings=("none", "blockwise8"))
+    # the weights after the receiver's dequantiser: float16 keeps ~3 decimal digits, adaquant loses more
+    e = r["relative_error"]
+    assert set(e) == {"float16", "adaquant"}
+    assert 0 < e["float16"] < 5e-4 < e["adaquant"] < 0.1
+    assert f"({b['none'] / b['float16']:.3f}x, error {e['float16']:.1e})" in format_message_sizes([r])
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="blockwise8.*need a GPU"):
+            message_sizes("fcl_acdc_finetune", "quick", settings=("none", "blockwise8"))
+    with pytest.raises(ValueError, match="int3"):
+        message_sizes("fcl_acdc_finetune", "quick", settings=("none", "int3"))
+
+
+def test_relative_error_hand_computed():
+    from fedssl.experiments.wire_cost import relative_error
+
+    # float tensors as one vector: ||(0, 0.5, 0)|| / ||(3, 4, 0)|| = 0.1; the integer buffer is not counted
+    original = {"w": np.array([3.0, 4.0], np.float32), "b": np.zeros(1, np.float32), "n": np.array([5])}
+    restored = {"w": torch.tensor([3.0, 4.5]), "b": np.zeros(1), "n": np.array([9])}
+    assert relative_error(original, restored) == pytest.approx(0.1)
+    assert relative_error(original, {**restored, "w": torch.tensor([3.0, 4.0])}) == 0.0
+    assert relative_error({"n": np.array([1])}, {"n": np.array([2])}) == 0.0

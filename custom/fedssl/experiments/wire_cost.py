@@ -200,15 +200,16 @@ def run_wire_cost(out: str, methods=METHODS, settings=("none", "float16", "adaqu
 
 #: wire settings whose message size ``message_sizes`` measures without a GPU
 MESSAGE_SETTINGS = ("none", "float16", "adaquant")
-#: the quantisers FLARE 2.9 runs on CUDA only (``fedssl.flare.quantization.GPU_ONLY``): measured where one is present
-GPU_MESSAGE_SETTINGS = ("blockwise8", "float4", "normfloat4")
 
 
 def message_settings() -> tuple[str, ...]:
-    """The settings :func:`message_sizes` can measure on this machine."""
+    """The settings :func:`message_sizes` can measure on this machine: FLARE 2.9's CUDA-only quantisers
+    (``fedssl.flare.quantization.GPU_ONLY``) only where CUDA is present."""
     import torch
 
-    return MESSAGE_SETTINGS + (GPU_MESSAGE_SETTINGS if torch.cuda.is_available() else ())
+    from fedssl.flare.quantization import GPU_ONLY
+
+    return MESSAGE_SETTINGS + (GPU_ONLY if torch.cuda.is_available() else ())
 
 
 def relative_error(original: dict, restored: dict) -> float:
@@ -241,13 +242,13 @@ def message_sizes(job: str, profile: str | None = "paper", settings=MESSAGE_SETT
     from nvflare.apis.fl_context import FLContext
 
     from fedssl.flare.communication_meter import register_decomposers
-    from fedssl.flare.quantization import Dequantizer, Quantizer
+    from fedssl.flare.quantization import GPU_ONLY, Dequantizer, Quantizer
     from fedssl.ops.jobs import configured_job
 
     allowed = message_settings()
     unknown = [s for s in settings if s not in allowed]
     if unknown:
-        why = " (the others need a GPU)" if set(unknown) <= set(GPU_MESSAGE_SETTINGS) else ""
+        why = " (the others need a GPU)" if set(unknown) <= set(GPU_ONLY) else ""
         raise ValueError(f"settings {unknown}: use {list(allowed)}{why}")
     register_decomposers()
     job_dir = job if os.path.isdir(job) else os.path.join(JOBS, job)
@@ -281,7 +282,7 @@ def format_message_sizes(rows: list[dict]) -> str:
              "|---|---|---|---|" + "---|" * len(settings)]
     for r in rows:
         base = r["bytes"].get("none") or next(iter(r["bytes"].values()))
-        err = r.get("relative_error", {})
+        err = r["relative_error"]
         cells = [f"{b / 2**20:.3f} ({base / b:.3f}x" + (f", error {err[k]:.1e})" if k in err else ")")
                  for k, b in r["bytes"].items()]
         lines.append(f"| {r['job']} | {r['profile']} | {r['parameters'] / 1e6:.2f} M | {r['tensors']} | "

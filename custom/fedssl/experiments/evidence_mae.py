@@ -41,10 +41,16 @@ device (:func:`fedavg`; on a CPU it is :func:`fedssl.core.state_dict.weighted_av
 Rounds: ``budget_s`` covers everything, data included.  After the data, a timing probe (a throwaway trainer of
 each stage, a few optimiser steps after warm-up, the average and the model copies) gives the seconds per round for
 all seeds; the rounds are what fits (:func:`choose_rounds`), clamped to [1, the size's maximum], and each
-learning-rate schedule is built for that count.  Given ``pretrain_rounds`` / ``finetune_rounds`` are used as they
-are (a rerun with the recorded counts repeats the numbers).  Each seed gets an equal slice of the time left after
-the probe, split between its pre-training and fine-tuning by ``pretrain_share``; a stage stops before a round that
-would end more than half a round after its deadline, and records ``stopped_early`` and the rounds done.
+learning-rate schedule is built for that count.  Each seed gets an equal slice of the time left after the probe,
+split between its pre-training and fine-tuning by ``pretrain_share``.  A probe of a few steps misses what a real
+round adds (the ViT-B run on an H200 planned 54 / 29 rounds and its deadlines cut them at 28-47 / 20-25, each
+schedule mid-way), so each stage re-plans once from its own measured warm-up rounds, where the learning rate does
+not yet depend on the count (:class:`RoundBudget`): the count becomes what the stage's time left holds at the
+slowest of the last three rounds, never more than planned, and the schedule is set to it, so it reaches its floor.
+A seed's re-planned count is the next seeds' plan.  ``rounds_by_seed`` records each seed's final counts; given
+``pretrain_rounds`` / ``finetune_rounds`` are used as they are (a rerun of a seed with its recorded counts repeats
+its numbers).  A stage still stops before a round that would end more than half a round after its deadline, and
+records ``stopped_early`` and the rounds done.
 
 Sizes (:data:`SIZES`): ``"tiny"`` is the bundle's tiny ViT (32 px, patch 4, width 48, depth 2) on 300 images
 written at 40 px, with the demo's quick-profile overrides (batch 32, pre-training lr 1.5e-3 and 2 warm-up rounds,
@@ -116,8 +122,8 @@ from fedssl.train.classifier_loop import ClassifierTrainer
 from fedssl.train.mim import MIMSettings, build_mim_model
 from fedssl.train.mim_loop import MIMTrainer
 
-__all__ = ["SIZES", "fedmae_evidence", "choose_rounds", "verdict_line", "write_retina_images",
-           "write_split3", "DeviceImages", "fedavg", "device_average", "MAESite", "FineTuneSite"]
+__all__ = ["SIZES", "fedmae_evidence", "choose_rounds", "RoundBudget", "replan_rounds", "verdict_line",
+           "write_retina_images", "write_split3", "DeviceImages", "fedavg", "device_average", "MAESite", "FineTuneSite"]
 
 DATASET = "retina"
 SPLIT = "Split-3"
@@ -642,9 +648,61 @@ def probe_finetune(cfg: dict, sites: Mapping[str, Sequence[ImageRecord]], test: 
 # ---------------------------------------------------------------------------------------------- the stages
 
 
-def _stop(last_round_s: float, deadline: float) -> bool:
-    """Do not start a round expected to end more than half a round after ``deadline``."""
-    return time.time() + 0.5 * last_round_s > deadline
+class RoundBudget:
+    """The rounds of one stage under a deadline, asked before every round (``while budget.next_round(r)``).
+
+    It stops before a round expected to end more than half a round after ``deadline`` (``stopped_early``).  With
+    ``replan_at`` (the stage's warm-up rounds, during which the learning rate does not depend on the round count)
+    it re-plans once, before round ``replan_at``: the count becomes what the time left holds at the slowest of the
+    last three measured rounds (:func:`replan_rounds`; never more than planned), and ``on_replan(count)`` sets the
+    trainers' schedule to it.  The schedule then reaches its floor inside the budget, and a rerun given the final
+    count repeats the numbers.  ``clock``: seconds (``time.time``; the tests give a fake one)."""
+
+    def __init__(self, rounds: int, deadline: float, replan_at: int | None = None,
+                 on_replan: Callable[[int], None] | None = None, clock: Callable[[], float] = time.time):
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+            raise ValueError(f"rounds={rounds!r}: use a positive number of rounds")
+        if replan_at is not None and (isinstance(replan_at, bool) or not isinstance(replan_at, int) or replan_at < 1):
+            raise ValueError(f"replan_at={replan_at!r}: use a round index >= 1 (the warm-up rounds) or None")
+        self.planned = self.rounds = rounds
+        self.deadline, self.replan_at, self.on_replan, self.clock = float(deadline), replan_at, on_replan, clock
+        self.seconds: list[float] = []
+        self.stopped_early, self.replanned = False, False
+        self._start: float | None = None
+
+    def next_round(self, r: int) -> bool:
+        """Whether round ``r`` runs; records the time of round ``r - 1``."""
+        now = self.clock()
+        if self._start is not None:
+            self.seconds.append(now - self._start)
+        self._start = now
+        if r >= self.rounds:
+            return False
+        if r and now + 0.5 * self.seconds[-1] > self.deadline:
+            self.stopped_early = True
+            return False
+        if r == self.replan_at and self.seconds:
+            count = replan_rounds(self.rounds, r, self.seconds, self.deadline - now)
+            if count < self.rounds:
+                self.rounds, self.replanned = count, True
+                if self.on_replan is not None:
+                    self.on_replan(count)
+            return r < self.rounds
+        return True
+
+    def record(self) -> dict:
+        return {"planned": self.planned, "rounds": self.rounds, "replanned": self.replanned,
+                "stopped_early": self.stopped_early}
+
+
+def replan_rounds(rounds: int, done: int, round_seconds: Sequence[float], seconds_left: float) -> int:
+    """The count a stage keeps after ``done`` measured rounds: ``done`` plus the rounds ``seconds_left`` holds at
+    the slowest of the last three (``round_seconds``), at most ``rounds``: e.g. 40 planned, 5 done at 1.0, 1.2 and
+    1.5 s, 30 s left -> 5 + 20 = 25."""
+    slowest = max(round_seconds[-3:])
+    if not (slowest > 0 and math.isfinite(slowest)):
+        return rounds
+    return int(max(done, min(rounds, done + math.floor(max(seconds_left, 0.0) / slowest))))
 
 
 def chance_loss(cfg: dict, site: MAESite, images: DeviceImages) -> float:
@@ -660,20 +718,26 @@ def chance_loss(cfg: dict, site: MAESite, images: DeviceImages) -> float:
 
 
 def pretrain_seed(cfg: dict, sites: Mapping[str, Sequence[ImageRecord]], images: DeviceImages, seed: int,
-                  rounds: int, device: str, deadline: float, say: Callable[[str], None]) -> dict:
-    """Federated MAE pre-training of one seed: ``rounds`` rounds (fewer if ``deadline`` comes first) -> the global
-    encoder (on the device), the per-round loss (site losses weighted by images) and the chance loss."""
+                  budget: RoundBudget, device: str, say: Callable[[str], None]) -> dict:
+    """Federated MAE pre-training of one seed: the rounds ``budget`` allows (its ``rounds`` planned; a re-plan sets
+    every site's schedule to the new count) -> the global encoder (on the device), the per-round loss (site losses
+    weighted by images), the chance loss and the budget's record."""
+    rounds = budget.rounds
     settings = mim_settings(cfg, rounds, seed, device)
     model = build_mae(cfg, seed).to(device)
     global_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     local = [MAESite(site, recs, settings, rounds, model if i == 0 else copy.deepcopy(model), device)
              for i, (site, recs) in enumerate(sites.items())]
+
+    def replan(count: int) -> None:
+        say(f"seed {seed} pre-training: re-planned to {count} rounds from the measured warm-up rounds")
+        for site in local:
+            site.trainer.total_rounds = float(count)
+
+    budget.on_replan = replan
     chance = chance_loss(cfg, local[0], images)
-    losses, last_s, stopped = [], 0.0, False
-    for r in range(rounds):
-        if r and _stop(last_s, deadline):
-            stopped = True
-            break
+    losses, r = [], 0
+    while budget.next_round(r):
         t = time.time()
         site_losses = []
         for site in local:
@@ -682,18 +746,20 @@ def pretrain_seed(cfg: dict, sites: Mapping[str, Sequence[ImageRecord]], images:
         weights = [site.samples for site in local]
         global_state = fedavg([site.model.state_dict() for site in local], weights)
         losses.append(float(np.average(site_losses, weights=weights)))
-        last_s = time.time() - t
-        say(f"seed {seed} pre-training round {r + 1}/{rounds}: loss {losses[-1]:.4f} ({last_s:.1f} s)")
+        r += 1
+        say(f"seed {seed} pre-training round {r}/{budget.rounds}: loss {losses[-1]:.4f} ({time.time() - t:.1f} s)")
     encoder = {k: torch.as_tensor(v).to(device) for k, v in encoder_state(global_state).items()}
     return {"encoder": encoder, "loss": losses, "chance_loss": chance, "rounds_done": len(losses),
-            "stopped_early": stopped}
+            "stopped_early": budget.stopped_early, "budget": budget.record()}
 
 
 def finetune_seed(cfg: dict, sites: Mapping[str, Sequence[ImageRecord]], test: ImageDataset, images: DeviceImages,
-                  seed: int, encoder: Mapping[str, torch.Tensor], rounds: int, device: str, deadline: float,
+                  seed: int, encoder: Mapping[str, torch.Tensor], budget: RoundBudget, device: str,
                   say: Callable[[str], None]) -> dict:
     """Federated fine-tuning of one seed from the global MAE encoder ("fedmae") and from the same ViT at its random
-    init ("scratch"), round by round in turn; each final global model tested on ``test``."""
+    init ("scratch"), round by round in turn, for the rounds ``budget`` allows (as :func:`pretrain_seed`); each
+    final global model tested on ``test``."""
+    rounds = budget.rounds
     settings = classifier_settings(cfg, seed, device)
     scratch = build_classifier(cfg, seed).to(device)
     fedmae = copy.deepcopy(scratch)
@@ -704,23 +770,28 @@ def finetune_seed(cfg: dict, sites: Mapping[str, Sequence[ImageRecord]], test: I
         local = [FineTuneSite(site, recs, settings, rounds, model if i == 0 else copy.deepcopy(model), device)
                  for i, (site, recs) in enumerate(sites.items())]
         runs[init] = {"global": state, "sites": local, "loss": []}
-    last_s, stopped, done = 0.0, False, 0
-    for r in range(rounds):
-        if r and _stop(last_s, deadline):
-            stopped = True
-            break
+
+    def replan(count: int) -> None:
+        say(f"seed {seed} fine-tuning: re-planned to {count} rounds from the measured warm-up rounds")
+        for run in runs.values():
+            for site in run["sites"]:
+                site.trainer.total_rounds = count
+
+    budget.on_replan = replan
+    done = 0
+    while budget.next_round(done):
         t = time.time()
         for run in runs.values():
             site_losses = []
             for site in run["sites"]:
                 site.load_global(run["global"])
-                site_losses.append(site.train_round(r, images))
+                site_losses.append(site.train_round(done, images))
             weights = [site.samples for site in run["sites"]]
             run["global"] = fedavg([site.model.state_dict() for site in run["sites"]], weights)
             run["loss"].append(float(np.average(site_losses, weights=weights)))
-        done, last_s = r + 1, time.time() - t
-        say(f"seed {seed} fine-tuning round {r + 1}/{rounds}: loss fedmae {runs['fedmae']['loss'][-1]:.4f}, scratch "
-            f"{runs['scratch']['loss'][-1]:.4f} ({last_s:.1f} s)")
+        done += 1
+        say(f"seed {seed} fine-tuning round {done}/{budget.rounds}: loss fedmae {runs['fedmae']['loss'][-1]:.4f}, "
+            f"scratch {runs['scratch']['loss'][-1]:.4f} ({time.time() - t:.1f} s)")
     rows = []
     for init, run in runs.items():
         model = run["sites"][0].model
@@ -732,7 +803,7 @@ def finetune_seed(cfg: dict, sites: Mapping[str, Sequence[ImageRecord]], test: I
                      "balanced_accuracy": metrics["balanced_accuracy"], "auc": metrics.get("auc"),
                      "n_test": int(metrics["n"]), "rounds_done": done})
     return {"rows": rows, "loss": {init: run["loss"] for init, run in runs.items()}, "rounds_done": done,
-            "stopped_early": stopped}
+            "stopped_early": budget.stopped_early, "budget": budget.record()}
 
 
 def paired_result(rows: Sequence[Mapping], seeds: Sequence[int]) -> dict:
@@ -788,9 +859,9 @@ def fedmae_evidence(out: str, *, size: str = "gpu", seeds: Sequence[int] = (0, 1
                                  "pretrain_rounds": pretrain_rounds, "finetune_rounds": finetune_rounds},
                     "device": device, "device_name": _device_name(device), "seeds": seeds,
                     "pretrain": {"rounds": pretrain_rounds, "seconds": 0.0, "loss_by_seed": {}, "chance_loss": None,
-                                 "rounds_done_by_seed": {}, "stopped_early": False},
+                                 "rounds_by_seed": {}, "rounds_done_by_seed": {}, "stopped_early": False},
                     "finetune": {"rounds": finetune_rounds, "seconds": 0.0, "loss_by_seed": {},
-                                 "rounds_done_by_seed": {}, "stopped_early": False},
+                                 "rounds_by_seed": {}, "rounds_done_by_seed": {}, "stopped_early": False},
                     "rows": [], "paired": {"per_seed": [], "mean": None, "se": None, "n": 0}, "verdict": ""}
 
     def save() -> None:
@@ -816,6 +887,7 @@ def fedmae_evidence(out: str, *, size: str = "gpu", seeds: Sequence[int] = (0, 1
     save()
 
     # 2. rounds: given, or what the budget holds after a timing probe
+    planned, planned_ft = pretrain_rounds is None, finetune_rounds is None
     if pretrain_rounds is None:
         result["pretrain"]["probe"] = probe_pretrain(cfg, sites, images, seeds[0], device)
     if finetune_rounds is None:
@@ -836,31 +908,44 @@ def fedmae_evidence(out: str, *, size: str = "gpu", seeds: Sequence[int] = (0, 1
     note(f"{pretrain_rounds} pre-training and {finetune_rounds} fine-tuning rounds per seed on {device}")
     save()
 
-    # 3. per seed: pre-training, then both fine-tunings; an equal slice of the time left for each seed
+    # 3. per seed: pre-training, then both fine-tunings; an equal slice of the time left for each seed.  Counts
+    # chosen by the probe are re-planned from each stage's measured warm-up rounds; a count a seed re-planned down
+    # to is the next seeds' plan (so seeds differ only where a later one runs slower).
     slice_s = avail / n
+    plan = {"pretrain": (pretrain_rounds, cfg["pretrain"]["warmup_rounds"] if planned else 0),
+            "finetune": (finetune_rounds, cfg["finetune"]["warmup_rounds"] if planned_ft else 0)}
+
+    def budget(stage: str, ends: float) -> RoundBudget:
+        count, warmup = plan[stage]  # no warm-up (or given counts): no re-plan
+        return RoundBudget(count, ends, replan_at=warmup if 0 < warmup < count else None)
+
+    def record(stage: str, key: str, out: dict, seconds: float) -> None:
+        res = result[stage]
+        res["seconds"] = round(res["seconds"] + seconds, 2)
+        res["rounds_done_by_seed"][key] = out["rounds_done"]
+        res["rounds_by_seed"][key] = out["budget"]["rounds"]
+        res["stopped_early"] |= out["stopped_early"]
+        plan[stage] = (out["budget"]["rounds"], plan[stage][1])
+
     for j, seed in enumerate(seeds):
         if time.time() > deadline:
             note(f"seed {seed}: skipped, the budget is spent")
             result["pretrain"]["stopped_early"] = result["finetune"]["stopped_early"] = True
             break
         t = time.time()
-        pre = pretrain_seed(cfg, sites, images, seed, pretrain_rounds, device,
-                            plan_start + (j + share) * slice_s, note)
+        pre = pretrain_seed(cfg, sites, images, seed, budget("pretrain", plan_start + (j + share) * slice_s), device,
+                            note)
         key = str(seed)
-        result["pretrain"]["seconds"] = round(result["pretrain"]["seconds"] + time.time() - t, 2)
+        record("pretrain", key, pre, time.time() - t)
         result["pretrain"]["loss_by_seed"][key] = pre["loss"]
-        result["pretrain"]["rounds_done_by_seed"][key] = pre["rounds_done"]
-        result["pretrain"]["stopped_early"] |= pre["stopped_early"]
         if result["pretrain"]["chance_loss"] is None:
             result["pretrain"]["chance_loss"] = pre["chance_loss"]
         save()
         t = time.time()
-        ft = finetune_seed(cfg, sites, test, images, seed, pre["encoder"], finetune_rounds, device,
-                           plan_start + (j + 1) * slice_s, note)
-        result["finetune"]["seconds"] = round(result["finetune"]["seconds"] + time.time() - t, 2)
+        ft = finetune_seed(cfg, sites, test, images, seed, pre["encoder"],
+                           budget("finetune", plan_start + (j + 1) * slice_s), device, note)
+        record("finetune", key, ft, time.time() - t)
         result["finetune"]["loss_by_seed"][key] = ft["loss"]
-        result["finetune"]["rounds_done_by_seed"][key] = ft["rounds_done"]
-        result["finetune"]["stopped_early"] |= ft["stopped_early"]
         result["rows"] += ft["rows"]
         acc = {r["init"]: r["accuracy"] for r in ft["rows"]}
         note(f"seed {seed}: test accuracy fedmae {acc['fedmae']:.3f}, scratch {acc['scratch']:.3f}")

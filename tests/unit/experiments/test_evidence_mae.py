@@ -184,3 +184,115 @@ def test_timing_probe_and_deadline(runs, site_records, tmp_path):
     # machine (8.6 s was seen beside another pytest run; the 40 + 40 rounds asked for take far longer)
     assert result["seconds"] < 3.0 + 12.0
     assert "one seed: not a finding" in result["verdict"] and "stopped early" in result["verdict"]
+
+
+def _ticks(start=0.0, step=1.0):
+    """A fake clock: ``start``, ``start + step``, ... one value a call (a RoundBudget asks once a round)."""
+    t = [start - step]
+
+    def clock():
+        t[0] += step
+        return t[0]
+    return clock
+
+
+def _times(*values):
+    it = iter(values)
+    return lambda: next(it)
+
+
+def _rounds_run(budget):
+    """Drive ``budget`` as a stage does: ``while budget.next_round(r)``; the rounds run."""
+    r = 0
+    while budget.next_round(r):
+        r += 1
+    return r
+
+
+def test_replan_rounds_by_hand():
+    assert em.replan_rounds(40, 5, [1.0, 1.2, 1.5], 30.0) == 5 + 20
+    assert em.replan_rounds(40, 5, [9.0, 1.0, 1.0, 1.0], 30.0) == 5 + 30  # the last three rounds only
+    assert em.replan_rounds(40, 5, [1.0, 2.0, 1.0], 30.0) == 5 + 15  # the slowest of them, not the last
+    assert em.replan_rounds(12, 5, [1.0, 1.0, 1.0], 30.0) == 12  # never more than planned
+    assert em.replan_rounds(40, 5, [1.0, 1.0, 2.0], 1.0) == 5  # no time left: the rounds done
+    assert em.replan_rounds(40, 5, [1.0, 1.0, 2.0], -3.0) == 5
+
+
+def test_round_budget_replans_once_after_the_warm_up():
+    calls = []
+    b = em.RoundBudget(40, deadline=10.0, replan_at=2, on_replan=calls.append, clock=_ticks())
+    assert _rounds_run(b) == 10 and calls == [10]  # at round 2: 8 s left at 1 s a round -> 2 + 8
+    assert b.record() == {"planned": 40, "rounds": 10, "replanned": True, "stopped_early": False}
+    assert b.seconds == [1.0] * 10
+    # the slowest warm-up round counts: 1 s then 3 s, 10 - 4 = 6 s left -> 2 + 2 rounds
+    b = em.RoundBudget(40, deadline=10.0, replan_at=2, clock=_times(0.0, 1.0, 4.0, 7.0, 10.0))
+    assert _rounds_run(b) == 4 and b.rounds == 4 and not b.stopped_early
+    # without a re-plan the deadline cuts the planned schedule and says so
+    b = em.RoundBudget(40, deadline=10.0, clock=_ticks())
+    assert _rounds_run(b) == 10
+    assert b.record() == {"planned": 40, "rounds": 40, "replanned": False, "stopped_early": True}
+    # a plan that fits is kept
+    b = em.RoundBudget(6, deadline=100.0, replan_at=2, on_replan=calls.append, clock=_ticks())
+    assert _rounds_run(b) == 6 and not b.replanned and calls == [10]
+    for bad in ({"rounds": 0}, {"rounds": True}, {"replan_at": 0}, {"replan_at": 1.5}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            em.RoundBudget(**{"rounds": 5, "deadline": 1.0, **bad})
+
+
+def test_replanned_stages_repeat_a_run_planned_for_the_final_count(site_records):
+    """Re-planned after the warm-up rounds, each stage trains exactly as a run given the final count from the
+    start: the schedules of every site (both inits) follow the re-plan."""
+    cfg = em.SIZES["tiny"]
+    sites = {k: v for k, v in site_records.items() if k in ("site-1", "site-2", "site-3")}
+    images = em.DeviceImages([r for recs in sites.values() for r in recs] + site_records["site-4"], 32, "cpu")
+    pre_warmup, ft_warmup = cfg["pretrain"]["warmup_rounds"], cfg["finetune"]["warmup_rounds"]
+
+    def pretrain(budget):
+        return em.pretrain_seed(cfg, sites, images, 0, budget, "cpu", lambda m: None)
+
+    # 1 s a round by the fake clock, the deadline at warm-up + 2: re-planned from 40 to warm-up + 2
+    re = pretrain(em.RoundBudget(40, pre_warmup + 2.0, replan_at=pre_warmup, clock=_ticks()))
+    fixed = pretrain(em.RoundBudget(pre_warmup + 2, math.inf))
+    assert re["budget"] == {"planned": 40, "rounds": pre_warmup + 2, "replanned": True, "stopped_early": False}
+    assert re["rounds_done"] == fixed["rounds_done"] == pre_warmup + 2
+    assert re["loss"] == fixed["loss"]
+    for k, v in fixed["encoder"].items():
+        assert torch.equal(re["encoder"][k], v), k
+
+    test = ImageDataset(site_records["site-4"], 32, "eval", "retina", site="test")
+
+    def finetune(budget):
+        return em.finetune_seed(cfg, sites, test, images, 0, fixed["encoder"], budget, "cpu", lambda m: None)
+
+    re = finetune(em.RoundBudget(40, ft_warmup + 1.0, replan_at=ft_warmup, clock=_ticks()))
+    fixed_ft = finetune(em.RoundBudget(ft_warmup + 1, math.inf))
+    assert re["budget"]["rounds"] == re["rounds_done"] == ft_warmup + 1 and re["budget"]["replanned"]
+    assert re["loss"] == fixed_ft["loss"] and re["rows"] == fixed_ft["rows"]
+
+
+def test_budgeted_run_replans_from_the_warm_up_and_records_the_counts(runs, tmp_path, monkeypatch):
+    made = []
+
+    class Recording(em.RoundBudget):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(em, "RoundBudget", Recording)
+    os.symlink(os.path.join(runs[0][0], "data"), tmp_path / "data")
+    result = _run(tmp_path, seeds=(0,), budget_s=20.0, pretrain_rounds=None, finetune_rounds=None)
+    cfg = em.SIZES["tiny"]
+    pre, ft = made
+    assert pre.planned == result["pretrain"]["rounds"] and ft.planned == result["finetune"]["rounds"]
+    for b, stage in ((pre, "pretrain"), (ft, "finetune")):
+        warmup = cfg[stage]["warmup_rounds"]
+        assert b.replan_at == (warmup if warmup < b.planned else None), stage
+        assert result[stage]["rounds_by_seed"] == {"0": b.rounds}
+        curves = result[stage]["loss_by_seed"]["0"]
+        for curve in curves.values() if stage == "finetune" else [curves]:  # fine-tuning: one curve an init
+            assert len(curve) == result[stage]["rounds_done_by_seed"]["0"]
+        assert result[stage]["rounds_done_by_seed"]["0"] <= b.rounds <= b.planned
+    # given counts: no re-plan
+    made.clear()
+    _run(tmp_path, seeds=(0,), budget_s=60.0)
+    assert [b.replan_at for b in made] == [None, None]

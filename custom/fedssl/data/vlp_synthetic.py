@@ -58,6 +58,8 @@ from fedssl.data.vlp import BRSET_CSVS, FEDDRA_FINDINGS, MESSIDOR2_CSV, N_CODES,
 
 __all__ = [
     "STYLES",
+    "DEVICE_SENTENCES",
+    "devices_named",
     "REPORT_TERMS",
     "CHEXPERT_COLUMNS",
     "MESSIDOR2_GRADE_MIX",
@@ -159,6 +161,15 @@ DEVICE_SENTENCES = {
     "right jugular line": "Right internal jugular central venous catheter terminates in the mid SVC.",
     "pacemaker": "Left chest wall pacemaker with leads in the right atrium and right ventricle.",
 }
+
+
+def devices_named(text: str) -> tuple[str, ...]:
+    """The devices (:data:`DEVICE_SENTENCES` keys, in their order) a synthetic report names: what a study's image and
+    its report share besides the findings and the style."""
+    flat = " ".join(text.split())  # a report's lines wrap anywhere
+    return tuple(d for d, sentence in DEVICE_SENTENCES.items() if " ".join(sentence.split()) in flat)
+
+
 _P_NO_SECTIONS = 0.03
 _P_LATERAL = 0.10
 _P_VALIDATE = 0.05

@@ -11,6 +11,8 @@ text is in the selected set, it is correctly retrieved."  Tables 2-3 report the 
   (``batch_size=0``) or within consecutive batches of ``batch_size`` pairs (the paper's protocol).
 - :func:`worst_client_floor`: the mean-minus-worst gap clients that are all alike would show from the size of their
   test sets alone, the yardstick for a measured worst-client gap (H6 of issue 44).
+- :func:`key_recall_ceiling`: the recall of a retriever that tells pairs apart only by a discrete key each image
+  shares with its text: a ceiling for a client whose pairs share nothing else (H6 of issue 44).
 - :func:`matched_cosine`: mean cosine of the matched pairs, of the unmatched pairs, and their gap (the image-text
   embedding similarity of the paper's Fig. 4(d-f)).
 
@@ -28,16 +30,17 @@ row has no direction and is an error).
 from __future__ import annotations
 
 import math
+from collections import Counter
+from collections.abc import Hashable, Mapping, Sequence
 from fractions import Fraction
-from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
 from fedssl.core.checks import require, require_int
 
-__all__ = ["TIE_TOL", "text_to_image_recall", "chance_recall", "matched_cosine", "client_summary",
-           "worst_client_floor"]
+__all__ = ["TIE_TOL", "text_to_image_recall", "chance_recall", "key_recall_ceiling", "matched_cosine",
+           "client_summary", "worst_client_floor"]
 
 #: cosines closer than this to the matched pair's count as ties (against the hit): float noise is not a win
 TIE_TOL = 1e-9
@@ -126,6 +129,31 @@ def chance_recall(n_pairs: int, k: int, batch_size: int = 0, *, drop_last: bool 
     require(bool(batches), component, "batch_size", batch_size,
             f"with drop_last=True a batch size above the {n_pairs} pairs leaves nothing to rank")
     return sum(min(k, b) for b in batches) / sum(batches)
+
+
+def key_recall_ceiling(keys: Sequence[Hashable], k: int, batch_size: int = 0, *, drop_last: bool = False) -> float:
+    """The expected recall at ``k`` of a retriever that tells the pairs apart only by a discrete key each image
+    shares with its text (``keys[i]`` of pair ``i``; ties broken at random), ranked as
+    :func:`text_to_image_recall` ranks: a text whose key ``m`` images of its gallery carry (its own included) finds
+    its image at a uniform rank among those ``m``, a hit with probability ``min(k, m) / m``.  When the key is all
+    an image and its text share, no encoder can do better: e.g. keys ``a a b c`` in one gallery give R@1 3/4."""
+    component = "key_recall_ceiling"
+    keys = list(keys)
+    require(bool(keys), component, "keys", keys, "give one key per test pair")
+    require_int(component, "k", k, 1, "use a rank cut-off k >= 1, e.g. 1 or 5")
+    require_int(component, "batch_size", batch_size, 0,
+                "use 0 to rank over the whole split or a positive batch size (the paper ranks within batches)")
+    size = batch_size or len(keys)
+    galleries = [keys[s:s + size] for s in range(0, len(keys), size)]
+    if drop_last and batch_size:
+        galleries = [g for g in galleries if len(g) == size]
+    require(bool(galleries), component, "batch_size", batch_size,
+            f"with drop_last=True a batch size above the {len(keys)} pairs leaves nothing to rank")
+    hits = Fraction(0)
+    for g in galleries:
+        count = Counter(g)
+        hits += sum(Fraction(min(k, count[key]), count[key]) for key in g)
+    return float(hits / sum(len(g) for g in galleries))
 
 
 def matched_cosine(z_img, z_txt) -> dict[str, float]:

@@ -41,7 +41,8 @@ from fedssl.data.vlp import VLPDataset, VLPRecord, load_covidx, load_manifest, l
     write_client_manifests
 from fedssl.data.vocab import build_wordpiece_vocab, make_tokenizer, merge_word_counts, site_word_counts
 from fedssl.eval.feddra_report import cosine_per_turn_png, format_table3, lambda_trajectory_png, variants_png
-from fedssl.eval.retrieval import MAX_FLOOR_PAIRS, chance_recall, client_summary, worst_client_floor
+from fedssl.data.vlp_synthetic import devices_named
+from fedssl.eval.retrieval import MAX_FLOOR_PAIRS, chance_recall, client_summary, key_recall_ceiling, worst_client_floor
 from fedssl.experiments.environment import DEFAULT_THREADS
 from fedssl.experiments.fcl_finetune import load_global_state
 from fedssl.experiments.table_runner import few_seeds_note, format_duration, run_cells, start_run
@@ -432,6 +433,31 @@ def at_chance_lines(results: Sequence[Mapping[str, Any]], z: float = 2.0) -> lis
     return [f"clients at chance (R@1 and R@5 within {z:g} binomial SE of it): " + "; ".join(parts)]
 
 
+def device_ceilings(data: str, settings: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+    """For each client whose test pairs all carry one finding code, when the style follows the code
+    (``style_coupling`` 1.0): the recall of a retriever that sees only the lines and tubes each synthetic image shares
+    with its report (:func:`fedssl.eval.retrieval.key_recall_ceiling` over
+    :func:`fedssl.data.vlp_synthetic.devices_named`, in the protocol's batches).  Such a client's image and report
+    share nothing else, so no model can retrieve above it there: the headroom DRO's weight can buy."""
+    if float(settings.get("style_coupling", 0.0)) != 1.0:
+        return {}
+    out = {}
+    for site, (_, test) in client_records(data).items():
+        if test and len({r.labels for r in test}) == 1:
+            keys = [devices_named(r.text) for r in test]
+            out[site] = {"n_pairs": len(test), "with_devices": sum(bool(k) for k in keys),
+                         **{f"R@{k}": key_recall_ceiling(keys, k, RETRIEVAL_BATCH) for k in (1, 5)}}
+    return out
+
+
+def ceiling_lines(ceilings: Mapping[str, Mapping[str, float]]) -> list[str]:
+    """One line a client of :func:`device_ceilings`."""
+    return [f"{site}: all {c['n_pairs']} test pairs carry one finding code and the style follows it; "
+            f"{c['with_devices']} show a line or tube. Seeing only those, no model retrieves above R@1 "
+            f"{100 * c['R@1']:.1f} / R@5 {100 * c['R@5']:.1f} % there (in expectation)"
+            for site, c in sorted(ceilings.items())]
+
+
 def paired_worst(rows: Sequence[Mapping[str, Any]], a: str, b: str, key: str = "worst_R@1") -> dict | None:
     """``a - b`` of ``key`` paired by seed: mean, std, the standard error over seeds (sample std / sqrt(n); None for
     one seed), the per-seed differences, n, and whether the mean exceeds the spread."""
@@ -485,7 +511,9 @@ def run(out: str, variants: Sequence[str] = ("fedavg", "feddra"), seeds: Sequenc
     # a comparison of fewer than three seeds is not a finding: said under the table
     note = few_seeds_note({v: [r["seed"] for r in rows if r["variant"] == v] for v in variants},
                           rerun="fedssl feddra table --seeds 0 1 2") if len(variants) > 1 else None
+    ceilings = device_ceilings(data, settings)
     report = {"settings": settings, "rows": rows, "cells": results, "verdicts": verdicts, "seeds_note": note,
+              "device_ceilings": ceilings,
               "wall_time_s": round(time.time() - t0, 1)}
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(report, f, indent=1)
@@ -494,7 +522,7 @@ def run(out: str, variants: Sequence[str] = ("fedavg", "feddra"), seeds: Sequenc
              "splits, few-shot linear-probe accuracy (%) on the OOD sets, RSNA segmentation Dice (%, "
              "rsna_seg_*_dice); mean +- std over seeds", "", table, ""]
     lines += [table3_text(rows, variants), ""]
-    lines += per_client_lines(results, seeds[0]) + at_chance_lines(results)
+    lines += per_client_lines(results, seeds[0]) + at_chance_lines(results) + ceiling_lines(ceilings)
     for name, v in verdicts.items():
         if v:
             verdict = ("one seed: no spread" if v["n"] < 2 else

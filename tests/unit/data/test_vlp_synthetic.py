@@ -33,6 +33,7 @@ from fedssl.data.vlp_synthetic import (
     STYLES,
     _grade_and_edema,
     _retina,
+    devices_named,
     write_synthetic_brset,
     write_synthetic_covidx,
     write_synthetic_messidor2,
@@ -177,10 +178,10 @@ def test_devices_give_normal_studies_something_to_pair_by_and_change_nothing_els
     assert recs_a.keys() == recs_b.keys() and all(recs_a[k].labels == recs_b[k].labels for k in recs_a)
     with_devices = 0
     for study, rec in recs_b.items():
-        named = [d for d, sentence in DEVICE_SENTENCES.items() if " ".join(sentence.split()) in " ".join(
-            rec.text.split())]
+        named = devices_named(rec.text)
         shown = cb[study]["Support Devices"] == "1.0"
         assert bool(named) == shown, study
+        assert named == tuple(d for d in DEVICE_SENTENCES if d in named)  # in the table's order, each once
         same_image = Image.open(rec.image).tobytes() == Image.open(recs_a[study].image).tobytes()
         assert same_image != shown, study  # drawn exactly when named
         if not shown:
@@ -190,6 +191,14 @@ def test_devices_give_normal_studies_something_to_pair_by_and_change_nothing_els
     for bad in (-0.1, 1.5, True, "0.5"):
         with pytest.raises(ValueError, match="device_rate"):
             write_synthetic_mimic(tmp_path / "bad", n_patients=2, image_px=16, device_rate=bad)
+
+
+def test_devices_named_by_hand():
+    ett, pm = DEVICE_SENTENCES["endotracheal tube"], DEVICE_SENTENCES["pacemaker"]
+    wrapped = pm.replace(" with leads", "\n with leads")
+    assert devices_named(f"FINDINGS: {wrapped} Lungs are clear. IMPRESSION: {ett}") == ("endotracheal tube",
+                                                                                          "pacemaker")
+    assert devices_named("FINDINGS: No acute process. Median sternotomy wires are intact.") == ()
 
 
 def test_mimic_writer_deterministic(tmp_path):

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedssl.eval.retrieval import chance_recall, client_summary, matched_cosine, text_to_image_recall, \
-    worst_client_floor
+from fedssl.eval.retrieval import chance_recall, client_summary, key_recall_ceiling, matched_cosine, \
+    text_to_image_recall, worst_client_floor
 
 # images on the four axes; texts hand-placed (unnormalised on purpose)
 IMG = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0]], dtype=torch.float64)
@@ -153,3 +153,37 @@ def test_chance_recall_refuses_what_it_cannot_compute(args, word):
         kw["drop_last"] = rest[1]
     with pytest.raises(ValueError, match=word):
         chance_recall(n, k, **kw)
+
+
+def test_key_recall_ceiling_by_hand():
+    assert key_recall_ceiling("aabc", 1) == pytest.approx(3 / 4)  # a: 1/2 each, b and c: 1
+    assert key_recall_ceiling("aabc", 5) == 1.0
+    assert key_recall_ceiling("abab", 1) == pytest.approx(1 / 2)  # one gallery: each key twice
+    assert key_recall_ceiling("abab", 1, batch_size=2) == 1.0  # galleries "ab", "ab": every key once
+    assert key_recall_ceiling("aaa", 2) == pytest.approx(2 / 3)
+    assert key_recall_ceiling("aab", 1, batch_size=2) == pytest.approx((1 / 2 + 1 / 2 + 1) / 3)
+    assert key_recall_ceiling("aab", 1, batch_size=2, drop_last=True) == pytest.approx(1 / 2)
+    # one key for all: the chance level, in the protocol's batches
+    for n, k in ((338, 1), (338, 5), (57, 5)):
+        assert key_recall_ceiling([()] * n, k, batch_size=100) == pytest.approx(chance_recall(n, k, batch_size=100))
+
+
+def test_key_recall_ceiling_bounds_an_encoder_that_sees_only_the_key():
+    """Embeddings that carry the key and noise the pairing cannot see reach the ceiling on average, not above."""
+    keys = [i % 3 for i in range(12)] + [7, 8]
+    basis = torch.eye(10, dtype=torch.float64)
+    rng = np.random.default_rng(0)
+    got = []
+    for _ in range(200):
+        img = basis[keys] + 1e-3 * torch.from_numpy(rng.standard_normal((len(keys), 10)))
+        txt = basis[keys] + 1e-3 * torch.from_numpy(rng.standard_normal((len(keys), 10)))
+        got.append(text_to_image_recall(img, txt, ks=(1,))["R@1"])
+    expected = key_recall_ceiling(keys, 1)  # 12 texts at 1/4, 2 at 1
+    assert expected == pytest.approx((12 / 4 + 2) / 14)
+    assert float(np.mean(got)) == pytest.approx(expected, abs=0.03)
+
+
+@pytest.mark.parametrize("args, word", [(([], 1), "keys"), (("ab", 0), "k"), (("ab", 1, -1), "batch_size")])
+def test_key_recall_ceiling_refuses_what_it_cannot_compute(args, word):
+    with pytest.raises(ValueError, match=word):
+        key_recall_ceiling(*args)

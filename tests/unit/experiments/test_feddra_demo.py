@@ -160,3 +160,26 @@ def test_clients_at_chance_are_named_with_their_seeds():
     huge = cell(0, 0.0, 0.0)
     huge["clients"]["site-3"]["n_pairs"] = 10 ** 9  # a site's claim is bounded, not looped over
     assert fd.at_chance_lines([huge]) == []
+
+
+def test_device_ceilings_for_a_client_of_one_finding_code(monkeypatch):
+    from fedssl.data.vlp import VLPRecord
+    from fedssl.data.vlp_synthetic import DEVICE_SENTENCES
+
+    ett = DEVICE_SENTENCES["endotracheal tube"]
+
+    def rec(i, labels, text):
+        return VLPRecord(image=f"/x/{i}.jpg", text=text, labels=labels, patient=str(i), study=str(i), split="test")
+
+    normal = (0, 0, 0, 0, 0)
+    clients = {"site-1": ([], [rec(0, normal, ett), rec(1, normal, f"Heart normal. {ett}"), rec(2, normal, "Clear."),
+                               rec(3, normal, "No acute process.")]),
+               "site-2": ([], [rec(4, normal, ett), rec(5, (1, 0, 0, 0, 0), "Clear.")])}
+    monkeypatch.setattr(fd, "client_records", lambda data: clients)
+    got = fd.device_ceilings("unused", {"style_coupling": 1.0})
+    # site-1: two pairs name the tube, two nothing: each text's image ranks among 2 alike -> R@1 1/2, R@5 1
+    assert got == {"site-1": {"n_pairs": 4, "with_devices": 2, "R@1": 0.5, "R@5": 1.0}}
+    assert fd.ceiling_lines(got) == ["site-1: all 4 test pairs carry one finding code and the style follows it; 2 show "
+                                     "a line or tube. Seeing only those, no model retrieves above R@1 50.0 / R@5 "
+                                     "100.0 % there (in expectation)"]
+    assert fd.device_ceilings("unused", {"style_coupling": 0.7}) == {}  # the style is then shared too

@@ -132,8 +132,9 @@ def _control_args(s) -> None:
     s.add_argument("--multipliers", nargs="*", type=COUNT, default=[1, 4, 16],
                    help="centralised pre-training steps, in multiples of one site's steps in the bench run (none: "
                         "random init and the federated arms only)")
-    s.add_argument("--federated-multipliers", nargs="+", type=COUNT, default=[1],
-                   help="federated pre-training rounds, in multiples of the bench run's")
+    s.add_argument("--federated-multipliers", nargs="*", type=COUNT, default=[1],
+                   help="federated pre-training rounds, in multiples of the bench run's (none: random init and the "
+                        "centralised arm only)")
     s.add_argument("--resend-multipliers", nargs="*", type=COUNT, default=[],
                    help="the federated arm with the feature exchange before issue 45 (whole banks re-sent every "
                         "round), to measure what sending each feature once costs")

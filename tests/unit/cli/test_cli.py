@@ -223,6 +223,17 @@ def test_bench_control_can_leave_the_centralised_arm_out(monkeypatch):
     assert seen["multipliers"] == [] and seen["federated_multipliers"] == [4]
 
 
+def test_bench_control_can_leave_the_federated_arm_out(monkeypatch):
+    """``--federated-multipliers`` with no value: random init and the centralised arm only (a long multiplier's seeds
+    as separate processes, without re-running the federated 1x)."""
+    from fedssl.experiments import control
+
+    seen = {}
+    monkeypatch.setattr(control, "fcl_control", lambda *a, **kw: seen.update(kw))
+    assert main(["bench", "control", "--out", "o", "--multipliers", "16", "--federated-multipliers"]) == 0
+    assert seen["multipliers"] == [16] and seen["federated_multipliers"] == []
+
+
 def test_feddra_table_hands_turns_and_patients_to_the_runner_as_demo_settings(monkeypatch):
     from fedssl.experiments import feddra_demo
 

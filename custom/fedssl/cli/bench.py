@@ -145,13 +145,19 @@ def _control_args(s) -> None:
     s.add_argument("--budget-s", type=POSITIVE, default=None, help="no cell starts after this many wall seconds")
     s.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda ...")
     s.add_argument("--report-only", action="store_true", help="only the table, verdicts and PNG of control.json")
+    s.add_argument("--merge", nargs="+", default=None, metavar="FOLDER",
+                   help="merge these control folders (seeds run as separate processes) into --out and report; "
+                        "nothing is computed")
     add_threads_argument(s)
 
 
 def _control(a) -> None:
-    from fedssl.experiments.control import control_report, fcl_control
+    from fedssl.experiments.control import control_report, fcl_control, merge_controls
 
     say = lambda m: print(m, flush=True)  # noqa: E731
+    if a.merge:
+        merge_controls(a.out, a.merge, say=say)
+        return
     if a.report_only:
         control_report(a.out, say=say)
         return

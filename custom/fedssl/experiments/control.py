@@ -359,6 +359,53 @@ def _plain(row: dict) -> dict:
     return json.loads(json.dumps(row, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
 
 
+def merge_controls(out: str, sources: Sequence[str], *, say: Callable[[str], None] = print) -> dict:
+    """Merge the ``control.json`` of several control folders (seeds run as separate processes, the CPU way) into
+    ``out/control.json``, then :func:`control_report`.  Every source, and ``out`` if it holds a control already, must
+    have the same settings; a cell present in two folders must be the same there (the same rows) unless only one of
+    them is done, which then wins.  The saved encoders are copied, so a later call on ``out`` resumes from them.
+    Nothing is computed.  Returns the report."""
+    import shutil
+
+    if not sources:
+        raise ValueError("merge: give at least one control folder to merge")
+    path = os.path.join(out, "control.json")
+    merged: dict | None = None
+    first, origin = out, {}
+    for src in ([out] if os.path.isfile(path) else []) + list(sources):
+        src_path = os.path.join(src, "control.json")
+        if not os.path.isfile(src_path):
+            raise ValueError(f"merge: {src_path} does not exist; give folders written by `fedssl bench control`")
+        with open(src_path, encoding="utf-8") as f:
+            result = json.load(f)
+        if merged is None:
+            merged = dict(result, cells={})
+            first = src
+        elif result.get("settings") != merged.get("settings"):
+            raise ValueError(f"merge: {src_path} was written with other settings ({result.get('settings')}) than "
+                             f"{first} ({merged.get('settings')}); merge only runs of the same size and folds")
+        for key, cell in result.get("cells", {}).items():
+            have = merged["cells"].get(key)
+            if have is None or (cell.get("done") and not have.get("done")):
+                merged["cells"][key], origin[key] = cell, src
+            elif cell.get("done") and have.get("rows") != cell.get("rows"):
+                raise ValueError(f"merge: the cell {key!r} differs between {origin[key]} and {src}; keep one of them")
+        encoders = os.path.join(src, "encoders")
+        for enc in sorted(os.listdir(encoders)) if os.path.isdir(encoders) else []:
+            dst = os.path.join(out, "encoders", enc)
+            if not os.path.isfile(dst):
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                shutil.copy2(os.path.join(encoders, enc), dst)
+    assert merged is not None
+    merged["rows"] = [r for c in merged["cells"].values() for r in c.get("rows", [])]
+    merged["merged_from"] = sorted({os.path.basename(os.path.normpath(s)) for s in sources})
+    os.makedirs(out, exist_ok=True)
+    _write_json(path, merged)
+    done = sum(1 for c in merged["cells"].values() if c.get("done"))
+    say(f"merged {len(sources)} control folders into {path}: {done} cells done of {len(merged['cells'])}")
+    return control_report(out, say=say)
+
+
 # ---------------------------------------------------------------------------------------------- the report
 def _methods_in(cells: dict) -> list[tuple[str, int | None]]:
     seen = {(c["arm"], c["multiplier"]) for c in cells.values() if c.get("done")}

@@ -252,3 +252,13 @@ def test_feddra_table_hands_turns_and_patients_to_the_runner_as_demo_settings(mo
         p.parse_args(["feddra", "table", "--out", "o", "--style-coupling", "1.5"])
     with pytest.raises(SystemExit):
         p.parse_args(["feddra", "table", "--out", "o", "--device-rate", "-0.1"])
+
+
+def test_bench_control_merge_merges_and_computes_nothing(monkeypatch):
+    from fedssl.experiments import control
+
+    seen = {}
+    monkeypatch.setattr(control, "merge_controls", lambda out, sources, **kw: seen.update(out=out, sources=sources))
+    monkeypatch.setattr(control, "fcl_control", lambda *a, **kw: pytest.fail("computed"))
+    assert main(["bench", "control", "--out", "all", "--merge", "s0", "s1", "s2"]) == 0
+    assert seen == {"out": "all", "sources": ["s0", "s1", "s2"]}

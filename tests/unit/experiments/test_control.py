@@ -278,3 +278,68 @@ def test_threads_are_set_when_asked_and_every_cell_records_the_count_it_ran_with
     control.fcl_control(str(tmp_path), multipliers=(1,), seeds=(0,), federated_multipliers=(), size="tiny",
                         device="cpu", threads=1, say=lambda m: None)
     assert asked == [1]
+
+
+def _split_by_seed(out: str, root) -> list[str]:
+    """The module run's control.json split into one folder per seed, as seeds run as separate processes leave it."""
+    data = _json(out)
+    folders = []
+    for seed in SEEDS:
+        folder = root / f"seed{seed}"
+        (folder / "encoders").mkdir(parents=True)
+        part = dict(data, cells={k: c for k, c in data["cells"].items() if c["seed"] == seed})
+        for c in part["cells"].values():
+            if "pretrain" in c:
+                src = os.path.join(out, c["pretrain"]["encoder"])
+                (folder / c["pretrain"]["encoder"]).write_bytes(open(src, "rb").read())
+        (folder / "control.json").write_text(json.dumps(part))
+        folders.append(str(folder))
+    return folders
+
+
+def test_merging_per_seed_folders_gives_the_report_of_one_run(run, tmp_path):
+    out, first = run
+    folders = _split_by_seed(out, tmp_path)
+    merged = control.merge_controls(str(tmp_path / "all"), folders, say=lambda m: None)
+    assert merged["table"] == first["table"] and merged["verdicts"] == first["verdicts"]
+    assert {d["method"]: d["N=1"]["diff_by_seed"] for d in merged["summary"] if "diff" in d["N=1"]} == \
+        {d["method"]: d["N=1"]["diff_by_seed"] for d in first["summary"] if "diff" in d["N=1"]}
+    assert os.path.isfile(str(tmp_path / "all" / "control.png"))
+    assert sorted(os.listdir(tmp_path / "all" / "encoders")) == sorted(os.listdir(os.path.join(out, "encoders")))
+    # merging into a folder that already holds the merge changes nothing
+    again = control.merge_controls(str(tmp_path / "all"), folders[:1], say=lambda m: None)
+    assert again["table"] == first["table"]
+
+
+def test_merge_refuses_other_settings_and_a_cell_that_differs(run, tmp_path):
+    out, _ = run
+    a, b = _split_by_seed(out, tmp_path)
+    other = json.loads(open(os.path.join(b, "control.json")).read())
+    other["settings"]["folds"] = [1]
+    with open(os.path.join(b, "control.json"), "w") as f:
+        json.dump(other, f)
+    with pytest.raises(ValueError, match="other settings"):
+        control.merge_controls(str(tmp_path / "m1"), [a, b], say=lambda m: None)
+    clash = json.loads(open(os.path.join(a, "control.json")).read())
+    key = next(iter(clash["cells"]))
+    clash["cells"][key]["rows"][0]["dice"] += 0.5
+    (tmp_path / "clash").mkdir()
+    (tmp_path / "clash" / "control.json").write_text(json.dumps(clash))
+    with pytest.raises(ValueError, match="differs"):
+        control.merge_controls(str(tmp_path / "m2"), [a, str(tmp_path / "clash")], say=lambda m: None)
+    with pytest.raises(ValueError, match="does not exist"):
+        control.merge_controls(str(tmp_path / "m3"), [str(tmp_path / "nowhere")], say=lambda m: None)
+
+
+def test_merge_takes_the_done_cell_over_an_unfinished_one(run, tmp_path):
+    out, first = run
+    a, _ = _split_by_seed(out, tmp_path)
+    part = json.loads(open(os.path.join(a, "control.json")).read())
+    key = next(iter(part["cells"]))
+    part["cells"][key]["done"] = False
+    part["cells"][key]["rows"] = part["cells"][key]["rows"][:1]
+    (tmp_path / "partial").mkdir()
+    (tmp_path / "partial" / "control.json").write_text(json.dumps(part))
+    for order in ([str(tmp_path / "partial"), a], [a, str(tmp_path / "partial")]):
+        merged = control.merge_controls(str(tmp_path / f"m{len(order[0])}"), order, say=lambda m: None)
+        assert merged["cells"][key]["done"] and merged["cells"][key]["rows"] == first["cells"][key]["rows"]

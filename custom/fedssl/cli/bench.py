@@ -166,6 +166,28 @@ def _control(a) -> None:
                 resend_multipliers=a.resend_multipliers, threads=a.threads, say=say)
 
 
+def _loss_trace_args(s) -> None:
+    s.add_argument("--out", required=True, help="folder for the data and loss_trace_*.json / .png (a control folder "
+                                                "reuses its data)")
+    s.add_argument("--size", default="bench", choices=["bench", "tiny"])
+    s.add_argument("--seed", type=SEED, default=0)
+    s.add_argument("--multiplier", type=COUNT, default=1, help="pre-training steps in multiples of the bench run's")
+    s.add_argument("--no-structural-matching", action="store_true",
+                   help="FCL's local term alone (no global structural matching): is the remote term what moves it?")
+    s.add_argument("--probe-slices", type=COUNT, default=400, help="fixed slices of the bank-free measure")
+    s.add_argument("--device", default="cpu")
+    add_threads_argument(s)
+
+
+def _loss_trace(a) -> None:
+    from fedssl.experiments.control import loss_trace
+    from fedssl.experiments.environment import set_threads
+
+    set_threads(a.threads)
+    loss_trace(a.out, seed=a.seed, multiplier=a.multiplier, structural_matching=not a.no_structural_matching,
+               size=a.size, probe_slices=a.probe_slices, device=a.device, say=lambda m: print(m, flush=True))
+
+
 def _fcl_step_args(s) -> None:
     s.add_argument("--out", required=True, help="folder for one synthetic site and fcl_step.json")
     s.add_argument("--size", default="gpu", choices=["gpu", "tiny"])
@@ -191,6 +213,9 @@ VERBS = (
          _evidence_args, _evidence),
     Verb("fcl-step", "where an FCL pre-training step and a fine-tuning step spend their time on the device: data, "
                      "compute, workers, amp, channels_last", _fcl_step_args, _fcl_step),
+    Verb("loss-trace", "why FCL's logged local loss rises as the learning rate decays: the centralised pre-training "
+                       "with a bank-free InfoNCE of fixed views after every round; JSON and PNG",
+         _loss_trace_args, _loss_trace),
     Verb("message", "bytes of a job's model message as sent and through each wire quantiser, at the profiles' "
                     "model sizes (no training)", _message_args, _message),
     Verb("overhead", "the same local training as a bare loop and as a FLARE simulator job: time per round and what "

@@ -56,8 +56,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from fedssl.core.discrimination import instance_discrimination
 from fedssl.data.acdc import load_site
+from fedssl.data.transforms import augment_views
 from fedssl.experiments.environment import set_threads
+from fedssl.eval.features import slice_partitions, volume_slices
 from fedssl.eval.report import paired_against
 from fedssl.experiments.evidence import (
     FCL_SIZES,
@@ -168,11 +171,15 @@ def _labelled(root: str, sites: Sequence[str], ft: dict) -> dict[str, list]:
 
 # ---------------------------------------------------------------------------------------------- pre-training
 def pretrain_central(site_volumes: dict, cfg: dict, seed: int, rounds: int, steps_per_round: int, device: str,
-                     say: Callable[[str], None]) -> tuple[dict, dict]:
+                     say: Callable[[str], None], *, structural_matching: bool = True,
+                     after_round: Callable[[FCLLocalTrainer, int], dict] | None = None) -> tuple[dict, dict]:
     """One FCL trainer on every site's volumes pooled: ``rounds`` rounds of ``steps_per_round`` steps, feature
-    exchange off (module docstring).  Returns (the model's state, the record)."""
+    exchange off (module docstring).  ``after_round(trainer, round)``: a measurement after each round, its values
+    appended to the record's lists of the same names (it must not train or draw from the trainer's generator).
+    Returns (the model's state, the record)."""
     pooled = [v for site in sorted(site_volumes) for v in site_volumes[site]]
-    size = {"pretrain": dict(cfg["pretrain"], max_steps_per_round=int(steps_per_round), feature_exchange=False)}
+    size = {"pretrain": dict(cfg["pretrain"], max_steps_per_round=int(steps_per_round), feature_exchange=False,
+                             structural_matching=bool(structural_matching))}
     s = fcl_settings(size, seed, device)
     t0 = time.perf_counter()
     tr = FCLLocalTrainer(pooled, s, num_rounds=int(rounds), device=device, site="pooled")
@@ -189,6 +196,9 @@ def pretrain_central(site_volumes: dict, cfg: dict, seed: int, rounds: int, step
         rec["feature_std"].append(float(st.metrics["feature_std"]))
         rec["remote_features"].append(int(st.metrics["remote_features"]))
         rec["steps"].append(int(st.steps))
+        rec.setdefault("lr_end", []).append(float(st.metrics["lr_end"]))
+        for name, value in (after_round(tr, r) if after_round is not None else {}).items():
+            rec.setdefault(name, []).append(value)
         done = r + 1
         if r == 0 or done % 10 == 0 or done == rounds:
             say(f"  central seed {seed} round {done}/{rounds} ({time.perf_counter() - t0:.0f} s): loss "
@@ -198,6 +208,95 @@ def pretrain_central(site_volumes: dict, cfg: dict, seed: int, rounds: int, step
     rec["total_steps"] = int(sum(rec["steps"]))
     rec["steps_per_trainer"] = rec["total_steps"]
     return {k: v.detach().cpu() for k, v in tr.model.state_dict().items()}, rec
+
+
+# ---------------------------------------------------------------------------------------------- the loss trace
+@torch.no_grad()
+def fixed_view_discrimination(net: torch.nn.Module, view1: torch.Tensor, view2: torch.Tensor, groups: torch.Tensor,
+                              tau: float, batch_size: int = 64) -> dict:
+    """InfoNCE of ``net``'s projections (eval mode, its mode restored) of two fixed views of the same slices,
+    negatives the slices of other patients (``groups``): no bank, so no feature older than the network
+    (:func:`fedssl.core.discrimination.instance_discrimination`)."""
+    was = net.training
+    net.eval()
+    try:
+        z1 = torch.cat([net(view1[i:i + batch_size]).float() for i in range(0, len(view1), batch_size)])
+        z2 = torch.cat([net(view2[i:i + batch_size]).float() for i in range(0, len(view2), batch_size)])
+    finally:
+        net.train(was)
+    d = instance_discrimination(z1.cpu(), z2.cpu(), tau, groups)
+    return {"fixed_infonce": d.loss, "fixed_chance": d.chance, "fixed_top1": d.top1}
+
+
+def loss_trace(out: str, *, seed: int = 0, multiplier: int = 1, structural_matching: bool = True,
+               size: str = "bench", probe_slices: int = 400, device: str = "cpu",
+               say: Callable[[str], None] = print) -> dict:
+    """Why FCL's logged local loss rises as the learning rate decays: the centralised arm's pre-training
+    (:func:`pretrain_central`, the same data, settings and numbers as ``central x<multiplier>``), and after every
+    round the bank-free InfoNCE of two fixed augmented views of ``probe_slices`` pooled slices
+    (:func:`fixed_view_discrimination`).  The logged loss scores each query against the bank, features made by
+    earlier networks; the fixed-view loss scores the network as it is.  Writes
+    ``out/loss_trace_{gsm|nogsm}_x{m}_seed{s}.json`` and ``.png``; returns the record."""
+    if size not in CONTROL_SIZES:
+        raise ValueError(f"size={size!r}: use one of {sorted(CONTROL_SIZES)}")
+    if isinstance(probe_slices, bool) or not isinstance(probe_slices, int) or probe_slices < 2:
+        raise ValueError(f"probe_slices={probe_slices!r}: give an integer >= 2 (slices to discriminate between)")
+    cfg, device = CONTROL_SIZES[size], pick_device(device)
+    site_volumes = load_or_write_data(os.path.join(out, "data", "acdc"), cfg, say)
+    sites = sorted(site_volumes, key=lambda s: int(s.split("-")[-1]))
+    s0 = fcl_settings(cfg, 0, device)
+    cap = int(cfg["pretrain"].get("max_steps_per_round", 0))
+    base_spr = int(round(float(np.mean([_n_steps(site_volumes[s], s0, cap) for s in sites]))))
+    pooled = [v for site in sorted(site_volumes) for v in site_volumes[site]]
+    x, groups = volume_slices(pooled), slice_partitions(pooled)[1]
+    pick = torch.linspace(0, len(x) - 1, min(probe_slices, len(x))).round().long()
+    x, groups = x[pick], groups[pick]
+    g = torch.Generator().manual_seed(int(seed))  # the probe's own generator: the trainer's draws are untouched
+    view1, view2 = augment_views(x, g).to(device), augment_views(x, g).to(device)
+    tau = float(cfg["pretrain"].get("tau", s0.tau))
+
+    def measure(tr: FCLLocalTrainer, r: int) -> dict:
+        return fixed_view_discrimination(tr.model.main, view1, view2, groups, tau)
+
+    rounds = int(multiplier) * int(cfg["rounds"])
+    _, rec = pretrain_central(site_volumes, cfg, seed, rounds, base_spr, device, say,
+                              structural_matching=structural_matching, after_round=measure)
+    rec.update(seed=int(seed), multiplier=int(multiplier), rounds=rounds, structural_matching=bool(structural_matching),
+               size=size, probe_slices=int(len(x)), chance_loss_local=math.log(cfg["pretrain"]["bank_size"] + 1))
+    name = f"loss_trace_{'gsm' if structural_matching else 'nogsm'}_x{int(multiplier)}_seed{int(seed)}"
+    _write_json(os.path.join(out, name + ".json"), rec)
+    plot_loss_trace(rec, os.path.join(out, name + ".png"))
+    low = int(np.argmin(rec["loss_local"]))
+    say(f"logged local loss: lowest {rec['loss_local'][low]:.3f} at round {low + 1} (lr {rec['lr_end'][low]:.2g}), "
+        f"last {rec['loss_local'][-1]:.3f}; fixed-view InfoNCE: round {low + 1} {rec['fixed_infonce'][low]:.3f}, "
+        f"last {rec['fixed_infonce'][-1]:.3f} (chance {rec['fixed_chance'][-1]:.3f})")
+    return rec
+
+
+def plot_loss_trace(rec: dict, path: str) -> str:
+    """The logged local loss and the fixed-view InfoNCE against the round, the learning rate on a second axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    rounds = range(1, len(rec["loss_local"]) + 1)
+    ax.plot(rounds, rec["loss_local"], color="#3b75af", label="logged local loss (bank negatives)")
+    ax.plot(rounds, rec["fixed_infonce"], color="#c4622d", label="fixed-view InfoNCE (no bank)")
+    ax.axhline(rec["fixed_chance"][-1], color="#c4622d", linestyle=":", linewidth=1, label="its chance level")
+    ax.set_xlabel("round")
+    ax.set_ylabel("loss")
+    twin = ax.twinx()
+    twin.plot(rounds, rec["lr_end"], color="grey", linestyle="--", linewidth=1)
+    twin.set_ylabel("learning rate (dashed)")
+    ax.legend(fontsize=8, loc="lower left")
+    ax.set_title(f"FCL central x{rec['multiplier']}, seed {rec['seed']}, "
+                 f"{'with' if rec['structural_matching'] else 'without'} structural matching", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def pretrain_federated(site_volumes: dict, cfg: dict, seed: int, rounds: int, steps_per_site_round: Sequence[int],

@@ -262,3 +262,14 @@ def test_bench_control_merge_merges_and_computes_nothing(monkeypatch):
     monkeypatch.setattr(control, "fcl_control", lambda *a, **kw: pytest.fail("computed"))
     assert main(["bench", "control", "--out", "all", "--merge", "s0", "s1", "s2"]) == 0
     assert seen == {"out": "all", "sources": ["s0", "s1", "s2"]}
+
+
+def test_bench_loss_trace_hands_its_settings_on(monkeypatch):
+    from fedssl.experiments import control
+
+    seen = {}
+    monkeypatch.setattr(control, "loss_trace", lambda out, **kw: seen.update(out=out, **kw))
+    assert main(["bench", "loss-trace", "--out", "t", "--seed", "2", "--multiplier", "4",
+                 "--no-structural-matching"]) == 0
+    assert seen["out"] == "t" and seen["seed"] == 2 and seen["multiplier"] == 4
+    assert seen["structural_matching"] is False and seen["size"] == "bench" and seen["probe_slices"] == 400

@@ -343,3 +343,38 @@ def test_merge_takes_the_done_cell_over_an_unfinished_one(run, tmp_path):
     for order in ([str(tmp_path / "partial"), a], [a, str(tmp_path / "partial")]):
         merged = control.merge_controls(str(tmp_path / f"m{len(order[0])}"), order, say=lambda m: None)
         assert merged["cells"][key]["done"] and merged["cells"][key]["rows"] == first["cells"][key]["rows"]
+
+
+def test_fixed_view_discrimination_is_the_bank_free_infonce_in_eval_mode():
+    """Two views = the same 4 orthonormal rows, every slice its own patient: each row's loss is
+    log(e^(1/tau) + 3) - 1/tau by hand; a BatchNorm in train mode would normalise the batch and change it."""
+    tau = 0.5
+    net = torch.nn.BatchNorm1d(4)
+    net.train()
+    eye = torch.eye(4)
+    got = control.fixed_view_discrimination(net, eye, eye.clone(), torch.arange(4), tau, batch_size=3)
+    assert got["fixed_infonce"] == pytest.approx(math.log(math.exp(1 / tau) + 3) - 1 / tau, rel=1e-5)
+    assert got["fixed_chance"] == pytest.approx(math.log(4)) and got["fixed_top1"] == 1.0
+    assert net.training  # the caller's mode is restored
+
+
+def test_loss_trace_is_the_central_arm_with_a_measure_that_does_not_touch_it(run):
+    """The trace trains exactly the control's central x1 (the same logged losses, to the last digit): the fixed-view
+    measure neither trains nor draws from the trainer's generator; without structural matching the remote term is
+    0 and the local loss moves."""
+    out, result = run
+    rec = control.loss_trace(out, seed=0, multiplier=1, size="tiny", probe_slices=12, say=lambda m: None)
+    central = result["cells"]["central x1 seed 0"]["pretrain"]
+    rounds = control.TINY["rounds"]
+    assert rec["loss_local"] == central["loss_local"] and rec["loss"] == central["loss"]
+    assert len(rec["fixed_infonce"]) == len(rec["lr_end"]) == rounds and rec["probe_slices"] == 12
+    assert all(math.isfinite(v) for v in rec["fixed_infonce"])
+    assert rec["lr_end"][-1] < rec["lr_end"][0]
+    assert os.path.isfile(os.path.join(out, "loss_trace_gsm_x1_seed0.json"))
+    assert os.path.isfile(os.path.join(out, "loss_trace_gsm_x1_seed0.png"))
+    bare = control.loss_trace(out, seed=0, multiplier=1, size="tiny", probe_slices=12, structural_matching=False,
+                              say=lambda m: None)
+    assert set(bare["loss_remote"]) == {0.0} and bare["loss_local"] != rec["loss_local"]
+    assert os.path.isfile(os.path.join(out, "loss_trace_nogsm_x1_seed0.json"))
+    with pytest.raises(ValueError, match="probe_slices"):
+        control.loss_trace(out, probe_slices=1, size="tiny", say=lambda m: None)

@@ -281,6 +281,8 @@ def plot_loss_trace(rec: dict, path: str) -> str:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    ax.set_title(f"FCL central x{rec['multiplier']}, seed {rec['seed']}, "
+                 f"{'with' if rec['structural_matching'] else 'without'} structural matching", fontsize=9)
     rounds = range(1, len(rec["loss_local"]) + 1)
     ax.plot(rounds, rec["loss_local"], color="#3b75af", label="logged local loss (bank negatives)")
     ax.plot(rounds, rec["fixed_infonce"], color="#c4622d", label="fixed-view InfoNCE (no bank)")
@@ -291,11 +293,10 @@ def plot_loss_trace(rec: dict, path: str) -> str:
     twin.plot(rounds, rec["lr_end"], color="grey", linestyle="--", linewidth=1)
     twin.set_ylabel("learning rate (dashed)")
     ax.legend(fontsize=8, loc="lower left")
-    ax.set_title(f"FCL central x{rec['multiplier']}, seed {rec['seed']}, "
-                 f"{'with' if rec['structural_matching'] else 'without'} structural matching", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+    finally:
+        plt.close(fig)
     return path
 
 

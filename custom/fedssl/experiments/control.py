@@ -197,6 +197,7 @@ def pretrain_central(site_volumes: dict, cfg: dict, seed: int, rounds: int, step
         rec["remote_features"].append(int(st.metrics["remote_features"]))
         rec["steps"].append(int(st.steps))
         rec.setdefault("lr_end", []).append(float(st.metrics["lr_end"]))
+        rec.setdefault("chance_local", []).append(float(st.metrics["chance_loss_local"]))  # rises while the bank fills
         for name, value in (after_round(tr, r) if after_round is not None else {}).items():
             rec.setdefault(name, []).append(value)
         done = r + 1
@@ -262,15 +263,23 @@ def loss_trace(out: str, *, seed: int = 0, multiplier: int = 1, structural_match
     _, rec = pretrain_central(site_volumes, cfg, seed, rounds, base_spr, device, say,
                               structural_matching=structural_matching, after_round=measure)
     rec.update(seed=int(seed), multiplier=int(multiplier), rounds=rounds, structural_matching=bool(structural_matching),
-               size=size, probe_slices=int(len(x)), chance_loss_local=math.log(cfg["pretrain"]["bank_size"] + 1))
+               size=size, probe_slices=int(len(x)))
     name = f"loss_trace_{'gsm' if structural_matching else 'nogsm'}_x{int(multiplier)}_seed{int(seed)}"
     _write_json(os.path.join(out, name + ".json"), rec)
     plot_loss_trace(rec, os.path.join(out, name + ".png"))
-    low = int(np.argmin(rec["loss_local"]))
-    say(f"logged local loss: lowest {rec['loss_local'][low]:.3f} at round {low + 1} (lr {rec['lr_end'][low]:.2g}), "
-        f"last {rec['loss_local'][-1]:.3f}; fixed-view InfoNCE: round {low + 1} {rec['fixed_infonce'][low]:.3f}, "
-        f"last {rec['fixed_infonce'][-1]:.3f} (chance {rec['fixed_chance'][-1]:.3f})")
+    low = lowest_full_bank_round(rec)
+    say(f"logged local loss (bank full): lowest {rec['loss_local'][low]:.3f} at round {low + 1} (lr "
+        f"{rec['lr_end'][low]:.2g}), last {rec['loss_local'][-1]:.3f} (chance {rec['chance_local'][-1]:.3f}); "
+        f"fixed-view InfoNCE: round {low + 1} {rec['fixed_infonce'][low]:.3f}, last {rec['fixed_infonce'][-1]:.3f} "
+        f"(chance {rec['fixed_chance'][-1]:.3f})")
     return rec
+
+
+def lowest_full_bank_round(rec: dict) -> int:
+    """The round (0-based) of the lowest logged local loss once the bank is full (its chance level at its last
+    value): before that the loss is low only because the bank holds fewer negatives."""
+    full = [r for r, c in enumerate(rec["chance_local"]) if c >= rec["chance_local"][-1] - 1e-9]
+    return min(full, key=lambda r: rec["loss_local"][r])
 
 
 def plot_loss_trace(rec: dict, path: str) -> str:

@@ -378,3 +378,8 @@ def test_loss_trace_is_the_central_arm_with_a_measure_that_does_not_touch_it(run
     assert os.path.isfile(os.path.join(out, "loss_trace_nogsm_x1_seed0.json"))
     with pytest.raises(ValueError, match="probe_slices"):
         control.loss_trace(out, probe_slices=1, size="tiny", say=lambda m: None)
+
+
+def test_the_lowest_logged_loss_is_taken_once_the_bank_is_full():
+    rec = {"loss_local": [4.0, 5.5, 5.0, 5.2, 6.0], "chance_local": [5.0, 6.5, 6.93, 6.93, 6.93]}
+    assert control.lowest_full_bank_round(rec) == 2

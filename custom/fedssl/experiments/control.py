@@ -197,7 +197,8 @@ def pretrain_central(site_volumes: dict, cfg: dict, seed: int, rounds: int, step
         rec["remote_features"].append(int(st.metrics["remote_features"]))
         rec["steps"].append(int(st.steps))
         rec.setdefault("lr_end", []).append(float(st.metrics["lr_end"]))
-        rec.setdefault("chance_local", []).append(float(st.metrics["chance_loss_local"]))  # rises while the bank fills
+        rec.setdefault("chance_local", []).append(float(st.metrics["chance_loss_local"]))
+        rec.setdefault("bank_fill", []).append(float(st.metrics["bank_fill"]))  # the share of real (not random) rows
         for name, value in (after_round(tr, r) if after_round is not None else {}).items():
             rec.setdefault(name, []).append(value)
         done = r + 1
@@ -276,9 +277,10 @@ def loss_trace(out: str, *, seed: int = 0, multiplier: int = 1, structural_match
 
 
 def lowest_full_bank_round(rec: dict) -> int:
-    """The round (0-based) of the lowest logged local loss once the bank is full (its chance level at its last
-    value): before that the loss is low only because the bank holds fewer negatives."""
-    full = [r for r, c in enumerate(rec["chance_local"]) if c >= rec["chance_local"][-1] - 1e-9]
+    """The round (0-based) of the lowest logged local loss once the bank holds only real features (``bank_fill``
+    1): before that part of the negatives are the bank's random initial rows, easy to tell from any query, and the
+    loss is low for that reason alone.  A run whose bank never fills: its last round."""
+    full = [r for r, f in enumerate(rec["bank_fill"]) if f >= 1.0] or [len(rec["bank_fill"]) - 1]
     return min(full, key=lambda r: rec["loss_local"][r])
 
 

@@ -367,7 +367,8 @@ def test_loss_trace_is_the_central_arm_with_a_measure_that_does_not_touch_it(run
     central = result["cells"]["central x1 seed 0"]["pretrain"]
     rounds = control.TINY["rounds"]
     assert rec["loss_local"] == central["loss_local"] and rec["loss"] == central["loss"]
-    assert len(rec["fixed_infonce"]) == len(rec["lr_end"]) == rounds and rec["probe_slices"] == 12
+    assert len(rec["fixed_infonce"]) == len(rec["lr_end"]) == len(rec["bank_fill"]) == rounds
+    assert rec["probe_slices"] == 12 and 0 < rec["bank_fill"][0] <= rec["bank_fill"][-1] <= 1
     assert all(math.isfinite(v) for v in rec["fixed_infonce"])
     assert rec["lr_end"][-1] < rec["lr_end"][0]
     assert os.path.isfile(os.path.join(out, "loss_trace_gsm_x1_seed0.json"))
@@ -381,5 +382,6 @@ def test_loss_trace_is_the_central_arm_with_a_measure_that_does_not_touch_it(run
 
 
 def test_the_lowest_logged_loss_is_taken_once_the_bank_is_full():
-    rec = {"loss_local": [4.0, 5.5, 5.0, 5.2, 6.0], "chance_local": [5.0, 6.5, 6.93, 6.93, 6.93]}
+    rec = {"loss_local": [4.0, 5.5, 5.0, 5.2, 6.0], "bank_fill": [0.4, 0.8, 1.0, 1.0, 1.0]}
     assert control.lowest_full_bank_round(rec) == 2
+    assert control.lowest_full_bank_round({"loss_local": [4.0, 5.0], "bank_fill": [0.2, 0.4]}) == 1

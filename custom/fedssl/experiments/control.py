@@ -290,6 +290,7 @@ def plot_loss_trace(rec: dict, path: str) -> str:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     ax.set_title(f"FCL central x{rec['multiplier']}, seed {rec['seed']}, "
@@ -297,7 +298,9 @@ def plot_loss_trace(rec: dict, path: str) -> str:
     rounds = range(1, len(rec["loss_local"]) + 1)
     ax.plot(rounds, rec["loss_local"], color="#3b75af", label="logged local loss (bank negatives)")
     ax.plot(rounds, rec["fixed_infonce"], color="#c4622d", label="fixed-view InfoNCE (no bank)")
-    ax.axhline(rec["fixed_chance"][-1], color="#c4622d", linestyle=":", linewidth=1, label="its chance level")
+    ax.axhline(rec["chance_local"][-1], color="#3b75af", linestyle=":", linewidth=1, label="chance, ln(K+1)")
+    ax.axhline(rec["fixed_chance"][-1], color="#c4622d", linestyle=":", linewidth=1, label="chance, fixed views")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel("loss")
     twin = ax.twinx()

@@ -175,6 +175,8 @@ def _loss_trace_args(s) -> None:
     s.add_argument("--no-structural-matching", action="store_true",
                    help="FCL's local term alone (no global structural matching): is the remote term what moves it?")
     s.add_argument("--probe-slices", type=COUNT, default=400, help="fixed slices of the bank-free measure")
+    s.add_argument("--no-fresh-bank", action="store_true",
+                   help="skip scoring the same queries against a bank encoded now (halves the time)")
     s.add_argument("--device", default="cpu")
     add_threads_argument(s)
 
@@ -185,7 +187,8 @@ def _loss_trace(a) -> None:
 
     set_threads(a.threads)
     loss_trace(a.out, seed=a.seed, multiplier=a.multiplier, structural_matching=not a.no_structural_matching,
-               size=a.size, probe_slices=a.probe_slices, device=a.device, say=lambda m: print(m, flush=True))
+               size=a.size, probe_slices=a.probe_slices, fresh_bank=not a.no_fresh_bank, device=a.device,
+               say=lambda m: print(m, flush=True))
 
 
 def _fcl_step_args(s) -> None:

@@ -47,6 +47,7 @@ tests).
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -57,6 +58,8 @@ import numpy as np
 import torch
 
 from fedssl.core.discrimination import instance_discrimination
+from fedssl.core.fcl_loss import contrastive_term, paired_local_positives
+from fedssl.core.seeds import derived_seed
 from fedssl.data.acdc import load_site
 from fedssl.data.transforms import augment_views
 from fedssl.experiments.environment import set_threads
@@ -103,6 +106,8 @@ ARMS = ("central", "federated", "federated-resend")
 N_LABELLED = (1, 2)
 #: a budget with no end
 _NO_END = 1e9
+#: the first data epoch of the loss trace's own draws (far from any training round's epoch)
+_TRACE_EPOCH = 1_000_000
 
 
 def finetune_settings(size: str) -> dict:
@@ -230,14 +235,74 @@ def fixed_view_discrimination(net: torch.nn.Module, view1: torch.Tensor, view2: 
     return {"fixed_infonce": d.loss, "fixed_chance": d.chance, "fixed_top1": d.top1}
 
 
+def _draws(tr: FCLLocalTrainer, first_epoch: int, n: int):
+    """``n`` batches of the trainer's dataset from epochs ``first_epoch``, ``first_epoch + 1`` ... (reproducible from
+    the dataset's seed and the epoch; the trainer sets its own epoch again at the start of every round)."""
+    got, epoch = 0, int(first_epoch)
+    while got < n:
+        for batch in tr.dataset.batches(tr.volumes_per_batch, epoch):
+            yield batch
+            got += 1
+            if got == n:
+                return
+        epoch += 1
+
+
+def _staleness_draws(tr: FCLLocalTrainer, epoch: int, seed: int, query_batches: int):
+    """A training-mode copy of the trainer's networks, the measurement's generator and its batches: enough to fill
+    a bank, then ``query_batches``."""
+    n_bank = -(-tr.bank.capacity // (tr.volumes_per_batch * tr.dataset.n_partitions))
+    return (copy.deepcopy(tr.model).train(), torch.Generator().manual_seed(int(seed)),
+            _draws(tr, epoch, n_bank + int(query_batches)))
+
+
+@torch.no_grad()
+def fresh_bank(tr: FCLLocalTrainer, model: torch.nn.Module, batches, g: torch.Generator) -> torch.Tensor:
+    """A bank of the trainer's size ``[K, D]`` whose every row ``model``'s momentum network encodes now (one
+    augmented view per slice, as a training step enqueues), from the next batches of ``batches``."""
+    n_rows = tr.bank.capacity
+    feats: list[torch.Tensor] = []
+    while sum(len(f) for f in feats) < n_rows:
+        x, _ = next(batches)
+        x = x.reshape(-1, *x.shape[2:]).to(tr.device)
+        feats.append(model.momentum(tr.augment(x, g)).float().cpu())
+    return torch.cat(feats)[-n_rows:]
+
+
+@torch.no_grad()
+def bank_staleness(tr: FCLLocalTrainer, epoch: int, seed: int, query_batches: int = 8) -> dict:
+    """The same queries scored against two banks: the trainer's own (features written by the networks of earlier
+    steps: what the logged loss reads) and a fresh one of the same size, every row encoded now by the current
+    momentum network.  Both with FCL's local term (partition positives across volume pairs, the whole bank as
+    negatives), networks in training mode as in a step, on deep copies (the trainer, its bank, its generator and its
+    BatchNorm statistics untouched); batches from ``epoch`` on, augmentations from a generator of ``seed``.
+    Returns ``stale_bank_local`` and ``fresh_bank_local``: fresh minus stale > 0 means the stale bank made the
+    negatives easier."""
+    s = tr.settings
+    model, g, batches = _staleness_draws(tr, epoch, seed, query_batches)
+    fresh = fresh_bank(tr, model, batches, g).to(tr.device)
+    stale = tr.bank.features.to(tr.device)
+    losses: dict[str, list[float]] = {"stale_bank_local": [], "fresh_bank_local": []}
+    for x, part in batches:
+        v, n_part = int(x.shape[0]), int(x.shape[1])
+        x = x.reshape(v * n_part, *x.shape[2:]).to(tr.device)
+        q = model.main(tr.augment(x, g)).float()
+        pos = paired_local_positives(model.momentum(tr.augment(x, g)).float(), v, n_part)
+        for name, bank in (("stale_bank_local", stale), ("fresh_bank_local", fresh)):
+            losses[name].append(float(contrastive_term(q, pos, bank, s.tau).mean()))
+    return {name: float(np.mean(vals)) for name, vals in losses.items()}
+
+
 def loss_trace(out: str, *, seed: int = 0, multiplier: int = 1, structural_matching: bool = True,
-               size: str = "bench", probe_slices: int = 400, device: str = "cpu",
+               size: str = "bench", probe_slices: int = 400, fresh_bank: bool = True, device: str = "cpu",
                say: Callable[[str], None] = print) -> dict:
     """Why FCL's logged local loss rises as the learning rate decays: the centralised arm's pre-training
     (:func:`pretrain_central`, the same data, settings and numbers as ``central x<multiplier>``), and after every
     round the bank-free InfoNCE of two fixed augmented views of ``probe_slices`` pooled slices
     (:func:`fixed_view_discrimination`).  The logged loss scores each query against the bank, features made by
-    earlier networks; the fixed-view loss scores the network as it is.  Writes
+    earlier networks; the fixed-view loss scores the network as it is.  With ``fresh_bank`` also
+    :func:`bank_staleness` after every round (the same queries against the trainer's bank and a bank encoded
+    now; doubles the time).  Writes
     ``out/loss_trace_{gsm|nogsm}_x{m}_seed{s}.json`` and ``.png``; returns the record."""
     if size not in CONTROL_SIZES:
         raise ValueError(f"size={size!r}: use one of {sorted(CONTROL_SIZES)}")
@@ -258,7 +323,10 @@ def loss_trace(out: str, *, seed: int = 0, multiplier: int = 1, structural_match
     tau = float(cfg["pretrain"].get("tau", s0.tau))
 
     def measure(tr: FCLLocalTrainer, r: int) -> dict:
-        return fixed_view_discrimination(tr.model.main, view1, view2, groups, tau)
+        out = fixed_view_discrimination(tr.model.main, view1, view2, groups, tau)
+        if fresh_bank:
+            out.update(bank_staleness(tr, epoch=_TRACE_EPOCH + 1000 * r, seed=derived_seed(int(seed), f"bank{r}")))
+        return out
 
     rounds = int(multiplier) * int(cfg["rounds"])
     _, rec = pretrain_central(site_volumes, cfg, seed, rounds, base_spr, device, say,
@@ -273,6 +341,10 @@ def loss_trace(out: str, *, seed: int = 0, multiplier: int = 1, structural_match
         f"{rec['lr_end'][low]:.2g}), last {rec['loss_local'][-1]:.3f} (chance {rec['chance_local'][-1]:.3f}); "
         f"fixed-view InfoNCE: round {low + 1} {rec['fixed_infonce'][low]:.3f}, last {rec['fixed_infonce'][-1]:.3f} "
         f"(chance {rec['fixed_chance'][-1]:.3f})")
+    if fresh_bank:
+        gap = [f - st for f, st in zip(rec["fresh_bank_local"], rec["stale_bank_local"])]
+        say(f"the same queries, a bank encoded now minus the trainer's bank: round 1 {gap[0]:+.3f}, round {low + 1} "
+            f"{gap[low]:+.3f}, last {gap[-1]:+.3f}")
     return rec
 
 

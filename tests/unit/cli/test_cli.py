@@ -273,3 +273,5 @@ def test_bench_loss_trace_hands_its_settings_on(monkeypatch):
                  "--no-structural-matching"]) == 0
     assert seen["out"] == "t" and seen["seed"] == 2 and seen["multiplier"] == 4
     assert seen["structural_matching"] is False and seen["size"] == "bench" and seen["probe_slices"] == 400
+    assert seen["fresh_bank"] is True
+    assert main(["bench", "loss-trace", "--out", "t", "--no-fresh-bank"]) == 0 and seen["fresh_bank"] is False

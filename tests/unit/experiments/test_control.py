@@ -369,6 +369,7 @@ def test_loss_trace_is_the_central_arm_with_a_measure_that_does_not_touch_it(run
     assert rec["loss_local"] == central["loss_local"] and rec["loss"] == central["loss"]
     assert len(rec["fixed_infonce"]) == len(rec["lr_end"]) == len(rec["bank_fill"]) == rounds
     assert rec["probe_slices"] == 12 and 0 < rec["bank_fill"][0] <= rec["bank_fill"][-1] <= 1
+    assert len(rec["fresh_bank_local"]) == len(rec["stale_bank_local"]) == rounds
     assert all(math.isfinite(v) for v in rec["fixed_infonce"])
     assert rec["lr_end"][-1] < rec["lr_end"][0]
     assert os.path.isfile(os.path.join(out, "loss_trace_gsm_x1_seed0.json"))
@@ -385,3 +386,33 @@ def test_the_lowest_logged_loss_is_taken_once_the_bank_is_full():
     rec = {"loss_local": [4.0, 5.5, 5.0, 5.2, 6.0], "bank_fill": [0.4, 0.8, 1.0, 1.0, 1.0]}
     assert control.lowest_full_bank_round(rec) == 2
     assert control.lowest_full_bank_round({"loss_local": [4.0, 5.0], "bank_fill": [0.2, 0.4]}) == 1
+
+
+def _pooled_trainer(out):
+    from fedssl.experiments.evidence import fcl_settings
+
+    vols = control.load_or_write_data(os.path.join(out, "data", "acdc"), control.TINY, lambda m: None)
+    pooled = [v for site in sorted(vols) for v in vols[site]]
+    s = fcl_settings({"pretrain": dict(control.TINY["pretrain"], feature_exchange=False)}, 0, "cpu")
+    tr = control.FCLLocalTrainer(pooled, s, num_rounds=2, device="cpu", site="pooled")
+    tr.train_round(0)
+    return tr
+
+
+def test_bank_staleness_scores_the_same_queries_against_the_trainers_bank_and_a_fresh_one(run):
+    """Give the trainer the very bank the measurement encodes: both losses are then equal to the last digit (the
+    same queries, only the bank differs); with the trainer's own bank they differ.  The trainer is untouched."""
+    out, _ = run
+    tr = _pooled_trainer(out)
+    before = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    bank, gen = tr.bank.features.clone(), tr.generator.get_state().clone()
+    own = control.bank_staleness(tr, epoch=77, seed=5, query_batches=2)
+    assert own["stale_bank_local"] != own["fresh_bank_local"]
+    assert all(torch.equal(v, tr.model.state_dict()[k]) for k, v in before.items())  # BatchNorm buffers too
+    assert torch.equal(tr.bank.features, bank) and torch.equal(tr.generator.get_state(), gen)
+    model, g, batches = control._staleness_draws(tr, 77, 5, 2)
+    fresh = control.fresh_bank(tr, model, batches, g)
+    assert fresh.shape == bank.shape
+    tr.bank.features = fresh.clone()
+    same = control.bank_staleness(tr, epoch=77, seed=5, query_batches=2)
+    assert same["stale_bank_local"] == same["fresh_bank_local"] == own["fresh_bank_local"]

@@ -369,6 +369,8 @@ def plot_loss_trace(rec: dict, path: str) -> str:
                  f"{'with' if rec['structural_matching'] else 'without'} structural matching", fontsize=9)
     rounds = range(1, len(rec["loss_local"]) + 1)
     ax.plot(rounds, rec["loss_local"], color="#3b75af", label="logged local loss (bank negatives)")
+    if "fresh_bank_local" in rec:
+        ax.plot(rounds, rec["fresh_bank_local"], color="#3a8f4b", label="local loss, a bank encoded now")
     ax.plot(rounds, rec["fixed_infonce"], color="#c4622d", label="fixed-view InfoNCE (no bank)")
     ax.axhline(rec["chance_local"][-1], color="#3b75af", linestyle=":", linewidth=1, label="chance, ln(K+1)")
     ax.axhline(rec["fixed_chance"][-1], color="#c4622d", linestyle=":", linewidth=1, label="chance, fixed views")
@@ -378,7 +380,7 @@ def plot_loss_trace(rec: dict, path: str) -> str:
     twin = ax.twinx()
     twin.plot(rounds, rec["lr_end"], color="grey", linestyle="--", linewidth=1)
     twin.set_ylabel("learning rate (dashed)")
-    ax.legend(fontsize=8, loc="lower left")
+    ax.legend(fontsize=7, loc="lower left")
     try:
         fig.savefig(path, dpi=110, bbox_inches="tight")
     finally:

@@ -558,20 +558,20 @@ def merge_controls(out: str, sources: Sequence[str], *, say: Callable[[str], Non
     if not sources:
         raise ValueError("merge: give at least one control folder to merge")
     path = os.path.join(out, "control.json")
-    merged: dict | None = None
-    first, origin = out, {}
+    results = []
     for src in ([out] if os.path.isfile(path) else []) + list(sources):
         src_path = os.path.join(src, "control.json")
         if not os.path.isfile(src_path):
             raise ValueError(f"merge: {src_path} does not exist; give folders written by `fedssl bench control`")
         with open(src_path, encoding="utf-8") as f:
-            result = json.load(f)
-        if merged is None:
-            merged = dict(result, cells={})
-            first = src
-        elif result.get("settings") != merged.get("settings"):
-            raise ValueError(f"merge: {src_path} was written with other settings ({result.get('settings')}) than "
-                             f"{first} ({merged.get('settings')}); merge only runs of the same size and folds")
+            results.append((src, json.load(f)))
+    first, base = results[0]
+    merged, origin = dict(base, cells={}), {}
+    for src, result in results:
+        if result.get("settings") != base.get("settings"):
+            raise ValueError(f"merge: {os.path.join(src, 'control.json')} was written with other settings "
+                             f"({result.get('settings')}) than {first} ({base.get('settings')}); merge only runs "
+                             "of the same size and folds")
         for key, cell in result.get("cells", {}).items():
             have = merged["cells"].get(key)
             if have is None or (cell.get("done") and not have.get("done")):
@@ -584,7 +584,6 @@ def merge_controls(out: str, sources: Sequence[str], *, say: Callable[[str], Non
             if not os.path.isfile(dst):
                 os.makedirs(os.path.dirname(dst), exist_ok=True)
                 shutil.copy2(os.path.join(encoders, enc), dst)
-    assert merged is not None
     merged["rows"] = [r for c in merged["cells"].values() for r in c.get("rows", [])]
     merged["merged_from"] = sorted({os.path.basename(os.path.normpath(s)) for s in sources})
     os.makedirs(out, exist_ok=True)

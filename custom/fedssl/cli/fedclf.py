@@ -126,15 +126,19 @@ def _control_args(s) -> None:
                                                       "rounds, and the synthetic data's size")
     s.add_argument("--multipliers", nargs="+", type=COUNT, default=[1, 4, 16],
                    help="pre-training steps in multiples of the largest device's steps in the table (bench: 300)")
+    s.add_argument("--federated-multipliers", nargs="*", type=COUNT, default=[],
+                   help="FedMoCo federated over the ten devices in process (the job's FedAvg by image count, each "
+                        "device's own bank) for these multiples of the table's rounds (bench: 30); none by default")
     s.add_argument("--seeds", nargs="+", type=SEED, default=[0, 1, 2])
+    s.add_argument("--workers", type=COUNT, default=1, help="processes computing cells, the costliest first")
     add_threads_argument(s)
 
 
 def _control(a) -> None:
     from fedssl.experiments.fedclf_control import run_control
 
-    run_control(a.out, profile=a.profile, multipliers=a.multipliers, seeds=a.seeds, threads=a.threads,
-                say=lambda m: print(m, flush=True))
+    run_control(a.out, profile=a.profile, multipliers=a.multipliers, federated_multipliers=a.federated_multipliers,
+                seeds=a.seeds, threads=a.threads, workers=a.workers, say=lambda m: print(m, flush=True))
 
 
 VERBS = (

@@ -1,5 +1,6 @@
-"""FedMoCo's pooled control (fedssl.experiments.fedclf_control): the settings it takes from the job, its step
-count, its probe and its summary, with hand-computed values, and one tiny end-to-end run that resumes."""
+"""FedMoCo's control (fedssl.experiments.fedclf_control): the settings it takes from the job, its step count, its
+in-process federation, its probe and its summary, with hand-computed values, and one tiny end-to-end run of both
+arms that resumes."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 import pytest
 import torch
 
+from fedssl.core.trainer import RoundStats
 from fedssl.experiments import fedclf_control as fc
 from fedssl.models.resnet import PretrainingResNet
 
@@ -55,7 +57,7 @@ def test_probe_scores_balanced_accuracy_the_mean_recall_over_the_classes_present
 
 def _cell(arm, m, seed, probe, loss=None, chance=None, failed=False):
     c = {"arm": arm, "multiplier": m, "seed": seed, "probe": {"balanced_accuracy": probe}}
-    if arm == "moco":
+    if arm != "random":
         c |= {"steps": 300 * m, "rounds": [{"loss": loss, "chance_loss": chance}],
               "health": {"failed": failed, "reasons": ["x"] if failed else []}}
     return c
@@ -100,8 +102,16 @@ def test_probe_leaves_the_encoder_as_it_was(monkeypatch):
 def test_tiny_run_writes_every_cell_and_resumes_without_training(tmp_path, monkeypatch):
     out = tmp_path / "ctl"
     said = []
-    report = fc.run_control(str(out), profile="quick", multipliers=[1], seeds=[0], n_isic=40, say=said.append)
-    assert [(c["arm"], c["multiplier"]) for c in report["cells"]] == [("random", 0), ("moco", 1)]
+    report = fc.run_control(str(out), profile="quick", multipliers=[1], federated_multipliers=[1], seeds=[0],
+                            n_isic=40, say=said.append)
+    assert [(c["arm"], c["multiplier"]) for c in report["cells"]] == [("random", 0), ("moco", 1), ("federated", 1)]
+    fed = report["cells"][2]
+    # the quick profile's table pre-trains for 15 rounds (app_config/profiles/quick.json, tables.fedclf)
+    assert fed["federated_rounds"] == 15 and [r["round"] for r in fed["rounds"]] == list(range(15))
+    assert fed["steps"] == sum(r["steps"] for r in fed["rounds"]) == fed["one_x_steps"]
+    assert fed["total_steps"] > fed["steps"] and "health" in fed and 0.0 <= fed["probe"]["balanced_accuracy"] <= 1.0
+    assert [m.split(":")[0] for m in said if "federated round" in m] == ["  seed 0 federated round 10/15",
+                                                                        "  seed 0 federated round 15/15"]
     moco = report["cells"][1]
     assert moco["steps"] == sum(r["steps"] for r in moco["rounds"]) > 0
     epochs = len(moco["rounds"])  # progress: a line per pre-training epoch
@@ -112,12 +122,92 @@ def test_tiny_run_writes_every_cell_and_resumes_without_training(tmp_path, monke
     assert 0.0 <= moco["probe"]["balanced_accuracy"] <= 1.0 and moco["probe"]["n_test"] > 0
     assert report["png"] == str(out / "control.png") and (out / "control.png").stat().st_size > 0
     saved = json.loads((out / "control.json").read_text())
-    assert saved["lines"] == report["lines"] and len(saved["summary"]) == 1
+    assert saved["lines"] == report["lines"] and len(saved["summary"]) == 2
 
     def no_training(*a, **k):
         raise AssertionError("a finished cell was trained again")
 
     monkeypatch.setattr(fc, "pretrain", no_training)
+    monkeypatch.setattr(fc, "pretrain_federated", no_training)
     monkeypatch.setattr(fc, "linear_probe", no_training)
-    again = fc.run_control(str(out), profile="quick", multipliers=[1], seeds=[0], n_isic=40, say=lambda m: None)
+    again = fc.run_control(str(out), profile="quick", multipliers=[1], federated_multipliers=[1], seeds=[0],
+                           n_isic=40, say=lambda m: None)
     assert again["lines"] == report["lines"]
+
+
+def test_summary_keeps_the_arms_apart_pooled_first():
+    cells = [_cell("random", 0, 0, 0.40), _cell("random", 0, 1, 0.50),
+             _cell("federated", 1, 0, 0.38, 5.5, 5.5), _cell("federated", 1, 1, 0.46, 5.5, 5.5),
+             _cell("moco", 1, 0, 0.41, 5.0, 5.5), _cell("moco", 1, 1, 0.52, 5.0, 5.5)]
+    rows, lines = fc.summarise(cells)
+    assert [(r["arm"], r["multiplier"]) for r in rows] == [("moco", 1), ("federated", 1)]
+    assert rows[0]["by_seed"] == pytest.approx({0: 1.0, 1: 2.0})
+    assert rows[1]["by_seed"] == pytest.approx({0: -2.0, 1: -4.0})
+    assert rows[1]["minus_random"] == pytest.approx(-3.0) and rows[1]["se"] == pytest.approx(1.0)
+    assert lines[0].startswith("MoCo x1") and lines[1].startswith("FedMoCo federated x1")
+
+
+class _FakeTrainer:
+    """A device whose every round sets all its weights to ``value`` (integer buffers too) and reports a loss."""
+
+    made: list = []
+
+    def __init__(self, records, settings, *, num_rounds, site):
+        self.n, self.settings, self.num_rounds, self.site = len(records), settings, num_rounds, site
+        self.value = {"a": 1.0, "b": 4.0, "c": 9.0}[site]
+        self.loaded: list = []
+        self.state: dict = {}
+        _FakeTrainer.made.append(self)
+
+    def load_global(self, state):
+        self.loaded.append({k: v.clone() for k, v in state.items()})
+        self.state = state
+
+    def train_round(self, r):
+        return RoundStats(loss=self.value + r, steps=self.n // self.settings.batch_size, samples=self.n,
+                          metrics={"chance_loss": 2 * self.value, "feature_std": self.value / 10, "lr": 0.5 - r})
+
+    def global_state(self):
+        return {k: torch.full_like(v, self.value) for k, v in self.state.items()}
+
+
+def test_federation_averages_the_devices_by_image_count_every_round(monkeypatch):
+    """Devices a (16 images), b (48), c (8, less than a batch of 16: left out): the global model after a round is
+    (16 x 1 + 48 x 4) / 64 = 3.25 everywhere (integer buffers rounded to 3); every trainer starts a round from the
+    same global model; the round's loss is image-weighted, its steps the largest device's (48 // 16 = 3)."""
+    _FakeTrainer.made = []
+    monkeypatch.setattr(fc, "FedCLFLocalTrainer", _FakeTrainer)
+    s, _ = fc.control_settings("quick", seed=0, sets=["client.fedclf_trainer.batch_size=16"])
+    train = {"a": [None] * 16, "b": [None] * 48, "c": [None] * 8}
+    model, curve = fc.pretrain_federated(train, s, rounds=2, say=lambda m: None)
+    assert [t.site for t in _FakeTrainer.made] == ["a", "b"]
+    assert all(t.num_rounds == 2 and t.settings.federated and t.settings.queue == "none" for t in _FakeTrainer.made)
+    a, b = _FakeTrainer.made
+    assert all(torch.equal(x, y) for k in a.loaded[1] for x, y in [(a.loaded[1][k], b.loaded[1][k])])
+    for k, v in model.state_dict().items():
+        want = 3.0 if not v.dtype.is_floating_point else 3.25
+        assert torch.all(v == want), k
+        assert torch.all(a.loaded[1][k] == want), k  # round 2 starts from round 1's average
+    assert curve[0]["loss"] == pytest.approx(3.25) and curve[1]["loss"] == pytest.approx(4.25)
+    assert curve[0]["chance_loss"] == pytest.approx(6.5) and curve[0]["feature_std"] == pytest.approx(0.25)
+    assert [(c["steps"], c["total_steps"], c["lr_end"]) for c in curve] == [(3, 4, 0.5), (3, 4, -0.5)]
+
+
+def test_federation_needs_a_device_with_a_full_batch():
+    s, _ = fc.control_settings("quick", seed=0, sets=["client.fedclf_trainer.batch_size=16"])
+    with pytest.raises(ValueError, match="batch_size"):
+        fc.pretrain_federated({"a": [None] * 8}, s, rounds=1)
+
+
+def test_control_refuses_bad_arguments_by_name(tmp_path):
+    with pytest.raises(ValueError, match="federated_multipliers"):
+        fc.run_control(str(tmp_path), profile="quick", multipliers=[1], federated_multipliers=[0], seeds=[0])
+    with pytest.raises(ValueError, match="workers"):
+        fc.run_control(str(tmp_path), profile="quick", multipliers=[1], seeds=[0], workers=0)
+    with pytest.raises(ValueError, match="multiplier"):
+        fc.run_control(str(tmp_path), profile="quick", multipliers=[], seeds=[0])
+
+
+def test_costliest_cells_first():
+    keys = [{"arm": "random", "multiplier": 0}, {"arm": "moco", "multiplier": 4}, {"arm": "federated", "multiplier": 1}]
+    assert sorted(keys, key=fc._cost, reverse=True) == [keys[2], keys[1], keys[0]]

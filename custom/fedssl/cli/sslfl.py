@@ -218,6 +218,22 @@ def _settings(a) -> dict:
                                                  "layer_scale", "rel_pos_bias")})
 
 
+def _reference_args(s) -> None:
+    s.add_argument("--out", required=True, help="output folder (the table's data is written there, or reused from a "
+                                                "`fedssl sslfl tables` folder): reconstruction_reference.json")
+    s.add_argument("--profile", default="bench", help="profile of the pre-training job and of tables.sslfl")
+    s.add_argument("--splits", nargs="+", type=COUNT, choices=list(SSLFL_TABLE_SPLITS), default=[3])
+    s.add_argument("--seeds", nargs="+", type=SEED, default=None, help="data seeds (default: the profile's, 0 1 2)")
+
+
+def _reference(a) -> None:
+    from fedssl.experiments.sslfl_tables import run_reconstruction_reference, table_settings
+
+    settings = table_settings(a.profile, splits=a.splits, methods=["fedmae"], seeds=a.seeds)
+    os.makedirs(a.out, exist_ok=True)
+    run_reconstruction_reference(a.out, settings, say=lambda m: print(m, flush=True))
+
+
 def _finetune_args(s) -> None:
     s.add_argument("--data-root", required=True, help="folder with site-* folders (and test/) from `fedssl sslfl "
                                                       "partition`")
@@ -313,6 +329,8 @@ VERBS = (
                    "resumable, beside the paper's numbers", _tables_args, _tables),
     Verb("control", "pooled control of the table's Fed-MAE: all sites' labels in one bare fine-tuning loop from "
                     "scratch, the pre-trained and MAE's untrained init", _control_args, _control),
+    Verb("mae-reference", "MAE's loss without learning on the table's data: predicting the mean and harmonic "
+                          "inpainting of the masked patches from the visible pixels", _reference_args, _reference),
     Verb("finetune", "local (per-site) ViT fine-tuning: epoch chosen on validation, then test", _finetune_args,
          _finetune),
     Verb("export-encoder", "pre-training FL_global_model.pt -> encoder-only state dict", _export_args, _export),

@@ -49,9 +49,13 @@ import torch
 
 from fedssl.core.chance import infonce_chance, nt_xent_chance, uniform_chance
 from fedssl.core.fedclf import ROTATIONS
+from fedssl.core.masking import random_masking
+from fedssl.core.mim import inpainting_prediction, mae_loss
+from fedssl.core.patches import patchify
+from fedssl.core.seeds import derived_seed, site_seed
 from fedssl.core.spread import uniform_reference
 from fedssl.core.weight_scale import compare_kernels, summarise
-from fedssl.data.images import ImageDataset, ImageRecord
+from fedssl.data.images import ImageDataset, ImageRecord, batches
 from fedssl.data.volume import Volume
 from fedssl.eval.features import unet_discrimination, unet_position_knn, unet_spread, vit_spread
 from fedssl.models.unet import (ENCODER_MODULES, NORMS, BYOLUNetEncoder, ContrastiveNet, MoCoUNetEncoder,
@@ -489,6 +493,43 @@ def diagnose_vit(method: str, summary_path: str | None, encoder_state: object,
             "probe": _probe_summary(rows, random_rows, "accuracy", f"label fraction {label_fraction:g}")}
 
 
+def reconstruction_reference(site_records: Mapping[str, Sequence[ImageRecord]], *, dataset: str, image_size: int,
+                             patch_size: int, mask_ratio: float, norm_pix: bool, seed: int = 0,
+                             max_images: int = 256, batch_size: int = 64) -> dict:
+    """The MAE loss of two predictors that learn nothing, on the pre-training's own views: each site's first
+    ``max_images`` images in ``"pretrain"`` mode (its augmentation at the site's data seed, one pass) with MAE
+    random masks at ``mask_ratio`` drawn from a generator of ``seed``.  ``predict_mean``: every masked patch
+    predicted by the target's mean (with ``norm_pix`` zero: the chance level, (d - 1) / d unless patches are flat);
+    ``inpainting``: :func:`fedssl.core.mim.inpainting_prediction` (harmonic fill from the visible pixels).  A MAE
+    whose loss ends near ``inpainting`` has learnt what interpolation gives; what it gains below it is the part
+    that can carry content.  Returns the two losses (averaged over every masked patch), ``masked_patches``,
+    ``images`` and the settings."""
+    g = torch.Generator().manual_seed(derived_seed(seed, "reconstruction_reference"))
+    total = {"predict_mean": 0.0, "inpainting": 0.0}
+    masked, images = 0, 0
+    for site in sorted(site_records):
+        records = list(site_records[site])[:max_images]
+        if not records:
+            continue
+        ds = ImageDataset(records, image_size, "pretrain", dataset, site=site, seed=site_seed(seed, site))
+        for x, _ in batches(ds, batch_size, seed=site_seed(seed, site), epoch=0):
+            b, _, h, w = x.shape
+            _, mask, _ = random_masking(b, (h // patch_size) * (w // patch_size), mask_ratio, g)
+            target = patchify(x, patch_size)
+            n = int(mask.sum())
+            mean = target.mean(dim=-1, keepdim=True).expand_as(target)
+            total["predict_mean"] += float(mae_loss(torch.zeros_like(target) if norm_pix else mean, target, mask,
+                                                    norm_pix=norm_pix)) * n
+            total["inpainting"] += float(mae_loss(inpainting_prediction(x, mask, patch_size, norm_pix), target, mask,
+                                                  norm_pix=norm_pix)) * n
+            masked, images = masked + n, images + b
+    if not masked:
+        raise ValueError("reconstruction_reference: no image to measure; give at least one site with images")
+    return {**{k: v / masked for k, v in total.items()}, "masked_patches": masked, "images": images,
+            "patch_size": int(patch_size), "mask_ratio": float(mask_ratio), "norm_pix": bool(norm_pix),
+            "image_size": int(image_size)}
+
+
 # ------------------------------------------------------------------------------------------------ formatting
 
 
@@ -557,6 +598,13 @@ def _scale_text(w: Mapping[str, Any]) -> str:
             f"{w['change']:.2f}")
 
 
+def _reconstruction_text(x: Mapping[str, Any]) -> str:
+    target = "normalised pixels" if x["norm_pix"] else "pixels"
+    return (f"MAE loss references on the pre-training's views ({x['patch_size']} px patches, {x['mask_ratio']:g} "
+            f"masked, {target}, {x['images']} images): predicting each patch's mean {x['predict_mean']:.4f}, "
+            f"harmonic inpainting from the visible pixels {x['inpainting']:.4f}")
+
+
 def _probe_line(p: Mapping[str, Any]) -> str:
     return (f"frozen-encoder probe {p['metric']} ({p['setting']}, {p['n_sites']} sites): pre-trained "
             f"{p['pretrained']:.3f} +- {p['pretrained_std']:.3f} vs random {p['random']:.3f} +- {p['random_std']:.3f}")
@@ -595,6 +643,7 @@ def format_diagnostics(diags: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -
         rounds = d.get("rounds") or []
         probe = _probe_line(d["probe"]) if d.get("probe") else None
         body = [_loss_line(rounds), _when(d, "health", lambda h: f"loss health: {health_text(h)}"),
+                _when(d, "reconstruction", _reconstruction_text),
                 _bank_line(rounds), _spread_line(d),
                 _when(d, "discrimination", _discrimination_text),
                 _when(d, "position", _position_text), _when(d, "weight_scale", _scale_text), probe]

@@ -47,6 +47,7 @@ from fedssl.eval.paper_tables import SSLFL_SOURCE, sslfl_paper_rows
 from fedssl.eval.report import accuracy_verdict, paired_against
 from fedssl.experiments.diagnostics import (
     diagnose_vit,
+    reconstruction_reference,
     failed_mark,
     failed_verdict,
     failure_footer,
@@ -271,7 +272,26 @@ def diagnose_cell(key: dict, out: str, settings: dict, parts: dict, store: CellS
     label_fraction = vit.pop("label_fraction")
     d = diagnose_vit(f"{METHODS[method]['label']} (Split-{split}, seed {seed})",
                      summary if os.path.isfile(summary) else None, model, records, vit, label_fraction=label_fraction)
+    masking = reconstruction_settings(settings, method, seed)
+    if masking is not None:
+        d["reconstruction"] = reconstruction_reference(records, **masking)
     return plain_json(d)
+
+
+def reconstruction_settings(settings: dict, method: str, seed: int) -> dict | None:
+    """The pre-training's views and masking as :func:`~fedssl.experiments.diagnostics.reconstruction_reference`
+    takes them (``method``'s pre-training job's ``mim_trainer`` at the table's profile and ``seed``); None for a
+    method that does not rebuild pixels (ViT scratch, Fed-BEiT)."""
+    if not METHODS[method]["pretrain"]:
+        return None
+    files = configured_job(os.path.join(REPO_ROOT, "jobs", METHODS[method]["pretrain"]), settings["profile"],
+                           _seed_sets("pretrain", method, seed))
+    args = next(c for c in component_specs(files["app/config/config_fed_client.json"])
+                if c["id"] == "mim_trainer")["args"]
+    if args.get("method") != "mae":
+        return None
+    return {"dataset": args["dataset"], "image_size": args["image_size"], "patch_size": args["patch_size"],
+            "mask_ratio": args["mask_ratio"], "norm_pix": bool(args["norm_pix_loss"]), "seed": seed}
 
 
 def loss_health_settings(method: str, settings: dict) -> dict:
@@ -468,3 +488,26 @@ def run_sslfl_table(out: str, settings: dict, say: Callable[[str], None] = print
     with open(paths["txt"]) as f:
         say(f.read().rstrip())
     return {"rows": rows, "paths": paths, "diagnostics": diags, "wall_time_s": extra["wall_time_s"]}
+
+
+def run_reconstruction_reference(out: str, settings: dict, say: Callable[[str], None] = print) -> dict:
+    """:func:`~fedssl.experiments.diagnostics.reconstruction_reference` of Fed-MAE's pre-training on the table's own
+    data (written under ``out`` as :func:`run_sslfl_table` writes it, or reused) for every split and seed of
+    ``settings``: what predicting the mean and harmonic inpainting score on MAE's loss, without any training.
+    Writes ``out/reconstruction_reference.json`` and returns it (``rows``: split, seed and the reference)."""
+    rows = []
+    for seed in settings["seeds"]:
+        parts = prepare_data(out, settings, seed, say)
+        masking = reconstruction_settings(settings, "fedmae", seed)
+        for split in settings["splits"]:
+            records = {site: load_image_records(path, "retina", site=site)
+                       for site, path in site_folders(parts[split]).items()}
+            ref = reconstruction_reference(records, **masking)
+            rows.append({"split": split, "seed": seed, **ref})
+            say(f"Split-{split} seed {seed}: MAE loss without learning ({ref['images']} images, {ref['patch_size']} px "
+                f"patches, {ref['mask_ratio']:g} masked): predicting the mean {ref['predict_mean']:.4f}, harmonic "
+                f"inpainting {ref['inpainting']:.4f}")
+    result = {"profile": settings["profile"], "rows": rows}
+    with open(os.path.join(out, "reconstruction_reference.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return result

@@ -15,6 +15,7 @@ from fedssl.data.image_synthetic import write_synthetic_images
 from fedssl.data.images import load_image_records
 from fedssl.data.volume import Volume
 from fedssl.experiments.diagnostics import (
+    reconstruction_reference,
     _scale_text,
     diagnose_acdc,
     diagnose_vit,
@@ -156,6 +157,29 @@ def test_diagnose_vit_of_a_mae_model(tmp_path):
     assert d["rounds"] == [] and d["spread"]["reference"] == pytest.approx(1 / np.sqrt(48))
     assert d["probe"]["metric"] == "accuracy" and [r["method"] for r in d["probe"]["rows"]] == ["Fed-MAE", "scratch"]
     assert "frozen-encoder probe accuracy (label fraction 1, 1 sites)" in format_diagnostics([d])
+
+
+def test_reconstruction_reference_on_the_pretraining_views(tmp_path):
+    """12 synthetic retina images, 32 px views in 4 px patches (d = 48 values), 60 % masked.  With norm_pix, predicting
+    each patch's mean is predicting zero for a target of unit unbiased variance: (d - 1) / d = 47/48 exactly when no
+    patch is flat.  Harmonic inpainting of these smooth images does far better; the same call gives the same
+    numbers; a site list without images is refused."""
+    root = tmp_path / "retina"
+    write_synthetic_images(root, "retina", n_images=12, seed=0, image_size=40)
+    records = {"site-1": load_image_records(str(root), "retina", site="site-1")[:7],
+               "site-2": load_image_records(str(root), "retina", site="site-2")[7:]}
+    kw = dict(dataset="retina", image_size=32, patch_size=4, mask_ratio=0.6, norm_pix=True, seed=0)
+    ref = reconstruction_reference(records, **kw)
+    assert ref["images"] == 12 and ref["masked_patches"] == 12 * round(64 * 0.6)
+    assert ref["predict_mean"] == pytest.approx(47 / 48, rel=1e-4)  # less by var / (var + 1e-6), the target eps
+    assert ref["inpainting"] < 0.5 * ref["predict_mean"]
+    assert reconstruction_reference(records, **kw) == ref
+    assert reconstruction_reference(records, **{**kw, "seed": 1})["inpainting"] != ref["inpainting"]
+    text = format_diagnostics([{"method": "Fed-MAE", "reconstruction": ref}])
+    assert f"predicting each patch's mean {47 / 48:.4f}, harmonic inpainting from the visible pixels " \
+           f"{ref['inpainting']:.4f}" in text
+    with pytest.raises(ValueError, match="no image"):
+        reconstruction_reference({"site-1": []}, **kw)
 
 
 @pytest.mark.parametrize("cls", [MoCoUNetEncoder, BYOLUNetEncoder])

@@ -366,6 +366,8 @@ def test_diagnose_cell_hands_the_cells_own_pretraining_and_split_to_the_diagnost
         return {"method": label}
 
     monkeypatch.setattr(st, "diagnose_vit", fake_diagnose_vit)
+    monkeypatch.setattr(st, "reconstruction_reference", lambda records, **kw: seen.update(
+        reference_records=dict(records), masking=kw) or {"inpainting": 0.25})
     monkeypatch.setattr(st, "load_image_records", lambda path, dataset, site: [(dataset, site, path)])
     parts = {}
     for seed, split in ((0, 3), (1, 3), (1, 2)):
@@ -381,7 +383,10 @@ def test_diagnose_cell_hands_the_cells_own_pretraining_and_split_to_the_diagnost
     key = {"stage": "diagnostics", "method": "fedmae", "split": 3, "seed": 1}
     summary = os.path.join(st._workspace(str(tmp_path), {**key, "stage": "pretrain"}), "server", "simulate_job",
                            "summary.json")
-    assert st.diagnose_cell(key, str(tmp_path), settings, parts, store) == {"method": seen["label"]}
+    assert st.diagnose_cell(key, str(tmp_path), settings, parts, store) == {"method": seen["label"],
+                                                                            "reconstruction": {"inpainting": 0.25}}
+    assert seen["reference_records"] == seen["records"] and seen["masking"] == st.reconstruction_settings(
+        settings, "fedmae", 1)
     assert seen["model"] == "model_s1_split3.pt" and seen["summary"] is None  # no summary.json: no rounds
     root = parts[(1, 3)]
     assert seen["records"] == {s: [("retina", s, os.path.join(root, s))] for s in ("site-1", "site-2")}
@@ -410,3 +415,45 @@ def test_over_seeds_the_paired_difference_and_its_standard_error_by_hand():
     health = {("fedmae", 3, 1): {"failed": True}}
     assert st.seed_verdicts(s, results, health)[0].endswith(
         "-> not Fed-MAE's result: its pre-training failed at Split-3 seed 1 of 3 ([failed pre-training] below)")
+
+
+def test_the_reconstruction_reference_takes_the_pretraining_jobs_views_and_masking():
+    """Fed-MAE's pre-training job at bench: 32 px views, 4 px patches, SSL-FL's mask ratio 0.6, norm-pix targets;
+    the cell's seed; methods that rebuild no pixels have none."""
+    settings = st.table_settings("bench")
+    assert st.reconstruction_settings(settings, "fedmae", 2) == {
+        "dataset": "retina", "image_size": 32, "patch_size": 4, "mask_ratio": 0.6, "norm_pix": True, "seed": 2}
+    assert st.reconstruction_settings(settings, "fedbeit", 0) is None
+    assert st.reconstruction_settings(settings, "scratch", 0) is None
+    assert st.reconstruction_settings(st.table_settings("bench64"), "fedmae", 0)["patch_size"] == 8
+
+
+def test_cli_mae_reference_runs_the_tables_data_and_masking(tmp_path, monkeypatch):
+    from fedssl.cli import main
+
+    seen = {}
+    monkeypatch.setattr(st, "run_reconstruction_reference", lambda out, settings, say: seen.update(
+        out=out, settings=settings))
+    assert main(["sslfl", "mae-reference", "--out", str(tmp_path / "ref"), "--seeds", "1", "2"]) == 0
+    assert seen["out"] == str(tmp_path / "ref") and os.path.isdir(seen["out"])
+    s = seen["settings"]
+    assert (s["profile"], s["splits"], s["seeds"], s["methods"]) == ("bench", [3], [1, 2], ["fedmae"])
+
+
+def test_run_reconstruction_reference_measures_every_split_and_seed(tmp_path, monkeypatch):
+    parts = {0: {3: str(tmp_path / "p0")}, 1: {3: str(tmp_path / "p1")}}
+    for seed in parts:
+        for site in ("site-1", "site-2"):
+            os.makedirs(os.path.join(parts[seed][3], site))
+    monkeypatch.setattr(st, "prepare_data", lambda out, settings, seed, say: parts[seed])
+    monkeypatch.setattr(st, "load_image_records", lambda path, dataset, site: [site])
+    calls = []
+    monkeypatch.setattr(st, "reconstruction_reference", lambda records, **kw: calls.append((records, kw)) or {
+        "predict_mean": 0.98, "inpainting": 0.2 + kw["seed"], "images": 2, "patch_size": 4, "mask_ratio": 0.6})
+    said = []
+    out = st.run_reconstruction_reference(str(tmp_path), st.table_settings("bench", splits=[3], seeds=[0, 1]),
+                                          say=said.append)
+    assert [(r["split"], r["seed"], r["inpainting"]) for r in out["rows"]] == [(3, 0, 0.2), (3, 1, 1.2)]
+    assert [c[0] for c in calls] == [{"site-1": ["site-1"], "site-2": ["site-2"]}] * 2
+    assert json.load(open(tmp_path / "reconstruction_reference.json")) == out
+    assert said[0].startswith("Split-3 seed 0: MAE loss without learning") and "harmonic inpainting 0.2000" in said[0]

@@ -211,3 +211,8 @@ def test_control_refuses_bad_arguments_by_name(tmp_path):
 def test_costliest_cells_first():
     keys = [{"arm": "random", "multiplier": 0}, {"arm": "moco", "multiplier": 4}, {"arm": "federated", "multiplier": 1}]
     assert sorted(keys, key=fc._cost, reverse=True) == [keys[2], keys[1], keys[0]]
+
+
+def test_one_tick_per_multiplier_when_the_arms_steps_are_close():
+    assert fc.distinct_ticks({316, 300, 1185, 1200, 4819, 4800}) == [300, 1185, 4800]
+    assert fc.distinct_ticks([300, 331]) == [300, 331]  # more than 10 % apart: both

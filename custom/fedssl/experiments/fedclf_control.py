@@ -184,10 +184,6 @@ def pretrain_federated(train: Mapping[str, Sequence[ImageRecord]], settings: Fed
     return model, curve
 
 
-#: the control's arms: random init, MoCo on the pooled images, FedMoCo federated over the devices
-ARMS = ("random", "moco", "federated")
-
-
 def control_cell(key: Mapping, devices: str, pretrain_sets: Sequence[str], table_rounds: int | None, threads: int,
                  say: Callable[[str], None] | None = None) -> dict:
     """One cell of :func:`run_control` (a picklable function of its key, for a worker process): the seed's network,

@@ -8,8 +8,8 @@ profile (network, batch, lr, tau, momentum, K), in a bare loop without FLARE.  "
 largest device makes in the table's pre-training (rounds x its full batches per epoch: 30 x 10 = 300 at bench);
 multiplier ``m`` trains for the pooled epochs closest to ``m`` times that, with the cosine schedule over them.
 The federated arm (:func:`pretrain_federated`) runs FedMoCo itself, in process, for ``m`` times the table's
-rounds: at 1x it is the table's FedMoCo pre-training, so the two arms at the same multiplier give every image
-the same number of passes and the same steps on the largest device.
+rounds: at 1x it is the table's FedMoCo pre-training.  At the same multiplier its largest device makes about the
+pooled trainer's steps; the federation as a whole makes (and shows each image) about 7 times as many at bench.
 
 Each pre-training records its loss per epoch against chance, ln(K+1), and the feature spread, judged by the
 bundle's loss-health rule (:func:`fedssl.experiments.diagnostics.pretraining_health`).  Then a frozen-encoder

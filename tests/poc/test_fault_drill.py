@@ -43,11 +43,13 @@ def test_a_site_killed_mid_round_is_restarted_from_its_kit_and_the_rounds_comple
     sets = ["rounds.missing_sites=1", "server.scatter_and_gather.wait_time_after_min_received=5"]
     job = build_job(JOB, str(tmp_path / "job" / "fcl_acdc"), profile="quick", n_sites=SITES, sets=sets)
     e = run_scenario(job, str(tmp_path / "ws"), "kill-site", n_sites=SITES, data_root=data, timeout_s=150,
-                     settings=DrillSettings(restart_site_after_s=10))
+                     settings=DrillSettings(restart_site_after_s=10, mid_round_delay_s=0.0))
     events = [x["event"] for x in e["faults"]]
     assert events[1:] == ["site-2: SIGKILL", "site-2: restarted from its kit", "site-2: connected again"], e["faults"]
     assert e["rounds_completed"] == 2 and e["round_summaries_present"], e
-    assert e["aggregated_sites"] == [2, 1], e  # round 1 went on without the killed site
+    # round 1 went on without the killed site: it is killed as round 1 starts, before it can upload; a delay of 1 s
+    # let a fast idle machine finish site-2's round first (aggregated [2, 2] in one CI run)
+    assert e["aggregated_sites"] == [2, 1], e
     # FLARE 2.9 then ends the job FINISHED:ABNORMAL once its rounds are done ("terminal outcome unavailable from
     # site-2: missing job on client": the restarted site never ran the job again), or FINISHED:EXECUTION_EXCEPTION
     # when the site died while streaming its update ("failed to download from site-2"); the cause names the site,

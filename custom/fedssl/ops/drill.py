@@ -209,7 +209,7 @@ class _Faults(threading.Thread):
                     if pattern in f.read():
                         self.note(f"server: {pattern}")
                         return self.wait(self.s.mid_round_delay_s)  # the sites have their task
-            time.sleep(0.5)
+            time.sleep(0.1)
         return False
 
     def run(self) -> None:

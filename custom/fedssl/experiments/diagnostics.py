@@ -517,9 +517,9 @@ def reconstruction_reference(site_records: Mapping[str, Sequence[ImageRecord]], 
             _, mask, _ = random_masking(b, (h // patch_size) * (w // patch_size), mask_ratio, g)
             target = patchify(x, patch_size)
             n = int(mask.sum())
-            mean = target.mean(dim=-1, keepdim=True).expand_as(target)
-            total["predict_mean"] += float(mae_loss(torch.zeros_like(target) if norm_pix else mean, target, mask,
-                                                    norm_pix=norm_pix)) * n
+            # a normalised target's mean is zero; a raw one's is the patch's own mean
+            mean = torch.zeros_like(target) if norm_pix else target.mean(dim=-1, keepdim=True).expand_as(target)
+            total["predict_mean"] += float(mae_loss(mean, target, mask, norm_pix=norm_pix)) * n
             total["inpainting"] += float(mae_loss(inpainting_prediction(x, mask, patch_size, norm_pix), target, mask,
                                                   norm_pix=norm_pix)) * n
             masked, images = masked + n, images + b

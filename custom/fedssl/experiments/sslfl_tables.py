@@ -47,7 +47,6 @@ from fedssl.eval.paper_tables import SSLFL_SOURCE, sslfl_paper_rows
 from fedssl.eval.report import accuracy_verdict, paired_against
 from fedssl.experiments.diagnostics import (
     diagnose_vit,
-    reconstruction_reference,
     failed_mark,
     failed_verdict,
     failure_footer,
@@ -55,7 +54,9 @@ from fedssl.experiments.diagnostics import (
     format_diagnostics,
     job_health_settings,
     pretraining_health,
+    reconstruction_reference,
 )
+from fedssl.experiments.sslfl_control import component_args
 from fedssl.experiments.sslfl_demo import VARIANTS, balance_retina
 from fedssl.experiments.environment import DEFAULT_THREADS
 from fedssl.experiments.table_runner import (
@@ -284,10 +285,8 @@ def reconstruction_settings(settings: dict, method: str, seed: int) -> dict | No
     method that does not rebuild pixels (ViT scratch, Fed-BEiT)."""
     if not METHODS[method]["pretrain"]:
         return None
-    files = configured_job(os.path.join(REPO_ROOT, "jobs", METHODS[method]["pretrain"]), settings["profile"],
-                           _seed_sets("pretrain", method, seed))
-    args = next(c for c in component_specs(files["app/config/config_fed_client.json"])
-                if c["id"] == "mim_trainer")["args"]
+    args = component_args(METHODS[method]["pretrain"], settings["profile"], "mim_trainer",
+                          _seed_sets("pretrain", method, seed))
     if args.get("method") != "mae":
         return None
     return {"dataset": args["dataset"], "image_size": args["image_size"], "patch_size": args["patch_size"],

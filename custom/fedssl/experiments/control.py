@@ -62,7 +62,7 @@ from fedssl.core.fcl_loss import contrastive_term, paired_local_positives
 from fedssl.core.seeds import derived_seed
 from fedssl.data.acdc import load_site
 from fedssl.data.transforms import augment_views
-from fedssl.experiments.environment import set_threads
+from fedssl.experiments.environment import environment, environment_changes, set_threads
 from fedssl.eval.features import slice_partitions, volume_slices
 from fedssl.eval.report import paired_against
 from fedssl.experiments.evidence import (
@@ -103,6 +103,8 @@ TINY: dict = {
 
 CONTROL_SIZES = {"bench": BENCH, "tiny": TINY}
 ARMS = ("central", "federated", "federated-resend")
+#: control.json's list of the environments its cells were computed in (each cell lists its indices into it)
+ENVIRONMENTS = "environments"
 N_LABELLED = (1, 2)
 #: a budget with no end
 _NO_END = 1e9
@@ -463,6 +465,7 @@ def fcl_control(out: str, *, multipliers: Sequence[int] = (1, 4, 16), seeds: Seq
     result["device"] = device
     result.setdefault("cells", {})
     cells = result["cells"]
+    env_index = _note_environment(result, environment(), path, say)
 
     def save() -> None:
         result["rows"] = [r for c in cells.values() for r in c.get("rows", [])]
@@ -500,6 +503,9 @@ def fcl_control(out: str, *, multipliers: Sequence[int] = (1, 4, 16), seeds: Seq
         cell.setdefault("threads", [])
         if torch.get_num_threads() not in cell["threads"]:  # a cell finished by a later call may list two counts
             cell["threads"].append(torch.get_num_threads())
+        cell.setdefault(ENVIRONMENTS, [])
+        if env_index not in cell[ENVIRONMENTS]:  # indices into result["environments"], as the thread counts
+            cell[ENVIRONMENTS].append(env_index)
         say(f"== {key}")
         init: object = "random"
         if arm != "random":
@@ -543,6 +549,40 @@ def fcl_control(out: str, *, multipliers: Sequence[int] = (1, 4, 16), seeds: Seq
     return control_report(out, say=say)
 
 
+def _note_environment(result: dict, env: dict, path: str, say: Callable[[str], None]) -> int:
+    """The index of ``env`` in ``result["environments"]`` (every machine and library set the folder's cells were
+    computed in), appended when it is new; a new one beside earlier ones is said as a warning line naming what
+    differs, since its cells may differ from theirs in the last digits and more."""
+    envs = result.setdefault(ENVIRONMENTS, [])
+    if env not in envs:
+        if envs:
+            say(f"warning: {path}: this run's environment differs from the one its cells were last computed in ("
+                + environment_changes(envs[-1], env) + "); resuming, and recording it: a cell computed here may "
+                "differ from the same cell computed there")
+        envs.append(env)
+    return envs.index(env)
+
+
+def environment_lines(result: dict) -> list[str]:
+    """One warning line per pre-trained cell whose environments (``cell["environments"]``) are not its seed's
+    random-init cell's: its paired difference then mixes machines or libraries (the same random-init cell moved by
+    up to 0.005 Dice at N = 1 between machines).  Cells that record no environment are not judged."""
+    envs, cells = result.get(ENVIRONMENTS, []), result.get("cells", {})
+    lines = []
+    for cell in cells.values():
+        if cell.get("arm") == "random" or not cell.get("done") or not cell.get(ENVIRONMENTS):
+            continue
+        random = cells.get(cell_key("random", None, cell["seed"]), {})
+        mine, theirs = sorted(cell[ENVIRONMENTS]), sorted(random.get(ENVIRONMENTS) or [])
+        if theirs and mine != theirs:
+            what = ", ".join(environment_changes(envs[a], envs[b]) for a in theirs for b in mine
+                             if a != b and max(a, b) < len(envs))
+            lines.append(f"warning: {cell['method']} seed {cell['seed']} was computed in environment {mine} and its "
+                         f"random init in {theirs} ({what or 'see environments'}): its paired difference mixes them; "
+                         "compute both in one environment")
+    return lines
+
+
 def _plain(row: dict) -> dict:
     return json.loads(json.dumps(row, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
 
@@ -566,13 +606,20 @@ def merge_controls(out: str, sources: Sequence[str], *, say: Callable[[str], Non
         with open(src_path, encoding="utf-8") as f:
             results.append((src, json.load(f)))
     first, base = results[0]
-    merged, origin = dict(base, cells={}), {}
+    merged, origin = dict(base, cells={}, **{ENVIRONMENTS: []}), {}
     for src, result in results:
         if result.get("settings") != base.get("settings"):
             raise ValueError(f"merge: {os.path.join(src, 'control.json')} was written with other settings "
                              f"({result.get('settings')}) than {first} ({base.get('settings')}); merge only runs "
                              "of the same size and folds")
+        index = []  # this source's environment i is the merged one index[i]
+        for env in result.get(ENVIRONMENTS, []):
+            if env not in merged[ENVIRONMENTS]:
+                merged[ENVIRONMENTS].append(env)
+            index.append(merged[ENVIRONMENTS].index(env))
         for key, cell in result.get("cells", {}).items():
+            if cell.get(ENVIRONMENTS):
+                cell = dict(cell, **{ENVIRONMENTS: sorted({index[i] for i in cell[ENVIRONMENTS] if i < len(index)})})
             have = merged["cells"].get(key)
             if have is None or (cell.get("done") and not have.get("done")):
                 merged["cells"][key], origin[key] = cell, src
@@ -701,7 +748,7 @@ def control_report(out: str, *, say: Callable[[str], None] = print) -> dict:
         result = json.load(f)
     summary, verdicts = summarise(result)
     cost, cost_lines = exchange_cost(result)
-    verdicts = verdicts + cost_lines
+    verdicts = verdicts + cost_lines + environment_lines(result)
     result["summary"], result["verdicts"], result["exchange_cost"] = summary, verdicts, cost
     result["table"] = format_table(summary)
     pre_lines = []

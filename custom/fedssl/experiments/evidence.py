@@ -48,6 +48,7 @@ from fedssl.core.seeds import derived_seed
 from fedssl.data.acdc import load_site
 from fedssl.data.acdc_synthetic import write_synthetic_acdc
 from fedssl.eval.report import paired_against
+from fedssl.experiments.environment import environment
 from fedssl.models.unet import encoder_state_from_global
 from fedssl.train.fcl import FCLLocalTrainer, FCLSettings
 from fedssl.train.protocol import local_finetune
@@ -551,7 +552,7 @@ def run_evidence(out: str, *, size: str = "gpu", seeds: Sequence[int] = (0, 1, 2
     verdicts = [v for p in parts.values() for v in (p.get("verdicts") or [p.get("verdict")]) if v]
     summary = {"size": size, "device": device, "device_name": _device_name(device), "seeds": list(seeds),
                "budget_s": budget_s, "seconds": round(time.time() - t0, 1), "torch": torch.__version__,
-               "verdicts": verdicts, "parts": parts}
+               "environment": environment(), "verdicts": verdicts, "parts": parts}
     _write_json(os.path.join(out, "evidence.json"), summary)
     plot_evidence(summary, os.path.join(out, "evidence.png"))
     for v in verdicts:

@@ -42,10 +42,10 @@ from fedssl.core.state_dict import RunningAverage
 from fedssl.data.fedclf_devices import load_device
 from fedssl.data.images import ImageDataset, ImageRecord, batches, class_names
 from fedssl.experiments.diagnostics import CHANCE_MARGIN, pretraining_health
-from fedssl.experiments.environment import check_threads, set_threads
+from fedssl.experiments.environment import check_threads
 from fedssl.experiments.fedclf_tables import prepare_devices, table_settings
 from fedssl.experiments.sslfl_control import component_args
-from fedssl.experiments.table_runner import CellStore, key_id, run_cells
+from fedssl.experiments.table_runner import ENVIRONMENTS, CellStore, begin_run, key_id, run_cells
 from fedssl.models.resnet import PretrainingResNet
 from fedssl.train.fedclf import FedCLFLocalTrainer, FedCLFSettings
 from fedssl.train.probe import fit_logistic
@@ -227,7 +227,7 @@ def run_control(out: str, *, profile: str = "bench", multipliers: Sequence[int] 
     """Every (seed, random / pooled multiplier / federated multiplier) cell not yet in ``out/control.jsonl``, in
     ``workers`` processes (the costliest cells first); writes and returns ``out/control.json`` (settings, cells,
     :func:`summarise`'s rows and lines) and ``out/control.png``."""
-    set_threads(check_threads(threads, "fedclf control: argument threads"))
+    check_threads(threads, "fedclf control: argument threads")
     for name, values in (("multipliers", multipliers), ("federated_multipliers", federated_multipliers)):
         for m in values:
             require_int("fedclf control", name, m, 1, "use positive multiples of the table's steps, e.g. 1 4 16")
@@ -239,6 +239,9 @@ def run_control(out: str, *, profile: str = "bench", multipliers: Sequence[int] 
     s = table_settings(profile, n_isic=n_isic)
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
+    # run_config.json: the settings a resumed folder must share, and every environment its cells were computed in
+    config = begin_run(out, {"experiment": "fedclf control", "profile": profile, "n_isic": s["n_isic"]},
+                       threads=threads, say=say)
     devices = prepare_devices(out, s, say)
     store = CellStore(os.path.join(out, "control.jsonl"))
     keys = [{"stage": "control", "arm": arm, "multiplier": m, "seed": seed, "profile": profile, "n_isic": s["n_isic"]}
@@ -253,8 +256,11 @@ def run_control(out: str, *, profile: str = "bench", multipliers: Sequence[int] 
     cells = [{**k, **done[key_id(k)]} for k in keys]
     for c in cells:
         say(cell_line(c))
+    with open(os.path.join(out, "run_config.json"), encoding="utf-8") as f:
+        environments = json.load(f)[ENVIRONMENTS]
     report = {"profile": profile, "n_isic": s["n_isic"], "multipliers": list(multipliers),
-              "federated_multipliers": list(federated_multipliers), "seeds": list(seeds), "cells": cells}
+              "federated_multipliers": list(federated_multipliers), "seeds": list(seeds), "threads": config["threads"],
+              ENVIRONMENTS: environments, "cells": cells}
     report["summary"], report["lines"] = summarise(cells)
     with open(os.path.join(out, "control.json"), "w") as f:
         json.dump(report, f, indent=1)

@@ -419,3 +419,59 @@ def test_bank_staleness_scores_the_same_queries_against_the_trainers_bank_and_a_
     tr.bank.features = fresh.clone()
     same = control.bank_staleness(tr, epoch=77, seed=5, query_batches=2)
     assert same["stale_bank_local"] == same["fresh_bank_local"] == own["fresh_bank_local"]
+
+
+def test_every_cell_records_the_environment_it_was_computed_in_and_a_new_one_is_warned_and_added(run, monkeypatch,
+                                                                                                  tmp_path):
+    """Two machines gave the same random-init cell 0.314 and 0.318 Dice: each cell names where it was computed."""
+    out, _ = run
+    data = _json(out)
+    assert len(data["environments"]) == 1 and data["environments"][0]["cpu_id"]
+    assert all(c["environments"] == [0] for c in data["cells"].values())
+    # the same folder resumed on "another machine": said once, added, and the cells it computes point at it
+    folder = str(tmp_path / "resumed")
+    first = control.fcl_control(folder, multipliers=(), seeds=(0,), federated_multipliers=(), size="tiny",
+                                device="cpu", say=lambda m: None)
+    other = dict(first["environments"][0], onednn_isa="Intel AVX2")
+    monkeypatch.setattr(control, "environment", lambda: other)
+    said = []
+    again = control.fcl_control(folder, multipliers=(), seeds=(0, 1), federated_multipliers=(), size="tiny",
+                                device="cpu", say=said.append)
+    warned = [s for s in said if s.startswith("warning:")]
+    assert len(warned) == 1, said
+    assert "this run's environment differs" in warned[0] and "onednn_isa " in warned[0] and "-> Intel AVX2" in \
+        warned[0]
+    assert again["environments"] == [first["environments"][0], other]
+    assert again["cells"]["random seed 0"]["environments"] == [0]
+    assert again["cells"]["random seed 1"]["environments"] == [1]
+
+
+def test_a_paired_difference_that_mixes_environments_is_named():
+    envs = [{"cpu_id": "A", "onednn_isa": "AVX-512"}, {"cpu_id": "A", "onednn_isa": "AVX2"}]
+    cells = {"random seed 0": {"arm": "random", "seed": 0, "done": True, "environments": [0]},
+             "central x1 seed 0": {"arm": "central", "method": "central x1", "seed": 0, "done": True,
+                                   "environments": [1]},
+             "random seed 1": {"arm": "random", "seed": 1, "done": True, "environments": [1]},
+             "central x1 seed 1": {"arm": "central", "method": "central x1", "seed": 1, "done": True,
+                                   "environments": [1]},
+             "central x4 seed 1": {"arm": "central", "method": "central x4", "seed": 1, "done": True}}
+    lines = control.environment_lines({"environments": envs, "cells": cells})
+    assert lines == ["warning: central x1 seed 0 was computed in environment [1] and its random init in [0] "
+                     "(onednn_isa AVX-512 -> AVX2): its paired difference mixes them; compute both in one "
+                     "environment"]
+
+
+def test_merging_folders_of_two_machines_keeps_each_cells_environment(run, tmp_path):
+    out, _ = run
+    a, b = _split_by_seed(out, tmp_path)
+    part = json.loads(open(os.path.join(b, "control.json")).read())
+    machine_b = dict(part["environments"][0], cpu_id="B")
+    part["environments"] = [machine_b]  # seed 1's folder was computed on machine B only
+    with open(os.path.join(b, "control.json"), "w") as f:
+        json.dump(part, f)
+    merged = control.merge_controls(str(tmp_path / "all"), [a, b], say=lambda m: None)
+    data = _json(str(tmp_path / "all"))
+    assert data["environments"] == [_json(a)["environments"][0], machine_b]
+    assert {k: c["environments"] for k, c in data["cells"].items()} == \
+        {k: [0 if c["seed"] == SEEDS[0] else 1] for k, c in data["cells"].items()}
+    assert not [v for v in merged["verdicts"] if v.startswith("warning:")]  # each pair within one machine

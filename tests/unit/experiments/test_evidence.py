@@ -12,6 +12,7 @@ import torch
 
 from fedssl.core.state_dict import weighted_average
 from fedssl.experiments import evidence as ev
+from fedssl.experiments.environment import cpu_id, onednn_isa
 
 
 def test_rounds_that_fit_hand_computed():
@@ -64,6 +65,8 @@ def test_tiny_run_writes_every_row_curve_and_file(tiny_run):
     out, result = tiny_run
     assert json.load(open(out / "evidence.json")) == json.loads(json.dumps(result))
     assert (out / "evidence.png").stat().st_size > 5000
+    # where it was computed, closely enough to tell two machines apart (the CPU's id and oneDNN's instruction set)
+    assert result["environment"]["cpu_id"] == cpu_id() and result["environment"]["onednn_isa"] == onednn_isa()
     fcl = result["parts"]["fcl"]
     assert fcl["pretrain"]["rounds"] == 2 and fcl["pretrain"]["rounds_done"] == 2
     assert not fcl["pretrain"]["stopped_early"]

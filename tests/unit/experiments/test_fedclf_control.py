@@ -12,6 +12,7 @@ import torch
 
 from fedssl.core.trainer import RoundStats
 from fedssl.experiments import fedclf_control as fc
+from fedssl.experiments.environment import cpu_id
 from fedssl.models.resnet import PretrainingResNet
 
 
@@ -130,6 +131,10 @@ def test_tiny_run_writes_every_cell_and_resumes_without_training(tmp_path, monke
     assert report["png"] == str(out / "control.png") and (out / "control.png").stat().st_size > 0
     saved = json.loads((out / "control.json").read_text())
     assert saved["lines"] == report["lines"] and len(saved["summary"]) == 2
+    # where the cells were computed: run_config.json's record, which a resume in another environment warns about
+    config = json.loads((out / "run_config.json").read_text())
+    assert saved["environments"] == config["environments"] and saved["threads"] == config["threads"] == 1
+    assert [e["cpu_id"] for e in saved["environments"]] == [cpu_id()]
 
     def no_training(*a, **k):
         raise AssertionError("a finished cell was trained again")

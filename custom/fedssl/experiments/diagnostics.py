@@ -32,7 +32,12 @@ a table.
 Loss health (issue 44, H4): :func:`pretraining_health` reads a pre-training's rounds against the chance level of its
 loss (:mod:`fedssl.core.chance`, from the method's own settings: :func:`health_settings`, :func:`job_health_settings`)
 and the ``1 / sqrt(D)`` spread reference.  A pre-training whose loss never falls below chance, or ends within
-``CHANCE_MARGIN`` of it, or whose feature spread collapses, failed: the table runners mark its rows
+``CHANCE_MARGIN`` of it, or whose feature spread collapses, failed.  A loss read against a memory bank (FCL, FedMoCo,
+Local CL) can sit far below chance while the network has learnt nothing: the bank's rows are features of earlier
+networks, easy negatives while the learning rate is high (without structural matching FCL's logged loss reached
+4.70 against ln 1,025 = 6.93 while two fixed views of the network scored 5.98, their chance level).  For those the
+final network's bank-free instance discrimination (:func:`diagnose_acdc`'s ``discrimination``) must end at least
+``CHANCE_MARGIN`` below its own chance level too.  The table runners mark a failed pre-training's rows
 (:data:`FAILED_MARK`, :func:`failure_record`, :func:`failure_footer`, :func:`failed_verdict`) instead of reporting its
 numbers as the method's result.
 """
@@ -123,7 +128,8 @@ FAILED_MARK = "[failed pre-training]"
 
 
 def pretraining_health(rounds: Sequence[Mapping[str, Any]], *, chance: float | None = None,
-                       chance_what: str = "chance", dim: int | None = None, loss_key: str = "loss") -> dict:
+                       chance_what: str = "chance", dim: int | None = None, loss_key: str = "loss",
+                       bank: bool = False, discrimination: Mapping[str, Any] | None = None) -> dict:
     """Did a pre-training learn?  From its per-round records (:func:`pretraining_rounds`):
 
     * loss: ``failed`` when ``loss_key`` (FCL: ``loss_local``, the total adds the remote term) is at or above
@@ -133,7 +139,10 @@ def pretraining_health(rounds: Sequence[Mapping[str, Any]], *, chance: float | N
       ``chance_<loss_key>`` where the run recorded one (the trainer's exact count, e.g. FedCLF's negatives); no
       chance level (BYOL, ``chance`` None): not checked;
     * spread: ``failed`` when the last recorded ``feature_std`` is below ``COLLAPSE_FRACTION`` of the ``1 / sqrt(D)``
-      reference, ``D = dim`` (None: not checked).
+      reference, ``D = dim`` (None: not checked);
+    * bank-free discrimination, for a loss read against a memory bank (``bank``): ``failed`` when the final
+      network's ``discrimination`` (``loss`` and its ``chance``, :func:`_discrimination_summary`) ends less than
+      ``CHANCE_MARGIN`` below chance; a ``note`` when none was measured.
 
     Returns ``failed``, ``reasons`` (one line per failed check; ``["no rounds recorded"]`` without rounds, not a
     failure), ``notes`` (checks that did not apply) and the numbers used: ``loss_key``, ``min_loss`` and its
@@ -143,9 +152,11 @@ def pretraining_health(rounds: Sequence[Mapping[str, Any]], *, chance: float | N
         return {"failed": False, "reasons": ["no rounds recorded"], "notes": [], "loss_key": loss_key,
                 "chance": chance, "chance_what": chance_what}
     checks = [_loss_check(rounds, chance, chance_what, loss_key), _spread_check(rounds, dim)]
+    if bank:
+        checks.append(_discrimination_check(discrimination))
     reasons = [c.pop("reason") for c in checks if "reason" in c]
     notes = [c.pop("note") for c in checks if "note" in c]
-    return {"failed": bool(reasons), "reasons": reasons, "notes": notes, **checks[0], **checks[1]}
+    return {"failed": bool(reasons), "reasons": reasons, "notes": notes, **{k: v for c in checks for k, v in c.items()}}
 
 
 def _loss_check(rounds: Sequence[Mapping[str, Any]], chance: float | None, what: str, key: str) -> dict:
@@ -172,6 +183,22 @@ def _loss_check(rounds: Sequence[Mapping[str, Any]], chance: float | None, what:
         what = "chance recorded by the run" if last_level != chance else what
         out["reason"] = (f"loss ends at chance: {key} {last:.3f} (round {last_rnd}) is less than "
                          f"{CHANCE_MARGIN:.0%} below {what} = {last_level:.3f}")
+    return out
+
+
+def _discrimination_check(disc: Mapping[str, Any] | None) -> dict:
+    """The final network's bank-free instance-discrimination loss against its chance level; ``reason`` when it ends
+    less than ``CHANCE_MARGIN`` below, ``note`` when it was not measured."""
+    if not disc or not _number(disc.get("loss")) or not _number(disc.get("chance")):
+        return {"note": "the loss reads a memory bank, and no bank-free discrimination was measured: a stale bank can "
+                        "hold it below chance while the network learns nothing"}
+    loss, level = float(disc["loss"]), float(disc["chance"])
+    out = {"discrimination_loss": loss, "discrimination_chance": level,
+           "discrimination_start": float(disc["start_loss"]) if _number(disc.get("start_loss")) else None}
+    if loss > (1.0 - CHANCE_MARGIN) * level:
+        start = "" if out["discrimination_start"] is None else f", its start {out['discrimination_start']:.3f}"
+        out["reason"] = (f"the network discriminates at chance without its bank: instance discrimination "
+                         f"{loss:.3f} is less than {CHANCE_MARGIN:.0%} below its chance level {level:.3f}{start}")
     return out
 
 
@@ -208,7 +235,7 @@ def _fcl_health(a: Mapping[str, Any]) -> dict:
                 "dim": None}
     k = int(a["bank_size"])
     return {"chance": infonce_chance(k), "chance_what": f"ln(K+1), K = {k}", "loss_key": "loss_local",
-            "dim": int(a["proj_dim"])}
+            "dim": int(a["proj_dim"]), "bank": True}
 
 
 def _byol_health(a: Mapping[str, Any]) -> dict:
@@ -245,7 +272,8 @@ def _fedclf_health(a: Mapping[str, Any]) -> dict:
         return {"chance": uniform_chance(ROTATIONS), "chance_what": f"ln({ROTATIONS}) rotations", "loss_key": "loss",
                 "dim": dim}
     k = int(a["bank_size"])
-    return {"chance": infonce_chance(k), "chance_what": f"ln(K+1), K = {k}", "loss_key": "loss", "dim": dim}
+    return {"chance": infonce_chance(k), "chance_what": f"ln(K+1), K = {k}", "loss_key": "loss", "dim": dim,
+            "bank": True}
 
 
 #: pre-training trainer component id (as the jobs name it) -> its loss-health settings from its arguments
@@ -255,8 +283,9 @@ HEALTH_SETTINGS: dict[str, Callable[[Mapping[str, Any]], dict]] = {
 
 
 def health_settings(trainer: str, args: Mapping[str, Any]) -> dict:
-    """The keyword arguments of :func:`pretraining_health` (``chance``, ``chance_what``, ``loss_key``, ``dim``) for
-    the pre-training trainer component ``trainer`` (:data:`HEALTH_SETTINGS`) with its job arguments ``args``."""
+    """The keyword arguments of :func:`pretraining_health` (``chance``, ``chance_what``, ``loss_key``, ``dim``, and
+    ``bank`` where the loss reads a memory bank) for the pre-training trainer component ``trainer``
+    (:data:`HEALTH_SETTINGS`) with its job arguments ``args``."""
     if trainer not in HEALTH_SETTINGS:
         raise ValueError(f"trainer={trainer!r} has no loss-health settings; use one of {sorted(HEALTH_SETTINGS)}")
     return HEALTH_SETTINGS[trainer](args)
@@ -283,6 +312,9 @@ def health_text(h: Mapping[str, Any]) -> str:
             parts.append(f"min {h['loss_key']} {h['min_loss']:.3f} vs {h['chance_what']} = {h['chance']:.3f}")
         if h.get("collapse_below") is not None:
             parts.append(f"final spread {h['final_spread']:.4f} >= {h['collapse_below']:.4f}")
+        if h.get("discrimination_loss") is not None:
+            parts.append(f"bank-free discrimination {h['discrimination_loss']:.3f} vs chance "
+                         f"{h['discrimination_chance']:.3f}")
         head = "ok" + (f" ({'; '.join(parts)})" if parts else "")
     return head + "".join(f"; {n}" for n in h.get("notes", ()))
 

@@ -498,7 +498,8 @@ def _diagnostics(out: str, pre: dict, store: CellStore, *, data_root: str, setti
     found = [r for r in store.results() if r["key"].get("stage") == "diagnostics"]
     found.sort(key=lambda r: (ALL_METHODS.index(r["key"]["method"]), seed_of(r["key"])))
     health = {(r["key"]["method"], seed_of(r["key"])): pretraining_health(
-        r["result"].get("rounds") or [], **loss_health_settings(r["key"]["method"], profile)) for r in found}
+        r["result"].get("rounds") or [], discrimination=r["result"].get("discrimination"),
+        **loss_health_settings(r["key"]["method"], profile)) for r in found}
     diags = [dict(r["result"], health=health[(r["key"]["method"], seed_of(r["key"]))]) for r in found]
     if not diags:
         return "", health

@@ -25,6 +25,7 @@ from fedssl.experiments.diagnostics import (
     failure_record,
     format_diagnostics,
     health_settings,
+    health_text,
     job_health_settings,
     mark_lines,
     pretraining_health,
@@ -296,6 +297,31 @@ def test_a_loss_back_at_chance_at_the_end_is_a_failed_pretraining():
     assert pretraining_health(fcl_rounds([7.2, 5.0, 6.59]), **FCL_KW)["reasons"][0].startswith("loss ends at chance")
 
 
+def test_a_bank_loss_below_chance_with_a_network_at_chance_without_the_bank_is_a_failed_pretraining():
+    """FCL without structural matching: the logged loss 4.70 against ln 1,025 = 6.93 while two fixed views of the
+    network scored 5.98 against their chance 5.98.  5 % below that chance is the least that counts."""
+    rounds = fcl_rounds([6.0, 4.7], spread=[0.05, 0.05])
+    at_chance = {"loss": 5.98, "chance": 5.98, "start_loss": 5.99}
+    h = pretraining_health(rounds, bank=True, discrimination=at_chance, **FCL_KW)
+    assert h["failed"] is True
+    assert h["reasons"] == ["the network discriminates at chance without its bank: instance discrimination 5.980 is "
+                            "less than 5% below its chance level 5.980, its start 5.990"]
+    assert (h["discrimination_loss"], h["discrimination_chance"], h["discrimination_start"]) == (5.98, 5.98, 5.99)
+    # 0.95 x 5.98 = 5.681: just below passes, just above fails; the logged loss alone passes either way
+    assert pretraining_health(rounds, bank=True, discrimination=dict(at_chance, loss=5.68), **FCL_KW)["failed"] is False
+    assert pretraining_health(rounds, bank=True, discrimination=dict(at_chance, loss=5.69), **FCL_KW)["failed"] is True
+    assert pretraining_health(rounds, **FCL_KW)["failed"] is False
+    # a bank loss with nothing measured without the bank: said, not failed; no bank: not asked
+    none = pretraining_health(rounds, bank=True, **FCL_KW)
+    assert none["failed"] is False and none["notes"] == ["the loss reads a memory bank, and no bank-free "
+                                                         "discrimination was measured: a stale bank can hold it "
+                                                         "below chance while the network learns nothing"]
+    assert pretraining_health(rounds, discrimination=at_chance, **FCL_KW)["failed"] is False
+    ok = pretraining_health(rounds, bank=True, discrimination=dict(at_chance, loss=5.5), **FCL_KW)
+    assert health_text(ok) == ("ok (min loss_local 4.700 vs ln(K+1), K = 1024 = 6.932; final spread 0.0500 >= "
+                               "0.0177; bank-free discrimination 5.500 vs chance 5.980)")
+
+
 def test_a_round_recorded_chance_is_the_one_that_round_is_held_to():
     rounds = fcl_rounds([6.0, 5.0])
     for r in rounds:
@@ -359,7 +385,7 @@ def test_chance_levels_from_each_trainers_job_settings():
 
     # bench: FCL bank 1024, projection 32 (the quick profile's shape); MoCo / Local CL are the same trainer
     assert job("fcl_acdc") == {"chance": pytest.approx(LN_1025), "chance_what": "ln(K+1), K = 1024",
-                               "loss_key": "loss_local", "dim": 32}
+                               "loss_key": "loss_local", "dim": 32, "bank": True}
     assert job("fclopt_acdc")["chance"] is None and job("fclopt_acdc")["dim"] == 32
     # 4 x 4 RGB patches, norm-pix targets: (48 - 1) / 48; BEiT's 64 visual tokens; D = embed_dim 48
     mae, beit = job("sslfl_mae_retina"), job("sslfl_beit_retina")
@@ -368,8 +394,10 @@ def test_chance_levels_from_each_trainers_job_settings():
     assert job("sslfl_mae_retina", ["client.mim_trainer.norm_pix_loss=false"])["chance"] is None
     # FedCLF bench: K = 256, batch 16, projection 128
     assert job("fedclf_derm")["chance"] == pytest.approx(math.log(257)) and job("fedclf_derm")["dim"] == 128
+    assert job("fedclf_derm")["bank"] is True  # MoCo's queue: the logged loss reads a memory bank
     simclr = job("fedclf_derm", ["client.fedclf_trainer.method=simclr", "client.fedclf_trainer.queue=none"])
     assert (simclr["chance"], simclr["chance_what"]) == (pytest.approx(math.log(31)), "ln(2B-1), B = 16")
+    assert "bank" not in simclr  # in-batch negatives: nothing stale to flatter the loss
     rotation = job("fedclf_derm", ["client.fedclf_trainer.method=rotation", "client.fedclf_trainer.queue=none"])
     assert rotation["chance"] == pytest.approx(math.log(4))
     # FCL's FedRotation / FedSimCLR (the fcl_acdc job with another objective; bench batch 16 slices): the total loss

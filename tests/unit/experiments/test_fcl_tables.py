@@ -170,6 +170,30 @@ class FailingFakes(Fakes):
         return dict(d, rounds=[{"round": r, "loss": x + 2.0, "loss_local": x} for r, x in enumerate(self.LOCAL[seed])])
 
 
+class StaleBankFakes(FailingFakes):
+    """Seed 0's logged local loss dips below ln(1025) (FailingFakes), but its final network discriminates two views
+    of a slice no better than chance without the bank (5.98 against 5.98)."""
+
+    def diagnose_one(self, method, pretrained, *, data_root, settings, seed=0):
+        d = super().diagnose_one(method, pretrained, data_root=data_root, settings=settings, seed=seed)
+        return dict(d, discrimination={"tau": 0.1, "loss": 5.98, "start_loss": 5.99, "chance": 5.98, "top1": 0.01,
+                                       "start_top1": 0.01, "per_site": {}})
+
+
+def test_a_network_at_chance_without_its_bank_is_marked_although_its_logged_loss_is_below(monkeypatch, tmp_path,
+                                                                                          data_root):
+    out = tmp_path / "out"
+    paths = _run(monkeypatch, StaleBankFakes(), out, data_root, n_labelled=[1], folds=[0], seeds=[0], tables=[1])
+    data = json.loads(open(paths[1]["json"]).read())
+    rows = {r["method"]: r for r in data["rows"]}
+    reason = ("the network discriminates at chance without its bank: instance discrimination 5.980 is less than 5% "
+              "below its chance level 5.980, its start 5.990")
+    assert rows["FCL"]["pretraining_reasons"] == {"seed 0": [reason]}
+    assert rows["FCL"]["mark"] == " [failed pre-training]"
+    health = json.loads((out / "diagnostics.json").read_text())[0]["health"]
+    assert health["min_loss"] == 6.5 and health["discrimination_loss"] == 5.98
+
+
 def test_a_failed_pretraining_is_marked_in_the_table_its_rows_verdict_and_paired_lines(monkeypatch, tmp_path,
                                                                                        data_root):
     out = tmp_path / "out"

@@ -565,8 +565,9 @@ def _note_environment(result: dict, env: dict, path: str, say: Callable[[str], N
 
 def environment_lines(result: dict) -> list[str]:
     """One warning line per pre-trained cell whose environments (``cell["environments"]``) are not its seed's
-    random-init cell's: its paired difference then mixes machines or libraries (the same random-init cell moved by
-    up to 0.005 Dice at N = 1 between machines).  Cells that record no environment are not judged."""
+    random-init cell's: its paired difference then mixes machines or libraries (oneDNN at AVX2 instead of AVX-512
+    moved a seed's random-init mean by up to 0.011 Dice at N = 1, one site by up to 0.075).  Cells that record no
+    environment are not judged."""
     envs, cells = result.get(ENVIRONMENTS, []), result.get("cells", {})
     lines = []
     for cell in cells.values():
